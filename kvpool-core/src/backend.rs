@@ -1,0 +1,153 @@
+//! `StorageBackend`: the async, batch-first interface the storage manager drives, and its values.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+
+use crate::chunk_format::ChunkMeta;
+use crate::error::{BackendError, PoolError};
+use crate::key::CacheKey;
+use crate::memory_pool::{MemoryObj, MemoryObjMut, MemoryPool};
+
+/// One stored chunk: its metadata and its decoded KV bytes (layer-major, see [`crate::KvLayout`]).
+#[derive(Debug, Clone)]
+pub struct Chunk {
+    /// What the bytes are.
+    pub meta: ChunkMeta,
+    /// The bytes (shared; cloning is cheap).
+    pub data: MemoryObj,
+}
+
+/// What a `put` did with the entries it was given.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PutOutcome {
+    /// Entries now stored.
+    pub stored: usize,
+    /// Entries skipped (no space, too large); the tier stays consistent.
+    pub skipped: usize,
+}
+
+/// A snapshot of a backend's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Entries held (when the backend knows).
+    pub entries: u64,
+    /// Bytes held (when the backend knows).
+    pub bytes: u64,
+    /// Byte capacity, for bounded tiers.
+    pub capacity_bytes: Option<u64>,
+    /// Keys found by `get`.
+    pub hits: u64,
+    /// Keys not found (or rejected) by `get`.
+    pub misses: u64,
+    /// Entries written.
+    pub puts: u64,
+    /// Entries not written for lack of space.
+    pub skipped_puts: u64,
+    /// Entries evicted to make room.
+    pub evictions: u64,
+    /// Values that failed validation (checksum, layout, size) and were dropped.
+    pub corrupt: u64,
+    /// Bytes returned by `get`.
+    pub bytes_read: u64,
+    /// Bytes accepted by `put`.
+    pub bytes_written: u64,
+}
+
+/// Lock-free counters behind [`BackendStats`], for backend implementations.
+#[derive(Debug, Default)]
+pub struct BackendCounters {
+    /// See [`BackendStats::hits`].
+    pub hits: AtomicU64,
+    /// See [`BackendStats::misses`].
+    pub misses: AtomicU64,
+    /// See [`BackendStats::puts`].
+    pub puts: AtomicU64,
+    /// See [`BackendStats::skipped_puts`].
+    pub skipped_puts: AtomicU64,
+    /// See [`BackendStats::evictions`].
+    pub evictions: AtomicU64,
+    /// See [`BackendStats::corrupt`].
+    pub corrupt: AtomicU64,
+    /// See [`BackendStats::bytes_read`].
+    pub bytes_read: AtomicU64,
+    /// See [`BackendStats::bytes_written`].
+    pub bytes_written: AtomicU64,
+}
+
+impl BackendCounters {
+    /// Adds `n` to a counter.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Fills the counter fields of a [`BackendStats`].
+    pub fn snapshot(&self, entries: u64, bytes: u64, capacity_bytes: Option<u64>) -> BackendStats {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        BackendStats {
+            entries,
+            bytes,
+            capacity_bytes,
+            hits: l(&self.hits),
+            misses: l(&self.misses),
+            puts: l(&self.puts),
+            skipped_puts: l(&self.skipped_puts),
+            evictions: l(&self.evictions),
+            corrupt: l(&self.corrupt),
+            bytes_read: l(&self.bytes_read),
+            bytes_written: l(&self.bytes_written),
+        }
+    }
+}
+
+/// A storage tier. Async and batch-first: one call per batch of keys, results in key order.
+///
+/// Best effort is the contract: a key a backend cannot serve is `false`/`None`, never wrong
+/// bytes. Errors are for the tier as a whole (unreachable, closed); the storage manager turns
+/// them into misses.
+#[async_trait]
+pub trait StorageBackend: Send + Sync + 'static {
+    /// Short name for logs and metrics ("cpu", "disk", "redis").
+    fn name(&self) -> &str;
+    /// Which keys are present.
+    async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError>;
+    /// Loads the keys; `None` for each one that is absent or failed validation.
+    async fn get(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError>;
+    /// Stores the entries (replacing existing ones).
+    async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError>;
+    /// Removes the keys; returns how many existed.
+    async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError>;
+    /// Makes accepted writes durable/visible (no-op for memory tiers).
+    async fn flush(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Releases resources; later calls may fail with [`BackendError::Closed`].
+    async fn close(&self) -> Result<(), BackendError>;
+    /// Counters and occupancy.
+    fn stats(&self) -> BackendStats;
+}
+
+/// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).
+pub trait ChunkAllocator: Send + Sync {
+    /// A writable buffer of exactly `len` bytes, or an error the caller handles (skip).
+    fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError>;
+}
+
+/// Plain heap buffers: for setups without an L1 pool.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HeapChunkAllocator;
+
+impl ChunkAllocator for HeapChunkAllocator {
+    fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError> {
+        if len == 0 {
+            return Err(PoolError::ZeroSize);
+        }
+        Ok(MemoryObjMut::heap(len))
+    }
+}
+
+impl ChunkAllocator for MemoryPool {
+    fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError> {
+        MemoryPool::allocate(self, len)
+    }
+}

@@ -1,0 +1,484 @@
+//! The cache engine: lookup / store / retrieve of token sequences, whole or one layer at a time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tracing::warn;
+
+use crate::backend::Chunk;
+use crate::chunk_format::ChunkMeta;
+use crate::error::{ConfigError, EngineError, FormatError, TransferError};
+use crate::layout::KvLayout;
+use crate::memory_pool::MemoryObjMut;
+use crate::storage_manager::StorageManager;
+use crate::token_database::{ChunkSpan, ChunkedTokenDatabase};
+use crate::transfer::KvTransfer;
+
+/// What a store did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreReport {
+    /// Chunks written (to L1, and scheduled for lower tiers).
+    pub stored_chunks: usize,
+    /// Tokens in those chunks.
+    pub stored_tokens: usize,
+    /// Chunks skipped because a tier already had them.
+    pub already_present: usize,
+    /// Chunks not stored for lack of memory (they and every later chunk).
+    pub skipped_no_space: usize,
+}
+
+/// Counters of the engine, in tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// `lookup` calls.
+    pub lookups: u64,
+    /// Tokens asked about in `lookup`.
+    pub lookup_tokens: u64,
+    /// Tokens `lookup` reported as hits.
+    pub lookup_hit_tokens: u64,
+    /// Tokens asked for in `retrieve` (excluding the masked prefix).
+    pub retrieve_tokens: u64,
+    /// Tokens actually loaded by `retrieve`.
+    pub retrieve_hit_tokens: u64,
+    /// Tokens stored.
+    pub stored_tokens: u64,
+    /// Chunks rejected at retrieve for a layout or size mismatch.
+    pub rejected_chunks: u64,
+}
+
+#[derive(Debug, Default)]
+struct EngineCounters {
+    lookups: AtomicU64,
+    lookup_tokens: AtomicU64,
+    lookup_hit_tokens: AtomicU64,
+    retrieve_tokens: AtomicU64,
+    retrieve_hit_tokens: AtomicU64,
+    stored_tokens: AtomicU64,
+    rejected_chunks: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The KV cache engine for one model / rank / layout.
+///
+/// ```no_run
+/// # async fn demo(engine: kvpool_core::CacheEngine, kv: &mut kvpool_core::HostPagedKvCache) {
+/// let tokens: Vec<u32> = (0..1024).collect();
+/// let slots: Vec<i64> = (0..1024).collect();
+/// engine.store(&tokens, None, kv, &slots).await.unwrap();
+/// let hit = engine.lookup(&tokens).await.unwrap();
+/// let loaded = engine.retrieve(&tokens, None, kv, &slots).await.unwrap();
+/// assert_eq!(loaded.iter().filter(|b| **b).count(), hit);
+/// # }
+/// ```
+pub struct CacheEngine {
+    layout: KvLayout,
+    fingerprint: u64,
+    db: ChunkedTokenDatabase,
+    manager: Arc<StorageManager>,
+    counters: EngineCounters,
+}
+
+impl std::fmt::Debug for CacheEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheEngine")
+            .field("layout", &self.layout)
+            .field("chunk_size", &self.db.chunk_size())
+            .field("manager", &self.manager)
+            .finish()
+    }
+}
+
+impl CacheEngine {
+    /// An engine over `manager`; the database's key scope must carry `layout`'s fingerprint.
+    pub fn new(
+        layout: KvLayout,
+        db: ChunkedTokenDatabase,
+        manager: Arc<StorageManager>,
+    ) -> Result<Self, ConfigError> {
+        layout.validate()?;
+        let fingerprint = layout.fingerprint();
+        if db.scope().layout_fingerprint != fingerprint {
+            return Err(ConfigError::Invalid {
+                field: "layout",
+                reason: format!(
+                    "key scope fingerprint {:016x} differs from the layout's {fingerprint:016x}",
+                    db.scope().layout_fingerprint
+                ),
+            });
+        }
+        Ok(CacheEngine {
+            layout,
+            fingerprint,
+            db,
+            manager,
+            counters: EngineCounters::default(),
+        })
+    }
+
+    /// The KV layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The token database (chunking and keys).
+    pub fn token_database(&self) -> &ChunkedTokenDatabase {
+        &self.db
+    }
+
+    /// The storage manager.
+    pub fn storage(&self) -> &Arc<StorageManager> {
+        &self.manager
+    }
+
+    /// Engine counters.
+    pub fn stats(&self) -> EngineStats {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let c = &self.counters;
+        EngineStats {
+            lookups: l(&c.lookups),
+            lookup_tokens: l(&c.lookup_tokens),
+            lookup_hit_tokens: l(&c.lookup_hit_tokens),
+            retrieve_tokens: l(&c.retrieve_tokens),
+            retrieve_hit_tokens: l(&c.retrieve_hit_tokens),
+            stored_tokens: l(&c.stored_tokens),
+            rejected_chunks: l(&c.rejected_chunks),
+        }
+    }
+
+    /// How many leading tokens of `tokens` can be loaded (a multiple of the chunk size, or the
+    /// full length when the partial chunk is stored).
+    pub async fn lookup(&self, tokens: &[u32]) -> Result<usize, EngineError> {
+        let spans = self.db.process_tokens(tokens, None)?;
+        let hit = self.lookup_spans(&spans).await;
+        add(&self.counters.lookups, 1);
+        add(&self.counters.lookup_tokens, tokens.len() as u64);
+        add(&self.counters.lookup_hit_tokens, hit as u64);
+        Ok(hit)
+    }
+
+    /// [`CacheEngine::lookup`] over precomputed spans (e.g. from engine block hashes).
+    pub async fn lookup_spans(&self, spans: &[ChunkSpan]) -> usize {
+        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
+        let found = self.manager.lookup(&keys).await;
+        found.len().checked_sub(1).map_or(0, |last| spans[last].end)
+    }
+
+    fn check_transfer(&self, kv: &dyn KvTransfer) -> Result<(), EngineError> {
+        if kv.layout().fingerprint() != self.fingerprint {
+            return Err(EngineError::Usage(format!(
+                "transfer layout {:?} does not match the engine layout {:?}",
+                kv.layout(),
+                self.layout
+            )));
+        }
+        Ok(())
+    }
+
+    /// Stores the KV of `tokens` (read from `kv` at `slot_mapping`, one slot per token).
+    ///
+    /// `mask` marks with `false` a leading run of tokens the caller does not need stored;
+    /// chunks entirely inside it are skipped. Chunks already present are skipped. When memory
+    /// runs out, the remaining chunks are skipped (and reported), never blocked on.
+    pub async fn store(
+        &self,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+        kv: &dyn KvTransfer,
+        slot_mapping: &[i64],
+    ) -> Result<StoreReport, EngineError> {
+        self.check_transfer(kv)?;
+        let spans = self.db.process_tokens(tokens, mask)?;
+        let mut store = self.begin_store_spans(spans, tokens.len(), slot_mapping).await?;
+        for layer in 0..self.layout.num_layers {
+            store.save_layer(layer, kv)?;
+        }
+        store.finish().await
+    }
+
+    /// Starts a layer-wise store: call [`LayerwiseStore::save_layer`] for layers 0, 1, … in
+    /// order (e.g. as each layer's forward pass completes), then [`LayerwiseStore::finish`].
+    pub async fn begin_store_layerwise(
+        &self,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+        slot_mapping: &[i64],
+    ) -> Result<LayerwiseStore<'_>, EngineError> {
+        let spans = self.db.process_tokens(tokens, mask)?;
+        self.begin_store_spans(spans, tokens.len(), slot_mapping).await
+    }
+
+    /// Layer-wise store over precomputed spans (`slot_mapping` covers `num_tokens` tokens).
+    pub async fn begin_store_spans(
+        &self,
+        spans: Vec<ChunkSpan>,
+        num_tokens: usize,
+        slot_mapping: &[i64],
+    ) -> Result<LayerwiseStore<'_>, EngineError> {
+        if slot_mapping.len() != num_tokens {
+            return Err(TransferError::SlotMappingLength {
+                slots: slot_mapping.len(),
+                tokens: num_tokens,
+            }
+            .into());
+        }
+        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
+        let present = self.manager.lookup(&keys).await.len();
+        let mut report = StoreReport {
+            already_present: present,
+            ..Default::default()
+        };
+        let mut buffers = Vec::with_capacity(spans.len() - present);
+        for (i, span) in spans.iter().enumerate().skip(present) {
+            match self.manager.allocate(self.layout.chunk_bytes(span.len())) {
+                Ok(buf) => buffers.push((span.clone(), buf)),
+                Err(e) => {
+                    report.skipped_no_space = spans.len() - i;
+                    warn!(error = %e, skipped = report.skipped_no_space, "no memory for chunks; skipping the rest of this store");
+                    break;
+                }
+            }
+        }
+        Ok(LayerwiseStore {
+            engine: self,
+            buffers,
+            slot_mapping: slot_mapping.to_vec(),
+            next_layer: 0,
+            report,
+        })
+    }
+
+    /// Loads as many leading chunks of `tokens` as the tiers have into `kv` at `slot_mapping`.
+    ///
+    /// Returns one bool per token: `true` where KV was written. Tokens in the masked prefix
+    /// (`false` in `mask`) are never written. A chunk that is missing, unreadable or does not
+    /// match the layout ends the loaded prefix; its tokens and all later ones stay `false`.
+    pub async fn retrieve(
+        &self,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+        kv: &mut dyn KvTransfer,
+        slot_mapping: &[i64],
+    ) -> Result<Vec<bool>, EngineError> {
+        self.check_transfer(kv)?;
+        let mut plan = self.begin_retrieve_layerwise(tokens, mask, slot_mapping).await?;
+        plan.load_all(kv)?;
+        Ok(plan.into_mask())
+    }
+
+    /// Fetches chunks for a layer-wise retrieve; then call
+    /// [`LayerwiseRetrieve::load_layer`] for each layer in order.
+    pub async fn begin_retrieve_layerwise(
+        &self,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+        slot_mapping: &[i64],
+    ) -> Result<LayerwiseRetrieve, EngineError> {
+        let skip = match mask {
+            Some(m) => ChunkedTokenDatabase::masked_prefix_len(m, tokens.len())?,
+            None => 0,
+        };
+        let spans = self.db.process_tokens(tokens, mask)?;
+        self.begin_retrieve_spans(&spans, skip, tokens.len(), slot_mapping).await
+    }
+
+    /// Layer-wise retrieve over precomputed spans; tokens before `skip` are not written.
+    pub async fn begin_retrieve_spans(
+        &self,
+        spans: &[ChunkSpan],
+        skip: usize,
+        num_tokens: usize,
+        slot_mapping: &[i64],
+    ) -> Result<LayerwiseRetrieve, EngineError> {
+        if slot_mapping.len() != num_tokens {
+            return Err(TransferError::SlotMappingLength {
+                slots: slot_mapping.len(),
+                tokens: num_tokens,
+            }
+            .into());
+        }
+        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
+        let fetched = self.manager.get(&keys).await;
+        let mut loaded = Vec::with_capacity(fetched.len());
+        let mut mask = vec![false; num_tokens];
+        for (span, chunk) in spans.iter().zip(fetched) {
+            if let Err(e) = self.validate(span, &chunk) {
+                add(&self.counters.rejected_chunks, 1);
+                warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
+                self.manager.remove(std::slice::from_ref(&span.key)).await;
+                break;
+            }
+            let offset = skip.saturating_sub(span.start);
+            mask[span.start + offset..span.end].iter_mut().for_each(|m| *m = true);
+            loaded.push((span.clone(), chunk, offset));
+        }
+        let wanted = num_tokens.saturating_sub(skip);
+        let hit = mask.iter().filter(|m| **m).count();
+        add(&self.counters.retrieve_tokens, wanted as u64);
+        add(&self.counters.retrieve_hit_tokens, hit as u64);
+        metrics::counter!("kvpool_retrieve_tokens_total").increment(wanted as u64);
+        metrics::counter!("kvpool_retrieve_hit_tokens_total").increment(hit as u64);
+        Ok(LayerwiseRetrieve {
+            layers: self.layout.num_layers,
+            fingerprint: self.fingerprint,
+            chunks: loaded,
+            slot_mapping: slot_mapping.to_vec(),
+            mask,
+            next_layer: 0,
+        })
+    }
+
+    fn validate(&self, span: &ChunkSpan, chunk: &Chunk) -> Result<(), FormatError> {
+        let meta = &chunk.meta;
+        if meta.layout_fingerprint != self.fingerprint {
+            return Err(FormatError::LayoutMismatch {
+                expected: self.fingerprint,
+                found: meta.layout_fingerprint,
+            });
+        }
+        if meta.dtype != self.layout.dtype {
+            return Err(FormatError::UnknownField {
+                field: "dtype",
+                value: u64::from(meta.dtype.code()),
+            });
+        }
+        let expected = self.layout.chunk_bytes(span.len()) as u64;
+        if meta.token_count as usize != span.len() || chunk.data.len() as u64 != expected {
+            return Err(FormatError::SizeMismatch {
+                raw_len: chunk.data.len() as u64,
+                tokens: meta.token_count,
+                expected,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A store in progress, filled one layer at a time.
+pub struct LayerwiseStore<'e> {
+    engine: &'e CacheEngine,
+    buffers: Vec<(ChunkSpan, MemoryObjMut)>,
+    slot_mapping: Vec<i64>,
+    next_layer: usize,
+    report: StoreReport,
+}
+
+impl LayerwiseStore<'_> {
+    /// Chunks that will be written.
+    pub fn chunk_count(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// Copies layer `layer` of every pending chunk out of `kv`. Layers go in order, once each.
+    pub fn save_layer(&mut self, layer: usize, kv: &dyn KvTransfer) -> Result<(), EngineError> {
+        if layer != self.next_layer {
+            return Err(EngineError::Usage(format!(
+                "layer-wise store expected layer {} next, got {layer}",
+                self.next_layer
+            )));
+        }
+        self.engine.check_transfer(kv)?;
+        for (span, buf) in &mut self.buffers {
+            kv.gather_layer(layer, &self.slot_mapping[span.start..span.end], buf.as_mut_slice())?;
+        }
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Writes the filled chunks; every layer must have been saved.
+    pub async fn finish(self) -> Result<StoreReport, EngineError> {
+        let layers = self.engine.layout.num_layers;
+        if self.next_layer != layers {
+            return Err(EngineError::Usage(format!(
+                "layer-wise store finished after {} of {layers} layers; nothing was stored",
+                self.next_layer
+            )));
+        }
+        let mut report = self.report;
+        let layout = &self.engine.layout;
+        let entries: Vec<_> = self
+            .buffers
+            .into_iter()
+            .map(|(span, buf)| {
+                let chunk = Chunk {
+                    meta: ChunkMeta {
+                        layout_fingerprint: self.engine.fingerprint,
+                        dtype: layout.dtype,
+                        token_count: span.len() as u32,
+                    },
+                    data: buf.freeze(),
+                };
+                (span.key, chunk)
+            })
+            .collect();
+        let tokens: usize = entries.iter().map(|(_, c)| c.meta.token_count as usize).sum();
+        let outcome = self.engine.manager.put(entries).await?;
+        report.stored_chunks = outcome.stored;
+        report.stored_tokens = if outcome.skipped == 0 { tokens } else { 0 };
+        report.skipped_no_space += outcome.skipped;
+        add(&self.engine.counters.stored_tokens, report.stored_tokens as u64);
+        metrics::counter!("kvpool_stored_tokens_total").increment(report.stored_tokens as u64);
+        Ok(report)
+    }
+}
+
+/// Chunks fetched for a retrieve, written into the paged cache one layer at a time.
+pub struct LayerwiseRetrieve {
+    layers: usize,
+    fingerprint: u64,
+    chunks: Vec<(ChunkSpan, Chunk, usize)>,
+    slot_mapping: Vec<i64>,
+    mask: Vec<bool>,
+    next_layer: usize,
+}
+
+impl LayerwiseRetrieve {
+    /// One bool per token: `true` where KV will be (or was) written.
+    pub fn loaded_mask(&self) -> &[bool] {
+        &self.mask
+    }
+
+    /// Number of tokens that will be written.
+    pub fn loaded_tokens(&self) -> usize {
+        self.mask.iter().filter(|m| **m).count()
+    }
+
+    /// Consumes the plan, returning the loaded mask.
+    pub fn into_mask(self) -> Vec<bool> {
+        self.mask
+    }
+
+    fn check(&self, kv: &dyn KvTransfer) -> Result<(), EngineError> {
+        if kv.layout().fingerprint() != self.fingerprint {
+            return Err(EngineError::Usage("transfer layout does not match the engine layout".into()));
+        }
+        Ok(())
+    }
+
+    /// Writes layer `layer` of every fetched chunk into `kv`. Layers go in order, once each.
+    pub fn load_layer(&mut self, layer: usize, kv: &mut dyn KvTransfer) -> Result<(), EngineError> {
+        if layer != self.next_layer || layer >= self.layers {
+            return Err(EngineError::Usage(format!(
+                "layer-wise retrieve expected layer {} next, got {layer}",
+                self.next_layer
+            )));
+        }
+        self.check(kv)?;
+        for (span, chunk, offset) in &self.chunks {
+            let slots = &self.slot_mapping[span.start + offset..span.end];
+            kv.scatter_layer(layer, chunk.data.as_slice(), span.len(), *offset, slots)?;
+        }
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Writes every remaining layer.
+    pub fn load_all(&mut self, kv: &mut dyn KvTransfer) -> Result<(), EngineError> {
+        while self.next_layer < self.layers {
+            self.load_layer(self.next_layer, kv)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! Chained, seedless chunk hashes (xxh3-128 by default, SHA-256 selectable).
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use xxhash_rust::xxh3::Xxh3;
+
+/// A 128-bit chunk hash. It identifies a chunk *and every token before it*: hash_i =
+/// H(hash_{i-1} || tokens_i), starting from a fixed root.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ChunkHash(pub [u8; 16]);
+
+impl ChunkHash {
+    /// The hash as a big-endian integer (its hex form reads the same).
+    pub fn as_u128(&self) -> u128 {
+        u128::from_be_bytes(self.0)
+    }
+}
+
+impl fmt::Debug for ChunkHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ChunkHash({self})")
+    }
+}
+
+impl fmt::Display for ChunkHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.as_u128())
+    }
+}
+
+/// Which hash function chains the chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HashAlgorithm {
+    /// xxh3-128 with seed 0: fast and stable across machines. The default.
+    #[default]
+    Xxh3_128,
+    /// SHA-256 truncated to 128 bits: slower, collision resistant against adversarial input.
+    Sha256,
+}
+
+/// Domain tag for chunks hashed from token ids.
+const DOMAIN_TOKENS: u8 = 0x01;
+/// Domain tag for chunks hashed from engine block hashes.
+const DOMAIN_BLOCKS: u8 = 0x02;
+/// Bytes hashed to form the fixed root of every chain.
+const ROOT_SEED: &[u8] = b"kvpool.chunk-hash.root.v1";
+
+impl HashAlgorithm {
+    /// The fixed hash that precedes the first chunk.
+    pub fn root(self) -> ChunkHash {
+        self.hash_parts(&[ROOT_SEED])
+    }
+
+    fn hash_parts(self, parts: &[&[u8]]) -> ChunkHash {
+        match self {
+            HashAlgorithm::Xxh3_128 => {
+                let mut h = Xxh3::new();
+                for p in parts {
+                    h.update(p);
+                }
+                ChunkHash(h.digest128().to_be_bytes())
+            }
+            HashAlgorithm::Sha256 => {
+                let mut h = Sha256::new();
+                for p in parts {
+                    h.update(p);
+                }
+                let full = h.finalize();
+                let mut out = [0u8; 16];
+                out.copy_from_slice(&full[..16]);
+                ChunkHash(out)
+            }
+        }
+    }
+
+    /// hash_i = H(prev || 0x01 || tokens as little-endian u32).
+    pub fn chain_tokens(self, prev: &ChunkHash, tokens: &[u32]) -> ChunkHash {
+        #[cfg(target_endian = "little")]
+        {
+            let bytes: &[u8] = bytemuck::cast_slice(tokens);
+            self.hash_parts(&[&prev.0, &[DOMAIN_TOKENS], bytes])
+        }
+        #[cfg(target_endian = "big")]
+        {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            self.hash_parts(&[&prev.0, &[DOMAIN_TOKENS], &bytes])
+        }
+    }
+
+    /// hash_i = H(prev || 0x02 || for each block: len as u32 LE || block hash bytes).
+    pub fn chain_blocks<B: AsRef<[u8]>>(self, prev: &ChunkHash, blocks: &[B]) -> ChunkHash {
+        let mut buf = Vec::with_capacity(17 + blocks.len() * 36);
+        buf.extend_from_slice(&prev.0);
+        buf.push(DOMAIN_BLOCKS);
+        for b in blocks {
+            let b = b.as_ref();
+            buf.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            buf.extend_from_slice(b);
+        }
+        self.hash_parts(&[&buf])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Pinned values: chunk hashes are storage keys shared across processes and machines.
+    // If one of these changes, every stored chunk becomes unreachable.
+    #[test]
+    fn pinned_xxh3_chain() {
+        let algo = HashAlgorithm::Xxh3_128;
+        let root = algo.root();
+        assert_eq!(root.to_string(), PINNED_XXH3_ROOT);
+        let h1 = algo.chain_tokens(&root, &[1, 2, 3, 4]);
+        assert_eq!(h1.to_string(), PINNED_XXH3_H1);
+        let h2 = algo.chain_tokens(&h1, &[5, 6, 7, 8]);
+        assert_eq!(h2.to_string(), PINNED_XXH3_H2);
+    }
+
+    #[test]
+    fn pinned_sha256_chain() {
+        let algo = HashAlgorithm::Sha256;
+        let h1 = algo.chain_tokens(&algo.root(), &[1, 2, 3, 4]);
+        assert_eq!(h1.to_string(), PINNED_SHA_H1);
+    }
+
+    // Computed independently with Python's `xxhash` package and `hashlib`:
+    //   root = xxh3_128_digest(b"kvpool.chunk-hash.root.v1")
+    //   h1   = xxh3_128_digest(root + b"\x01" + struct.pack("<4I", 1, 2, 3, 4))
+    //   sha  = sha256(sha256(b"kvpool.chunk-hash.root.v1")[:16] + b"\x01" + tokens)[:16]
+    const PINNED_XXH3_ROOT: &str = "10b4248da3324d63541e264ac9f43631";
+    const PINNED_XXH3_H1: &str = "895d1392eb618d64049d62e3a0249520";
+    const PINNED_XXH3_H2: &str = "f009ace08f0bfa674cf696dff76a4c10";
+    const PINNED_SHA_H1: &str = "7ca0bb862c5ee49bfb565207845dc7d9";
+
+    #[test]
+    fn chain_depends_on_prefix_and_domain() {
+        let algo = HashAlgorithm::Xxh3_128;
+        let root = algo.root();
+        let a = algo.chain_tokens(&root, &[9, 9]);
+        let b = algo.chain_tokens(&a, &[9, 9]);
+        assert_ne!(a, b, "same tokens after a different prefix must hash differently");
+        let blocks = algo.chain_blocks(&root, &[[9u8, 0, 0, 0], [9, 0, 0, 0]]);
+        assert_ne!(a, blocks);
+        assert_ne!(algo.root(), HashAlgorithm::Sha256.root());
+    }
+}

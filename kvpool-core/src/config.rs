@@ -1,0 +1,364 @@
+//! The pool configuration (TOML): model scope, layout, chunking, tiers, codec, write-behind.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::chunk_format::ChunkCodec;
+use crate::error::ConfigError;
+use crate::eviction::EvictionKind;
+use crate::key::KeyScope;
+use crate::layout::{Dtype, KvKind, KvLayout};
+use crate::token_database::ChunkingConfig;
+
+/// A byte count that reads and writes as `"2GiB"`, `"512MiB"`, `"1.5GB"` or a plain integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    /// `n` gibibytes.
+    pub const fn gib(n: u64) -> Self {
+        ByteSize(n << 30)
+    }
+    /// `n` mebibytes.
+    pub const fn mib(n: u64) -> Self {
+        ByteSize(n << 20)
+    }
+    /// As `usize`.
+    pub fn as_usize(self) -> usize {
+        usize::try_from(self.0).unwrap_or(usize::MAX)
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+            if self.0 >= 1 << shift && self.0 % (1 << shift) == 0 {
+                return write!(f, "{}{unit}", self.0 >> shift);
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+impl FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let value: f64 = num
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size: use e.g. 2GiB, 512MiB or 1073741824"))?;
+        let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "k" | "kb" => 1e3,
+            "kib" => 1024.0,
+            "m" | "mb" => 1e6,
+            "mib" => 1024.0 * 1024.0,
+            "g" | "gb" => 1e9,
+            "gib" => 1024.0 * 1024.0 * 1024.0,
+            "t" | "tb" => 1e12,
+            "tib" => 1024f64.powi(4),
+            other => return Err(format!("unknown size unit `{other}` in `{s}`: use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")),
+        };
+        Ok(ByteSize((value * mult).round() as u64))
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(ByteSize(n)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Who is caching: model and parallel ranks (part of every key).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Model name.
+    pub name: String,
+    /// Tensor-parallel world size.
+    pub world_size: u32,
+    /// Tensor-parallel rank.
+    pub rank: u32,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u32,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: "default-model".into(),
+            world_size: 1,
+            rank: 0,
+            pp_rank: 0,
+        }
+    }
+}
+
+/// The KV layout as written in a config file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LayoutConfig {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// KV heads per layer on this rank.
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_size: usize,
+    /// Element type.
+    pub dtype: Dtype,
+    /// `key_value` or `mla_latent`.
+    pub kind: KvKind,
+    /// Engine page size in tokens.
+    pub block_size: usize,
+}
+
+impl Default for LayoutConfig {
+    /// A small 8-layer GQA model in bf16 (32 KiB per token; 8 MiB per 256-token chunk).
+    fn default() -> Self {
+        LayoutConfig {
+            num_layers: 8,
+            num_kv_heads: 8,
+            head_size: 128,
+            dtype: Dtype::Bf16,
+            kind: KvKind::KeyValue,
+            block_size: 16,
+        }
+    }
+}
+
+impl LayoutConfig {
+    /// The validated layout.
+    pub fn layout(&self) -> Result<KvLayout, ConfigError> {
+        Ok(KvLayout::new(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.dtype,
+            self.kind,
+            self.block_size,
+        )?)
+    }
+}
+
+/// The local CPU tier (L1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalCpuConfig {
+    /// Whether L1 is used.
+    pub enabled: bool,
+    /// Pool size; never exceeded.
+    pub max_size: ByteSize,
+    /// Eviction policy.
+    pub eviction: EvictionKind,
+}
+
+impl Default for LocalCpuConfig {
+    fn default() -> Self {
+        LocalCpuConfig {
+            enabled: true,
+            max_size: ByteSize::gib(2),
+            eviction: EvictionKind::Lru,
+        }
+    }
+}
+
+/// Write-behind to lower tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WriteBehindConfig {
+    /// Bytes in flight per lower tier before writes are dropped.
+    pub quota: ByteSize,
+    /// Whether chunks found in lower tiers are copied into L1.
+    pub promote_on_hit: bool,
+}
+
+impl Default for WriteBehindConfig {
+    fn default() -> Self {
+        WriteBehindConfig {
+            quota: ByteSize::gib(1),
+            promote_on_hit: true,
+        }
+    }
+}
+
+/// The whole pool configuration.
+///
+/// ```
+/// let cfg: kvpool_core::PoolConfig = toml::from_str(r#"
+///     [model]
+///     name = "llama-3-8b"
+///     [layout]
+///     num_layers = 32
+///     [local_cpu]
+///     max_size = "4GiB"
+///     eviction = "s3fifo"
+/// "#).unwrap();
+/// cfg.validate().unwrap();
+/// assert_eq!(cfg.local_cpu.max_size.0, 4 << 30);
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Model scope.
+    pub model: ModelConfig,
+    /// KV layout.
+    pub layout: LayoutConfig,
+    /// Chunking and hashing.
+    pub chunking: ChunkingConfig,
+    /// L1 CPU tier.
+    pub local_cpu: LocalCpuConfig,
+    /// Write-behind.
+    pub write_behind: WriteBehindConfig,
+    /// Stored chunk encoding for lower tiers.
+    pub codec: ChunkCodec,
+}
+
+impl PoolConfig {
+    /// Parses TOML and validates it.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let cfg: PoolConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads, parses and validates a TOML file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text)
+    }
+
+    /// The default configuration as commented TOML.
+    pub fn default_toml() -> String {
+        let body = toml::to_string_pretty(&PoolConfig::default()).expect("default config serialises");
+        format!(
+            "# kvpool configuration. Sizes accept B/KiB/MiB/GiB (or KB/MB/GB) or plain bytes.\n\
+             # eviction: lru | fifo | s3fifo; hash_algorithm: xxh3_128 | sha256;\n\
+             # codec.checksum: xxh3 | crc32c; codec.compression: {{ kind = \"none\" }} | {{ kind = \"zstd\", level = 3 }}\n\n{body}"
+        )
+    }
+
+    /// Bytes of one full chunk.
+    pub fn chunk_bytes(&self) -> Result<usize, ConfigError> {
+        Ok(self.layout.layout()?.chunk_bytes(self.chunking.chunk_size))
+    }
+
+    /// The key scope for this model, rank and layout.
+    pub fn key_scope(&self) -> Result<KeyScope, ConfigError> {
+        let layout = self.layout.layout()?;
+        Ok(KeyScope::new(
+            self.model.name.clone(),
+            self.model.world_size,
+            self.model.rank,
+            self.model.pp_rank,
+            layout.fingerprint(),
+        )?)
+    }
+
+    /// Checks values and their combinations, with messages that say what to change.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.key_scope()?;
+        if self.chunking.chunk_size == 0 {
+            return Err(ConfigError::Invalid {
+                field: "chunking.chunk_size",
+                reason: "must be at least 1 token (256 is typical)".into(),
+            });
+        }
+        if let crate::chunk_format::Compression::Zstd { level } = self.codec.compression
+            && !(1..=22).contains(&level)
+        {
+            return Err(ConfigError::Invalid {
+                field: "codec.compression.level",
+                reason: format!("zstd level {level} is outside 1..=22"),
+            });
+        }
+        let chunk = self.chunk_bytes()? as u64;
+        if self.local_cpu.enabled && self.local_cpu.max_size.0 < chunk {
+            return Err(ConfigError::Invalid {
+                field: "local_cpu.max_size",
+                reason: format!(
+                    "{} cannot hold one chunk of {} ({} tokens x {} bytes/token); raise it or lower chunking.chunk_size",
+                    self.local_cpu.max_size,
+                    ByteSize(chunk),
+                    self.chunking.chunk_size,
+                    self.layout.layout()?.bytes_per_token()
+                ),
+            });
+        }
+        if self.write_behind.quota.0 < chunk {
+            return Err(ConfigError::Invalid {
+                field: "write_behind.quota",
+                reason: format!(
+                    "{} is below one chunk ({}); every write-behind would be dropped",
+                    self.write_behind.quota,
+                    ByteSize(chunk)
+                ),
+            });
+        }
+        if !self.local_cpu.enabled {
+            return Err(ConfigError::Invalid {
+                field: "local_cpu.enabled",
+                reason: "no storage tier is configured: enable local_cpu (lower tiers come with the disk/redis/s3 backends)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_round_trips_through_its_toml() {
+        let text = PoolConfig::default_toml();
+        assert_eq!(PoolConfig::from_toml(&text).unwrap(), PoolConfig::default());
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!("2GiB".parse::<ByteSize>().unwrap(), ByteSize::gib(2));
+        assert_eq!("1.5 MiB".parse::<ByteSize>().unwrap(), ByteSize(1572864));
+        assert_eq!("10GB".parse::<ByteSize>().unwrap(), ByteSize(10_000_000_000));
+        assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
+        assert!("lots".parse::<ByteSize>().is_err());
+        assert!("3 parsecs".parse::<ByteSize>().is_err());
+    }
+
+    #[test]
+    fn capacity_below_one_chunk_is_a_clear_error() {
+        let mut cfg = PoolConfig::default();
+        cfg.local_cpu.max_size = ByteSize::mib(1);
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("local_cpu.max_size") && err.contains("cannot hold one chunk"), "{err}");
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_rejected() {
+        assert!(PoolConfig::from_toml("[local_cpu]\nmax_sise = 1").is_err());
+        assert!(PoolConfig::from_toml("[layout]\ndtype = \"int3\"").is_err());
+        assert!(PoolConfig::from_toml("[model]\nworld_size = 2\nrank = 2").is_err());
+        assert!(PoolConfig::from_toml("[layout]\nnum_layers = 0").is_err());
+    }
+}

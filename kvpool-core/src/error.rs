@@ -1,0 +1,327 @@
+//! Error types, one enum per concern, each message saying what went wrong and what to do.
+
+use thiserror::Error;
+
+/// A KV layout or a key could not be built or parsed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A dimension of the layout was zero.
+    #[error("invalid KV layout: `{field}` must be greater than zero")]
+    ZeroDimension {
+        /// The offending field name.
+        field: &'static str,
+    },
+    /// The dtype string is not one kvpool knows.
+    #[error("unknown dtype `{0}`: expected one of f16, bf16, f32, fp8_e4m3, fp8_e5m2")]
+    UnknownDtype(String),
+    /// The TP rank is not below the world size.
+    #[error("rank {rank} is out of range for world size {world_size}")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: u32,
+        /// The world size given.
+        world_size: u32,
+    },
+}
+
+/// A cache key string or binary form could not be parsed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum KeyParseError {
+    /// The string form did not have the expected `model@tpN@rankR@ppP@fp@hash` shape.
+    #[error("malformed cache key `{key}`: {reason} (expected `model@tp<world>@rank<r>@pp<p>@<16 hex fp>@<32 hex hash>`)")]
+    Malformed {
+        /// The key text.
+        key: String,
+        /// What was wrong with it.
+        reason: &'static str,
+    },
+    /// The binary form was truncated or had a bad version byte.
+    #[error("malformed binary cache key: {0}")]
+    Binary(&'static str),
+}
+
+/// Token ids or a token mask handed to the token database are unusable.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum TokenError {
+    /// The mask length differs from the token count.
+    #[error("token mask has {mask} entries but there are {tokens} tokens; pass one bool per token")]
+    MaskLength {
+        /// Mask length.
+        mask: usize,
+        /// Token count.
+        tokens: usize,
+    },
+    /// The mask is not a run of `false` followed by a run of `true`.
+    #[error("token mask must be a prefix of `false` (tokens already on the GPU) followed only by `true`; found `false` at index {index} after a `true`")]
+    MaskNotPrefix {
+        /// First offending index.
+        index: usize,
+    },
+    /// The chunk size is not a multiple of the engine block size.
+    #[error("chunk size {chunk_size} is not a multiple of the engine block size {block_size}; block hashes cannot be grouped into chunks")]
+    ChunkNotBlockAligned {
+        /// Chunk size in tokens.
+        chunk_size: usize,
+        /// Engine block size in tokens.
+        block_size: usize,
+    },
+    /// More block hashes than tokens cover.
+    #[error("{blocks} block hashes of {block_size} tokens cover more than the {tokens} tokens given")]
+    TooManyBlocks {
+        /// Block hash count.
+        blocks: usize,
+        /// Block size.
+        block_size: usize,
+        /// Token count.
+        tokens: usize,
+    },
+}
+
+/// A stored chunk could not be decoded. Every variant means "treat as a miss".
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum FormatError {
+    /// Fewer bytes than a header.
+    #[error("chunk is truncated: {len} bytes, the header alone needs {needed}")]
+    TruncatedHeader {
+        /// Bytes present.
+        len: usize,
+        /// Bytes needed.
+        needed: usize,
+    },
+    /// The magic bytes are wrong: not a kvpool chunk.
+    #[error("not a kvpool chunk (bad magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    /// The format version is not supported by this build.
+    #[error("chunk format version {0} is not supported (this build reads version {1})")]
+    UnsupportedVersion(u16, u16),
+    /// A flag or enum value in the header is unknown.
+    #[error("chunk header field `{field}` has unknown value {value}")]
+    UnknownField {
+        /// Field name.
+        field: &'static str,
+        /// Value found.
+        value: u64,
+    },
+    /// The payload length in the header does not match the bytes present.
+    #[error("chunk payload length mismatch: header says {expected} bytes, {actual} present")]
+    PayloadLength {
+        /// Header's length.
+        expected: u64,
+        /// Bytes present.
+        actual: u64,
+    },
+    /// The decoded size exceeds what the caller allows.
+    #[error("chunk decodes to {size} bytes, above the limit of {limit}")]
+    TooLarge {
+        /// Decoded size.
+        size: u64,
+        /// Limit.
+        limit: u64,
+    },
+    /// The checksum does not match: the bytes are corrupt.
+    #[error("chunk checksum mismatch (stored {stored:#x}, computed {computed:#x}): corrupt data")]
+    Checksum {
+        /// Stored checksum.
+        stored: u64,
+        /// Computed checksum.
+        computed: u64,
+    },
+    /// The chunk was written for another KV layout.
+    #[error("chunk layout fingerprint {found:016x} differs from the expected {expected:016x}")]
+    LayoutMismatch {
+        /// Expected fingerprint.
+        expected: u64,
+        /// Found fingerprint.
+        found: u64,
+    },
+    /// The raw payload size is inconsistent with token count and layout.
+    #[error("chunk holds {raw_len} bytes for {tokens} tokens; the layout needs {expected}")]
+    SizeMismatch {
+        /// Raw payload size.
+        raw_len: u64,
+        /// Token count.
+        tokens: u32,
+        /// Expected size.
+        expected: u64,
+    },
+    /// Decompression failed or produced the wrong size.
+    #[error("chunk decompression failed: {0}")]
+    Decompress(String),
+    /// The destination buffer has the wrong size.
+    #[error("destination buffer is {actual} bytes, the chunk needs {expected}")]
+    Destination {
+        /// Needed.
+        expected: usize,
+        /// Given.
+        actual: usize,
+    },
+}
+
+/// The host memory pool could not satisfy a request.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PoolError {
+    /// Not enough free contiguous space; evict or skip.
+    #[error("memory pool full: requested {requested} bytes, {free} free, largest free block {largest}")]
+    OutOfMemory {
+        /// Bytes requested.
+        requested: usize,
+        /// Free bytes.
+        free: usize,
+        /// Largest contiguous free block.
+        largest: usize,
+    },
+    /// The request can never fit.
+    #[error("requested {requested} bytes but the pool holds only {capacity}; raise the pool size (e.g. `max_local_cpu_size`)")]
+    LargerThanPool {
+        /// Bytes requested.
+        requested: usize,
+        /// Pool capacity.
+        capacity: usize,
+    },
+    /// A zero-byte allocation.
+    #[error("zero-byte allocation requested")]
+    ZeroSize,
+    /// The underlying allocator failed to provide the arena.
+    #[error("could not allocate a {bytes}-byte arena: {reason}")]
+    Arena {
+        /// Size asked for.
+        bytes: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A storage backend or remote connector failed.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    /// The store could not be reached or answered with an error.
+    #[error("backend `{backend}` unavailable: {reason}")]
+    Unavailable {
+        /// Backend name.
+        backend: String,
+        /// Why.
+        reason: String,
+    },
+    /// The operation did not finish in time.
+    #[error("backend `{backend}` timed out after {millis} ms during {op}")]
+    Timeout {
+        /// Backend name.
+        backend: String,
+        /// Operation.
+        op: &'static str,
+        /// Elapsed limit.
+        millis: u64,
+    },
+    /// The backend was closed.
+    #[error("backend `{0}` is closed")]
+    Closed(String),
+    /// Memory for the value could not be had.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// Any other I/O problem.
+    #[error("backend `{backend}` I/O error: {source}")]
+    Io {
+        /// Backend name.
+        backend: String,
+        /// Underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Moving KV between an engine's paged cache and chunk memory failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum TransferError {
+    /// A slot id is negative (padding) or beyond the cache.
+    #[error("slot {slot} is outside the paged cache of {num_slots} slots")]
+    SlotOutOfRange {
+        /// The slot.
+        slot: i64,
+        /// Slots in the cache.
+        num_slots: usize,
+    },
+    /// The chunk buffer size does not match tokens x bytes per token.
+    #[error("chunk buffer is {actual} bytes, {tokens} tokens need {expected}")]
+    BufferSize {
+        /// Buffer size.
+        actual: usize,
+        /// Needed.
+        expected: usize,
+        /// Tokens.
+        tokens: usize,
+    },
+    /// Layer index out of range.
+    #[error("layer {layer} out of range: the layout has {layers} layers")]
+    LayerOutOfRange {
+        /// Layer asked for.
+        layer: usize,
+        /// Layers in the layout.
+        layers: usize,
+    },
+    /// The token range does not fit within the chunk.
+    #[error("token range {start}..{end} does not fit a chunk of {tokens} tokens")]
+    TokenRange {
+        /// Start offset.
+        start: usize,
+        /// End offset.
+        end: usize,
+        /// Tokens in the chunk.
+        tokens: usize,
+    },
+    /// The slot mapping length does not match the tokens.
+    #[error("slot mapping has {slots} entries, expected {tokens}")]
+    SlotMappingLength {
+        /// Entries given.
+        slots: usize,
+        /// Entries expected.
+        tokens: usize,
+    },
+    /// A device-side failure (CUDA).
+    #[error("device transfer failed: {0}")]
+    Device(String),
+}
+
+/// A configuration file or value is invalid.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// TOML did not parse.
+    #[error("cannot parse config: {0}")]
+    Parse(String),
+    /// A value is out of its allowed range.
+    #[error("invalid config value for `{field}`: {reason}")]
+    Invalid {
+        /// Field name.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// The file could not be read.
+    #[error("cannot read config file `{path}`: {source}")]
+    Io {
+        /// Path.
+        path: String,
+        /// Underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The layout in the config is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// The cache engine could not run an operation at all (as opposed to a miss).
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// Bad tokens or mask.
+    #[error(transparent)]
+    Tokens(#[from] TokenError),
+    /// KV transfer failed.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// Storage failed in a way that is not a plain miss.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The call sequence was wrong (e.g. a layer twice).
+    #[error("{0}")]
+    Usage(String),
+}

@@ -1,0 +1,52 @@
+//! kvpool-core: the pieces every kvpool deployment shares.
+//!
+//! - [`layout`]: the KV layout of a model and its fingerprint;
+//! - [`key`] and [`chunk_hash`]: chained chunk hashes and storage keys;
+//! - [`token_database`]: token ids (or engine block hashes) to chunk spans and keys;
+//! - [`backend`] and [`remote`]: the `StorageBackend` and `RemoteConnector` traits and the
+//!   adapter between them;
+//! - [`chunk_format`]: the checksummed, versioned stored-chunk encoding;
+//! - [`memory_pool`]: the bounded host memory pool and ref-counted chunk memory;
+//! - [`eviction`]: LRU, FIFO and S3-FIFO;
+//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind;
+//! - [`cache_engine`]: lookup / store / retrieve of token sequences;
+//! - [`transfer`]: moving KV between a paged cache and chunk memory;
+//! - [`config`]: the TOML configuration.
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod cache_engine;
+pub mod chunk_format;
+pub mod chunk_hash;
+pub mod config;
+pub mod error;
+pub mod eviction;
+pub mod key;
+pub mod layout;
+pub mod memory_pool;
+pub mod remote;
+pub mod storage_manager;
+pub mod token_database;
+pub mod transfer;
+
+pub use backend::{
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
+    StorageBackend,
+};
+pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
+pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
+pub use chunk_hash::{ChunkHash, HashAlgorithm};
+pub use config::{ByteSize, PoolConfig};
+pub use error::{
+    BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
+    TokenError, TransferError,
+};
+pub use eviction::{EvictionKind, EvictionPolicy};
+pub use key::{CacheKey, KeyScope};
+pub use layout::{Dtype, KvKind, KvLayout};
+pub use memory_pool::{HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool};
+pub use remote::{RemoteBackend, RemoteConnector};
+pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use token_database::{ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
+pub use transfer::{HostPagedKvCache, KvTransfer};

@@ -1,0 +1,208 @@
+//! `RemoteConnector` (bytes in, bytes out) and the adapter that makes it a `StorageBackend`.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tracing::warn;
+
+use crate::backend::{
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
+    StorageBackend,
+};
+use crate::chunk_format::{ChunkCodec, DecodeExpectation, decode_header, decode_payload_into};
+use crate::error::{BackendError, FormatError};
+use crate::key::CacheKey;
+use crate::memory_pool::MemoryObjMut;
+
+/// The small surface a third-party store implements: opaque values under string keys.
+///
+/// Batch methods default to loops over the single-key ones; override them where the store
+/// has real batch commands (MGET, pipelines). Every call must be bounded in time: wrap slow
+/// stores with a timeout rather than letting a call hang.
+#[async_trait]
+pub trait RemoteConnector: Send + Sync + 'static {
+    /// Short name for logs and metrics.
+    fn name(&self) -> &str;
+    /// Whether `key` exists.
+    async fn exists(&self, key: &str) -> Result<bool, BackendError>;
+    /// The value of `key`, if any.
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError>;
+    /// Stores `value` under `key`.
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError>;
+    /// Deletes `key`; returns whether it existed.
+    async fn delete(&self, key: &str) -> Result<bool, BackendError>;
+    /// Closes connections.
+    async fn close(&self) -> Result<(), BackendError>;
+
+    /// [`RemoteConnector::exists`] for many keys.
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            out.push(self.exists(k).await?);
+        }
+        Ok(out)
+    }
+    /// [`RemoteConnector::get`] for many keys.
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            out.push(self.get(k).await?);
+        }
+        Ok(out)
+    }
+    /// [`RemoteConnector::put`] for many entries.
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        for (k, v) in entries {
+            self.put(&k, v).await?;
+        }
+        Ok(())
+    }
+    /// [`RemoteConnector::delete`] for many keys; returns how many existed.
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let mut n = 0;
+        for k in keys {
+            n += usize::from(self.delete(k).await?);
+        }
+        Ok(n)
+    }
+}
+
+/// Turns any [`RemoteConnector`] into a [`StorageBackend`] by applying the chunk format:
+/// values are encoded with a checksummed header on `put` and fully validated on `get` (magic,
+/// version, checksum, layout fingerprint of the key, size). A value that fails validation is
+/// a miss and is deleted from the store, so the next store rewrites it.
+pub struct RemoteBackend<C> {
+    connector: C,
+    codec: ChunkCodec,
+    max_chunk_bytes: u64,
+    allocator: Arc<dyn ChunkAllocator>,
+    counters: BackendCounters,
+}
+
+impl<C: RemoteConnector> RemoteBackend<C> {
+    /// Wraps `connector`; decoded values larger than `max_chunk_bytes` are rejected unread.
+    pub fn new(connector: C, codec: ChunkCodec, max_chunk_bytes: u64) -> Self {
+        RemoteBackend {
+            connector,
+            codec,
+            max_chunk_bytes,
+            allocator: Arc::new(HeapChunkAllocator),
+            counters: BackendCounters::default(),
+        }
+    }
+
+    /// Decodes loaded values into buffers from `allocator` (e.g. the L1 pool, so promotion
+    /// needs no copy). Falls back to the heap when it is full.
+    pub fn with_allocator(mut self, allocator: Arc<dyn ChunkAllocator>) -> Self {
+        self.allocator = allocator;
+        self
+    }
+
+    /// The wrapped connector.
+    pub fn connector(&self) -> &C {
+        &self.connector
+    }
+
+    fn decode(&self, key: &CacheKey, bytes: &[u8]) -> Result<Chunk, FormatError> {
+        let expect = DecodeExpectation {
+            max_raw_len: self.max_chunk_bytes,
+            layout_fingerprint: Some(key.scope.layout_fingerprint),
+            bytes_per_token: None,
+        };
+        let header = decode_header(bytes, &expect)?;
+        let len = header.raw_len as usize;
+        let mut buf = if len == 0 {
+            MemoryObjMut::heap(0)
+        } else {
+            self.allocator
+                .allocate(len)
+                .unwrap_or_else(|_| MemoryObjMut::heap(len))
+        };
+        decode_payload_into(bytes, &header, buf.as_mut_slice())?;
+        Ok(Chunk {
+            meta: header.meta,
+            data: buf.freeze(),
+        })
+    }
+}
+
+fn key_strings(keys: &[CacheKey]) -> Vec<String> {
+    keys.iter().map(ToString::to_string).collect()
+}
+
+#[async_trait]
+impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
+    fn name(&self) -> &str {
+        self.connector.name()
+    }
+
+    async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError> {
+        self.connector.batch_exists(&key_strings(keys)).await
+    }
+
+    async fn get(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
+        let names = key_strings(keys);
+        let values = self.connector.batch_get(&names).await?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut corrupt = Vec::new();
+        for ((key, name), value) in keys.iter().zip(&names).zip(values) {
+            let Some(bytes) = value else {
+                BackendCounters::add(&self.counters.misses, 1);
+                out.push(None);
+                continue;
+            };
+            match self.decode(key, &bytes) {
+                Ok(chunk) => {
+                    BackendCounters::add(&self.counters.hits, 1);
+                    BackendCounters::add(&self.counters.bytes_read, chunk.data.len() as u64);
+                    out.push(Some(chunk));
+                }
+                Err(e) => {
+                    warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
+                    BackendCounters::add(&self.counters.corrupt, 1);
+                    BackendCounters::add(&self.counters.misses, 1);
+                    corrupt.push(name.clone());
+                    out.push(None);
+                }
+            }
+        }
+        if !corrupt.is_empty()
+            && let Err(e) = self.connector.batch_delete(&corrupt).await
+        {
+            warn!(backend = self.name(), error = %e, "could not delete corrupt chunks");
+        }
+        Ok(out)
+    }
+
+    async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
+        let n = entries.len();
+        let mut bytes_in = 0u64;
+        let encoded: Vec<(String, Bytes)> = entries
+            .into_iter()
+            .map(|(k, c)| {
+                bytes_in += c.data.len() as u64;
+                (k.to_string(), Bytes::from(self.codec.encode(&c.meta, c.data.as_slice())))
+            })
+            .collect();
+        self.connector.batch_put(encoded).await?;
+        BackendCounters::add(&self.counters.puts, n as u64);
+        BackendCounters::add(&self.counters.bytes_written, bytes_in);
+        Ok(PutOutcome {
+            stored: n,
+            skipped: 0,
+        })
+    }
+
+    async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError> {
+        self.connector.batch_delete(&key_strings(keys)).await
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        self.connector.close().await
+    }
+
+    fn stats(&self) -> BackendStats {
+        self.counters.snapshot(0, 0, None)
+    }
+}

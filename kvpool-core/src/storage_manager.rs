@@ -1,0 +1,549 @@
+//! The storage manager: ordered tiers, prefix lookup, promotion into L1, bounded write-behind.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::{Notify, Semaphore};
+use tracing::{debug, warn};
+
+use crate::backend::{
+    BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend,
+};
+use crate::error::{BackendError, ConfigError, PoolError};
+use crate::key::CacheKey;
+use crate::memory_pool::MemoryObjMut;
+
+/// Per-tier counters kept by the manager.
+#[derive(Debug, Default)]
+struct TierCounters {
+    hit_chunks: AtomicU64,
+    hit_tokens: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    read_nanos: AtomicU64,
+    write_nanos: AtomicU64,
+    dropped_writes: AtomicU64,
+    deduplicated_writes: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// A snapshot of one tier as seen by the manager, plus the backend's own stats.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TierStats {
+    /// Backend name.
+    pub name: String,
+    /// Chunks served by this tier in `get`.
+    pub hit_chunks: u64,
+    /// Tokens in those chunks.
+    pub hit_tokens: u64,
+    /// Bytes read from the tier.
+    pub bytes_read: u64,
+    /// Bytes written to the tier.
+    pub bytes_written: u64,
+    /// Time spent in the tier's `get` calls (seconds).
+    pub read_seconds: f64,
+    /// Time spent in the tier's `put` calls (seconds).
+    pub write_seconds: f64,
+    /// Write-behind entries dropped because the in-flight quota was full.
+    pub dropped_writes: u64,
+    /// Write-behind entries skipped because the same key was already in flight.
+    pub deduplicated_writes: u64,
+    /// Tier errors turned into misses or skipped writes.
+    pub errors: u64,
+    /// The backend's own counters.
+    pub backend: BackendStats,
+}
+
+/// Manager-wide counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ManagerStats {
+    /// Tiers in lookup order (L1 first).
+    pub tiers: Vec<TierStats>,
+    /// Keys asked for in `get` that were not served by any tier (or cut by an earlier miss).
+    pub miss_chunks: u64,
+    /// Chunks copied from a lower tier into L1.
+    pub promotions: u64,
+}
+
+/// Knobs of the storage manager.
+#[derive(Debug, Clone, Copy)]
+pub struct StorageManagerConfig {
+    /// Bytes of write-behind data allowed in flight to each lower tier; beyond it writes are
+    /// dropped (and counted), never queued behind the caller.
+    pub write_behind_quota_bytes: usize,
+    /// Copy chunks found in a lower tier into L1.
+    pub promote_on_hit: bool,
+}
+
+impl Default for StorageManagerConfig {
+    fn default() -> Self {
+        StorageManagerConfig {
+            write_behind_quota_bytes: 1 << 30,
+            promote_on_hit: true,
+        }
+    }
+}
+
+struct Tier {
+    backend: Arc<dyn StorageBackend>,
+    counters: TierCounters,
+    /// Keys whose write-behind to this tier is in flight.
+    in_flight: Mutex<HashSet<CacheKey>>,
+    /// Write-behind byte quota.
+    quota: Arc<Semaphore>,
+}
+
+/// Longest prefix of keys present in some tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixLookup {
+    /// For each key of the prefix, the index of the first tier that has it.
+    pub tiers: Vec<usize>,
+}
+
+impl PrefixLookup {
+    /// Number of leading keys present.
+    pub fn len(&self) -> usize {
+        self.tiers.len()
+    }
+
+    /// Whether the first key already missed.
+    pub fn is_empty(&self) -> bool {
+        self.tiers.is_empty()
+    }
+}
+
+/// Tracks spawned write-behind tasks so `flush` can wait for them.
+#[derive(Default)]
+struct Pending {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+impl Pending {
+    fn start(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+    fn finish(&self) {
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+    async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Drives an ordered list of tiers: the primary (L1, written synchronously and the target of
+/// promotion) and lower tiers (written behind, in the background).
+///
+/// Lookups stop at the first key no tier has: chunk keys are prefix-chained, so every later
+/// chunk is unusable anyway.
+pub struct StorageManager {
+    primary: Option<usize>,
+    tiers: Vec<Arc<Tier>>,
+    allocator: Arc<dyn ChunkAllocator>,
+    config: StorageManagerConfig,
+    runtime: Handle,
+    pending: Arc<Pending>,
+    miss_chunks: AtomicU64,
+    promotions: AtomicU64,
+    closed: AtomicBool,
+}
+
+impl std::fmt::Debug for StorageManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.tiers.iter().map(|t| t.backend.name()).collect();
+        f.debug_struct("StorageManager")
+            .field("tiers", &names)
+            .field("has_primary", &self.primary.is_some())
+            .finish()
+    }
+}
+
+/// Builds a [`StorageManager`].
+pub struct StorageManagerBuilder {
+    primary: Option<(Arc<dyn StorageBackend>, Arc<dyn ChunkAllocator>)>,
+    lower: Vec<Arc<dyn StorageBackend>>,
+    config: StorageManagerConfig,
+}
+
+impl StorageManagerBuilder {
+    /// The L1 tier, written synchronously, and the allocator that hands out its buffers.
+    pub fn primary(
+        mut self,
+        backend: Arc<dyn StorageBackend>,
+        allocator: Arc<dyn ChunkAllocator>,
+    ) -> Self {
+        self.primary = Some((backend, allocator));
+        self
+    }
+
+    /// A lower tier (disk, remote), written behind; tiers are looked up in the order added.
+    pub fn lower(mut self, backend: Arc<dyn StorageBackend>) -> Self {
+        self.lower.push(backend);
+        self
+    }
+
+    /// Manager knobs.
+    pub fn config(mut self, config: StorageManagerConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it).
+    pub fn build(self) -> Result<StorageManager, ConfigError> {
+        let runtime = Handle::try_current().map_err(|_| ConfigError::Invalid {
+            field: "runtime",
+            reason: "the storage manager must be built inside a tokio runtime".into(),
+        })?;
+        if self.primary.is_none() && self.lower.is_empty() {
+            return Err(ConfigError::Invalid {
+                field: "tiers",
+                reason: "no storage tier configured: enable local_cpu or add a lower tier".into(),
+            });
+        }
+        let quota = self.config.write_behind_quota_bytes.min(Semaphore::MAX_PERMITS);
+        let mk = |backend| {
+            Arc::new(Tier {
+                backend,
+                counters: TierCounters::default(),
+                in_flight: Mutex::new(HashSet::new()),
+                quota: Arc::new(Semaphore::new(quota)),
+            })
+        };
+        let mut tiers = Vec::new();
+        let (primary, allocator): (Option<usize>, Arc<dyn ChunkAllocator>) = match self.primary {
+            Some((backend, allocator)) => {
+                tiers.push(mk(backend));
+                (Some(0), allocator)
+            }
+            None => (None, Arc::new(HeapChunkAllocator)),
+        };
+        tiers.extend(self.lower.into_iter().map(mk));
+        Ok(StorageManager {
+            primary,
+            tiers,
+            allocator,
+            config: self.config,
+            runtime,
+            pending: Arc::new(Pending::default()),
+            miss_chunks: AtomicU64::new(0),
+            promotions: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        })
+    }
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl StorageManager {
+    /// Starts building a manager.
+    pub fn builder() -> StorageManagerBuilder {
+        StorageManagerBuilder {
+            primary: None,
+            lower: Vec::new(),
+            config: StorageManagerConfig::default(),
+        }
+    }
+
+    /// A buffer for a chunk about to be stored (from L1, evicting as needed).
+    pub fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError> {
+        self.allocator.allocate(len)
+    }
+
+    /// Number of tiers.
+    pub fn tier_count(&self) -> usize {
+        self.tiers.len()
+    }
+
+    /// Backend names in lookup order.
+    pub fn tier_names(&self) -> Vec<String> {
+        self.tiers
+            .iter()
+            .map(|t| t.backend.name().to_string())
+            .collect()
+    }
+
+    fn ensure_open(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed("storage manager".into()));
+        }
+        Ok(())
+    }
+
+    /// Longest prefix of `keys` present in some tier, stopping at the first key none has.
+    ///
+    /// A tier that fails counts as having nothing.
+    pub async fn lookup(&self, keys: &[CacheKey]) -> PrefixLookup {
+        let mut location: Vec<Option<usize>> = vec![None; keys.len()];
+        let mut prefix = 0;
+        for (t, tier) in self.tiers.iter().enumerate() {
+            if prefix == keys.len() {
+                break;
+            }
+            // Only keys from the current prefix end onward can extend it.
+            let unknown: Vec<usize> = (prefix..keys.len()).filter(|&i| location[i].is_none()).collect();
+            let batch: Vec<CacheKey> = unknown.iter().map(|&i| keys[i].clone()).collect();
+            match tier.backend.contains(&batch).await {
+                Ok(present) => {
+                    for (&i, p) in unknown.iter().zip(present) {
+                        if p {
+                            location[i] = Some(t);
+                        }
+                    }
+                }
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(tier = tier.backend.name(), error = %e, "lookup failed; treating tier as empty");
+                }
+            }
+            while prefix < keys.len() && location[prefix].is_some() {
+                prefix += 1;
+            }
+        }
+        let tiers = location[..prefix].iter().map(|l| l.expect("in prefix")).collect();
+        metrics::counter!("kvpool_lookup_keys_total").increment(keys.len() as u64);
+        metrics::counter!("kvpool_lookup_hit_keys_total").increment(prefix as u64);
+        PrefixLookup { tiers }
+    }
+
+    /// Loads the longest available prefix of `keys`. Returns the chunks of that prefix, in
+    /// order; it is shorter than `keys` from the first key that could not be loaded.
+    /// Chunks found below L1 are promoted into L1.
+    pub async fn get(&self, keys: &[CacheKey]) -> Vec<Chunk> {
+        if self.ensure_open().is_err() || keys.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let found = self.lookup(keys).await;
+        let mut chunks: Vec<Option<Chunk>> = vec![None; found.len()];
+        let mut promote = Vec::new();
+        for (t, tier) in self.tiers.iter().enumerate() {
+            let idx: Vec<usize> = (0..found.len()).filter(|&i| found.tiers[i] == t).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let batch: Vec<CacheKey> = idx.iter().map(|&i| keys[i].clone()).collect();
+            let t0 = Instant::now();
+            let result = tier.backend.get(&batch).await;
+            add(&tier.counters.read_nanos, t0.elapsed().as_nanos() as u64);
+            match result {
+                Ok(values) => {
+                    for (&i, v) in idx.iter().zip(values) {
+                        if let Some(c) = v {
+                            add(&tier.counters.hit_chunks, 1);
+                            add(&tier.counters.hit_tokens, u64::from(c.meta.token_count));
+                            add(&tier.counters.bytes_read, c.data.len() as u64);
+                            metrics::counter!("kvpool_hit_chunks_total", "tier" => tier.backend.name().to_string()).increment(1);
+                            if Some(t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
+                                promote.push((keys[i].clone(), c.clone()));
+                            }
+                            chunks[i] = Some(c);
+                        }
+                    }
+                }
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
+                }
+            }
+        }
+        let loaded = chunks.iter().take_while(|c| c.is_some()).count();
+        promote.retain(|(k, _)| keys[..loaded].contains(k));
+        if let (Some(p), false) = (self.primary, promote.is_empty()) {
+            let n = promote.len() as u64;
+            let tier = &self.tiers[p];
+            match tier.backend.put(promote).await {
+                Ok(out) => add(&self.promotions, out.stored as u64),
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(error = %e, chunks = n, "promotion into L1 failed");
+                }
+            }
+        }
+        add(&self.miss_chunks, (keys.len() - loaded) as u64);
+        metrics::counter!("kvpool_miss_chunks_total").increment((keys.len() - loaded) as u64);
+        metrics::histogram!("kvpool_get_seconds").record(started.elapsed().as_secs_f64());
+        chunks.into_iter().take(loaded).map(|c| c.expect("in prefix")).collect()
+    }
+
+    /// Stores entries: synchronously into L1, then schedules write-behind to each lower tier.
+    ///
+    /// Write-behind never blocks: an entry that does not fit the tier's in-flight quota is
+    /// dropped and counted, and an entry whose key is already in flight is skipped.
+    pub async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
+        self.ensure_open()?;
+        if entries.is_empty() {
+            return Ok(PutOutcome::default());
+        }
+        let started = Instant::now();
+        let mut outcome = PutOutcome {
+            stored: entries.len(),
+            skipped: 0,
+        };
+        if let Some(p) = self.primary {
+            let tier = &self.tiers[p];
+            let bytes: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
+            let t0 = Instant::now();
+            let result = tier.backend.put(entries.clone()).await;
+            add(&tier.counters.write_nanos, t0.elapsed().as_nanos() as u64);
+            match result {
+                Ok(out) => {
+                    add(&tier.counters.bytes_written, bytes);
+                    outcome = out;
+                }
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(tier = tier.backend.name(), error = %e, "L1 put failed");
+                    outcome = PutOutcome {
+                        stored: 0,
+                        skipped: entries.len(),
+                    };
+                }
+            }
+        }
+        for (t, tier) in self.tiers.iter().enumerate() {
+            if Some(t) != self.primary {
+                self.schedule_write_behind(tier, &entries);
+            }
+        }
+        metrics::histogram!("kvpool_put_seconds").record(started.elapsed().as_secs_f64());
+        Ok(outcome)
+    }
+
+    fn schedule_write_behind(&self, tier: &Arc<Tier>, entries: &[(CacheKey, Chunk)]) {
+        let mut batch = Vec::new();
+        let mut permits = 0u32;
+        {
+            let mut in_flight = tier.in_flight.lock();
+            for (key, chunk) in entries {
+                if in_flight.contains(key) {
+                    add(&tier.counters.deduplicated_writes, 1);
+                    continue;
+                }
+                let need = u32::try_from(chunk.data.len().max(1)).unwrap_or(u32::MAX);
+                match tier.quota.try_acquire_many(need) {
+                    Ok(p) => {
+                        p.forget();
+                        permits += need;
+                        in_flight.insert(key.clone());
+                        batch.push((key.clone(), chunk.clone()));
+                    }
+                    Err(_) => {
+                        add(&tier.counters.dropped_writes, 1);
+                        metrics::counter!("kvpool_write_behind_dropped_total", "tier" => tier.backend.name().to_string()).increment(1);
+                        debug!(tier = tier.backend.name(), key = %key, "write-behind quota full; dropping write");
+                    }
+                }
+            }
+        }
+        if batch.is_empty() {
+            return;
+        }
+        let tier = tier.clone();
+        let pending = self.pending.clone();
+        pending.start();
+        self.runtime.spawn(async move {
+            let keys: Vec<CacheKey> = batch.iter().map(|(k, _)| k.clone()).collect();
+            let bytes: u64 = batch.iter().map(|(_, c)| c.data.len() as u64).sum();
+            let t0 = Instant::now();
+            let result = tier.backend.put(batch).await;
+            add(&tier.counters.write_nanos, t0.elapsed().as_nanos() as u64);
+            match result {
+                Ok(_) => add(&tier.counters.bytes_written, bytes),
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(tier = tier.backend.name(), error = %e, "write-behind failed; chunks not stored in this tier");
+                }
+            }
+            {
+                let mut in_flight = tier.in_flight.lock();
+                for k in &keys {
+                    in_flight.remove(k);
+                }
+            }
+            tier.quota.add_permits(permits as usize);
+            pending.finish();
+        });
+    }
+
+    /// Removes keys from every tier (e.g. a chunk found corrupt). Returns how many existed.
+    pub async fn remove(&self, keys: &[CacheKey]) -> usize {
+        let mut n = 0;
+        for tier in &self.tiers {
+            match tier.backend.remove(keys).await {
+                Ok(k) => n += k,
+                Err(e) => {
+                    add(&tier.counters.errors, 1);
+                    warn!(tier = tier.backend.name(), error = %e, "remove failed");
+                }
+            }
+        }
+        n
+    }
+
+    /// Waits for every scheduled write-behind, then flushes each tier.
+    pub async fn flush(&self) -> Result<(), BackendError> {
+        self.pending.wait_idle().await;
+        for tier in &self.tiers {
+            tier.backend.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// Flushes, then closes every tier. Later puts fail and gets miss.
+    pub async fn close(&self) -> Result<(), BackendError> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.pending.wait_idle().await;
+        let mut first_err = None;
+        for tier in &self.tiers {
+            if let Err(e) = tier.backend.flush().await.and(tier.backend.close().await) {
+                warn!(tier = tier.backend.name(), error = %e, "close failed");
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Counters of every tier.
+    pub fn stats(&self) -> ManagerStats {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ManagerStats {
+            tiers: self
+                .tiers
+                .iter()
+                .map(|t| TierStats {
+                    name: t.backend.name().to_string(),
+                    hit_chunks: l(&t.counters.hit_chunks),
+                    hit_tokens: l(&t.counters.hit_tokens),
+                    bytes_read: l(&t.counters.bytes_read),
+                    bytes_written: l(&t.counters.bytes_written),
+                    read_seconds: l(&t.counters.read_nanos) as f64 * 1e-9,
+                    write_seconds: l(&t.counters.write_nanos) as f64 * 1e-9,
+                    dropped_writes: l(&t.counters.dropped_writes),
+                    deduplicated_writes: l(&t.counters.deduplicated_writes),
+                    errors: l(&t.counters.errors),
+                    backend: t.backend.stats(),
+                })
+                .collect(),
+            miss_chunks: l(&self.miss_chunks),
+            promotions: l(&self.promotions),
+        }
+    }
+}
