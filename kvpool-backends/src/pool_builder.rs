@@ -1,0 +1,82 @@
+//! Builds a ready cache engine (tiers, storage manager, token database) from a `PoolConfig`.
+
+use std::sync::Arc;
+
+use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::{
+    CacheEngine, ChunkedTokenDatabase, ConfigError, HeapAllocator, HostAllocator, PoolConfig,
+    StorageManager,
+};
+
+#[cfg(feature = "cpu")]
+use crate::cpu::LocalCpuBackend;
+
+/// A built pool: the engine and direct handles to its tiers.
+#[derive(Debug)]
+pub struct Pool {
+    /// The cache engine.
+    pub engine: Arc<CacheEngine>,
+    /// The L1 tier, when enabled.
+    #[cfg(feature = "cpu")]
+    pub l1: Option<Arc<LocalCpuBackend>>,
+}
+
+/// Builds a pool from `config` with heap memory for L1. Must run inside a tokio runtime.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let mut config = kvpool_core::PoolConfig::default();
+/// config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
+/// let pool = kvpool_backends::build_pool(&config).unwrap();
+/// assert_eq!(pool.engine.storage().tier_names(), ["cpu"]);
+/// # }
+/// ```
+pub fn build_pool(config: &PoolConfig) -> Result<Pool, ConfigError> {
+    build_pool_with_allocator(config, &HeapAllocator)
+}
+
+/// Builds a pool whose L1 arena comes from `allocator` (e.g. pinned memory from kvpool-cuda).
+pub fn build_pool_with_allocator(
+    config: &PoolConfig,
+    allocator: &dyn HostAllocator,
+) -> Result<Pool, ConfigError> {
+    config.validate()?;
+    let layout = config.layout.layout()?;
+    let db = ChunkedTokenDatabase::new(config.chunking, config.key_scope()?)?;
+    let mut builder = StorageManager::builder().config(StorageManagerConfig {
+        write_behind_quota_bytes: config.write_behind.quota.as_usize(),
+        promote_on_hit: config.write_behind.promote_on_hit,
+    });
+    #[cfg(feature = "cpu")]
+    let l1 = if config.local_cpu.enabled {
+        let cpu = LocalCpuBackend::with_allocator(
+            config.local_cpu.max_size.as_usize(),
+            allocator,
+            config.local_cpu.eviction,
+        )
+        .map_err(|e| ConfigError::Invalid {
+            field: "local_cpu.max_size",
+            reason: e.to_string(),
+        })?;
+        let cpu = Arc::new(cpu);
+        builder = builder.primary(cpu.clone(), cpu.clone());
+        Some(cpu)
+    } else {
+        None
+    };
+    #[cfg(not(feature = "cpu"))]
+    if config.local_cpu.enabled {
+        let _ = allocator;
+        return Err(ConfigError::Invalid {
+            field: "local_cpu.enabled",
+            reason: "this build of kvpool-backends lacks the `cpu` feature".into(),
+        });
+    }
+    let manager = Arc::new(builder.build()?);
+    let engine = Arc::new(CacheEngine::new(layout, db, manager)?);
+    Ok(Pool {
+        engine,
+        #[cfg(feature = "cpu")]
+        l1,
+    })
+}

@@ -1,0 +1,125 @@
+//! Shared test fixtures: an in-memory RemoteConnector with fault switches, and KV helpers.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use kvpool_core::{BackendError, HostPagedKvCache, KvLayout, RemoteConnector};
+use parking_lot::Mutex;
+
+/// A HashMap behind the RemoteConnector interface, with switches to simulate a dead server,
+/// slow writes, and to corrupt stored values.
+#[derive(Clone, Default)]
+pub struct MapConnector {
+    pub map: Arc<Mutex<HashMap<String, Bytes>>>,
+    pub down: Arc<AtomicBool>,
+    pub put_delay_ms: Arc<AtomicU64>,
+    pub puts: Arc<AtomicU64>,
+}
+
+impl MapConnector {
+    fn check(&self) -> Result<(), BackendError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(BackendError::Unavailable {
+                backend: "map".into(),
+                reason: "connection refused (test)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Flips one byte of every stored value at `offset` (from the end if negative).
+    pub fn corrupt_all(&self, offset: isize) {
+        let mut m = self.map.lock();
+        for v in m.values_mut() {
+            let mut b = v.to_vec();
+            let i = if offset < 0 { b.len() - (-offset) as usize } else { offset as usize };
+            b[i] ^= 0x40;
+            *v = Bytes::from(b);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for MapConnector {
+    fn name(&self) -> &str {
+        "map"
+    }
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        Ok(self.map.lock().contains_key(key))
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.check()?;
+        Ok(self.map.lock().get(key).cloned())
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        let delay = self.put_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        self.check()?;
+        self.puts.fetch_add(1, Ordering::SeqCst);
+        self.map.lock().insert(key.to_string(), value);
+        Ok(())
+    }
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        Ok(self.map.lock().remove(key).is_some())
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+/// A paged cache whose every byte depends on (layer, position, seed).
+pub fn filled_cache(layout: KvLayout, num_blocks: usize, seed: u32) -> HostPagedKvCache {
+    let mut c = HostPagedKvCache::new(layout, num_blocks);
+    for l in 0..layout.num_layers {
+        for (i, b) in c.layer_mut(l).iter_mut().enumerate() {
+            let x = (i as u32).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(97)).wrapping_add(l as u32 * 131);
+            *b = (x >> 13) as u8;
+        }
+    }
+    c
+}
+
+/// Checks that token `src_slots[i]` of `src` equals `dst_slots[i]` of `dst` in every layer/plane,
+/// for each `i` where `which[i]` is true.
+pub fn assert_rows_equal(
+    src: &HostPagedKvCache,
+    src_slots: &[i64],
+    dst: &HostPagedKvCache,
+    dst_slots: &[i64],
+    which: &[bool],
+) {
+    let layout = *kvpool_core::KvTransfer::layout(src);
+    for (i, w) in which.iter().enumerate() {
+        if !*w {
+            continue;
+        }
+        for l in 0..layout.num_layers {
+            for p in 0..layout.kind.planes() {
+                assert_eq!(
+                    src.row(l, p, src_slots[i] as usize),
+                    dst.row(l, p, dst_slots[i] as usize),
+                    "token {i} layer {l} plane {p}"
+                );
+            }
+        }
+    }
+}
+
+/// Whether the row of `slot` is all zero in every layer/plane.
+pub fn row_is_zero(c: &HostPagedKvCache, slot: i64) -> bool {
+    let layout = *kvpool_core::KvTransfer::layout(c);
+    (0..layout.num_layers).all(|l| (0..layout.kind.planes()).all(|p| c.row(l, p, slot as usize).iter().all(|&b| b == 0)))
+}
