@@ -37,7 +37,9 @@ pub struct LocalCpuBackend {
 
 impl std::fmt::Debug for LocalCpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalCpuBackend").field("pool", &self.pool).finish()
+        f.debug_struct("LocalCpuBackend")
+            .field("pool", &self.pool)
+            .finish()
     }
 }
 
@@ -53,7 +55,10 @@ impl LocalCpuBackend {
         allocator: &dyn HostAllocator,
         eviction: EvictionKind,
     ) -> Result<Self, PoolError> {
-        Ok(Self::with_pool(MemoryPool::with_allocator(capacity, allocator)?, eviction))
+        Ok(Self::with_pool(
+            MemoryPool::with_allocator(capacity, allocator)?,
+            eviction,
+        ))
     }
 
     /// An L1 over an existing pool.
@@ -80,7 +85,8 @@ impl LocalCpuBackend {
         let CpuState {
             entries, policy, ..
         } = st;
-        let victim = policy.pop_victim(&mut |k| entries.get(k).is_some_and(|c| c.data.ref_count() == 1));
+        let victim =
+            policy.pop_victim(&mut |k| entries.get(k).is_some_and(|c| c.data.ref_count() == 1));
         match victim.and_then(|k| entries.remove(&k).map(|c| (k, c))) {
             Some((key, chunk)) => {
                 st.bytes -= chunk.data.len() as u64;

@@ -26,25 +26,42 @@ struct Setup {
     remote: MapConnector,
 }
 
-fn setup_with(l1_chunks: Option<usize>, save_unfull_chunk: bool, config: StorageManagerConfig) -> Setup {
+fn setup_with(
+    l1_chunks: Option<usize>,
+    save_unfull_chunk: bool,
+    config: StorageManagerConfig,
+) -> Setup {
     let layout = layout();
     let scope = KeyScope::new("test-model", 1, 0, 0, layout.fingerprint()).unwrap();
     let db = ChunkedTokenDatabase::new(
-        ChunkingConfig { chunk_size: CHUNK, save_unfull_chunk, ..Default::default() },
+        ChunkingConfig {
+            chunk_size: CHUNK,
+            save_unfull_chunk,
+            ..Default::default()
+        },
         scope,
     )
     .unwrap();
     let remote = MapConnector::default();
-    let codec = ChunkCodec { compression: Compression::Zstd { level: 1 }, ..Default::default() };
+    let codec = ChunkCodec {
+        compression: Compression::Zstd { level: 1 },
+        ..Default::default()
+    };
     let lower = Arc::new(RemoteBackend::new(remote.clone(), codec, 1 << 20));
     let mut b = StorageManager::builder().config(config);
     let l1 = l1_chunks.map(|n| {
-        let cpu = Arc::new(LocalCpuBackend::new(n * layout.chunk_bytes(CHUNK), EvictionKind::Lru).unwrap());
+        let cpu = Arc::new(
+            LocalCpuBackend::new(n * layout.chunk_bytes(CHUNK), EvictionKind::Lru).unwrap(),
+        );
         b = std::mem::replace(&mut b, StorageManager::builder()).primary(cpu.clone(), cpu.clone());
         cpu
     });
     let manager = Arc::new(b.lower(lower).build().unwrap());
-    Setup { engine: CacheEngine::new(layout, db, manager).unwrap(), l1, remote }
+    Setup {
+        engine: CacheEngine::new(layout, db, manager).unwrap(),
+        l1,
+        remote,
+    }
 }
 
 fn setup() -> Setup {
@@ -52,7 +69,9 @@ fn setup() -> Setup {
 }
 
 fn tokens(n: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| i.wrapping_mul(7).wrapping_add(seed)).collect()
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(7).wrapping_add(seed))
+        .collect()
 }
 
 /// Slots 0..n in the source cache; the same count, reversed, in a disjoint range of the destination.
@@ -74,12 +93,19 @@ async fn store_then_retrieve_round_trips_bytes_exactly() {
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 4 * CHUNK);
 
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    let mask = s
+        .engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     let expect: Vec<bool> = (0..n).map(|i| i < 4 * CHUNK).collect();
     assert_eq!(mask, expect);
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
-    for i in 4 * CHUNK..n {
-        assert!(row_is_zero(&dst, dst_slots[i]), "tail token {i} must not be written");
+    for (i, &slot) in dst_slots.iter().enumerate().skip(4 * CHUNK) {
+        assert!(
+            row_is_zero(&dst, slot),
+            "tail token {i} must not be written"
+        );
     }
     // Storing again finds everything present.
     let again = s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
@@ -96,7 +122,11 @@ async fn partial_chunk_is_stored_and_loaded_with_save_unfull_chunk() {
     s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), n);
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    let mask = s
+        .engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert!(mask.iter().all(|m| *m));
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
     // A longer prompt shares the full chunks but not the partial one.
@@ -115,17 +145,29 @@ async fn masked_prefix_is_neither_reported_nor_written() {
     let skip = CHUNK + 3; // the GPU already has these tokens
     let mask_in: Vec<bool> = (0..n).map(|i| i >= skip).collect();
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let loaded = s.engine.retrieve(&toks, Some(&mask_in), &mut dst, &dst_slots).await.unwrap();
+    let loaded = s
+        .engine
+        .retrieve(&toks, Some(&mask_in), &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert_eq!(loaded, mask_in);
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &loaded);
-    for i in 0..skip {
-        assert!(row_is_zero(&dst, dst_slots[i]), "masked token {i} was overwritten");
+    for (i, &slot) in dst_slots.iter().enumerate().take(skip) {
+        assert!(row_is_zero(&dst, slot), "masked token {i} was overwritten");
     }
     // A store with a mask skips chunks fully inside the masked prefix.
     let s2 = setup();
-    let r = s2.engine.store(&toks, Some(&mask_in), &src, &src_slots).await.unwrap();
+    let r = s2
+        .engine
+        .store(&toks, Some(&mask_in), &src, &src_slots)
+        .await
+        .unwrap();
     assert_eq!(r.stored_chunks, 3);
-    assert_eq!(s2.engine.lookup(&toks).await.unwrap(), 0, "chunk 0 was never stored");
+    assert_eq!(
+        s2.engine.lookup(&toks).await.unwrap(),
+        0,
+        "chunk 0 was never stored"
+    );
 }
 
 #[tokio::test]
@@ -137,12 +179,20 @@ async fn lookup_and_retrieve_stop_at_the_first_missing_chunk() {
     let src = filled_cache(layout(), 100, 9);
     s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
     s.engine.storage().flush().await.unwrap();
-    let spans = s.engine.token_database().process_tokens(&toks, None).unwrap();
+    let spans = s
+        .engine
+        .token_database()
+        .process_tokens(&toks, None)
+        .unwrap();
     // Remove chunk 1 everywhere: chunks 2 and 3 are present but unusable.
     assert_eq!(s.engine.storage().remove(&[spans[1].key.clone()]).await, 2);
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), CHUNK);
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    let mask = s
+        .engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert_eq!(mask.iter().filter(|m| **m).count(), CHUNK);
     assert!(mask[..CHUNK].iter().all(|m| *m));
 }
@@ -162,7 +212,11 @@ async fn a_closed_l1_still_lets_lower_tier_hits_through() {
     assert_eq!(l1.stats().entries, 0);
 
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    let mask = s
+        .engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert!(mask.iter().all(|m| *m));
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
     let stats = s.engine.storage().stats();
@@ -179,12 +233,19 @@ async fn promotion_copies_lower_tier_hits_into_l1() {
     let src = filled_cache(layout(), 100, 14);
     s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
     s.engine.storage().flush().await.unwrap();
-    let spans = s.engine.token_database().process_tokens(&toks, None).unwrap();
+    let spans = s
+        .engine
+        .token_database()
+        .process_tokens(&toks, None)
+        .unwrap();
     let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
     let l1 = s.l1.as_ref().unwrap();
     assert_eq!(l1.remove(&keys).await.unwrap(), 2);
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    s.engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert_eq!(s.engine.storage().stats().promotions, 2);
     assert_eq!(l1.contains(&keys).await.unwrap(), vec![true, true]);
 }
@@ -201,8 +262,15 @@ async fn corrupt_lower_tier_chunks_are_misses_and_get_deleted() {
         s.engine.storage().flush().await.unwrap();
         s.remote.corrupt_all(offset);
         let mut dst = HostPagedKvCache::new(layout(), 100);
-        let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
-        assert!(mask.iter().all(|m| !*m), "corrupt bytes must never be loaded (offset {offset})");
+        let mask = s
+            .engine
+            .retrieve(&toks, None, &mut dst, &dst_slots)
+            .await
+            .unwrap();
+        assert!(
+            mask.iter().all(|m| !*m),
+            "corrupt bytes must never be loaded (offset {offset})"
+        );
         assert!(dst_slots.iter().all(|&slot| row_is_zero(&dst, slot)));
         assert_eq!(s.remote.len(), 0, "corrupt values are deleted");
         assert_eq!(s.engine.storage().stats().tiers[0].backend.corrupt, 2);
@@ -221,20 +289,34 @@ async fn a_dead_lower_tier_turns_into_misses_not_errors() {
     s.remote.down.store(true, Ordering::SeqCst);
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 0);
     let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s.engine.retrieve(&toks, None, &mut dst, &dst_slots).await.unwrap();
+    let mask = s
+        .engine
+        .retrieve(&toks, None, &mut dst, &dst_slots)
+        .await
+        .unwrap();
     assert!(mask.iter().all(|m| !*m));
     // Stores still succeed from the caller's view; the failed write-behind is counted.
-    s.engine.store(&tokens(n, 99), None, &src, &src_slots).await.unwrap();
+    s.engine
+        .store(&tokens(n, 99), None, &src, &src_slots)
+        .await
+        .unwrap();
     s.engine.storage().flush().await.unwrap();
     assert!(s.engine.storage().stats().tiers[0].errors >= 2);
     s.remote.down.store(false, Ordering::SeqCst);
-    assert_eq!(s.engine.lookup(&toks).await.unwrap(), n, "back up: hits again");
+    assert_eq!(
+        s.engine.lookup(&toks).await.unwrap(),
+        n,
+        "back up: hits again"
+    );
 }
 
 #[tokio::test]
 async fn write_behind_sheds_load_beyond_its_quota_and_deduplicates() {
     let chunk_bytes = layout().chunk_bytes(CHUNK);
-    let config = StorageManagerConfig { write_behind_quota_bytes: 2 * chunk_bytes, promote_on_hit: true };
+    let config = StorageManagerConfig {
+        write_behind_quota_bytes: 2 * chunk_bytes,
+        promote_on_hit: true,
+    };
     let s = setup_with(Some(64), false, config);
     s.remote.put_delay_ms.store(200, Ordering::SeqCst);
     let n = 5 * CHUNK;
@@ -242,11 +324,26 @@ async fn write_behind_sheds_load_beyond_its_quota_and_deduplicates() {
     let (src_slots, _) = slots(n);
     let src = filled_cache(layout(), 100, 20);
     let r = s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
-    assert_eq!(r.stored_chunks, 5, "L1 took everything; the caller never waited");
+    assert_eq!(
+        r.stored_chunks, 5,
+        "L1 took everything; the caller never waited"
+    );
     let entries: Vec<_> = {
-        let spans = s.engine.token_database().process_tokens(&toks, None).unwrap();
+        let spans = s
+            .engine
+            .token_database()
+            .process_tokens(&toks, None)
+            .unwrap();
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        s.l1.as_ref().unwrap().get(&keys).await.unwrap().into_iter().zip(keys).map(|(c, k)| (k, c.unwrap())).collect()
+        s.l1.as_ref()
+            .unwrap()
+            .get(&keys)
+            .await
+            .unwrap()
+            .into_iter()
+            .zip(keys)
+            .map(|(c, k)| (k, c.unwrap()))
+            .collect()
     };
     // Same keys again while the first two are still in flight: deduplicated, others dropped.
     s.engine.storage().put(entries).await.unwrap();
@@ -264,13 +361,21 @@ async fn layerwise_store_and_retrieve_match_whole_transfers() {
     let toks = tokens(n, 21);
     let (src_slots, dst_slots) = slots(n);
     let src = filled_cache(layout(), 100, 22);
-    let mut store = s.engine.begin_store_layerwise(&toks, None, &src_slots).await.unwrap();
+    let mut store = s
+        .engine
+        .begin_store_layerwise(&toks, None, &src_slots)
+        .await
+        .unwrap();
     assert!(store.save_layer(1, &src).is_err(), "layers go in order");
     store.save_layer(0, &src).unwrap();
     store.save_layer(1, &src).unwrap();
     assert_eq!(store.finish().await.unwrap().stored_chunks, 3);
 
-    let mut plan = s.engine.begin_retrieve_layerwise(&toks, None, &dst_slots).await.unwrap();
+    let mut plan = s
+        .engine
+        .begin_retrieve_layerwise(&toks, None, &dst_slots)
+        .await
+        .unwrap();
     assert_eq!(plan.loaded_tokens(), n);
     let mut dst = HostPagedKvCache::new(layout(), 100);
     plan.load_layer(0, &mut dst).unwrap();
@@ -288,11 +393,19 @@ async fn an_unfinished_layerwise_store_stores_nothing() {
     let toks = tokens(CHUNK, 23);
     let (src_slots, _) = slots(CHUNK);
     let src = filled_cache(layout(), 100, 24);
-    let mut store = s.engine.begin_store_layerwise(&toks, None, &src_slots).await.unwrap();
+    let mut store = s
+        .engine
+        .begin_store_layerwise(&toks, None, &src_slots)
+        .await
+        .unwrap();
     store.save_layer(0, &src).unwrap();
     assert!(store.finish().await.is_err());
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 0);
-    assert_eq!(s.l1.as_ref().unwrap().pool().stats().used, 0, "buffers returned");
+    assert_eq!(
+        s.l1.as_ref().unwrap().pool().stats().used,
+        0,
+        "buffers returned"
+    );
 }
 
 #[tokio::test]
@@ -302,9 +415,19 @@ async fn wrong_layout_and_bad_slot_mapping_are_errors() {
     let (src_slots, _) = slots(CHUNK);
     let other = KvLayout::new(2, 2, 8, Dtype::F32, KvKind::KeyValue, 4).unwrap();
     let wrong = HostPagedKvCache::new(other, 100);
-    assert!(s.engine.store(&toks, None, &wrong, &src_slots).await.is_err());
+    assert!(
+        s.engine
+            .store(&toks, None, &wrong, &src_slots)
+            .await
+            .is_err()
+    );
     let src = filled_cache(layout(), 100, 26);
-    assert!(s.engine.store(&toks, None, &src, &src_slots[1..]).await.is_err());
+    assert!(
+        s.engine
+            .store(&toks, None, &src, &src_slots[1..])
+            .await
+            .is_err()
+    );
     let mut bad = src_slots.clone();
     bad[3] = -1;
     assert!(s.engine.store(&toks, None, &src, &bad).await.is_err());
@@ -319,7 +442,11 @@ async fn engine_block_hashes_give_the_same_hits_as_their_tokens_would() {
     assert_eq!(spans.len(), 2);
     let src = filled_cache(layout(), 100, 27);
     let slots: Vec<i64> = (0..32).collect();
-    let mut store = s.engine.begin_store_spans(spans.clone(), 32, &slots).await.unwrap();
+    let mut store = s
+        .engine
+        .begin_store_spans(spans.clone(), 32, &slots)
+        .await
+        .unwrap();
     for l in 0..2 {
         store.save_layer(l, &src).unwrap();
     }

@@ -9,7 +9,10 @@ use kvpool_core::{
 use std::sync::Arc;
 
 fn key(i: u8) -> CacheKey {
-    CacheKey::new(Arc::new(KeyScope::new("m", 1, 0, 0, 1).unwrap()), ChunkHash([i; 16]))
+    CacheKey::new(
+        Arc::new(KeyScope::new("m", 1, 0, 0, 1).unwrap()),
+        ChunkHash([i; 16]),
+    )
 }
 
 fn heap_chunk(len: usize, fill: u8) -> Chunk {
@@ -48,13 +51,20 @@ async fn capacity_is_never_exceeded_and_bytes_are_exact() {
 
 #[tokio::test]
 async fn lru_and_fifo_evict_in_their_orders() {
-    for (kind, expect) in [(EvictionKind::Lru, vec![0u8, 2, 3]), (EvictionKind::Fifo, vec![1u8, 2, 3])] {
+    for (kind, expect) in [
+        (EvictionKind::Lru, vec![0u8, 2, 3]),
+        (EvictionKind::Fifo, vec![1u8, 2, 3]),
+    ] {
         let b = LocalCpuBackend::new(3 * REGION_ALIGN, kind).unwrap();
         for i in 0..3 {
-            b.put(vec![(key(i), heap_chunk(REGION_ALIGN, i))]).await.unwrap();
+            b.put(vec![(key(i), heap_chunk(REGION_ALIGN, i))])
+                .await
+                .unwrap();
         }
         b.get(&[key(0)]).await.unwrap(); // a hit on the oldest
-        b.put(vec![(key(3), heap_chunk(REGION_ALIGN, 3))]).await.unwrap();
+        b.put(vec![(key(3), heap_chunk(REGION_ALIGN, 3))])
+            .await
+            .unwrap();
         assert_eq!(present(&b, 4).await, expect, "{kind:?}");
     }
 }
@@ -62,19 +72,35 @@ async fn lru_and_fifo_evict_in_their_orders() {
 #[tokio::test]
 async fn chunks_in_use_are_not_evicted_and_a_full_pinned_pool_skips() {
     let b = LocalCpuBackend::new(2 * REGION_ALIGN, EvictionKind::Lru).unwrap();
-    b.put(vec![(key(0), heap_chunk(REGION_ALIGN, 0))]).await.unwrap();
-    b.put(vec![(key(1), heap_chunk(REGION_ALIGN, 1))]).await.unwrap();
+    b.put(vec![(key(0), heap_chunk(REGION_ALIGN, 0))])
+        .await
+        .unwrap();
+    b.put(vec![(key(1), heap_chunk(REGION_ALIGN, 1))])
+        .await
+        .unwrap();
     let held = b.get(&[key(0)]).await.unwrap().remove(0).unwrap(); // a reader holds chunk 0
     b.get(&[key(1)]).await.unwrap();
     // LRU would pick 0, but it is in use: 1 goes instead.
-    b.put(vec![(key(2), heap_chunk(REGION_ALIGN, 2))]).await.unwrap();
+    b.put(vec![(key(2), heap_chunk(REGION_ALIGN, 2))])
+        .await
+        .unwrap();
     assert_eq!(present(&b, 3).await, vec![0, 2]);
     let held2 = b.get(&[key(2)]).await.unwrap().remove(0).unwrap();
-    let out = b.put(vec![(key(3), heap_chunk(REGION_ALIGN, 3))]).await.unwrap();
-    assert_eq!((out.stored, out.skipped), (0, 1), "everything pinned: skip, don't exceed");
+    let out = b
+        .put(vec![(key(3), heap_chunk(REGION_ALIGN, 3))])
+        .await
+        .unwrap();
+    assert_eq!(
+        (out.stored, out.skipped),
+        (0, 1),
+        "everything pinned: skip, don't exceed"
+    );
     assert!(b.allocate(REGION_ALIGN).is_err());
     drop((held, held2));
-    assert!(b.allocate(REGION_ALIGN).is_ok(), "eviction works again once readers are done");
+    assert!(
+        b.allocate(REGION_ALIGN).is_ok(),
+        "eviction works again once readers are done"
+    );
 }
 
 #[tokio::test]
@@ -84,7 +110,10 @@ async fn pooled_buffers_are_stored_without_copy_and_remove_frees_space() {
     buf.as_mut_slice().fill(9);
     let data = buf.freeze();
     let ptr = data.as_slice().as_ptr();
-    let chunk = Chunk { meta: heap_chunk(1, 0).meta, data };
+    let chunk = Chunk {
+        meta: heap_chunk(1, 0).meta,
+        data,
+    };
     b.put(vec![(key(7), chunk)]).await.unwrap();
     let got = b.get(&[key(7)]).await.unwrap().remove(0).unwrap();
     assert_eq!(got.data.as_slice().as_ptr(), ptr);
@@ -97,6 +126,9 @@ async fn pooled_buffers_are_stored_without_copy_and_remove_frees_space() {
 #[tokio::test]
 async fn oversized_chunk_is_skipped_not_panicking() {
     let b = LocalCpuBackend::new(REGION_ALIGN, EvictionKind::Lru).unwrap();
-    let out = b.put(vec![(key(0), heap_chunk(2 * REGION_ALIGN, 0))]).await.unwrap();
+    let out = b
+        .put(vec![(key(0), heap_chunk(2 * REGION_ALIGN, 0))])
+        .await
+        .unwrap();
     assert_eq!((out.stored, out.skipped), (0, 1));
 }

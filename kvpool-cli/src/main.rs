@@ -1,1 +1,280 @@
-fn main() {}
+//! The `kvpool` command: `bench`, `replay`, `gen-trace` and `config`.
+
+mod bench;
+mod replay;
+mod report;
+mod trace;
+mod workload;
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, IsTerminal};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use kvpool_core::config::LayoutConfig;
+use kvpool_core::{ByteSize, Dtype, EvictionKind, PoolConfig};
+
+/// kvpool: a KV-cache pool for LLM inference.
+#[derive(Parser, Debug)]
+#[command(name = "kvpool", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a synthetic serving workload (shared system prompts, multi-turn chats) through the pool.
+    Bench(BenchArgs),
+    /// Replay a Mooncake-format trace (JSONL) against a pool of a given capacity and policy.
+    Replay(ReplayArgs),
+    /// Write a synthetic trace in the Mooncake format.
+    GenTrace(GenTraceArgs),
+    /// Show or check configuration.
+    Config(ConfigArgs),
+}
+
+#[derive(Args, Debug)]
+struct PoolArgs {
+    /// TOML configuration file (see `kvpool config --print-default`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// L1 CPU pool size (e.g. 2GiB); overrides the config.
+    #[arg(long)]
+    cpu_size: Option<ByteSize>,
+    /// Eviction policy: lru, fifo or s3fifo; overrides the config.
+    #[arg(long)]
+    policy: Option<EvictionKind>,
+    /// Tokens per chunk; overrides the config.
+    #[arg(long)]
+    chunk_size: Option<usize>,
+}
+
+impl PoolArgs {
+    fn load(&self) -> anyhow::Result<PoolConfig> {
+        let mut cfg = match &self.config {
+            Some(path) => PoolConfig::from_file(path)?,
+            None => PoolConfig::default(),
+        };
+        if let Some(s) = self.cpu_size {
+            cfg.local_cpu.max_size = s;
+        }
+        if let Some(p) = self.policy {
+            cfg.local_cpu.eviction = p;
+        }
+        if let Some(c) = self.chunk_size {
+            cfg.chunking.chunk_size = c;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// Distinct system prompts.
+    #[arg(long, default_value_t = 8)]
+    system_prompts: usize,
+    /// Tokens per system prompt.
+    #[arg(long, default_value_t = 2048)]
+    system_prompt_tokens: usize,
+    /// Chat sessions.
+    #[arg(long, default_value_t = 48)]
+    sessions: usize,
+    /// Turns per session.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// New user tokens per turn.
+    #[arg(long, default_value_t = 256)]
+    user_tokens: usize,
+    /// Output tokens per turn.
+    #[arg(long, default_value_t = 256)]
+    output_tokens: usize,
+    /// Random seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Trace file (JSONL: timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Pool capacity in tokens.
+    #[arg(long, default_value_t = 4_000_000)]
+    capacity_tokens: u64,
+    /// Eviction policy: lru, fifo or s3fifo.
+    #[arg(long, default_value = "lru")]
+    policy: EvictionKind,
+    /// Only simulate which blocks are present; move no bytes.
+    #[arg(long)]
+    simulate: bool,
+    /// Layers of the synthetic KV when moving bytes.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// KV heads of the synthetic KV when moving bytes.
+    #[arg(long, default_value_t = 1)]
+    kv_heads: usize,
+    /// Head size of the synthetic KV when moving bytes.
+    #[arg(long, default_value_t = 32)]
+    head_size: usize,
+    /// Dtype of the synthetic KV when moving bytes.
+    #[arg(long, default_value = "f16")]
+    dtype: Dtype,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct GenTraceArgs {
+    /// Output file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Requests.
+    #[arg(long, default_value_t = 12_000)]
+    requests: usize,
+    /// Shared documents.
+    #[arg(long, default_value_t = 2_000)]
+    documents: usize,
+    /// Zipf exponent of document popularity.
+    #[arg(long, default_value_t = 0.9)]
+    zipf: f64,
+    /// Random seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+struct ConfigArgs {
+    /// Print the default configuration as TOML.
+    #[arg(long)]
+    print_default: bool,
+    /// Validate a configuration file.
+    #[arg(long, value_name = "FILE")]
+    check: Option<PathBuf>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("KVPOOL_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let progress = std::io::stderr().is_terminal();
+    match cli.command {
+        Command::Bench(a) => {
+            let cfg = a.pool.load()?;
+            let spec = workload::WorkloadSpec {
+                system_prompts: a.system_prompts,
+                system_prompt_tokens: a.system_prompt_tokens,
+                sessions: a.sessions,
+                turns: a.turns,
+                user_tokens: a.user_tokens,
+                output_tokens: a.output_tokens,
+                seed: a.seed,
+            };
+            anyhow::ensure!(
+                spec.requests() > 0,
+                "--sessions and --turns must be at least 1"
+            );
+            let report = rt.block_on(bench::run(&cfg, spec, progress && !a.json))?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", report.render());
+            }
+        }
+        Command::Replay(a) => {
+            let file = File::open(&a.trace)
+                .with_context(|| format!("cannot open trace `{}`", a.trace.display()))?;
+            let (requests, bad) = trace::read_trace(BufReader::new(file))
+                .with_context(|| format!("cannot read trace `{}`", a.trace.display()))?;
+            for b in bad.iter().take(20) {
+                eprintln!(
+                    "warning: {}:{}: skipping bad line: {}",
+                    a.trace.display(),
+                    b.line,
+                    b.error
+                );
+            }
+            if bad.len() > 20 {
+                eprintln!("warning: {} more bad lines skipped", bad.len() - 20);
+            }
+            anyhow::ensure!(
+                !requests.is_empty(),
+                "no usable requests in `{}`",
+                a.trace.display()
+            );
+            let opts = replay::ReplayOptions {
+                capacity_tokens: a.capacity_tokens,
+                policy: a.policy,
+                simulate: a.simulate,
+                layout: LayoutConfig {
+                    num_layers: a.layers,
+                    num_kv_heads: a.kv_heads,
+                    head_size: a.head_size,
+                    dtype: a.dtype,
+                    ..LayoutConfig::default()
+                },
+                progress: progress && !a.json,
+            };
+            let report = rt.block_on(replay::run(&requests, bad.len(), &opts))?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", report.render());
+            }
+        }
+        Command::GenTrace(a) => {
+            let file = File::create(&a.out)
+                .with_context(|| format!("cannot create `{}`", a.out.display()))?;
+            let spec = trace::TraceSpec {
+                requests: a.requests,
+                documents: a.documents,
+                zipf: a.zipf,
+                seed: a.seed,
+            };
+            let tokens = trace::generate_trace(spec, BufWriter::new(file))?;
+            println!(
+                "wrote {} requests ({tokens} input tokens) to {}",
+                a.requests,
+                a.out.display()
+            );
+        }
+        Command::Config(a) => {
+            if a.print_default {
+                print!("{}", PoolConfig::default_toml());
+            } else if let Some(path) = a.check {
+                let cfg = PoolConfig::from_file(&path)?;
+                println!(
+                    "{}: ok ({} per chunk, L1 {})",
+                    path.display(),
+                    ByteSize(cfg.chunk_bytes()? as u64),
+                    cfg.local_cpu.max_size
+                );
+            }
+        }
+    }
+    Ok(())
+}

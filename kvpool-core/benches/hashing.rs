@@ -1,1 +1,70 @@
-fn main(){}
+//! Chunk-key hashing of a 128K-token prompt: xxh3-128 chain vs a chained SHA-256 baseline,
+//! and chunk encode/decode with each checksum.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvpool_core::chunk_format::{ChunkCodec, DecodeExpectation, decode_to_vec};
+use kvpool_core::{
+    ChecksumAlgorithm, ChunkMeta, ChunkedTokenDatabase, ChunkingConfig, Dtype, HashAlgorithm,
+    KeyScope,
+};
+use std::hint::black_box;
+
+const TOKENS: usize = 128 * 1024;
+
+fn hashing(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..TOKENS as u32)
+        .map(|i| i.wrapping_mul(2654435761) % 128_000)
+        .collect();
+    let mut g = c.benchmark_group("chunk_keys_128k_tokens");
+    g.throughput(Throughput::Bytes((TOKENS * 4) as u64));
+    for algo in [HashAlgorithm::Xxh3_128, HashAlgorithm::Sha256] {
+        let db = ChunkedTokenDatabase::new(
+            ChunkingConfig {
+                hash_algorithm: algo,
+                ..Default::default()
+            },
+            KeyScope::new("bench", 1, 0, 0, 1).unwrap(),
+        )
+        .unwrap();
+        g.bench_function(BenchmarkId::from_parameter(format!("{algo:?}")), |b| {
+            b.iter(|| black_box(db.process_tokens(black_box(&tokens), None).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+fn chunk_format(c: &mut Criterion) {
+    let payload: Vec<u8> = (0..8 << 20)
+        .map(|i: u32| (i.wrapping_mul(31) >> 7) as u8)
+        .collect();
+    let meta = ChunkMeta {
+        layout_fingerprint: 1,
+        dtype: Dtype::Bf16,
+        token_count: 256,
+    };
+    let expect = DecodeExpectation {
+        max_raw_len: 1 << 30,
+        layout_fingerprint: Some(1),
+        bytes_per_token: None,
+    };
+    let mut g = c.benchmark_group("chunk_format_8MiB");
+    g.throughput(Throughput::Bytes(payload.len() as u64));
+    g.sample_size(20);
+    for checksum in [ChecksumAlgorithm::Xxh3, ChecksumAlgorithm::Crc32c] {
+        let codec = ChunkCodec {
+            checksum,
+            ..Default::default()
+        };
+        let encoded = codec.encode(&meta, &payload);
+        g.bench_function(BenchmarkId::new("encode", format!("{checksum:?}")), |b| {
+            b.iter(|| black_box(codec.encode(&meta, black_box(&payload))))
+        });
+        g.bench_function(BenchmarkId::new("decode", format!("{checksum:?}")), |b| {
+            b.iter(|| black_box(decode_to_vec(black_box(&encoded), &expect).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hashing, chunk_format);
+criterion_main!(benches);

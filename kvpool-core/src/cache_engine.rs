@@ -191,7 +191,9 @@ impl CacheEngine {
     ) -> Result<StoreReport, EngineError> {
         self.check_transfer(kv)?;
         let spans = self.db.process_tokens(tokens, mask)?;
-        let mut store = self.begin_store_spans(spans, tokens.len(), slot_mapping).await?;
+        let mut store = self
+            .begin_store_spans(spans, tokens.len(), slot_mapping)
+            .await?;
         for layer in 0..self.layout.num_layers {
             store.save_layer(layer, kv)?;
         }
@@ -207,7 +209,8 @@ impl CacheEngine {
         slot_mapping: &[i64],
     ) -> Result<LayerwiseStore<'_>, EngineError> {
         let spans = self.db.process_tokens(tokens, mask)?;
-        self.begin_store_spans(spans, tokens.len(), slot_mapping).await
+        self.begin_store_spans(spans, tokens.len(), slot_mapping)
+            .await
     }
 
     /// Layer-wise store over precomputed spans (`slot_mapping` covers `num_tokens` tokens).
@@ -263,7 +266,9 @@ impl CacheEngine {
         slot_mapping: &[i64],
     ) -> Result<Vec<bool>, EngineError> {
         self.check_transfer(kv)?;
-        let mut plan = self.begin_retrieve_layerwise(tokens, mask, slot_mapping).await?;
+        let mut plan = self
+            .begin_retrieve_layerwise(tokens, mask, slot_mapping)
+            .await?;
         plan.load_all(kv)?;
         Ok(plan.into_mask())
     }
@@ -281,7 +286,8 @@ impl CacheEngine {
             None => 0,
         };
         let spans = self.db.process_tokens(tokens, mask)?;
-        self.begin_retrieve_spans(&spans, skip, tokens.len(), slot_mapping).await
+        self.begin_retrieve_spans(&spans, skip, tokens.len(), slot_mapping)
+            .await
     }
 
     /// Layer-wise retrieve over precomputed spans; tokens before `skip` are not written.
@@ -311,7 +317,9 @@ impl CacheEngine {
                 break;
             }
             let offset = skip.saturating_sub(span.start);
-            mask[span.start + offset..span.end].iter_mut().for_each(|m| *m = true);
+            mask[span.start + offset..span.end]
+                .iter_mut()
+                .for_each(|m| *m = true);
             loaded.push((span.clone(), chunk, offset));
         }
         let wanted = num_tokens.saturating_sub(skip);
@@ -381,7 +389,11 @@ impl LayerwiseStore<'_> {
         }
         self.engine.check_transfer(kv)?;
         for (span, buf) in &mut self.buffers {
-            kv.gather_layer(layer, &self.slot_mapping[span.start..span.end], buf.as_mut_slice())?;
+            kv.gather_layer(
+                layer,
+                &self.slot_mapping[span.start..span.end],
+                buf.as_mut_slice(),
+            )?;
         }
         self.next_layer += 1;
         Ok(())
@@ -413,12 +425,18 @@ impl LayerwiseStore<'_> {
                 (span.key, chunk)
             })
             .collect();
-        let tokens: usize = entries.iter().map(|(_, c)| c.meta.token_count as usize).sum();
+        let tokens: usize = entries
+            .iter()
+            .map(|(_, c)| c.meta.token_count as usize)
+            .sum();
         let outcome = self.engine.manager.put(entries).await?;
         report.stored_chunks = outcome.stored;
         report.stored_tokens = if outcome.skipped == 0 { tokens } else { 0 };
         report.skipped_no_space += outcome.skipped;
-        add(&self.engine.counters.stored_tokens, report.stored_tokens as u64);
+        add(
+            &self.engine.counters.stored_tokens,
+            report.stored_tokens as u64,
+        );
         metrics::counter!("kvpool_stored_tokens_total").increment(report.stored_tokens as u64);
         Ok(report)
     }
@@ -452,7 +470,9 @@ impl LayerwiseRetrieve {
 
     fn check(&self, kv: &dyn KvTransfer) -> Result<(), EngineError> {
         if kv.layout().fingerprint() != self.fingerprint {
-            return Err(EngineError::Usage("transfer layout does not match the engine layout".into()));
+            return Err(EngineError::Usage(
+                "transfer layout does not match the engine layout".into(),
+            ));
         }
         Ok(())
     }

@@ -345,10 +345,19 @@ mod tests {
 
     fn codecs() -> impl Strategy<Value = ChunkCodec> {
         (
-            prop_oneof![Just(ChecksumAlgorithm::Xxh3), Just(ChecksumAlgorithm::Crc32c)],
-            prop_oneof![Just(Compression::None), (1i32..4).prop_map(|level| Compression::Zstd { level })],
+            prop_oneof![
+                Just(ChecksumAlgorithm::Xxh3),
+                Just(ChecksumAlgorithm::Crc32c)
+            ],
+            prop_oneof![
+                Just(Compression::None),
+                (1i32..4).prop_map(|level| Compression::Zstd { level })
+            ],
         )
-            .prop_map(|(checksum, compression)| ChunkCodec { checksum, compression })
+            .prop_map(|(checksum, compression)| ChunkCodec {
+                checksum,
+                compression,
+            })
     }
 
     fn payloads() -> impl Strategy<Value = Vec<u8>> {
@@ -400,13 +409,19 @@ mod tests {
         let encoded = codec.encode(&meta(1), &[7u8; 1000]);
         assert!(matches!(
             decode_header(&encoded, &open(999)),
-            Err(FormatError::TooLarge { size: 1000, limit: 999 })
+            Err(FormatError::TooLarge {
+                size: 1000,
+                limit: 999
+            })
         ));
         // A header that claims a huge raw size is rejected by the limit, not by allocating.
         let mut forged = encoded.clone();
         forged[7] = 1; // claims zstd so raw_len may differ from payload_len
         forged[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(decode_header(&forged, &open(1 << 20)), Err(FormatError::TooLarge { .. })));
+        assert!(matches!(
+            decode_header(&forged, &open(1 << 20)),
+            Err(FormatError::TooLarge { .. })
+        ));
     }
 
     #[test]
@@ -415,12 +430,18 @@ mod tests {
         let encoded = codec.encode(&meta(4), &[1u8; 64]);
         let mut expect = open(1 << 20);
         expect.layout_fingerprint = Some(0x9999);
-        assert!(matches!(decode_header(&encoded, &expect), Err(FormatError::LayoutMismatch { .. })));
+        assert!(matches!(
+            decode_header(&encoded, &expect),
+            Err(FormatError::LayoutMismatch { .. })
+        ));
         expect.layout_fingerprint = Some(0x1234);
         expect.bytes_per_token = Some(16);
         assert!(decode_header(&encoded, &expect).is_ok());
         expect.bytes_per_token = Some(32);
-        assert!(matches!(decode_header(&encoded, &expect), Err(FormatError::SizeMismatch { .. })));
+        assert!(matches!(
+            decode_header(&encoded, &expect),
+            Err(FormatError::SizeMismatch { .. })
+        ));
     }
 
     #[test]

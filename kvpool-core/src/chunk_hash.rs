@@ -142,7 +142,10 @@ mod tests {
         let root = algo.root();
         let a = algo.chain_tokens(&root, &[9, 9]);
         let b = algo.chain_tokens(&a, &[9, 9]);
-        assert_ne!(a, b, "same tokens after a different prefix must hash differently");
+        assert_ne!(
+            a, b,
+            "same tokens after a different prefix must hash differently"
+        );
         let blocks = algo.chain_blocks(&root, &[[9u8, 0, 0, 0], [9, 0, 0, 0]]);
         assert_ne!(a, blocks);
         assert_ne!(algo.root(), HashAlgorithm::Sha256.root());

@@ -25,6 +25,16 @@ impl ByteSize {
     pub const fn mib(n: u64) -> Self {
         ByteSize(n << 20)
     }
+    /// Rounded, for reports: `17.9GiB`, `512.0MiB`, `300B`.
+    pub fn human(self) -> String {
+        for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+            if self.0 >= 1 << shift {
+                return format!("{:.1}{unit}", self.0 as f64 / (1u64 << shift) as f64);
+            }
+        }
+        format!("{}B", self.0)
+    }
+
     /// As `usize`.
     pub fn as_usize(self) -> usize {
         usize::try_from(self.0).unwrap_or(usize::MAX)
@@ -46,7 +56,9 @@ impl FromStr for ByteSize {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let t = s.trim();
-        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let value: f64 = num
             .parse()
@@ -61,7 +73,11 @@ impl FromStr for ByteSize {
             "gib" => 1024.0 * 1024.0 * 1024.0,
             "t" | "tb" => 1e12,
             "tib" => 1024f64.powi(4),
-            other => return Err(format!("unknown size unit `{other}` in `{s}`: use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")),
+            other => {
+                return Err(format!(
+                    "unknown size unit `{other}` in `{s}`: use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+                ));
+            }
         };
         Ok(ByteSize((value * mult).round() as u64))
     }
@@ -235,7 +251,8 @@ pub struct PoolConfig {
 impl PoolConfig {
     /// Parses TOML and validates it.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let cfg: PoolConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let cfg: PoolConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -251,7 +268,8 @@ impl PoolConfig {
 
     /// The default configuration as commented TOML.
     pub fn default_toml() -> String {
-        let body = toml::to_string_pretty(&PoolConfig::default()).expect("default config serialises");
+        let body =
+            toml::to_string_pretty(&PoolConfig::default()).expect("default config serialises");
         format!(
             "# kvpool configuration. Sizes accept B/KiB/MiB/GiB (or KB/MB/GB) or plain bytes.\n\
              # eviction: lru | fifo | s3fifo; hash_algorithm: xxh3_128 | sha256;\n\
@@ -340,9 +358,14 @@ mod tests {
     fn sizes_parse() {
         assert_eq!("2GiB".parse::<ByteSize>().unwrap(), ByteSize::gib(2));
         assert_eq!("1.5 MiB".parse::<ByteSize>().unwrap(), ByteSize(1572864));
-        assert_eq!("10GB".parse::<ByteSize>().unwrap(), ByteSize(10_000_000_000));
+        assert_eq!(
+            "10GB".parse::<ByteSize>().unwrap(),
+            ByteSize(10_000_000_000)
+        );
         assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
         assert!("lots".parse::<ByteSize>().is_err());
+        assert_eq!(ByteSize(3 << 29).human(), "1.5GiB");
+        assert_eq!(ByteSize(300).human(), "300B");
         assert!("3 parsecs".parse::<ByteSize>().is_err());
     }
 
@@ -351,7 +374,10 @@ mod tests {
         let mut cfg = PoolConfig::default();
         cfg.local_cpu.max_size = ByteSize::mib(1);
         let err = cfg.validate().unwrap_err().to_string();
-        assert!(err.contains("local_cpu.max_size") && err.contains("cannot hold one chunk"), "{err}");
+        assert!(
+            err.contains("local_cpu.max_size") && err.contains("cannot hold one chunk"),
+            "{err}"
+        );
     }
 
     #[test]

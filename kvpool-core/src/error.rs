@@ -28,7 +28,9 @@ pub enum LayoutError {
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum KeyParseError {
     /// The string form did not have the expected `model@tpN@rankR@ppP@fp@hash` shape.
-    #[error("malformed cache key `{key}`: {reason} (expected `model@tp<world>@rank<r>@pp<p>@<16 hex fp>@<32 hex hash>`)")]
+    #[error(
+        "malformed cache key `{key}`: {reason} (expected `model@tp<world>@rank<r>@pp<p>@<16 hex fp>@<32 hex hash>`)"
+    )]
     Malformed {
         /// The key text.
         key: String,
@@ -52,13 +54,17 @@ pub enum TokenError {
         tokens: usize,
     },
     /// The mask is not a run of `false` followed by a run of `true`.
-    #[error("token mask must be a prefix of `false` (tokens already on the GPU) followed only by `true`; found `false` at index {index} after a `true`")]
+    #[error(
+        "token mask must be a prefix of `false` (tokens already on the GPU) followed only by `true`; found `false` at index {index} after a `true`"
+    )]
     MaskNotPrefix {
         /// First offending index.
         index: usize,
     },
     /// The chunk size is not a multiple of the engine block size.
-    #[error("chunk size {chunk_size} is not a multiple of the engine block size {block_size}; block hashes cannot be grouped into chunks")]
+    #[error(
+        "chunk size {chunk_size} is not a multiple of the engine block size {block_size}; block hashes cannot be grouped into chunks"
+    )]
     ChunkNotBlockAligned {
         /// Chunk size in tokens.
         chunk_size: usize,
@@ -66,7 +72,9 @@ pub enum TokenError {
         block_size: usize,
     },
     /// More block hashes than tokens cover.
-    #[error("{blocks} block hashes of {block_size} tokens cover more than the {tokens} tokens given")]
+    #[error(
+        "{blocks} block hashes of {block_size} tokens cover more than the {tokens} tokens given"
+    )]
     TooManyBlocks {
         /// Block hash count.
         blocks: usize,
@@ -161,7 +169,9 @@ pub enum FormatError {
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PoolError {
     /// Not enough free contiguous space; evict or skip.
-    #[error("memory pool full: requested {requested} bytes, {free} free, largest free block {largest}")]
+    #[error(
+        "memory pool full: requested {requested} bytes, {free} free, largest free block {largest}"
+    )]
     OutOfMemory {
         /// Bytes requested.
         requested: usize,
@@ -171,7 +181,9 @@ pub enum PoolError {
         largest: usize,
     },
     /// The request can never fit.
-    #[error("requested {requested} bytes but the pool holds only {capacity}; raise the pool size (e.g. `max_local_cpu_size`)")]
+    #[error(
+        "requested {requested} bytes but the pool holds only {capacity}; raise the pool size (e.g. `max_local_cpu_size`)"
+    )]
     LargerThanPool {
         /// Bytes requested.
         requested: usize,

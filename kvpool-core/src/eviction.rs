@@ -49,7 +49,9 @@ impl std::str::FromStr for EvictionKind {
             "lru" => Ok(EvictionKind::Lru),
             "fifo" => Ok(EvictionKind::Fifo),
             "s3fifo" => Ok(EvictionKind::S3fifo),
-            _ => Err(format!("unknown eviction policy `{s}`: expected lru, fifo or s3fifo")),
+            _ => Err(format!(
+                "unknown eviction policy `{s}`: expected lru, fifo or s3fifo"
+            )),
         }
     }
 }
@@ -235,7 +237,15 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
             }
             Queue::Main => self.main.push_back((key.clone(), seq)),
         }
-        self.entries.insert(key, S3Entry { queue, freq, size, seq });
+        self.entries.insert(
+            key,
+            S3Entry {
+                queue,
+                freq,
+                size,
+                seq,
+            },
+        );
     }
 
     fn forget(&mut self, key: &K) -> Option<S3Entry> {
@@ -252,7 +262,9 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
         self.ghost.push_back((key, seq));
         let cap = self.entries.len().max(16);
         while self.ghost_seq.len() > cap {
-            let Some((k, s)) = self.ghost.pop_front() else { break };
+            let Some((k, s)) = self.ghost.pop_front() else {
+                break;
+            };
             if self.ghost_seq.get(&k) == Some(&s) {
                 self.ghost_seq.remove(&k);
             }
@@ -268,7 +280,9 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
     /// One step on the small queue: evicts its oldest cold entry, or promotes a hit one.
     fn step_small(&mut self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Option<K>> {
         let (key, seq) = self.small.pop_front()?;
-        let Some(e) = self.entries.get(&key).copied() else { return Some(None) };
+        let Some(e) = self.entries.get(&key).copied() else {
+            return Some(None);
+        };
         if e.seq != seq || e.queue != Queue::Small {
             return Some(None);
         }
@@ -288,7 +302,9 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
     /// One step on the main queue: evicts its oldest cold entry, or gives a hit one a round.
     fn step_main(&mut self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<Option<K>> {
         let (key, seq) = self.main.pop_front()?;
-        let Some(e) = self.entries.get(&key).copied() else { return Some(None) };
+        let Some(e) = self.entries.get(&key).copied() else {
+            return Some(None);
+        };
         if e.seq != seq || e.queue != Queue::Main {
             return Some(None);
         }
@@ -339,9 +355,11 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
             budget -= 1;
             let from_small = self.small_bytes >= self.small_target || self.main.is_empty();
             let step = if from_small {
-                self.step_small(evictable).or_else(|| self.step_main(evictable))
+                self.step_small(evictable)
+                    .or_else(|| self.step_main(evictable))
             } else {
-                self.step_main(evictable).or_else(|| self.step_small(evictable))
+                self.step_main(evictable)
+                    .or_else(|| self.step_small(evictable))
             };
             match step {
                 Some(Some(victim)) => return Some(victim),
@@ -394,7 +412,11 @@ mod tests {
             }
             p.on_remove(&"b");
             assert_eq!(p.pop_victim(&mut |k| *k != "a"), Some("c"), "{kind:?}");
-            assert_eq!(p.pop_victim(&mut |k| *k != "a"), None, "{kind:?}: only pinned left");
+            assert_eq!(
+                p.pop_victim(&mut |k| *k != "a"),
+                None,
+                "{kind:?}: only pinned left"
+            );
             assert_eq!(p.len(), 1);
         }
     }
@@ -444,7 +466,10 @@ mod tests {
 
     #[test]
     fn kinds_parse() {
-        assert_eq!("S3-FIFO".parse::<EvictionKind>().unwrap(), EvictionKind::S3fifo);
+        assert_eq!(
+            "S3-FIFO".parse::<EvictionKind>().unwrap(),
+            EvictionKind::S3fifo
+        );
         assert!("random".parse::<EvictionKind>().is_err());
     }
 }

@@ -224,7 +224,12 @@ mod tests {
     #[test]
     fn zero_dimension_is_rejected() {
         let err = KvLayout::new(0, 2, 64, Dtype::F16, KvKind::KeyValue, 16).unwrap_err();
-        assert_eq!(err, LayoutError::ZeroDimension { field: "num_layers" });
+        assert_eq!(
+            err,
+            LayoutError::ZeroDimension {
+                field: "num_layers"
+            }
+        );
     }
 
     #[test]
@@ -249,7 +254,13 @@ mod tests {
 
     #[test]
     fn dtype_parses_and_round_trips_codes() {
-        for d in [Dtype::F16, Dtype::Bf16, Dtype::F32, Dtype::Fp8E4m3, Dtype::Fp8E5m2] {
+        for d in [
+            Dtype::F16,
+            Dtype::Bf16,
+            Dtype::F32,
+            Dtype::Fp8E4m3,
+            Dtype::Fp8E5m2,
+        ] {
             assert_eq!(d.name().parse::<Dtype>().unwrap(), d);
             assert_eq!(Dtype::from_code(d.code()), Some(d));
         }

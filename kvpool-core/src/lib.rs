@@ -45,7 +45,9 @@ pub use error::{
 pub use eviction::{EvictionKind, EvictionPolicy};
 pub use key::{CacheKey, KeyScope};
 pub use layout::{Dtype, KvKind, KvLayout};
-pub use memory_pool::{HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool};
+pub use memory_pool::{
+    HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool,
+};
 pub use remote::{RemoteBackend, RemoteConnector};
 pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
 pub use token_database::{ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};

@@ -86,10 +86,11 @@ impl HostAllocator for HeapAllocator {
         if bytes == 0 {
             return Err(PoolError::ZeroSize);
         }
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096).map_err(|e| PoolError::Arena {
-            bytes,
-            reason: e.to_string(),
-        })?;
+        let layout =
+            std::alloc::Layout::from_size_align(bytes, 4096).map_err(|e| PoolError::Arena {
+                bytes,
+                reason: e.to_string(),
+            })?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| PoolError::Arena {
@@ -175,7 +176,10 @@ impl MemoryPool {
     }
 
     /// A pool whose arena comes from `allocator` (e.g. pinned memory).
-    pub fn with_allocator(capacity: usize, allocator: &dyn HostAllocator) -> Result<Self, PoolError> {
+    pub fn with_allocator(
+        capacity: usize,
+        allocator: &dyn HostAllocator,
+    ) -> Result<Self, PoolError> {
         let capacity = capacity / REGION_ALIGN * REGION_ALIGN;
         if capacity == 0 {
             return Err(PoolError::ZeroSize);
@@ -394,7 +398,12 @@ impl MemoryObj {
 
 impl fmt::Debug for MemoryObj {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "MemoryObj({} bytes, refs {})", self.len(), self.ref_count())
+        write!(
+            f,
+            "MemoryObj({} bytes, refs {})",
+            self.len(),
+            self.ref_count()
+        )
     }
 }
 
@@ -413,15 +422,25 @@ mod tests {
         let pool = MemoryPool::new(4 * REGION_ALIGN).unwrap();
         let a = pool.allocate(REGION_ALIGN).unwrap();
         let b = pool.allocate(2 * REGION_ALIGN).unwrap();
-        assert!(matches!(pool.allocate(2 * REGION_ALIGN), Err(PoolError::OutOfMemory { .. })));
+        assert!(matches!(
+            pool.allocate(2 * REGION_ALIGN),
+            Err(PoolError::OutOfMemory { .. })
+        ));
         let shared = b.freeze();
         let clone = shared.clone();
         drop(shared);
-        assert_eq!(pool.stats().used, 3 * REGION_ALIGN, "a clone still holds the region");
+        assert_eq!(
+            pool.stats().used,
+            3 * REGION_ALIGN,
+            "a clone still holds the region"
+        );
         drop(clone);
         drop(a);
         let st = pool.stats();
-        assert_eq!((st.used, st.regions, st.largest_free), (0, 0, 4 * REGION_ALIGN));
+        assert_eq!(
+            (st.used, st.regions, st.largest_free),
+            (0, 0, 4 * REGION_ALIGN)
+        );
     }
 
     #[test]
@@ -458,6 +477,9 @@ mod tests {
     fn impossible_requests_are_typed_errors() {
         let pool = MemoryPool::new(1024).unwrap();
         assert!(matches!(pool.allocate(0), Err(PoolError::ZeroSize)));
-        assert!(matches!(pool.allocate(2048), Err(PoolError::LargerThanPool { .. })));
+        assert!(matches!(
+            pool.allocate(2048),
+            Err(PoolError::LargerThanPool { .. })
+        ));
     }
 }

@@ -182,7 +182,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             .into_iter()
             .map(|(k, c)| {
                 bytes_in += c.data.len() as u64;
-                (k.to_string(), Bytes::from(self.codec.encode(&c.meta, c.data.as_slice())))
+                (
+                    k.to_string(),
+                    Bytes::from(self.codec.encode(&c.meta, c.data.as_slice())),
+                )
             })
             .collect();
         self.connector.batch_put(encoded).await?;

@@ -214,7 +214,10 @@ impl StorageManagerBuilder {
                 reason: "no storage tier configured: enable local_cpu or add a lower tier".into(),
             });
         }
-        let quota = self.config.write_behind_quota_bytes.min(Semaphore::MAX_PERMITS);
+        let quota = self
+            .config
+            .write_behind_quota_bytes
+            .min(Semaphore::MAX_PERMITS);
         let mk = |backend| {
             Arc::new(Tier {
                 backend,
@@ -296,7 +299,9 @@ impl StorageManager {
                 break;
             }
             // Only keys from the current prefix end onward can extend it.
-            let unknown: Vec<usize> = (prefix..keys.len()).filter(|&i| location[i].is_none()).collect();
+            let unknown: Vec<usize> = (prefix..keys.len())
+                .filter(|&i| location[i].is_none())
+                .collect();
             let batch: Vec<CacheKey> = unknown.iter().map(|&i| keys[i].clone()).collect();
             match tier.backend.contains(&batch).await {
                 Ok(present) => {
@@ -315,7 +320,10 @@ impl StorageManager {
                 prefix += 1;
             }
         }
-        let tiers = location[..prefix].iter().map(|l| l.expect("in prefix")).collect();
+        let tiers = location[..prefix]
+            .iter()
+            .map(|l| l.expect("in prefix"))
+            .collect();
         metrics::counter!("kvpool_lookup_keys_total").increment(keys.len() as u64);
         metrics::counter!("kvpool_lookup_hit_keys_total").increment(prefix as u64);
         PrefixLookup { tiers }
@@ -349,7 +357,10 @@ impl StorageManager {
                             add(&tier.counters.hit_tokens, u64::from(c.meta.token_count));
                             add(&tier.counters.bytes_read, c.data.len() as u64);
                             metrics::counter!("kvpool_hit_chunks_total", "tier" => tier.backend.name().to_string()).increment(1);
-                            if Some(t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
+                            if Some(t) != self.primary
+                                && self.primary.is_some()
+                                && self.config.promote_on_hit
+                            {
                                 promote.push((keys[i].clone(), c.clone()));
                             }
                             chunks[i] = Some(c);
@@ -378,7 +389,11 @@ impl StorageManager {
         add(&self.miss_chunks, (keys.len() - loaded) as u64);
         metrics::counter!("kvpool_miss_chunks_total").increment((keys.len() - loaded) as u64);
         metrics::histogram!("kvpool_get_seconds").record(started.elapsed().as_secs_f64());
-        chunks.into_iter().take(loaded).map(|c| c.expect("in prefix")).collect()
+        chunks
+            .into_iter()
+            .take(loaded)
+            .map(|c| c.expect("in prefix"))
+            .collect()
     }
 
     /// Stores entries: synchronously into L1, then schedules write-behind to each lower tier.

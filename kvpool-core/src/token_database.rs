@@ -226,7 +226,10 @@ mod tests {
     #[test]
     fn partial_chunk_only_with_save_unfull() {
         let tokens: Vec<u32> = (0..10).collect();
-        assert_eq!(ranges(&db(4, false).process_tokens(&tokens, None).unwrap()), [(0, 4), (4, 8)]);
+        assert_eq!(
+            ranges(&db(4, false).process_tokens(&tokens, None).unwrap()),
+            [(0, 4), (4, 8)]
+        );
         assert_eq!(
             ranges(&db(4, true).process_tokens(&tokens, None).unwrap()),
             [(0, 4), (4, 8), (8, 10)]
@@ -283,7 +286,10 @@ mod tests {
         assert_eq!(ranges(&spans), [(0, 4), (4, 8)]);
         let with_tail = db(4, true).process_block_hashes(&blocks, 2, 0).unwrap();
         assert_eq!(ranges(&with_tail), [(0, 4), (4, 8), (8, 10)]);
-        assert_eq!(ranges(&d.process_block_hashes(&blocks, 2, 4).unwrap()), [(4, 8)]);
+        assert_eq!(
+            ranges(&d.process_block_hashes(&blocks, 2, 4).unwrap()),
+            [(4, 8)]
+        );
         assert!(d.process_block_hashes(&blocks, 3, 0).is_err());
     }
 
@@ -293,6 +299,8 @@ mod tests {
             chunk_size: 0,
             ..Default::default()
         };
-        assert!(ChunkedTokenDatabase::new(config, KeyScope::new("m", 1, 0, 0, 0).unwrap()).is_err());
+        assert!(
+            ChunkedTokenDatabase::new(config, KeyScope::new("m", 1, 0, 0, 0).unwrap()).is_err()
+        );
     }
 }

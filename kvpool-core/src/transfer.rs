@@ -15,7 +15,12 @@ pub trait KvTransfer: Send + Sync {
 
     /// Copies layer `layer` of the tokens at `slots` (one per chunk token, in order) into
     /// that layer's region of `chunk`, a buffer of `slots.len()` tokens.
-    fn gather_layer(&self, layer: usize, slots: &[i64], chunk: &mut [u8]) -> Result<(), TransferError>;
+    fn gather_layer(
+        &self,
+        layer: usize,
+        slots: &[i64],
+        chunk: &mut [u8],
+    ) -> Result<(), TransferError>;
 
     /// Copies layer `layer` of chunk tokens `token_offset..token_offset + slots.len()` from
     /// `chunk` (a buffer of `chunk_tokens` tokens) into the paged cache at `slots`.
@@ -98,11 +103,16 @@ pub struct HostPagedKvCache {
 impl HostPagedKvCache {
     /// A zeroed cache of `num_blocks` pages.
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
-        let per_layer = layout.kind.planes() * num_blocks * layout.block_size * layout.bytes_per_token_per_plane();
+        let per_layer = layout.kind.planes()
+            * num_blocks
+            * layout.block_size
+            * layout.bytes_per_token_per_plane();
         HostPagedKvCache {
             layout,
             num_blocks,
-            layers: (0..layout.num_layers).map(|_| vec![0u8; per_layer]).collect(),
+            layers: (0..layout.num_layers)
+                .map(|_| vec![0u8; per_layer])
+                .collect(),
         }
     }
 
@@ -142,7 +152,12 @@ impl KvTransfer for HostPagedKvCache {
         &self.layout
     }
 
-    fn gather_layer(&self, layer: usize, slots: &[i64], chunk: &mut [u8]) -> Result<(), TransferError> {
+    fn gather_layer(
+        &self,
+        layer: usize,
+        slots: &[i64],
+        chunk: &mut [u8],
+    ) -> Result<(), TransferError> {
         let n = slots.len();
         check_chunk_window(&self.layout, layer, chunk.len(), n, 0, n)?;
         let row = self.layout.bytes_per_token_per_plane();
@@ -169,9 +184,19 @@ impl KvTransfer for HostPagedKvCache {
         token_offset: usize,
         slots: &[i64],
     ) -> Result<(), TransferError> {
-        check_chunk_window(&self.layout, layer, chunk.len(), chunk_tokens, token_offset, slots.len())?;
+        check_chunk_window(
+            &self.layout,
+            layer,
+            chunk.len(),
+            chunk_tokens,
+            token_offset,
+            slots.len(),
+        )?;
         // Validate every slot before writing anything: a failed scatter leaves the cache as it was.
-        let indices: Vec<usize> = slots.iter().map(|&s| self.slot_index(s)).collect::<Result<_, _>>()?;
+        let indices: Vec<usize> = slots
+            .iter()
+            .map(|&s| self.slot_index(s))
+            .collect::<Result<_, _>>()?;
         let row = self.layout.bytes_per_token_per_plane();
         let planes = self.layout.kind.planes();
         let num_slots = self.num_slots();
@@ -198,7 +223,10 @@ mod tests {
         let mut c = HostPagedKvCache::new(layout, blocks);
         for l in 0..layout.num_layers {
             for (i, b) in c.layer_mut(l).iter_mut().enumerate() {
-                *b = (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add(l as u8 * 7);
+                *b = (i as u8)
+                    .wrapping_mul(31)
+                    .wrapping_add(seed)
+                    .wrapping_add(l as u8 * 7);
             }
         }
         c
@@ -250,10 +278,22 @@ mod tests {
             Err(TransferError::SlotOutOfRange { slot: -1, .. })
         ));
         assert!(c.layer(0).iter().all(|&b| b == 0));
-        assert!(matches!(c.scatter(&chunk, 2, 0, &[0, 4]), Err(TransferError::SlotOutOfRange { .. })));
-        assert!(matches!(c.scatter(&chunk[1..], 2, 0, &[0, 1]), Err(TransferError::BufferSize { .. })));
-        assert!(matches!(c.scatter(&chunk, 2, 1, &[0, 1]), Err(TransferError::TokenRange { .. })));
+        assert!(matches!(
+            c.scatter(&chunk, 2, 0, &[0, 4]),
+            Err(TransferError::SlotOutOfRange { .. })
+        ));
+        assert!(matches!(
+            c.scatter(&chunk[1..], 2, 0, &[0, 1]),
+            Err(TransferError::BufferSize { .. })
+        ));
+        assert!(matches!(
+            c.scatter(&chunk, 2, 1, &[0, 1]),
+            Err(TransferError::TokenRange { .. })
+        ));
         let mut out = vec![0u8; layout.chunk_bytes(2)];
-        assert!(matches!(c.gather_layer(1, &[0, 1], &mut out), Err(TransferError::LayerOutOfRange { .. })));
+        assert!(matches!(
+            c.gather_layer(1, &[0, 1], &mut out),
+            Err(TransferError::LayerOutOfRange { .. })
+        ));
     }
 }

@@ -1,1 +1,129 @@
-fn main() {}
+//! `cargo xtask`: project automation (CI gate and benchmarks) in plain Rust.
+//!
+//! - `cargo xtask ci`: formatting, clippy (warnings are errors), every test (nextest when
+//!   installed, else `cargo test`), and doc tests: exactly what CI runs.
+//! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
+//!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs a command in the workspace root, echoing it; Err if it fails to start or exits non-zero.
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    eprintln!("\n==> {program} {}", args.join(" "));
+    let started = Instant::now();
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    eprintln!(
+        "<== {program} {} ({:.0?}, {status})",
+        args.join(" "),
+        started.elapsed()
+    );
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{program} {}` failed with {status}",
+            args.join(" ")
+        ))
+    }
+}
+
+fn has_nextest() -> bool {
+    Command::new("cargo")
+        .args(["nextest", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn ci() -> Result<(), String> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(&cargo, &["fmt", "--all", "--", "--check"])?;
+    run(
+        &cargo,
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    if has_nextest() {
+        run(&cargo, &["nextest", "run", "--workspace", "--no-fail-fast"])?;
+    } else {
+        eprintln!("cargo-nextest not found; using cargo test");
+        run(
+            &cargo,
+            &["test", "--workspace", "--lib", "--bins", "--tests"],
+        )?;
+    }
+    run(&cargo, &["test", "--workspace", "--doc"])?;
+    Ok(())
+}
+
+fn bench() -> Result<(), String> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(
+        &cargo,
+        &["bench", "-p", "kvpool-core", "-p", "kvpool-backends"],
+    )?;
+    run(&cargo, &["build", "--release", "-p", "kvpool-cli"])?;
+    let kvpool = workspace_root().join("target/release/kvpool");
+    let kvpool = kvpool.to_str().ok_or("non-UTF-8 path")?;
+    let trace = env::temp_dir().join("kvpool-bench-trace.jsonl");
+    let trace = trace.to_str().ok_or("non-UTF-8 path")?;
+    run(
+        "/usr/bin/time",
+        &["-v", kvpool, "bench", "--cpu-size", "2GiB"],
+    )?;
+    run(
+        kvpool,
+        &["gen-trace", "--out", trace, "--requests", "12000"],
+    )?;
+    run(
+        kvpool,
+        &[
+            "replay",
+            "--trace",
+            trace,
+            "--simulate",
+            "--capacity-tokens",
+            "20000000",
+        ],
+    )?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let task = env::args().nth(1);
+    let result = match task.as_deref() {
+        Some("ci") => ci(),
+        Some("bench") => bench(),
+        Some("fmt") => run("cargo", &["fmt", "--all"]),
+        _ => {
+            eprintln!("usage: cargo xtask <ci | bench | fmt>");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

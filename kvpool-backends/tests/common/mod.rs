@@ -37,7 +37,11 @@ impl MapConnector {
         let mut m = self.map.lock();
         for v in m.values_mut() {
             let mut b = v.to_vec();
-            let i = if offset < 0 { b.len() - (-offset) as usize } else { offset as usize };
+            let i = if offset < 0 {
+                b.len() - (-offset) as usize
+            } else {
+                offset as usize
+            };
             b[i] ^= 0x40;
             *v = Bytes::from(b);
         }
@@ -85,7 +89,10 @@ pub fn filled_cache(layout: KvLayout, num_blocks: usize, seed: u32) -> HostPaged
     let mut c = HostPagedKvCache::new(layout, num_blocks);
     for l in 0..layout.num_layers {
         for (i, b) in c.layer_mut(l).iter_mut().enumerate() {
-            let x = (i as u32).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(97)).wrapping_add(l as u32 * 131);
+            let x = (i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(seed.wrapping_mul(97))
+                .wrapping_add(l as u32 * 131);
             *b = (x >> 13) as u8;
         }
     }
@@ -121,5 +128,7 @@ pub fn assert_rows_equal(
 /// Whether the row of `slot` is all zero in every layer/plane.
 pub fn row_is_zero(c: &HostPagedKvCache, slot: i64) -> bool {
     let layout = *kvpool_core::KvTransfer::layout(c);
-    (0..layout.num_layers).all(|l| (0..layout.kind.planes()).all(|p| c.row(l, p, slot as usize).iter().all(|&b| b == 0)))
+    (0..layout.num_layers).all(|l| {
+        (0..layout.kind.planes()).all(|p| c.row(l, p, slot as usize).iter().all(|&b| b == 0))
+    })
 }

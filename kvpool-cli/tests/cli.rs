@@ -1,0 +1,107 @@
+//! The `kvpool` binary as a user runs it.
+
+use std::process::{Command, Output};
+
+fn kvpool(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(args)
+        .output()
+        .expect("kvpool runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn printed_default_config_is_valid_and_checkable() {
+    let out = kvpool(&["config", "--print-default"]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    let parsed = kvpool_core::PoolConfig::from_toml(&text).unwrap();
+    assert_eq!(parsed, kvpool_core::PoolConfig::default());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvpool.toml");
+    std::fs::write(&path, text).unwrap();
+    let check = kvpool(&["config", "--check", path.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    assert!(stdout(&check).contains("ok"));
+}
+
+#[test]
+fn bench_json_reports_hits_on_a_small_workload() {
+    let out = kvpool(&[
+        "bench",
+        "--cpu-size",
+        "256MiB",
+        "--system-prompts",
+        "2",
+        "--system-prompt-tokens",
+        "512",
+        "--sessions",
+        "4",
+        "--turns",
+        "3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["requests"], 12);
+    // Every request after a session's first repeats at least its system prompt's two chunks.
+    assert!(v["hit_tokens"].as_u64().unwrap() >= 8 * 512);
+    assert_eq!(v["hit_tokens"], v["prefill_tokens_saved"]);
+    assert_eq!(v["tiers"][0]["name"], "cpu");
+}
+
+#[test]
+fn replay_reports_bad_lines_by_number_and_counts_hits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.jsonl");
+    std::fs::write(
+        &path,
+        "{\"timestamp\":0,\"input_length\":1024,\"output_length\":1,\"hash_ids\":[1,2]}\n\
+         {\"timestamp\":1,\"input_length\":oops}\n\
+         {\"timestamp\":2,\"input_length\":1500,\"output_length\":1,\"hash_ids\":[1,2,3]}\n",
+    )
+    .unwrap();
+    for simulate in [true, false] {
+        let mut args = vec!["replay", "--trace", path.to_str().unwrap(), "--json"];
+        if simulate {
+            args.push("--simulate");
+        }
+        let out = kvpool(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(":2: skipping bad line"),
+            "{}",
+            stderr(&out)
+        );
+        let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(v["requests"], 2);
+        assert_eq!(v["bad_lines"], 1);
+        assert_eq!(v["hit_tokens"], 1024);
+    }
+}
+
+#[test]
+fn user_errors_are_messages_not_panics() {
+    let small = kvpool(&["bench", "--cpu-size", "1MiB"]);
+    assert!(!small.status.success());
+    assert!(
+        stderr(&small).contains("cannot hold one chunk"),
+        "{}",
+        stderr(&small)
+    );
+    let missing = kvpool(&["replay", "--trace", "/nonexistent/trace.jsonl"]);
+    assert!(!missing.status.success());
+    assert!(stderr(&missing).contains("cannot open trace"));
+    let bad_policy = kvpool(&["bench", "--policy", "random"]);
+    assert!(!bad_policy.status.success());
+    for o in [&small, &missing, &bad_policy] {
+        assert!(!stderr(o).contains("panicked"));
+    }
+}
