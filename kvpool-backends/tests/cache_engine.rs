@@ -64,6 +64,45 @@ fn setup_with(
     }
 }
 
+/// A stored token sequence and where its KV came from / goes to.
+struct Stored {
+    toks: Vec<u32>,
+    src_slots: Vec<i64>,
+    dst_slots: Vec<i64>,
+    src: HostPagedKvCache,
+}
+
+impl Setup {
+    /// Stores `n` tokens (sequence `seed`) from a filled cache and waits for write-behind.
+    async fn store_and_flush(&self, n: usize, seed: u32) -> Stored {
+        let toks = tokens(n, seed);
+        let (src_slots, dst_slots) = slots(n);
+        let src = filled_cache(layout(), 100, seed + 1);
+        self.engine
+            .store(&toks, None, &src, &src_slots)
+            .await
+            .unwrap();
+        self.engine.storage().flush().await.unwrap();
+        Stored {
+            toks,
+            src_slots,
+            dst_slots,
+            src,
+        }
+    }
+
+    /// Retrieves `toks` into a fresh cache; returns the loaded mask and the cache.
+    async fn retrieve_all(&self, toks: &[u32], dst_slots: &[i64]) -> (Vec<bool>, HostPagedKvCache) {
+        let mut dst = HostPagedKvCache::new(layout(), 100);
+        let mask = self
+            .engine
+            .retrieve(toks, None, &mut dst, dst_slots)
+            .await
+            .unwrap();
+        (mask, dst)
+    }
+}
+
 fn setup() -> Setup {
     setup_with(Some(64), false, StorageManagerConfig::default())
 }
@@ -92,12 +131,7 @@ async fn store_then_retrieve_round_trips_bytes_exactly() {
     assert_eq!((report.stored_chunks, report.stored_tokens), (4, 4 * CHUNK));
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 4 * CHUNK);
 
-    let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s
-        .engine
-        .retrieve(&toks, None, &mut dst, &dst_slots)
-        .await
-        .unwrap();
+    let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     let expect: Vec<bool> = (0..n).map(|i| i < 4 * CHUNK).collect();
     assert_eq!(mask, expect);
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
@@ -121,12 +155,7 @@ async fn partial_chunk_is_stored_and_loaded_with_save_unfull_chunk() {
     let src = filled_cache(layout(), 100, 4);
     s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), n);
-    let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s
-        .engine
-        .retrieve(&toks, None, &mut dst, &dst_slots)
-        .await
-        .unwrap();
+    let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     assert!(mask.iter().all(|m| *m));
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
     // A longer prompt shares the full chunks but not the partial one.
@@ -174,11 +203,12 @@ async fn masked_prefix_is_neither_reported_nor_written() {
 async fn lookup_and_retrieve_stop_at_the_first_missing_chunk() {
     let s = setup_with(Some(64), false, StorageManagerConfig::default());
     let n = 4 * CHUNK;
-    let toks = tokens(n, 8);
-    let (src_slots, dst_slots) = slots(n);
-    let src = filled_cache(layout(), 100, 9);
-    s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
-    s.engine.storage().flush().await.unwrap();
+    let Stored {
+        toks,
+        src_slots,
+        dst_slots,
+        src,
+    } = s.store_and_flush(n, 8).await;
     let spans = s
         .engine
         .token_database()
@@ -187,36 +217,33 @@ async fn lookup_and_retrieve_stop_at_the_first_missing_chunk() {
     // Remove chunk 1 everywhere: chunks 2 and 3 are present but unusable.
     assert_eq!(s.engine.storage().remove(&[spans[1].key.clone()]).await, 2);
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), CHUNK);
-    let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s
-        .engine
-        .retrieve(&toks, None, &mut dst, &dst_slots)
-        .await
-        .unwrap();
+    let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     assert_eq!(mask.iter().filter(|m| **m).count(), CHUNK);
     assert!(mask[..CHUNK].iter().all(|m| *m));
+    assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
+    assert!(
+        dst_slots[CHUNK..]
+            .iter()
+            .all(|&slot| row_is_zero(&dst, slot))
+    );
 }
 
 #[tokio::test]
 async fn a_closed_l1_still_lets_lower_tier_hits_through() {
     let s = setup();
     let n = 3 * CHUNK;
-    let toks = tokens(n, 11);
-    let (src_slots, dst_slots) = slots(n);
-    let src = filled_cache(layout(), 100, 12);
-    s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
-    s.engine.storage().flush().await.unwrap();
+    let Stored {
+        toks,
+        src_slots,
+        dst_slots,
+        src,
+    } = s.store_and_flush(n, 11).await;
     assert_eq!(s.remote.len(), 3, "write-behind reached the lower tier");
     let l1 = s.l1.as_ref().unwrap();
     l1.close().await.unwrap(); // empties L1 and refuses puts
     assert_eq!(l1.stats().entries, 0);
 
-    let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s
-        .engine
-        .retrieve(&toks, None, &mut dst, &dst_slots)
-        .await
-        .unwrap();
+    let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     assert!(mask.iter().all(|m| *m));
     assert_rows_equal(&src, &src_slots, &dst, &dst_slots, &mask);
     let stats = s.engine.storage().stats();
@@ -228,11 +255,9 @@ async fn a_closed_l1_still_lets_lower_tier_hits_through() {
 async fn promotion_copies_lower_tier_hits_into_l1() {
     let s = setup();
     let n = 2 * CHUNK;
-    let toks = tokens(n, 13);
-    let (src_slots, dst_slots) = slots(n);
-    let src = filled_cache(layout(), 100, 14);
-    s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
-    s.engine.storage().flush().await.unwrap();
+    let Stored {
+        toks, dst_slots, ..
+    } = s.store_and_flush(n, 13).await;
     let spans = s
         .engine
         .token_database()
@@ -281,20 +306,17 @@ async fn corrupt_lower_tier_chunks_are_misses_and_get_deleted() {
 async fn a_dead_lower_tier_turns_into_misses_not_errors() {
     let s = setup_with(None, false, StorageManagerConfig::default());
     let n = 2 * CHUNK;
-    let toks = tokens(n, 17);
-    let (src_slots, dst_slots) = slots(n);
-    let src = filled_cache(layout(), 100, 18);
-    s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
-    s.engine.storage().flush().await.unwrap();
+    let Stored {
+        toks,
+        src_slots,
+        dst_slots,
+        src,
+    } = s.store_and_flush(n, 17).await;
     s.remote.down.store(true, Ordering::SeqCst);
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 0);
-    let mut dst = HostPagedKvCache::new(layout(), 100);
-    let mask = s
-        .engine
-        .retrieve(&toks, None, &mut dst, &dst_slots)
-        .await
-        .unwrap();
+    let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     assert!(mask.iter().all(|m| !*m));
+    assert!(dst_slots.iter().all(|&slot| row_is_zero(&dst, slot)));
     // Stores still succeed from the caller's view; the failed write-behind is counted.
     s.engine
         .store(&tokens(n, 99), None, &src, &src_slots)

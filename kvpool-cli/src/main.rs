@@ -177,6 +177,20 @@ fn main() {
     }
 }
 
+/// Prints a report as pretty JSON or as its human-readable rendering.
+fn print_report<R: serde::Serialize>(
+    report: &R,
+    json: bool,
+    render: impl Fn(&R) -> String,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        println!("{}", render(report));
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -199,11 +213,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "--sessions and --turns must be at least 1"
             );
             let report = rt.block_on(bench::run(&cfg, spec, progress && !a.json))?;
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", report.render());
-            }
+            print_report(&report, a.json, |r| r.render())?;
         }
         Command::Replay(a) => {
             let file = File::open(&a.trace)
@@ -240,11 +250,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 progress: progress && !a.json,
             };
             let report = rt.block_on(replay::run(&requests, bad.len(), &opts))?;
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", report.render());
-            }
+            print_report(&report, a.json, |r| r.render())?;
         }
         Command::GenTrace(a) => {
             let file = File::create(&a.out)

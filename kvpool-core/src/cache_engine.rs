@@ -61,6 +61,16 @@ fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
+fn check_slot_mapping(slot_mapping: &[i64], num_tokens: usize) -> Result<(), TransferError> {
+    if slot_mapping.len() != num_tokens {
+        return Err(TransferError::SlotMappingLength {
+            slots: slot_mapping.len(),
+            tokens: num_tokens,
+        });
+    }
+    Ok(())
+}
+
 /// The KV cache engine for one model / rank / layout.
 ///
 /// ```no_run
@@ -220,13 +230,7 @@ impl CacheEngine {
         num_tokens: usize,
         slot_mapping: &[i64],
     ) -> Result<LayerwiseStore<'_>, EngineError> {
-        if slot_mapping.len() != num_tokens {
-            return Err(TransferError::SlotMappingLength {
-                slots: slot_mapping.len(),
-                tokens: num_tokens,
-            }
-            .into());
-        }
+        check_slot_mapping(slot_mapping, num_tokens)?;
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
         let present = self.manager.lookup(&keys).await.len();
         let mut report = StoreReport {
@@ -298,13 +302,7 @@ impl CacheEngine {
         num_tokens: usize,
         slot_mapping: &[i64],
     ) -> Result<LayerwiseRetrieve, EngineError> {
-        if slot_mapping.len() != num_tokens {
-            return Err(TransferError::SlotMappingLength {
-                slots: slot_mapping.len(),
-                tokens: num_tokens,
-            }
-            .into());
-        }
+        check_slot_mapping(slot_mapping, num_tokens)?;
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
         let fetched = self.manager.get(&keys).await;
         let mut loaded = Vec::with_capacity(fetched.len());

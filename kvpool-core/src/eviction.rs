@@ -63,14 +63,14 @@ impl EvictionKind {
         capacity_bytes: usize,
     ) -> Box<dyn EvictionPolicy<K>> {
         match self {
-            EvictionKind::Lru => Box::new(Lru::default()),
-            EvictionKind::Fifo => Box::new(Fifo::default()),
+            EvictionKind::Lru => Box::new(OrderedPolicy::lru()),
+            EvictionKind::Fifo => Box::new(OrderedPolicy::fifo()),
             EvictionKind::S3fifo => Box::new(S3Fifo::new(capacity_bytes)),
         }
     }
 }
 
-/// Entries ordered by a monotonically increasing tick: the shared core of LRU and FIFO.
+/// Entries ordered by a monotonically increasing tick.
 #[derive(Debug)]
 struct TickQueue<K> {
     tick_of: HashMap<K, u64>,
@@ -116,63 +116,56 @@ impl<K: Hash + Eq + Clone> TickQueue<K> {
     }
 }
 
-/// Least recently used: a hit makes an entry the newest.
+/// LRU or FIFO: entries leave in the order of their tick, oldest first. Under LRU a hit makes
+/// an entry the newest; under FIFO hits change nothing.
 #[derive(Debug)]
-pub struct Lru<K>(TickQueue<K>);
+pub struct OrderedPolicy<K> {
+    queue: TickQueue<K>,
+    refresh_on_access: bool,
+}
 
-impl<K> Default for Lru<K> {
-    fn default() -> Self {
-        Lru(TickQueue::default())
+impl<K> OrderedPolicy<K> {
+    /// Least recently used.
+    pub fn lru() -> Self {
+        OrderedPolicy {
+            queue: TickQueue::default(),
+            refresh_on_access: true,
+        }
+    }
+
+    /// First in, first out.
+    pub fn fifo() -> Self {
+        OrderedPolicy {
+            queue: TickQueue::default(),
+            refresh_on_access: false,
+        }
     }
 }
 
-impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Lru<K> {
+impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for OrderedPolicy<K> {
     fn name(&self) -> &'static str {
-        "lru"
+        if self.refresh_on_access {
+            "lru"
+        } else {
+            "fifo"
+        }
     }
     fn on_insert(&mut self, key: K, _size: usize) {
-        self.0.push_newest(key);
+        self.queue.push_newest(key);
     }
     fn on_access(&mut self, key: &K) {
-        self.0.move_to_newest(key);
+        if self.refresh_on_access {
+            self.queue.move_to_newest(key);
+        }
     }
     fn on_remove(&mut self, key: &K) {
-        self.0.remove(key);
+        self.queue.remove(key);
     }
     fn pop_victim(&mut self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<K> {
-        self.0.pop_oldest(evictable)
+        self.queue.pop_oldest(evictable)
     }
     fn len(&self) -> usize {
-        self.0.tick_of.len()
-    }
-}
-
-/// First in, first out: insertion order only.
-#[derive(Debug)]
-pub struct Fifo<K>(TickQueue<K>);
-
-impl<K> Default for Fifo<K> {
-    fn default() -> Self {
-        Fifo(TickQueue::default())
-    }
-}
-
-impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Fifo<K> {
-    fn name(&self) -> &'static str {
-        "fifo"
-    }
-    fn on_insert(&mut self, key: K, _size: usize) {
-        self.0.push_newest(key);
-    }
-    fn on_access(&mut self, _key: &K) {}
-    fn on_remove(&mut self, key: &K) {
-        self.0.remove(key);
-    }
-    fn pop_victim(&mut self, evictable: &mut dyn FnMut(&K) -> bool) -> Option<K> {
-        self.0.pop_oldest(evictable)
-    }
-    fn len(&self) -> usize {
-        self.0.tick_of.len()
+        self.queue.tick_of.len()
     }
 }
 
@@ -385,7 +378,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_least_recently_used_first() {
-        let mut p = Lru::default();
+        let mut p = OrderedPolicy::lru();
         for k in ["a", "b", "c"] {
             p.on_insert(k, 1);
         }
@@ -395,7 +388,7 @@ mod tests {
 
     #[test]
     fn fifo_ignores_hits() {
-        let mut p = Fifo::default();
+        let mut p = OrderedPolicy::fifo();
         for k in ["a", "b", "c"] {
             p.on_insert(k, 1);
         }

@@ -361,7 +361,7 @@ impl StorageManager {
                                 && self.primary.is_some()
                                 && self.config.promote_on_hit
                             {
-                                promote.push((keys[i].clone(), c.clone()));
+                                promote.push((i, c.clone()));
                             }
                             chunks[i] = Some(c);
                         }
@@ -374,7 +374,12 @@ impl StorageManager {
             }
         }
         let loaded = chunks.iter().take_while(|c| c.is_some()).count();
-        promote.retain(|(k, _)| keys[..loaded].contains(k));
+        // Only chunks inside the loaded prefix are worth promoting.
+        let promote: Vec<(CacheKey, Chunk)> = promote
+            .into_iter()
+            .filter(|(i, _)| *i < loaded)
+            .map(|(i, c)| (keys[i].clone(), c))
+            .collect();
         if let (Some(p), false) = (self.primary, promote.is_empty()) {
             let n = promote.len() as u64;
             let tier = &self.tiers[p];
