@@ -1,7 +1,7 @@
 //! `cargo xtask`: project automation (CI gate and benchmarks) in plain Rust.
 //!
-//! - `cargo xtask ci`: formatting, clippy (warnings are errors), every test (nextest when
-//!   installed, else `cargo test`), and doc tests: exactly what CI runs.
+//! - `cargo xtask ci`: formatting, clippy (warnings are errors), doc tests, then every other
+//!   test (nextest when installed, else `cargo test`): exactly what CI runs.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
 
@@ -62,6 +62,8 @@ fn ci() -> Result<(), String> {
             "warnings",
         ],
     )?;
+    // Doc tests first, so the run closes on the main test runner's summary.
+    run(&cargo, &["test", "--workspace", "--doc"])?;
     if has_nextest() {
         run(&cargo, &["nextest", "run", "--workspace", "--no-fail-fast"])?;
     } else {
@@ -71,7 +73,6 @@ fn ci() -> Result<(), String> {
             &["test", "--workspace", "--lib", "--bins", "--tests"],
         )?;
     }
-    run(&cargo, &["test", "--workspace", "--doc"])?;
     Ok(())
 }
 
