@@ -479,3 +479,44 @@ async fn engine_block_hashes_give_the_same_hits_as_their_tokens_would() {
     let spans2 = db.process_block_hashes(&changed, 4, 0).unwrap();
     assert_eq!(s.engine.lookup_spans(&spans2).await, 16);
 }
+
+#[tokio::test]
+async fn well_formed_chunks_of_the_wrong_shape_are_rejected_by_the_engine() {
+    let layout = layout();
+    let n = CHUNK;
+    let toks = tokens(n, 29);
+    let right = layout.chunk_bytes(CHUNK);
+    // Valid checksums and the right fingerprint, but a wrong size, token count or dtype.
+    let forged = [
+        (Dtype::F16, CHUNK as u32, right - 2),
+        (Dtype::F16, CHUNK as u32 - 1, right),
+        (Dtype::Bf16, CHUNK as u32, right),
+    ];
+    for (dtype, token_count, len) in forged {
+        let s = setup_with(None, false, StorageManagerConfig::default());
+        let key = s
+            .engine
+            .token_database()
+            .process_tokens(&toks, None)
+            .unwrap()[0]
+            .key
+            .clone();
+        let meta = kvpool_core::ChunkMeta {
+            layout_fingerprint: layout.fingerprint(),
+            dtype,
+            token_count,
+        };
+        let value = ChunkCodec::default().encode(&meta, &vec![7u8; len]);
+        s.remote
+            .map
+            .lock()
+            .insert(key.to_string(), bytes::Bytes::from(value));
+        assert_eq!(s.engine.lookup(&toks).await.unwrap(), CHUNK, "present");
+        let (_, dst_slots) = slots(n);
+        let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
+        assert!(mask.iter().all(|m| !*m), "{dtype:?} {token_count} {len}");
+        assert!(dst_slots.iter().all(|&slot| row_is_zero(&dst, slot)));
+        assert_eq!(s.engine.stats().rejected_chunks, 1);
+        assert_eq!(s.remote.len(), 0, "the bad chunk is removed");
+    }
+}

@@ -345,9 +345,9 @@ impl CacheEngine {
             });
         }
         if meta.dtype != self.layout.dtype {
-            return Err(FormatError::UnknownField {
-                field: "dtype",
-                value: u64::from(meta.dtype.code()),
+            return Err(FormatError::DtypeMismatch {
+                expected: self.layout.dtype,
+                found: meta.dtype,
             });
         }
         let expected = self.layout.chunk_bytes(span.len()) as u64;

@@ -142,6 +142,14 @@ pub enum FormatError {
         /// Found fingerprint.
         found: u64,
     },
+    /// The chunk's element type differs from the layout's.
+    #[error("chunk dtype {found} differs from the layout's {expected}")]
+    DtypeMismatch {
+        /// The layout's dtype.
+        expected: crate::layout::Dtype,
+        /// The chunk's dtype.
+        found: crate::layout::Dtype,
+    },
     /// The raw payload size is inconsistent with token count and layout.
     #[error("chunk holds {raw_len} bytes for {tokens} tokens; the layout needs {expected}")]
     SizeMismatch {
