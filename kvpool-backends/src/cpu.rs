@@ -80,6 +80,13 @@ impl LocalCpuBackend {
         &self.pool
     }
 
+    fn ensure_open(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed("cpu".into()));
+        }
+        Ok(())
+    }
+
     /// Evicts one entry whose memory only the index holds. Returns false if there is none.
     fn evict_one(&self, st: &mut CpuState) -> bool {
         let CpuState {
@@ -124,11 +131,13 @@ impl StorageBackend for LocalCpuBackend {
     }
 
     async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError> {
+        self.ensure_open()?;
         let st = self.state.lock();
         Ok(keys.iter().map(|k| st.entries.contains_key(k)).collect())
     }
 
     async fn get(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
+        self.ensure_open()?;
         let mut st = self.state.lock();
         let mut out = Vec::with_capacity(keys.len());
         let (mut hits, mut bytes) = (0u64, 0u64);
@@ -149,17 +158,14 @@ impl StorageBackend for LocalCpuBackend {
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(BackendError::Closed("cpu".into()));
-        }
+        self.ensure_open()?;
         let mut outcome = PutOutcome::default();
         let mut st = self.state.lock();
         for (key, chunk) in entries {
-            if st.entries.contains_key(&key) {
-                // Keys are content hashes of the whole prefix: same key, same bytes.
-                st.policy.on_access(&key);
-                outcome.stored += 1;
-                continue;
+            if let Some(old) = st.entries.remove(&key) {
+                // A put replaces: drop the old value first so its space can be reused.
+                st.bytes -= old.data.len() as u64;
+                st.policy.on_remove(&key);
             }
             let chunk = if self.pool.owns(&chunk.data) {
                 chunk
@@ -193,6 +199,7 @@ impl StorageBackend for LocalCpuBackend {
     }
 
     async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError> {
+        self.ensure_open()?;
         let mut st = self.state.lock();
         let mut n = 0;
         for k in keys {

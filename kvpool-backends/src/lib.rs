@@ -3,16 +3,24 @@
 //! | feature | module | tier |
 //! |---|---|---|
 //! | `cpu` (default) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
+//! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
+//! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
-//! Lower tiers (disk, Redis, S3, Mooncake) plug in through `kvpool_core::RemoteConnector` or
-//! `kvpool_core::StorageBackend`.
+//! Cross-cutting concerns are wrappers implementing the same trait: [`timeout`] bounds every
+//! call of any `RemoteConnector`.
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "testkit")]
+pub mod conformance;
 #[cfg(feature = "cpu")]
 pub mod cpu;
+pub mod memory;
 pub mod pool_builder;
+pub mod timeout;
 
 #[cfg(feature = "cpu")]
 pub use cpu::LocalCpuBackend;
+pub use memory::InMemoryConnector;
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
+pub use timeout::TimeoutConnector;

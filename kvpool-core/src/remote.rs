@@ -1,6 +1,7 @@
 //! `RemoteConnector` (bytes in, bytes out) and the adapter that makes it a `StorageBackend`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -78,6 +79,7 @@ pub struct RemoteBackend<C> {
     max_chunk_bytes: u64,
     allocator: Arc<dyn ChunkAllocator>,
     counters: BackendCounters,
+    closed: AtomicBool,
 }
 
 impl<C: RemoteConnector> RemoteBackend<C> {
@@ -89,6 +91,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
             max_chunk_bytes,
             allocator: Arc::new(HeapChunkAllocator),
             counters: BackendCounters::default(),
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -102,6 +105,13 @@ impl<C: RemoteConnector> RemoteBackend<C> {
     /// The wrapped connector.
     pub fn connector(&self) -> &C {
         &self.connector
+    }
+
+    fn ensure_open(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed(self.connector.name().to_string()));
+        }
+        Ok(())
     }
 
     fn decode(&self, key: &CacheKey, bytes: &[u8]) -> Result<Chunk, FormatError> {
@@ -138,10 +148,18 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     }
 
     async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
         self.connector.batch_exists(&key_strings(keys)).await
     }
 
     async fn get(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
         let names = key_strings(keys);
         let values = self.connector.batch_get(&names).await?;
         let mut out = Vec::with_capacity(keys.len());
@@ -176,6 +194,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
+        self.ensure_open()?;
+        if entries.is_empty() {
+            return Ok(PutOutcome::default());
+        }
         let n = entries.len();
         let mut bytes_in = 0u64;
         let encoded: Vec<(String, Bytes)> = entries
@@ -198,10 +220,15 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     }
 
     async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
         self.connector.batch_delete(&key_strings(keys)).await
     }
 
     async fn close(&self) -> Result<(), BackendError> {
+        self.closed.store(true, Ordering::Release);
         self.connector.close().await
     }
 

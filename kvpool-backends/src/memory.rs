@@ -1,0 +1,82 @@
+//! `memory://`: a process-local RemoteConnector over a HashMap (tests, demos, a reference).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::RwLock;
+
+use kvpool_core::{BackendError, RemoteConnector};
+
+/// Values in a shared HashMap. Clones share the map, so a test can inspect or corrupt what
+/// the pool stored.
+#[derive(Clone, Default)]
+pub struct InMemoryConnector {
+    map: Arc<RwLock<HashMap<String, Bytes>>>,
+    closed: Arc<AtomicBool>,
+}
+
+impl InMemoryConnector {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of stored values.
+    pub fn len(&self) -> usize {
+        self.map.read().len()
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.map.read().is_empty()
+    }
+
+    /// Replaces the raw stored value of `key`, if present (fault injection in tests).
+    pub fn overwrite_raw(&self, key: &str, value: Bytes) -> bool {
+        match self.map.write().get_mut(key) {
+            Some(v) => {
+                *v = value;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn check(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed("memory".into()));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for InMemoryConnector {
+    fn name(&self) -> &str {
+        "memory"
+    }
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        Ok(self.map.read().contains_key(key))
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.check()?;
+        Ok(self.map.read().get(key).cloned())
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.check()?;
+        self.map.write().insert(key.to_string(), value);
+        Ok(())
+    }
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        Ok(self.map.write().remove(key).is_some())
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        self.closed.store(true, Ordering::Release);
+        Ok(())
+    }
+}

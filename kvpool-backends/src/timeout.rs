@@ -1,0 +1,136 @@
+//! A RemoteConnector wrapper that bounds every call in time.
+
+use std::future::Future;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use kvpool_core::{BackendError, RemoteConnector};
+
+/// Wraps a connector so every call, single or batch, fails with [`BackendError::Timeout`]
+/// once `limit` has passed, instead of hanging on a dead server.
+#[derive(Debug, Clone)]
+pub struct TimeoutConnector<C> {
+    inner: C,
+    limit: Duration,
+}
+
+impl<C: RemoteConnector> TimeoutConnector<C> {
+    /// Bounds each call of `inner` by `limit`.
+    pub fn new(inner: C, limit: Duration) -> Self {
+        TimeoutConnector { inner, limit }
+    }
+
+    /// The wrapped connector.
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(self.limit, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(BackendError::Timeout {
+                backend: self.inner.name().to_string(),
+                op,
+                millis: self.limit.as_millis() as u64,
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.bounded("exists", self.inner.exists(key)).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.bounded("get", self.inner.get(key)).await
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.bounded("put", self.inner.put(key, value)).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        self.bounded("delete", self.inner.delete(key)).await
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        self.bounded("close", self.inner.close()).await
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.bounded("batch_exists", self.inner.batch_exists(keys))
+            .await
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.bounded("batch_get", self.inner.batch_get(keys)).await
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.bounded("batch_put", self.inner.batch_put(entries))
+            .await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.bounded("batch_delete", self.inner.batch_delete(keys))
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::InMemoryConnector;
+
+    /// A connector whose calls never finish.
+    struct Hangs;
+
+    #[async_trait]
+    impl RemoteConnector for Hangs {
+        fn name(&self) -> &str {
+            "hangs"
+        }
+        async fn exists(&self, _: &str) -> Result<bool, BackendError> {
+            std::future::pending().await
+        }
+        async fn get(&self, _: &str) -> Result<Option<Bytes>, BackendError> {
+            std::future::pending().await
+        }
+        async fn put(&self, _: &str, _: Bytes) -> Result<(), BackendError> {
+            std::future::pending().await
+        }
+        async fn delete(&self, _: &str) -> Result<bool, BackendError> {
+            std::future::pending().await
+        }
+        async fn close(&self) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hanging_calls_time_out_and_fast_ones_pass_through() {
+        let slow = TimeoutConnector::new(Hangs, Duration::from_millis(250));
+        let err = slow.batch_get(&["k".to_string()]).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Timeout {
+                    op: "batch_get",
+                    millis: 250,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(slow.exists("k").await.is_err());
+        let fast = TimeoutConnector::new(InMemoryConnector::new(), Duration::from_millis(250));
+        fast.put("k", Bytes::from_static(b"v")).await.unwrap();
+        assert_eq!(
+            fast.get("k").await.unwrap().unwrap(),
+            Bytes::from_static(b"v")
+        );
+    }
+}
