@@ -3,6 +3,7 @@
 //! | feature | module | tier |
 //! |---|---|---|
 //! | `cpu` (default) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
+//! | `disk` | `disk` | `file:///path`: local RocksDB, byte capacity with LRU eviction, optional admission filter |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
@@ -15,6 +16,8 @@
 pub mod conformance;
 #[cfg(feature = "cpu")]
 pub mod cpu;
+#[cfg(feature = "disk")]
+pub mod disk;
 pub mod memory;
 pub mod pool_builder;
 pub mod timeout;

@@ -1,7 +1,8 @@
 //! `cargo xtask`: project automation (CI gate and benchmarks) in plain Rust.
 //!
-//! - `cargo xtask ci`: formatting, clippy (warnings are errors), doc tests, then every other
-//!   test (nextest when installed, else `cargo test`): exactly what CI runs.
+//! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
+//!   (warnings are errors), doc tests, then every other test (nextest when installed, else
+//!   `cargo test`), all with every feature: exactly what CI runs.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
 
@@ -19,10 +20,16 @@ fn workspace_root() -> PathBuf {
 
 /// Runs a command in the workspace root, echoing it; Err if it fails to start or exits non-zero.
 fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    run_with_env(program, args, &[])
+}
+
+/// [`run`] with extra environment variables for the child.
+fn run_with_env(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(), String> {
     eprintln!("\n==> {program} {}", args.join(" "));
     let started = Instant::now();
     let status = Command::new(program)
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(workspace_root())
         .status()
         .map_err(|e| format!("cannot start `{program}`: {e}"))?;
@@ -41,6 +48,46 @@ fn run(program: &str, args: &[&str]) -> Result<(), String> {
     }
 }
 
+/// Debian packages the full build needs: RocksDB to link the `disk` feature against, and
+/// libclang for its bindings.
+const SYSTEM_PACKAGES: &[&str] = &["librocksdb-dev", "libclang-dev"];
+
+fn dpkg_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// Installs missing [`SYSTEM_PACKAGES`] with apt-get (as root), or says what to install.
+fn ensure_system_packages(packages: &[&str]) -> Result<(), String> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| !dpkg_installed(p))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        return Err(format!(
+            "missing Debian packages: {0}; install them with `sudo apt-get install -y {0}`",
+            missing.join(" ")
+        ));
+    }
+    run("apt-get", &["update", "-qq"])?;
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    args.extend(&missing);
+    run_with_env("apt-get", &args, &[("DEBIAN_FRONTEND", "noninteractive")])
+}
+
 fn has_nextest() -> bool {
     Command::new("cargo")
         .args(["nextest", "--version"])
@@ -50,6 +97,7 @@ fn has_nextest() -> bool {
 
 fn ci() -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    ensure_system_packages(SYSTEM_PACKAGES)?;
     run(&cargo, &["fmt", "--all", "--", "--check"])?;
     run(
         &cargo,
@@ -57,20 +105,37 @@ fn ci() -> Result<(), String> {
             "clippy",
             "--workspace",
             "--all-targets",
+            "--all-features",
             "--",
             "-D",
             "warnings",
         ],
     )?;
     // Doc tests first, so the run closes on the main test runner's summary.
-    run(&cargo, &["test", "--workspace", "--doc"])?;
+    run(&cargo, &["test", "--workspace", "--all-features", "--doc"])?;
     if has_nextest() {
-        run(&cargo, &["nextest", "run", "--workspace", "--no-fail-fast"])?;
+        run(
+            &cargo,
+            &[
+                "nextest",
+                "run",
+                "--workspace",
+                "--all-features",
+                "--no-fail-fast",
+            ],
+        )?;
     } else {
         eprintln!("cargo-nextest not found; using cargo test");
         run(
             &cargo,
-            &["test", "--workspace", "--lib", "--bins", "--tests"],
+            &[
+                "test",
+                "--workspace",
+                "--all-features",
+                "--lib",
+                "--bins",
+                "--tests",
+            ],
         )?;
     }
     Ok(())
