@@ -33,7 +33,7 @@ fn lookup_128k(c: &mut Criterion) {
         ..Default::default()
     };
     config.local_cpu.max_size = ByteSize::mib(64);
-    let pool = rt.block_on(async { build_pool(&config) }).unwrap();
+    let pool = rt.block_on(build_pool(&config)).unwrap();
     let engine = pool.engine.clone();
     let n = 128 * 1024;
     let tokens: Vec<u32> = (0..n as u32)

@@ -451,10 +451,28 @@ where
     results
 }
 
-/// Prints the results and panics, listing the failures, if any check failed.
+/// Environment variable naming a file to which [`assert_all_passed`] appends one
+/// `backend<TAB>check<TAB>outcome` line per check (used by `cargo xtask matrix`).
+pub const REPORT_ENV: &str = "KVPOOL_CONFORMANCE_REPORT";
+
+/// Prints the results (and appends them to the [`REPORT_ENV`] file, if set), then panics,
+/// listing the failures, if any check failed.
 pub fn assert_all_passed(backend: &str, results: &[CheckResult]) {
+    let mut report = String::new();
     for r in results {
         println!("conformance {backend} {}: {}", r.name, r.outcome);
+        report.push_str(&format!("{backend}\t{}\t{}\n", r.name, r.outcome));
+    }
+    if let Ok(path) = std::env::var(REPORT_ENV) {
+        use std::io::Write;
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(report.as_bytes()));
+        if let Err(e) = written {
+            eprintln!("cannot append conformance results to {path}: {e}");
+        }
     }
     let failed: Vec<String> = results
         .iter()

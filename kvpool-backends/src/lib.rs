@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `cpu` (default) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
 //! | `disk` | `disk` | `file:///path`: local RocksDB, byte capacity with LRU eviction, optional admission filter |
+//! | `redis` | `redis` | `redis://`, `rediss://`, `redis+cluster://`: pipelined batches, TTL, AUTH, TLS, reconnects |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
@@ -20,6 +21,9 @@ pub mod cpu;
 pub mod disk;
 pub mod memory;
 pub mod pool_builder;
+#[cfg(feature = "redis")]
+pub mod redis;
+pub mod tier_url;
 pub mod timeout;
 
 #[cfg(feature = "cpu")]

@@ -21,22 +21,25 @@ pub struct Pool {
     pub l1: Option<Arc<LocalCpuBackend>>,
 }
 
-/// Builds a pool from `config` with heap memory for L1. Must run inside a tokio runtime.
+/// Builds a pool from `config` with heap memory for L1: opens every `[[tier]]` (connecting to
+/// servers, so a wrong address or password fails here), then wires the storage manager and
+/// the engine. Must run inside a tokio runtime.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let mut config = kvpool_core::PoolConfig::default();
 /// config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
-/// let pool = kvpool_backends::build_pool(&config).unwrap();
-/// assert_eq!(pool.engine.storage().tier_names(), ["cpu"]);
+/// config.tiers.push(kvpool_core::TierConfig::new("memory://"));
+/// let pool = kvpool_backends::build_pool(&config).await.unwrap();
+/// assert_eq!(pool.engine.storage().tier_names(), ["cpu", "memory"]);
 /// # }
 /// ```
-pub fn build_pool(config: &PoolConfig) -> Result<Pool, ConfigError> {
-    build_pool_with_allocator(config, &HeapAllocator)
+pub async fn build_pool(config: &PoolConfig) -> Result<Pool, ConfigError> {
+    build_pool_with_allocator(config, &HeapAllocator).await
 }
 
 /// Builds a pool whose L1 arena comes from `allocator` (e.g. pinned memory from kvpool-cuda).
-pub fn build_pool_with_allocator(
+pub async fn build_pool_with_allocator(
     config: &PoolConfig,
     allocator: &dyn HostAllocator,
 ) -> Result<Pool, ConfigError> {
@@ -71,6 +74,11 @@ pub fn build_pool_with_allocator(
             field: "local_cpu.enabled",
             reason: "this build of kvpool-backends lacks the `cpu` feature".into(),
         });
+    }
+    let max_chunk_bytes = layout.chunk_bytes(config.chunking.chunk_size) as u64;
+    for tier in &config.tiers {
+        builder =
+            builder.lower(crate::tier_url::open_tier(tier, config.codec, max_chunk_bytes).await?);
     }
     let manager = Arc::new(builder.build()?);
     let engine = Arc::new(CacheEngine::new(layout, db, manager)?);

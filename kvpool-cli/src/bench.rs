@@ -168,7 +168,7 @@ pub async fn run(
     spec: WorkloadSpec,
     show_progress: bool,
 ) -> anyhow::Result<BenchReport> {
-    let pool = build_pool(config)?;
+    let pool = build_pool(config).await?;
     let engine = pool.engine.clone();
     let layout = *engine.layout();
     let bpt = layout.bytes_per_token();

@@ -51,6 +51,10 @@ struct PoolArgs {
     /// Tokens per chunk; overrides the config.
     #[arg(long)]
     chunk_size: Option<usize>,
+    /// Adds a lower tier by URL (repeatable), after those in the config: file:///path (build
+    /// with --features disk), redis://host:port (--features redis), memory://.
+    #[arg(long = "tier", value_name = "URL")]
+    tiers: Vec<String>,
 }
 
 impl PoolArgs {
@@ -68,6 +72,8 @@ impl PoolArgs {
         if let Some(c) = self.chunk_size {
             cfg.chunking.chunk_size = c;
         }
+        cfg.tiers
+            .extend(self.tiers.iter().map(kvpool_core::TierConfig::new));
         cfg.validate()?;
         Ok(cfg)
     }

@@ -170,7 +170,7 @@ pub async fn replay_with_bytes(
     config.local_cpu.max_size =
         ByteSize(opts.capacity_tokens / TRACE_BLOCK_TOKENS as u64 * block_bytes);
     config.write_behind.quota = ByteSize(block_bytes.max(config.write_behind.quota.0));
-    let pool = build_pool(&config)?;
+    let pool = build_pool(&config).await?;
     let engine = &pool.engine;
     let db = engine.token_database();
     let max_blocks = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);

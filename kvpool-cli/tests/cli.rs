@@ -58,6 +58,42 @@ fn bench_json_reports_hits_on_a_small_workload() {
 }
 
 #[test]
+fn bench_drives_lower_tiers_given_by_url_and_rejects_unknown_schemes() {
+    let out = kvpool(&[
+        "bench",
+        "--cpu-size",
+        "64MiB",
+        "--tier",
+        "memory://",
+        "--system-prompts",
+        "1",
+        "--system-prompt-tokens",
+        "512",
+        "--sessions",
+        "8",
+        "--turns",
+        "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["tiers"][1]["name"], "memory");
+    // 64 MiB of L1 holds only 8 chunks: the lower tier serves some hits.
+    assert!(
+        v["tiers"][1]["hit_tokens"].as_u64().unwrap() > 0,
+        "{}",
+        v["tiers"]
+    );
+    let bad = kvpool(&["bench", "--tier", "ftp://x/y"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("unknown scheme `ftp://`"),
+        "{}",
+        stderr(&bad)
+    );
+}
+
+#[test]
 fn replay_reports_bad_lines_by_number_and_counts_hits() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.jsonl");

@@ -216,6 +216,50 @@ impl Default for WriteBehindConfig {
     }
 }
 
+/// A lower tier (disk, Redis, …), chosen by URL scheme; options a scheme does not use are
+/// ignored.
+///
+/// | scheme | tier |
+/// |---|---|
+/// | `file:///path` | local RocksDB (feature `disk`) |
+/// | `redis://`, `rediss://`, `redis+cluster://h1,h2` | Redis (feature `redis`) |
+/// | `memory://` | process memory (tests) |
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierConfig {
+    /// Where the tier lives.
+    pub url: String,
+    /// Disk: bytes kept before evicting the least recently used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<ByteSize>,
+    /// Disk: write a chunk only on its second put.
+    #[serde(default)]
+    pub admit_on_second_put: bool,
+    /// Redis: expire chunks after this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+    /// Bound on connecting and on every call, in milliseconds.
+    #[serde(default = "TierConfig::default_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+impl TierConfig {
+    fn default_timeout_ms() -> u64 {
+        2000
+    }
+
+    /// A tier at `url` with default options.
+    pub fn new(url: impl Into<String>) -> Self {
+        TierConfig {
+            url: url.into(),
+            capacity: None,
+            admit_on_second_put: false,
+            ttl_seconds: None,
+            timeout_ms: Self::default_timeout_ms(),
+        }
+    }
+}
+
 /// The whole pool configuration.
 ///
 /// ```
@@ -246,6 +290,9 @@ pub struct PoolConfig {
     pub write_behind: WriteBehindConfig,
     /// Stored chunk encoding for lower tiers.
     pub codec: ChunkCodec,
+    /// Lower tiers, looked up in this order after L1 (`[[tier]]` tables).
+    #[serde(rename = "tier", default, skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<TierConfig>,
 }
 
 impl PoolConfig {
@@ -273,7 +320,13 @@ impl PoolConfig {
         format!(
             "# kvpool configuration. Sizes accept B/KiB/MiB/GiB (or KB/MB/GB) or plain bytes.\n\
              # eviction: lru | fifo | s3fifo; hash_algorithm: xxh3_128 | sha256;\n\
-             # codec.checksum: xxh3 | crc32c; codec.compression: {{ kind = \"none\" }} | {{ kind = \"zstd\", level = 3 }}\n\n{body}"
+             # codec.checksum: xxh3 | crc32c; codec.compression: {{ kind = \"none\" }} | {{ kind = \"zstd\", level = 3 }}\n\
+             # Lower tiers, looked up in order after L1:\n\
+             #   [[tier]]\n\
+             #   url = \"file:///var/cache/kvpool\"   # RocksDB (feature disk); capacity = \"64GiB\", admit_on_second_put = true\n\
+             #   [[tier]]\n\
+             #   url = \"redis://127.0.0.1:6379\"     # or rediss://, redis+cluster://h1:p1,h2:p2 (feature redis); ttl_seconds = 3600\n\
+             #   timeout_ms = 2000\n\n{body}"
         )
     }
 
@@ -334,11 +387,28 @@ impl PoolConfig {
                 ),
             });
         }
-        if !self.local_cpu.enabled {
+        if !self.local_cpu.enabled && self.tiers.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "local_cpu.enabled",
-                reason: "no storage tier is configured: enable local_cpu (lower tiers come with the disk/redis/s3 backends)".into(),
+                reason: "no storage tier is configured: enable local_cpu or add a [[tier]]".into(),
             });
+        }
+        for t in &self.tiers {
+            if !t.url.contains("://") {
+                return Err(ConfigError::Invalid {
+                    field: "tier.url",
+                    reason: format!(
+                        "`{}` is not a URL: use e.g. file:///var/cache/kvpool or redis://host:6379",
+                        t.url
+                    ),
+                });
+            }
+            if t.timeout_ms == 0 {
+                return Err(ConfigError::Invalid {
+                    field: "tier.timeout_ms",
+                    reason: "must be above zero".into(),
+                });
+            }
         }
         Ok(())
     }
@@ -386,5 +456,19 @@ mod tests {
         assert!(PoolConfig::from_toml("[layout]\ndtype = \"int3\"").is_err());
         assert!(PoolConfig::from_toml("[model]\nworld_size = 2\nrank = 2").is_err());
         assert!(PoolConfig::from_toml("[layout]\nnum_layers = 0").is_err());
+        assert!(PoolConfig::from_toml("[[tier]]\nurl = \"localhost:6379\"").is_err());
+        assert!(PoolConfig::from_toml("[local_cpu]\nenabled = false").is_err());
+    }
+
+    #[test]
+    fn tiers_parse_with_options() {
+        let cfg = PoolConfig::from_toml(
+            "[[tier]]\nurl = \"file:///tmp/x\"\ncapacity = \"8GiB\"\n[[tier]]\nurl = \"redis://h:1\"\nttl_seconds = 60",
+        )
+        .unwrap();
+        assert_eq!(cfg.tiers.len(), 2);
+        assert_eq!(cfg.tiers[0].capacity, Some(ByteSize::gib(8)));
+        assert_eq!(cfg.tiers[1].ttl_seconds, Some(60));
+        assert_eq!(cfg.tiers[1].timeout_ms, 2000);
     }
 }

@@ -37,7 +37,7 @@ pub use backend::{
 pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
-pub use config::{ByteSize, PoolConfig};
+pub use config::{ByteSize, PoolConfig, TierConfig};
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,

@@ -1,10 +1,15 @@
 //! `cargo xtask`: project automation (CI gate and benchmarks) in plain Rust.
 //!
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
-//!   (warnings are errors), doc tests, then every other test (nextest when installed, else
-//!   `cargo test`), all with every feature: exactly what CI runs.
+//!   (warnings are errors), doc tests, every other test (nextest when installed, else
+//!   `cargo test`), all with every feature, then `matrix`: exactly what CI runs.
+//! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
+//!   on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
+//!   backend x check table, and stops the servers by PID.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
+
+mod matrix;
 
 use std::env;
 use std::path::PathBuf;
@@ -19,7 +24,7 @@ fn workspace_root() -> PathBuf {
 }
 
 /// Runs a command in the workspace root, echoing it; Err if it fails to start or exits non-zero.
-fn run(program: &str, args: &[&str]) -> Result<(), String> {
+pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
     run_with_env(program, args, &[])
 }
 
@@ -48,9 +53,9 @@ fn run_with_env(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(
     }
 }
 
-/// Debian packages the full build needs: RocksDB to link the `disk` feature against, and
-/// libclang for its bindings.
-const SYSTEM_PACKAGES: &[&str] = &["librocksdb-dev", "libclang-dev"];
+/// Debian packages the full build needs: RocksDB to link the `disk` feature against, libclang
+/// for its bindings, and OpenSSL for the `redis` feature's TLS.
+const SYSTEM_PACKAGES: &[&str] = &["librocksdb-dev", "libclang-dev", "libssl-dev", "pkg-config"];
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")
@@ -67,7 +72,7 @@ fn is_root() -> bool {
 }
 
 /// Installs missing [`SYSTEM_PACKAGES`] with apt-get (as root), or says what to install.
-fn ensure_system_packages(packages: &[&str]) -> Result<(), String> {
+pub(crate) fn ensure_system_packages(packages: &[&str]) -> Result<(), String> {
     let missing: Vec<&str> = packages
         .iter()
         .copied()
@@ -111,7 +116,7 @@ fn ci() -> Result<(), String> {
             "warnings",
         ],
     )?;
-    // Doc tests first, so the run closes on the main test runner's summary.
+    // Doc tests first, so the run closes on a real test runner's summary.
     run(&cargo, &["test", "--workspace", "--all-features", "--doc"])?;
     if has_nextest() {
         run(
@@ -138,7 +143,8 @@ fn ci() -> Result<(), String> {
             ],
         )?;
     }
-    Ok(())
+    // Last: every backend against real servers.
+    matrix::matrix()
 }
 
 fn bench() -> Result<(), String> {
@@ -179,9 +185,10 @@ fn main() -> ExitCode {
     let result = match task.as_deref() {
         Some("ci") => ci(),
         Some("bench") => bench(),
+        Some("matrix") => matrix::matrix(),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
-            eprintln!("usage: cargo xtask <ci | bench | fmt>");
+            eprintln!("usage: cargo xtask <ci | matrix | bench | fmt>");
             return ExitCode::from(2);
         }
     };

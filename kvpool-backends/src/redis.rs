@@ -1,0 +1,317 @@
+//! `redis://`, `rediss://` (TLS) and `redis+cluster://`: Redis as a remote tier.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::future::try_join_all;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, Pipeline, RedisError};
+
+use kvpool_core::{BackendError, RemoteConnector};
+
+/// Settings of a Redis tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://[user:pass@]host:port[/db]`, `rediss://…` for TLS (append `#insecure` to accept
+    /// a self-signed certificate; a private CA is trusted through OpenSSL's `SSL_CERT_FILE`),
+    /// or `redis+cluster://[user:pass@]h1:p1,h2:p2,…` (`rediss+cluster://` for TLS).
+    pub url: String,
+    /// Expire stored chunks after this long (none by default).
+    pub ttl: Option<Duration>,
+    /// Bound on connecting and on every command.
+    pub timeout: Duration,
+}
+
+impl RedisConfig {
+    /// Defaults: no TTL, 2 s timeout.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisConfig {
+            url: url.into(),
+            ttl: None,
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Clone)]
+enum Connection {
+    /// One server, through a manager that reconnects after failures.
+    Single(ConnectionManager),
+    /// A cluster; commands are routed by key slot.
+    Cluster(ClusterConnection),
+}
+
+/// A Redis (standalone or cluster) [`RemoteConnector`]. Batches are pipelined on a standalone
+/// server; on a cluster each key is its own command, sent concurrently, since a pipeline must
+/// stay within one slot.
+#[derive(Clone)]
+pub struct RedisConnector {
+    connection: Connection,
+    ttl_ms: Option<u64>,
+    timeout: Duration,
+    closed: Arc<AtomicBool>,
+}
+
+fn unavailable(e: RedisError) -> BackendError {
+    BackendError::Unavailable {
+        backend: "redis".into(),
+        reason: e.to_string(),
+    }
+}
+
+/// Splits `redis+cluster://[auth@]h1:p1,h2:p2` into one `redis://[auth@]h:p` URL per node.
+fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let (scheme, rest) = if let Some(r) = url.strip_prefix("redis+cluster://") {
+        ("redis", r)
+    } else if let Some(r) = url.strip_prefix("rediss+cluster://") {
+        ("rediss", r)
+    } else {
+        return None;
+    };
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((a, h)) => (format!("{a}@"), h),
+        None => (String::new(), rest),
+    };
+    let (hosts, fragment) = match hosts.split_once('#') {
+        Some((h, f)) => (h, format!("#{f}")),
+        None => (hosts, String::new()),
+    };
+    Some(
+        hosts
+            .trim_end_matches('/')
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("{scheme}://{auth}{h}{fragment}"))
+            .collect(),
+    )
+}
+
+impl RedisConnector {
+    /// Connects and checks the server answers (so a wrong address or password fails here, at
+    /// pool build time, with the server's own message).
+    pub async fn connect(config: &RedisConfig) -> Result<Self, BackendError> {
+        let t = config.timeout;
+        let fail = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
+            backend: "redis".into(),
+            reason: format!("{what} `{}`: {e}", redact(&config.url)),
+        };
+        let timed_out = || BackendError::Timeout {
+            backend: "redis".into(),
+            op: "connect",
+            millis: t.as_millis() as u64,
+        };
+        let connection = if let Some(nodes) = cluster_nodes(&config.url) {
+            if nodes.is_empty() {
+                return Err(fail(
+                    "no cluster nodes in",
+                    &"expected redis+cluster://h1:p1,h2:p2",
+                ));
+            }
+            let client = ClusterClientBuilder::new(nodes)
+                .connection_timeout(t)
+                .response_timeout(t)
+                .build()
+                .map_err(|e| fail("invalid cluster URL", &e))?;
+            let conn = tokio::time::timeout(t, client.get_async_connection())
+                .await
+                .map_err(|_| timed_out())?
+                .map_err(|e| fail("cannot connect to cluster", &e))?;
+            Connection::Cluster(conn)
+        } else {
+            let client = redis::Client::open(config.url.as_str())
+                .map_err(|e| fail("invalid Redis URL", &e))?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(t))
+                .set_response_timeout(Some(t))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            let manager = tokio::time::timeout(
+                2 * t,
+                client.get_connection_manager_with_config(manager_config),
+            )
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|e| fail("cannot connect to", &e))?;
+            Connection::Single(manager)
+        };
+        let connector = RedisConnector {
+            connection,
+            ttl_ms: config.ttl.map(|d| d.as_millis().max(1) as u64),
+            timeout: t,
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        let pong: String = connector
+            .command(redis::cmd("PING"))
+            .await
+            .map_err(|e| fail("no answer to PING from", &e))?;
+        if pong != "PONG" {
+            return Err(fail("unexpected PING reply from", &pong));
+        }
+        Ok(connector)
+    }
+
+    fn check(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed("redis".into()));
+        }
+        Ok(())
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r.map_err(unavailable),
+            Err(_) => Err(BackendError::Timeout {
+                backend: "redis".into(),
+                op,
+                millis: self.timeout.as_millis() as u64,
+            }),
+        }
+    }
+
+    async fn command<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, BackendError> {
+        self.check()?;
+        match self.connection.clone() {
+            Connection::Single(mut c) => self.bounded("command", cmd.query_async(&mut c)).await,
+            Connection::Cluster(mut c) => self.bounded("command", cmd.query_async(&mut c)).await,
+        }
+    }
+
+    /// Runs one command per key: pipelined on a standalone server, concurrent on a cluster.
+    async fn per_key<T: FromRedisValue + Send>(
+        &self,
+        cmds: Vec<Cmd>,
+    ) -> Result<Vec<T>, BackendError> {
+        self.check()?;
+        if cmds.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.connection.clone() {
+            Connection::Single(mut c) => {
+                let mut pipe = Pipeline::with_capacity(cmds.len());
+                for cmd in cmds {
+                    pipe.add_command(cmd);
+                }
+                self.bounded("pipeline", pipe.query_async(&mut c)).await
+            }
+            Connection::Cluster(c) => {
+                let calls = cmds.into_iter().map(|cmd| {
+                    let mut c = c.clone();
+                    async move { cmd.query_async::<T>(&mut c).await }
+                });
+                self.bounded("cluster batch", try_join_all(calls)).await
+            }
+        }
+    }
+}
+
+/// The URL with any password replaced, for error messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***@{}", &url[..s + 3], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for RedisConnector {
+    fn name(&self) -> &str {
+        "redis"
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_exists(&[key.to_string()]).await?[0])
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        Ok(self.batch_get(&[key.to_string()]).await?.pop().flatten())
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.batch_put(vec![(key.to_string(), value)]).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_delete(&[key.to_string()]).await? == 1)
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        self.closed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let cmds = keys
+            .iter()
+            .map(|k| redis::cmd("EXISTS").arg(k).clone())
+            .collect();
+        let counts: Vec<i64> = self.per_key(cmds).await?;
+        Ok(counts.into_iter().map(|n| n > 0).collect())
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let cmds = keys
+            .iter()
+            .map(|k| redis::cmd("GET").arg(k).clone())
+            .collect();
+        let values: Vec<Option<Vec<u8>>> = self.per_key(cmds).await?;
+        Ok(values.into_iter().map(|v| v.map(Bytes::from)).collect())
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        let cmds = entries
+            .iter()
+            .map(|(k, v)| {
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(k).arg(v.as_ref());
+                if let Some(ms) = self.ttl_ms {
+                    cmd.arg("PX").arg(ms);
+                }
+                cmd
+            })
+            .collect();
+        let _: Vec<redis::Value> = self.per_key(cmds).await?;
+        Ok(())
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let cmds = keys
+            .iter()
+            .map(|k| redis::cmd("DEL").arg(k).clone())
+            .collect();
+        let counts: Vec<i64> = self.per_key(cmds).await?;
+        Ok(counts.into_iter().filter(|n| *n > 0).count())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_split_into_node_urls_keeping_auth_and_tls() {
+        assert_eq!(
+            cluster_nodes("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").unwrap(),
+            ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]
+        );
+        assert_eq!(
+            cluster_nodes("rediss+cluster://u:p@h1:1,h2:2#insecure").unwrap(),
+            ["rediss://u:p@h1:1#insecure", "rediss://u:p@h2:2#insecure"]
+        );
+        assert!(cluster_nodes("redis://h:1").is_none());
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://user:secret@h:6379"), "redis://***@h:6379");
+        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+    }
+}

@@ -1,0 +1,157 @@
+//! Opens a lower tier from its URL: the one place that maps schemes to backends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpool_core::{
+    ChunkCodec, ConfigError, RemoteBackend, RemoteConnector, StorageBackend, TierConfig,
+};
+
+use crate::memory::InMemoryConnector;
+use crate::timeout::TimeoutConnector;
+
+/// The schemes this crate knows, whether or not their feature is compiled in.
+pub const SCHEMES: &[&str] = &[
+    "file",
+    "redis",
+    "rediss",
+    "redis+cluster",
+    "rediss+cluster",
+    "memory",
+];
+
+fn invalid(reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        field: "tier.url",
+        reason,
+    }
+}
+
+/// The scheme of `url` (text before `://`).
+pub fn scheme_of(url: &str) -> Result<&str, ConfigError> {
+    url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
+        invalid(format!(
+            "`{url}` is not a URL: use e.g. file:///var/cache/kvpool or redis://host:6379"
+        ))
+    })
+}
+
+fn wrap<C: RemoteConnector>(
+    connector: C,
+    tier: &TierConfig,
+    codec: ChunkCodec,
+    max_chunk_bytes: u64,
+) -> Arc<dyn StorageBackend> {
+    let bounded = TimeoutConnector::new(connector, Duration::from_millis(tier.timeout_ms));
+    Arc::new(RemoteBackend::new(bounded, codec, max_chunk_bytes))
+}
+
+#[allow(dead_code)] // unused when every backend feature is on
+fn not_compiled(scheme: &str, feature: &str) -> ConfigError {
+    invalid(format!(
+        "`{scheme}://` needs the `{feature}` feature of kvpool-backends, which this build lacks (rebuild with `--features {feature}`)"
+    ))
+}
+
+/// Opens the tier described by `tier`: connects (bounded by its timeout) and wraps it with the
+/// chunk format and per-call timeouts. Fails with a message naming what to fix.
+pub async fn open_tier(
+    tier: &TierConfig,
+    codec: ChunkCodec,
+    max_chunk_bytes: u64,
+) -> Result<Arc<dyn StorageBackend>, ConfigError> {
+    let scheme = scheme_of(&tier.url)?;
+    match scheme {
+        "memory" => Ok(wrap(InMemoryConnector::new(), tier, codec, max_chunk_bytes)),
+        "file" => {
+            #[cfg(feature = "disk")]
+            {
+                let path = tier.url.trim_start_matches("file://");
+                if path.is_empty() || !path.starts_with('/') {
+                    return Err(invalid(format!(
+                        "`{}` needs an absolute path: file:///var/cache/kvpool",
+                        tier.url
+                    )));
+                }
+                let mut config = crate::disk::DiskConfig::new(path);
+                if let Some(c) = tier.capacity {
+                    config.capacity_bytes = c.0;
+                }
+                config.admit_on_second_put = tier.admit_on_second_put;
+                let disk =
+                    crate::disk::DiskConnector::open(config).map_err(|e| invalid(e.to_string()))?;
+                Ok(wrap(disk, tier, codec, max_chunk_bytes))
+            }
+            #[cfg(not(feature = "disk"))]
+            Err(not_compiled(scheme, "disk"))
+        }
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
+            #[cfg(feature = "redis")]
+            {
+                let mut config = crate::redis::RedisConfig::new(tier.url.clone());
+                config.ttl = tier.ttl_seconds.map(Duration::from_secs);
+                config.timeout = Duration::from_millis(tier.timeout_ms);
+                let redis = crate::redis::RedisConnector::connect(&config)
+                    .await
+                    .map_err(|e| invalid(e.to_string()))?;
+                Ok(wrap(redis, tier, codec, max_chunk_bytes))
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(not_compiled(scheme, "redis"))
+        }
+        other => Err(invalid(format!(
+            "unknown scheme `{other}://`: expected one of {}",
+            SCHEMES.join(", ")
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_schemes_and_non_urls_are_clear_errors() {
+        let err = open_tier(
+            &TierConfig::new("ftp://h/x"),
+            ChunkCodec::default(),
+            1 << 20,
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("unknown scheme `ftp://`"), "{err}");
+        let err = open_tier(
+            &TierConfig::new("localhost:6379"),
+            ChunkCodec::default(),
+            1 << 20,
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("is not a URL"), "{err}");
+        assert!(
+            open_tier(
+                &TierConfig::new("memory://"),
+                ChunkCodec::default(),
+                1 << 20
+            )
+            .await
+            .is_ok()
+        );
+    }
+
+    #[cfg(feature = "disk")]
+    #[tokio::test]
+    async fn relative_file_paths_are_rejected() {
+        let err = open_tier(
+            &TierConfig::new("file://relative/dir"),
+            ChunkCodec::default(),
+            1 << 20,
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("absolute path"), "{err}");
+    }
+}

@@ -1,0 +1,215 @@
+//! Redis tier against real servers: standalone (with AUTH), cluster, TLS, TTL, bad
+//! configuration, and a server killed and restarted under load. Servers come from
+//! `cargo xtask matrix`, which sets the KVPOOL_TEST_REDIS_* variables.
+#![cfg(feature = "redis")]
+
+mod common;
+mod servers;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::filled_cache;
+use kvpool_backends::conformance::{self, Outcome, Subject};
+use kvpool_backends::redis::{RedisConfig, RedisConnector};
+use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::{
+    CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Dtype, KeyScope, KvKind,
+    KvLayout, RemoteBackend, RemoteConnector, StorageManager,
+};
+use servers::{RedisProcess, free_port, server_url};
+
+async fn kit(name: &str, url: &str) {
+    let results = conformance::run_all(&|| async {
+        let connector = RedisConnector::connect(&RedisConfig::new(url))
+            .await
+            .unwrap();
+        let raw = connector.clone();
+        let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
+        Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
+            let raw = raw.clone();
+            Box::pin(async move {
+                raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
+                    .await
+                    .unwrap()
+            })
+        }))
+    })
+    .await;
+    conformance::assert_all_passed(name, &results);
+    assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_passes_the_kit() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
+        return;
+    };
+    kit("redis", &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_passes_the_kit() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_CLUSTER_URL") else {
+        return;
+    };
+    kit("redis-cluster", &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_passes_the_kit() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_TLS_URL") else {
+        return;
+    };
+    kit("redis-tls", &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_expires_chunks() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
+        return;
+    };
+    let mut config = RedisConfig::new(url);
+    config.ttl = Some(Duration::from_millis(300));
+    let c = RedisConnector::connect(&config).await.unwrap();
+    let key = format!("kvpool-ttl-test-{}", std::process::id());
+    c.put(&key, Bytes::from_static(b"v")).await.unwrap();
+    assert!(c.exists(&key).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!c.exists(&key).await.unwrap(), "expired after its TTL");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_fails_at_connect_with_a_clear_error() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
+        return;
+    };
+    // Wrong password on the real (password-protected) server.
+    let wrong = match url.rfind('@') {
+        Some(at) => format!("redis://:wrong-password@{}", &url[at + 1..]),
+        None => panic!("the matrix's standalone server requires a password"),
+    };
+    let err = RedisConnector::connect(&RedisConfig::new(wrong.clone()))
+        .await
+        .err()
+        .expect("wrong password rejected");
+    let msg = err.to_string();
+    assert!(msg.to_lowercase().contains("auth"), "{msg}");
+    assert!(
+        !msg.contains("wrong-password"),
+        "password leaked into the error: {msg}"
+    );
+    // Nothing listening.
+    let mut config = RedisConfig::new(format!("redis://127.0.0.1:{}", free_port()));
+    config.timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let err = RedisConnector::connect(&config)
+        .await
+        .err()
+        .expect("unreachable server rejected");
+    assert!(started.elapsed() < Duration::from_secs(10), "connect hung");
+    assert!(err.to_string().contains("127.0.0.1"), "{err}");
+    // Not a URL at all.
+    assert!(
+        RedisConnector::connect(&RedisConfig::new("redis://:bad:port:x"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
+    let Some(binary) = server_url("KVPOOL_TEST_REDIS_SERVER") else {
+        return;
+    };
+    let port = free_port();
+    let server = RedisProcess::start(&binary, port);
+    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
+    let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
+    config.timeout = Duration::from_millis(500);
+    let redis = RedisConnector::connect(&config).await.unwrap();
+    let manager = StorageManager::builder()
+        .lower(Arc::new(RemoteBackend::new(
+            redis,
+            ChunkCodec::default(),
+            64 << 20,
+        )))
+        .config(StorageManagerConfig::default())
+        .build()
+        .unwrap();
+    let db = ChunkedTokenDatabase::new(
+        ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        KeyScope::new("redis-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let tokens: Vec<u32> = (0..64).collect();
+    let slots: Vec<i64> = (0..64).collect();
+    let kv = filled_cache(layout, 32, 1);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
+
+    server.kill();
+    let started = Instant::now();
+    assert_eq!(
+        engine.lookup(&tokens).await.unwrap(),
+        0,
+        "a dead server is a miss"
+    );
+    let mut dst = kvpool_core::HostPagedKvCache::new(layout, 32);
+    let mask = engine
+        .retrieve(&tokens, None, &mut dst, &slots)
+        .await
+        .unwrap();
+    assert!(mask.iter().all(|m| !*m));
+    let other: Vec<u32> = (1000..1064).collect();
+    engine.store(&other, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "calls must time out, not hang"
+    );
+    assert!(engine.storage().stats().tiers[0].errors >= 3);
+
+    // Restart on the same port: traffic recovers without rebuilding anything.
+    let _server = RedisProcess::start(&binary, port);
+    let mut recovered = false;
+    for _ in 0..50 {
+        engine.store(&other, None, &kv, &slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+        if engine.lookup(&other).await.unwrap() == 64 {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "no recovery after the server came back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
+        return;
+    };
+    let mut config = kvpool_core::PoolConfig::default();
+    config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
+    config.tiers.push(kvpool_core::TierConfig::new(url.clone()));
+    let pool = kvpool_backends::build_pool(&config).await.unwrap();
+    assert_eq!(pool.engine.storage().tier_names(), ["cpu", "redis"]);
+    let at = url.rfind('@').unwrap();
+    config.tiers[0].url = format!("redis://:nope@{}", &url[at + 1..]);
+    let err = kvpool_backends::build_pool(&config)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("tier.url") && err.to_lowercase().contains("auth"),
+        "{err}"
+    );
+}

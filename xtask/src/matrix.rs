@@ -1,0 +1,369 @@
+//! `cargo xtask matrix`: real servers on 127.0.0.1, every backend's tests, a result table.
+
+use std::collections::BTreeMap;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{ensure_system_packages, run};
+
+/// Debian packages the servers need.
+const SERVER_PACKAGES: &[&str] = &["redis-server", "redis-tools", "openssl"];
+
+/// A server process, stopped by PID when dropped.
+struct Server {
+    name: String,
+    child: Child,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        eprintln!("stopped {} (pid {})", self.name, self.child.id());
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+    Ok(listener.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+fn wait_for_port(port: u16, name: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            return Err(format!("{name} did not listen on 127.0.0.1:{port}"));
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    Ok(())
+}
+
+fn start(
+    name: &str,
+    program: &str,
+    args: &[String],
+    log: &Path,
+    port: u16,
+) -> Result<Server, String> {
+    let out =
+        std::fs::File::create(log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+    let child = Command::new(program)
+        .args(args)
+        .stdout(out.try_clone().map_err(|e| e.to_string())?)
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {program}: {e}"))?;
+    let server = Server {
+        name: name.to_string(),
+        child,
+    };
+    wait_for_port(port, name)?;
+    eprintln!(
+        "started {name} on 127.0.0.1:{port} (pid {}, log {})",
+        server.child.id(),
+        log.display()
+    );
+    Ok(server)
+}
+
+fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn redis_cli(args: &[&str]) -> Result<String, String> {
+    let out = Command::new("redis-cli")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run redis-cli: {e}"))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Everything the matrix started, and the environment the tests read.
+struct Servers {
+    _running: Vec<Server>,
+    env: Vec<(String, String)>,
+}
+
+fn start_servers(dir: &Path) -> Result<Servers, String> {
+    let mut running = Vec::new();
+    let mut env = vec![("KVPOOL_MATRIX".to_string(), "1".to_string())];
+    let redis_server = which("redis-server")?;
+    env.push((
+        "KVPOOL_TEST_REDIS_SERVER".into(),
+        redis_server.display().to_string(),
+    ));
+
+    // Standalone, password-protected.
+    let port = free_port()?;
+    running.push(start(
+        "redis standalone",
+        "redis-server",
+        &redis_args(port, &["--requirepass", "kvpool-test"]),
+        &dir.join("redis.log"),
+        port,
+    )?);
+    env.push((
+        "KVPOOL_TEST_REDIS_URL".into(),
+        format!("redis://:kvpool-test@127.0.0.1:{port}"),
+    ));
+
+    // A 3-node cluster.
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let port = free_port()?;
+        let conf = dir.join(format!("nodes-{port}.conf")).display().to_string();
+        let node_dir = dir.display().to_string();
+        running.push(start(
+            &format!("redis cluster node {i}"),
+            "redis-server",
+            &redis_args(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--dir",
+                    &node_dir,
+                ],
+            ),
+            &dir.join(format!("cluster-{i}.log")),
+            port,
+        )?);
+        nodes.push(format!("127.0.0.1:{port}"));
+    }
+    let mut create = vec!["--cluster", "create"];
+    create.extend(nodes.iter().map(String::as_str));
+    create.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+    redis_cli(&create)?;
+    let first_port = nodes[0].rsplit(':').next().unwrap_or_default().to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !redis_cli(&["-p", &first_port, "cluster", "info"])?.contains("cluster_state:ok") {
+        if Instant::now() > deadline {
+            return Err("the redis cluster did not reach cluster_state:ok".into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    env.push((
+        "KVPOOL_TEST_REDIS_CLUSTER_URL".into(),
+        format!("redis+cluster://{}", nodes.join(",")),
+    ));
+
+    // TLS with a self-signed certificate made here.
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let status = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+        ])
+        .args(["-addext", "subjectAltName=IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run openssl: {e}"))?;
+    if !status.success() {
+        return Err("openssl could not make a test certificate".into());
+    }
+    let port = free_port()?;
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    running.push(start(
+        "redis tls",
+        "redis-server",
+        &redis_args(
+            0,
+            &[
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &cert,
+                "--tls-auth-clients",
+                "no",
+            ],
+        ),
+        &dir.join("redis-tls.log"),
+        port,
+    )?);
+    env.push((
+        "KVPOOL_TEST_REDIS_TLS_URL".into(),
+        format!("rediss://127.0.0.1:{port}/#insecure"),
+    ));
+    Ok(Servers {
+        _running: running,
+        env,
+    })
+}
+
+fn which(program: &str) -> Result<PathBuf, String> {
+    let out = Command::new("which")
+        .arg(program)
+        .output()
+        .map_err(|e| format!("cannot run which: {e}"))?;
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if path.is_empty() {
+        return Err(format!("{program} not found on PATH"));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Test binaries the matrix runs, with the backends they cover.
+const SUITES: &[&str] = &["conformance", "disk", "redis"];
+
+/// One test's result: suite, test name, libtest's verdict.
+type TestRow = (String, String, String);
+
+/// Runs each suite with the servers' environment, one test at a time; returns the test rows
+/// and whether every suite passed.
+fn run_suites(cargo: &str, env: &[(String, String)]) -> Result<(Vec<TestRow>, bool), String> {
+    let mut rows = Vec::new();
+    let mut all_ok = true;
+    for suite in SUITES {
+        let args = [
+            "test",
+            "-p",
+            "kvpool-backends",
+            "--all-features",
+            "--test",
+            suite,
+            "--",
+            "--test-threads",
+            "1",
+        ];
+        eprintln!("\n==> {cargo} {}", args.join(" "));
+        let out = Command::new(cargo)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot run cargo: {e}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        print!("{stdout}");
+        all_ok &= out.status.success();
+        for line in stdout.lines() {
+            if let Some(rest) = line.strip_prefix("test ")
+                && let Some((name, result)) = rest.rsplit_once(" ... ")
+            {
+                rows.push((suite.to_string(), name.to_string(), result.to_string()));
+            }
+        }
+    }
+    Ok((rows, all_ok))
+}
+
+/// The backend x check table from the kit's report file, then one line per test.
+fn render_matrix(report: &str, tests: &[TestRow]) -> String {
+    let mut kit: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut backends: Vec<String> = Vec::new();
+    for line in report.lines() {
+        let mut parts = line.splitn(3, '\t');
+        let (Some(backend), Some(check), Some(outcome)) =
+            (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if !backends.iter().any(|b| b == backend) {
+            backends.push(backend.to_string());
+        }
+        let short = match outcome {
+            "pass" => "pass".to_string(),
+            o if o.starts_with("skip: ") => "skip".to_string(),
+            _ => "FAIL".to_string(),
+        };
+        kit.entry(check.to_string())
+            .or_default()
+            .insert(backend.to_string(), short);
+    }
+    let width = kit.keys().map(String::len).max().unwrap_or(5).max(5);
+    let mut out = format!("{:<width$}", "conformance check");
+    for b in &backends {
+        out.push_str(&format!("  {b:>13}"));
+    }
+    out.push('\n');
+    for (check, row) in &kit {
+        out.push_str(&format!("{check:<width$}"));
+        for b in &backends {
+            out.push_str(&format!("  {:>13}", row.get(b).map_or("-", String::as_str)));
+        }
+        out.push('\n');
+    }
+    out.push_str(
+        "(skip: the cpu tier keeps values in process memory, so there is nothing to corrupt)\n",
+    );
+    out.push_str(&format!("\n{:<80} result\n", "suite / test"));
+    for (suite, name, result) in tests {
+        out.push_str(&format!("{:<80} {result}\n", format!("{suite} / {name}")));
+    }
+    out
+}
+
+/// Starts the servers, runs the suites, prints the matrix, stops the servers.
+pub fn matrix() -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    ensure_system_packages(SERVER_PACKAGES)?;
+    // Build first, so server start-up is not raced against a long compile.
+    run(
+        &cargo,
+        &[
+            "test",
+            "-p",
+            "kvpool-backends",
+            "--all-features",
+            "--no-run",
+        ],
+    )?;
+    let dir = std::env::temp_dir().join(format!("kvpool-matrix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let report = dir.join("conformance.tsv");
+    let (tests, ok) = {
+        let mut servers = start_servers(&dir)?;
+        servers.env.push((
+            "KVPOOL_CONFORMANCE_REPORT".into(),
+            report.display().to_string(),
+        ));
+        run_suites(&cargo, &servers.env)?
+        // servers stop here, by PID
+    };
+    let report = std::fs::read_to_string(&report).unwrap_or_default();
+    println!(
+        "\n== kvpool backend matrix ==\n{}",
+        render_matrix(&report, &tests)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    if ok {
+        Ok(())
+    } else {
+        Err("some backend tests failed (see the matrix above)".into())
+    }
+}
