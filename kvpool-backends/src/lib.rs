@@ -5,6 +5,7 @@
 //! | `cpu` (default) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
 //! | `disk` | `disk` | `file:///path`: local RocksDB, byte capacity with LRU eviction, optional admission filter |
 //! | `redis` | `redis` | `redis://`, `rediss://`, `redis+cluster://`: pipelined batches, TTL, AUTH, TLS, reconnects |
+//! | `s3` | `s3` | `s3://bucket/prefix`: S3 and S3-compatible servers through object_store |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
@@ -23,6 +24,8 @@ pub mod memory;
 pub mod pool_builder;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "s3")]
+pub mod s3;
 pub mod tier_url;
 pub mod timeout;
 

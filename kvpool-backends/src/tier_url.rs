@@ -99,6 +99,21 @@ pub async fn open_tier(
             #[cfg(not(feature = "redis"))]
             Err(not_compiled(scheme, "redis"))
         }
+        "s3" => {
+            #[cfg(feature = "s3")]
+            {
+                let mut config = crate::s3::S3Config::new(tier.url.clone());
+                config.endpoint = tier.endpoint.clone();
+                config.region = tier.region.clone();
+                config.timeout = Duration::from_millis(tier.timeout_ms);
+                let s3 = crate::s3::S3Connector::connect(&config)
+                    .await
+                    .map_err(|e| invalid(e.to_string()))?;
+                Ok(wrap(s3, tier, codec, max_chunk_bytes))
+            }
+            #[cfg(not(feature = "s3"))]
+            Err(not_compiled(scheme, "s3"))
+        }
         other => Err(invalid(format!(
             "unknown scheme `{other}://`: expected one of {}",
             SCHEMES.join(", ")

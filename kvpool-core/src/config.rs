@@ -223,6 +223,7 @@ impl Default for WriteBehindConfig {
 /// |---|---|
 /// | `file:///path` | local RocksDB (feature `disk`) |
 /// | `redis://`, `rediss://`, `redis+cluster://h1,h2` | Redis (feature `redis`) |
+/// | `s3://bucket/prefix` | S3 or an S3-compatible server (feature `s3`) |
 /// | `memory://` | process memory (tests) |
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -238,6 +239,12 @@ pub struct TierConfig {
     /// Redis: expire chunks after this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+    /// S3: endpoint of an S3-compatible server (e.g. `http://127.0.0.1:9000`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// S3: region (default from `AWS_REGION`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
     /// Bound on connecting and on every call, in milliseconds.
     #[serde(default = "TierConfig::default_timeout_ms")]
     pub timeout_ms: u64,
@@ -255,6 +262,8 @@ impl TierConfig {
             capacity: None,
             admit_on_second_put: false,
             ttl_seconds: None,
+            endpoint: None,
+            region: None,
             timeout_ms: Self::default_timeout_ms(),
         }
     }
@@ -326,7 +335,9 @@ impl PoolConfig {
              #   url = \"file:///var/cache/kvpool\"   # RocksDB (feature disk); capacity = \"64GiB\", admit_on_second_put = true\n\
              #   [[tier]]\n\
              #   url = \"redis://127.0.0.1:6379\"     # or rediss://, redis+cluster://h1:p1,h2:p2 (feature redis); ttl_seconds = 3600\n\
-             #   timeout_ms = 2000\n\n{body}"
+             #   timeout_ms = 2000\n\
+             #   [[tier]]\n\
+             #   url = \"s3://bucket/prefix\"          # feature s3; endpoint = \"http://127.0.0.1:9000\", region = \"us-east-1\"\n\n{body}"
         )
     }
 

@@ -4,7 +4,7 @@
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
 //!   `cargo test`), all with every feature, then `matrix`: exactly what CI runs.
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
-//!   on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
+//!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lives in the workspace")

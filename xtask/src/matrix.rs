@@ -1,4 +1,7 @@
 //! `cargo xtask matrix`: real servers on 127.0.0.1, every backend's tests, a result table.
+//!
+//! Redis comes from Debian's packages; the S3-compatible server is moto, from PyPI, in a
+//! virtualenv under the target directory (installed once).
 
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
@@ -10,6 +13,9 @@ use crate::{ensure_system_packages, run};
 
 /// Debian packages the servers need.
 const SERVER_PACKAGES: &[&str] = &["redis-server", "redis-tools", "openssl"];
+
+/// The S3-compatible test server, installed from PyPI into a virtualenv under `target/`.
+const MOTO_REQUIREMENT: &str = "moto[server]==5.2.5";
 
 /// A server process, stopped by PID when dropped.
 struct Server {
@@ -102,7 +108,7 @@ struct Servers {
     env: Vec<(String, String)>,
 }
 
-fn start_servers(dir: &Path) -> Result<Servers, String> {
+fn start_servers(dir: &Path, moto_server: &Path) -> Result<Servers, String> {
     let mut running = Vec::new();
     let mut env = vec![("KVPOOL_MATRIX".to_string(), "1".to_string())];
     let redis_server = which("redis-server")?;
@@ -220,10 +226,85 @@ fn start_servers(dir: &Path) -> Result<Servers, String> {
         "KVPOOL_TEST_REDIS_TLS_URL".into(),
         format!("rediss://127.0.0.1:{port}/#insecure"),
     ));
+
+    // S3: moto.
+    let port = free_port()?;
+    let moto = moto_server.display().to_string();
+    running.push(start(
+        "moto (S3)",
+        &moto,
+        &[
+            "-H".to_string(),
+            "127.0.0.1".to_string(),
+            "-p".to_string(),
+            port.to_string(),
+        ],
+        &dir.join("moto.log"),
+        port,
+    )?);
+    create_bucket(port, "kvpool-test")?;
+    for (k, v) in [
+        ("KVPOOL_TEST_S3_URL", "s3://kvpool-test/matrix".to_string()),
+        (
+            "KVPOOL_TEST_S3_ENDPOINT",
+            format!("http://127.0.0.1:{port}"),
+        ),
+        ("KVPOOL_TEST_MOTO_SERVER", moto),
+        ("AWS_ACCESS_KEY_ID", "kvpool-test".to_string()),
+        ("AWS_SECRET_ACCESS_KEY", "kvpool-test".to_string()),
+        ("AWS_REGION", "us-east-1".to_string()),
+    ] {
+        env.push((k.to_string(), v));
+    }
     Ok(Servers {
         _running: running,
         env,
     })
+}
+
+/// Installs moto into `target/moto-venv` once; returns the `moto_server` path.
+fn ensure_moto(target_dir: &Path) -> Result<PathBuf, String> {
+    let venv = target_dir.join("moto-venv");
+    let server = venv.join("bin/moto_server");
+    if server.exists() {
+        return Ok(server);
+    }
+    let venv_str = venv.display().to_string();
+    run("python3", &["-m", "venv", &venv_str])?;
+    let pip = venv.join("bin/pip").display().to_string();
+    run(
+        &pip,
+        &[
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            MOTO_REQUIREMENT,
+        ],
+    )?;
+    if !server.exists() {
+        return Err(format!(
+            "{MOTO_REQUIREMENT} installed no moto_server in {venv_str}"
+        ));
+    }
+    Ok(server)
+}
+
+/// Creates a bucket on the local S3-compatible server with a plain (unsigned) HTTP PUT.
+fn create_bucket(port: u16, bucket: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    write!(s, "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).map_err(|e| e.to_string())?;
+    if reply.starts_with("HTTP/1.1 200") {
+        Ok(())
+    } else {
+        Err(format!(
+            "creating bucket {bucket} failed: {}",
+            reply.lines().next().unwrap_or("")
+        ))
+    }
 }
 
 fn which(program: &str) -> Result<PathBuf, String> {
@@ -239,7 +320,7 @@ fn which(program: &str) -> Result<PathBuf, String> {
 }
 
 /// Test binaries the matrix runs, with the backends they cover.
-const SUITES: &[&str] = &["conformance", "disk", "redis"];
+const SUITES: &[&str] = &["conformance", "disk", "redis", "s3"];
 
 /// One test's result: suite, test name, libtest's verdict.
 type TestRow = (String, String, String);
@@ -332,6 +413,10 @@ fn render_matrix(report: &str, tests: &[TestRow]) -> String {
 pub fn matrix() -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     ensure_system_packages(SERVER_PACKAGES)?;
+    let target_dir = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| crate::workspace_root().join("target"));
+    let moto_server = ensure_moto(&target_dir)?;
     // Build first, so server start-up is not raced against a long compile.
     run(
         &cargo,
@@ -347,7 +432,7 @@ pub fn matrix() -> Result<(), String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let report = dir.join("conformance.tsv");
     let (tests, ok) = {
-        let mut servers = start_servers(&dir)?;
+        let mut servers = start_servers(&dir, &moto_server)?;
         servers.env.push((
             "KVPOOL_CONFORMANCE_REPORT".into(),
             report.display().to_string(),

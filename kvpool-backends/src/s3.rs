@@ -1,0 +1,235 @@
+//! `s3://bucket/prefix`: S3 and S3-compatible object stores (through `object_store`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt, stream};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path;
+use object_store::{
+    ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
+};
+
+use kvpool_core::{BackendError, RemoteConnector};
+
+/// Settings of an S3 tier. Credentials and anything not set here come from the standard
+/// environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+/// `AWS_REGION`, `AWS_ENDPOINT_URL`, …).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3Config {
+    /// `s3://bucket/optional/prefix`.
+    pub url: String,
+    /// Endpoint of an S3-compatible server (`http://127.0.0.1:9000`); path-style requests are
+    /// used with it, and plain HTTP is allowed when it says `http://`.
+    pub endpoint: Option<String>,
+    /// Region (default from the environment, else `us-east-1`).
+    pub region: Option<String>,
+    /// Bound on every request.
+    pub timeout: Duration,
+    /// Requests in flight per batch.
+    pub concurrency: usize,
+    /// Values above this size are uploaded in parts of this size.
+    pub multipart_part_bytes: usize,
+}
+
+impl S3Config {
+    /// Defaults: 10 s timeout, 8 requests in flight, 8 MiB parts.
+    pub fn new(url: impl Into<String>) -> Self {
+        S3Config {
+            url: url.into(),
+            endpoint: None,
+            region: None,
+            timeout: Duration::from_secs(10),
+            concurrency: 8,
+            multipart_part_bytes: 8 << 20,
+        }
+    }
+}
+
+/// An S3 bucket (under a prefix) as a [`RemoteConnector`]: HEAD for exists, concurrent GETs
+/// and PUTs within a batch, multipart uploads for large values.
+#[derive(Clone)]
+pub struct S3Connector {
+    store: Arc<AmazonS3>,
+    prefix: Path,
+    concurrency: usize,
+    part_bytes: usize,
+    closed: Arc<AtomicBool>,
+}
+
+fn unavailable(e: object_store::Error) -> BackendError {
+    BackendError::Unavailable {
+        backend: "s3".into(),
+        reason: e.to_string(),
+    }
+}
+
+impl S3Connector {
+    /// Builds the client and lists the prefix once, so a missing bucket, bad credentials or an
+    /// unreachable endpoint fail here with the server's answer.
+    pub async fn connect(config: &S3Config) -> Result<Self, BackendError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
+            backend: "s3".into(),
+            reason: format!("{what} `{}`: {e}", config.url),
+        };
+        let rest = config
+            .url
+            .strip_prefix("s3://")
+            .ok_or_else(|| fail("not an s3:// URL", &"use s3://bucket/prefix"))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(fail("no bucket in", &"use s3://bucket/prefix"));
+        }
+        let mut builder = AmazonS3Builder::from_env()
+            .with_bucket_name(bucket)
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(config.timeout)
+                    .with_connect_timeout(config.timeout),
+            )
+            .with_retry(RetryConfig {
+                max_retries: 1,
+                retry_timeout: config.timeout,
+                ..RetryConfig::default()
+            });
+        if let Some(endpoint) = &config.endpoint {
+            builder = builder
+                .with_endpoint(endpoint)
+                .with_allow_http(endpoint.starts_with("http://"))
+                .with_virtual_hosted_style_request(false);
+        }
+        if let Some(region) = &config.region {
+            builder = builder.with_region(region);
+        }
+        let store = builder
+            .build()
+            .map_err(|e| fail("invalid S3 settings for", &e))?;
+        let connector = S3Connector {
+            store: Arc::new(store),
+            prefix: Path::from(prefix.trim_matches('/')),
+            concurrency: config.concurrency.max(1),
+            part_bytes: config.multipart_part_bytes.max(5 << 20),
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        let probe = tokio::time::timeout(
+            config.timeout * 2,
+            connector.store.list_with_delimiter(Some(&connector.prefix)),
+        );
+        match probe.await {
+            Ok(Ok(_)) => Ok(connector),
+            Ok(Err(e)) => Err(fail("cannot list", &e)),
+            Err(_) => Err(BackendError::Timeout {
+                backend: "s3".into(),
+                op: "connect",
+                millis: (config.timeout * 2).as_millis() as u64,
+            }),
+        }
+    }
+
+    fn path(&self, key: &str) -> Path {
+        self.prefix.clone().join(key)
+    }
+
+    fn check(&self) -> Result<(), BackendError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed("s3".into()));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for S3Connector {
+    fn name(&self) -> &str {
+        "s3"
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        match self.store.head(&self.path(key)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.check()?;
+        match self.store.get(&self.path(key)).await {
+            Ok(r) => Ok(Some(r.bytes().await.map_err(unavailable)?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.check()?;
+        let path = self.path(key);
+        if value.len() <= self.part_bytes {
+            self.store
+                .put(&path, PutPayload::from(value))
+                .await
+                .map_err(unavailable)?;
+            return Ok(());
+        }
+        let upload = self.store.put_multipart(&path).await.map_err(unavailable)?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, self.part_bytes);
+        writer.put(value);
+        writer.finish().await.map_err(unavailable)?;
+        Ok(())
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        // S3 DELETE does not say whether the object existed; ask first.
+        let existed = self.exists(key).await?;
+        if existed {
+            self.store
+                .delete(&self.path(key))
+                .await
+                .map_err(unavailable)?;
+        }
+        Ok(existed)
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        self.closed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        stream::iter(keys.to_vec())
+            .map(|k| async move { self.exists(&k).await })
+            .buffered(self.concurrency)
+            .try_collect()
+            .await
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        stream::iter(keys.to_vec())
+            .map(|k| async move { self.get(&k).await })
+            .buffered(self.concurrency)
+            .try_collect()
+            .await
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        stream::iter(entries)
+            .map(|(k, v)| async move { self.put(&k, v).await })
+            .buffer_unordered(self.concurrency)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let existed: Vec<bool> = stream::iter(keys.to_vec())
+            .map(|k| async move { self.delete(&k).await })
+            .buffered(self.concurrency)
+            .try_collect()
+            .await?;
+        Ok(existed.into_iter().filter(|e| *e).count())
+    }
+}

@@ -1,0 +1,158 @@
+//! S3 tier against a real S3-compatible server (moto, started by `cargo xtask matrix`, which
+//! sets KVPOOL_TEST_S3_URL, KVPOOL_TEST_S3_ENDPOINT and the AWS_* credentials).
+#![cfg(feature = "s3")]
+
+mod common;
+mod servers;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::filled_cache;
+use kvpool_backends::conformance::{self, Outcome, Subject};
+use kvpool_backends::s3::{S3Config, S3Connector};
+use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::{
+    CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Dtype, HostPagedKvCache,
+    KeyScope, KvKind, KvLayout, RemoteBackend, RemoteConnector, StorageManager,
+};
+use servers::{MotoProcess, free_port, server_url};
+
+fn config(url: &str, endpoint: &str) -> S3Config {
+    let mut c = S3Config::new(url);
+    c.endpoint = Some(endpoint.to_string());
+    c.region = Some("us-east-1".into());
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_passes_the_kit() {
+    let (Some(url), Some(endpoint)) = (
+        server_url("KVPOOL_TEST_S3_URL"),
+        server_url("KVPOOL_TEST_S3_ENDPOINT"),
+    ) else {
+        return;
+    };
+    let results = conformance::run_all(&|| async {
+        let connector = S3Connector::connect(&config(&url, &endpoint))
+            .await
+            .unwrap();
+        let raw = connector.clone();
+        let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
+        Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
+            let raw = raw.clone();
+            Box::pin(async move {
+                raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
+                    .await
+                    .unwrap()
+            })
+        }))
+    })
+    .await;
+    conformance::assert_all_passed("s3", &results);
+    assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_fails_at_connect_with_a_clear_error() {
+    let Some(endpoint) = server_url("KVPOOL_TEST_S3_ENDPOINT") else {
+        return;
+    };
+    let err = S3Connector::connect(&config("s3://no-such-bucket-kvpool/x", &endpoint))
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("no-such-bucket-kvpool"), "{err}");
+    let mut unreachable = config("s3://b/x", &format!("http://127.0.0.1:{}", free_port()));
+    unreachable.timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    assert!(S3Connector::connect(&unreachable).await.is_err());
+    assert!(started.elapsed() < Duration::from_secs(15), "connect hung");
+    assert!(
+        S3Connector::connect(&S3Config::new("s3:///nobucket"))
+            .await
+            .is_err()
+    );
+    assert!(
+        S3Connector::connect(&S3Config::new("http://not-s3"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_server_turns_into_misses_and_then_recovers() {
+    let Some(binary) = server_url("KVPOOL_TEST_MOTO_SERVER") else {
+        return;
+    };
+    let port = free_port();
+    let server = MotoProcess::start(&binary, port, "fault");
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut cfg = config("s3://fault/kv", &endpoint);
+    cfg.timeout = Duration::from_millis(1000);
+    let s3 = S3Connector::connect(&cfg).await.unwrap();
+    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
+    let manager = StorageManager::builder()
+        .lower(Arc::new(RemoteBackend::new(
+            s3,
+            ChunkCodec::default(),
+            64 << 20,
+        )))
+        .config(StorageManagerConfig::default())
+        .build()
+        .unwrap();
+    let db = ChunkedTokenDatabase::new(
+        ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        KeyScope::new("s3-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let tokens: Vec<u32> = (0..64).collect();
+    let slots: Vec<i64> = (0..64).collect();
+    let kv = filled_cache(layout, 32, 1);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
+
+    server.kill();
+    let started = Instant::now();
+    assert_eq!(
+        engine.lookup(&tokens).await.unwrap(),
+        0,
+        "a dead server is a miss"
+    );
+    let mut dst = HostPagedKvCache::new(layout, 32);
+    assert!(
+        engine
+            .retrieve(&tokens, None, &mut dst, &slots)
+            .await
+            .unwrap()
+            .iter()
+            .all(|m| !*m)
+    );
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "calls must time out, not hang"
+    );
+    assert!(engine.storage().stats().tiers[0].errors >= 3);
+
+    // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
+    let _server = MotoProcess::start(&binary, port, "fault");
+    let mut recovered = false;
+    for _ in 0..50 {
+        engine.store(&tokens, None, &kv, &slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+        if engine.lookup(&tokens).await.unwrap() == 64 {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "no recovery after the server came back");
+}
