@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
-use rocksdb::{ColumnFamilyDescriptor, DB, ErrorKind, IteratorMode, Options, WriteBatch};
+use rocksdb::{
+    ColumnFamilyDescriptor, DB, DBPinnableSlice, ErrorKind, IteratorMode, Options, ReadOptions,
+    WriteBatch,
+};
 use tracing::{debug, info, warn};
 
 use kvpool_core::eviction::OrderedPolicy;
@@ -29,16 +32,28 @@ pub struct DiskConfig {
     pub admit_on_second_put: bool,
     /// Keys remembered for the admission filter.
     pub admission_memory: usize,
+    /// RocksDB block cache: hot values are served from it without a copy.
+    pub block_cache_bytes: usize,
+    /// Size of one RocksDB memtable (and so of the write-ahead log before a flush).
+    pub write_buffer_bytes: usize,
+    /// Writes are refused (counted as failed, never attempted) when they would leave less
+    /// free space than this on the filesystem. RocksDB cannot survive running out of space
+    /// mid-write, and it needs room for the write-ahead log and a memtable flush.
+    pub min_free_bytes: u64,
 }
 
 impl DiskConfig {
-    /// Defaults: 64 GiB, no admission filter.
+    /// Defaults: 64 GiB, no admission filter, a 256 MiB block cache, 16 MiB memtables, and
+    /// 64 MiB kept free on the filesystem.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         DiskConfig {
             path: path.into(),
             capacity_bytes: 64 << 30,
             admit_on_second_put: false,
             admission_memory: 1 << 20,
+            block_cache_bytes: 256 << 20,
+            write_buffer_bytes: 16 << 20,
+            min_free_bytes: 64 << 20,
         }
     }
 }
@@ -52,12 +67,61 @@ struct Index {
     seen_set: HashSet<String>,
 }
 
+/// A value pinned by RocksDB, handed out as [`Bytes`] without copying it again.
+struct PinnedValue {
+    // Declared first so it is dropped first: it borrows from the database `_db` keeps alive.
+    slice: DBPinnableSlice<'static>,
+    _db: Arc<DB>,
+}
+
+impl PinnedValue {
+    fn new(slice: DBPinnableSlice<'_>, db: &Arc<DB>) -> Self {
+        // SAFETY: the slice only borrows the database (its lifetime is `PhantomData<&DB>`).
+        // The `Arc<DB>` stored beside it keeps that database alive at least until the slice is
+        // dropped, since fields drop in declaration order, so the extended lifetime never
+        // outlives what it borrows.
+        let slice =
+            unsafe { std::mem::transmute::<DBPinnableSlice<'_>, DBPinnableSlice<'static>>(slice) };
+        PinnedValue {
+            slice,
+            _db: db.clone(),
+        }
+    }
+}
+
+impl AsRef<[u8]> for PinnedValue {
+    fn as_ref(&self) -> &[u8] {
+        &self.slice
+    }
+}
+
 /// The shared state behind a [`DiskConnector`].
 struct DiskInner {
     db: Arc<DB>,
+    /// Reads skip RocksDB's own block/blob checksum: every value carries the chunk format's
+    /// checksum, which `RemoteBackend` verifies end to end, so checking twice only costs time.
+    read_options: ReadOptions,
     config: DiskConfig,
     index: Mutex<Index>,
     closed: AtomicBool,
+}
+
+/// Bytes available to unprivileged writers on the filesystem holding `path`.
+fn available_bytes(path: &std::path::Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c_path` is a valid NUL-terminated string and `stat` is a writable statvfs.
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it filled `stat`.
+    let stat = unsafe { stat.assume_init() };
+    // The field types differ between platforms (u32 on some 32-bit targets).
+    #[allow(clippy::unnecessary_cast)]
+    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
 }
 
 fn db_error(e: rocksdb::Error) -> BackendError {
@@ -90,8 +154,14 @@ impl DiskInner {
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
         let mut values = Options::default();
-        values.set_enable_blob_files(true);
-        values.set_min_blob_size(4096);
+        // Values are already compressed (or not) by the chunk codec.
+        values.set_compression_type(rocksdb::DBCompressionType::None);
+        let block_cache =
+            rocksdb::Cache::new_lru_cache(config.block_cache_bytes).map_err(db_error)?;
+        let mut table = rocksdb::BlockBasedOptions::default();
+        table.set_block_cache(&block_cache);
+        values.set_block_based_table_factory(&table);
+        values.set_write_buffer_size(config.write_buffer_bytes);
         let cfs = vec![
             ColumnFamilyDescriptor::new(rocksdb::DEFAULT_COLUMN_FAMILY_NAME, values),
             ColumnFamilyDescriptor::new(META_CF, Options::default()),
@@ -129,8 +199,11 @@ impl DiskInner {
             }
         }
         info!(path = %config.path.display(), entries = index.sizes.len(), bytes = index.bytes, "opened disk tier");
+        let mut read_options = ReadOptions::default();
+        read_options.set_verify_checksums(false);
         let connector = DiskInner {
             db: Arc::new(db),
+            read_options,
             config,
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
@@ -211,7 +284,31 @@ impl DiskInner {
         admitted
     }
 
+    /// Refuses a write of `bytes` that would leave less than `min_free_bytes` free.
+    fn check_free_space(&self, bytes: u64) -> Result<(), BackendError> {
+        let free = available_bytes(&self.config.path).map_err(|source| BackendError::Io {
+            backend: "disk".into(),
+            source,
+        })?;
+        if free < bytes.saturating_add(self.config.min_free_bytes) {
+            metrics::counter!("kvpool_disk_writes_refused_total").increment(1);
+            return Err(BackendError::Io {
+                backend: "disk".into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    format!(
+                        "{} has {free} bytes free; writing {bytes} more would go below the {}-byte reserve",
+                        self.config.path.display(),
+                        self.config.min_free_bytes
+                    ),
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn write_entries(&self, entries: &[(String, Bytes)]) -> Result<(), BackendError> {
+        self.check_free_space(entries.iter().map(|(_, v)| v.len() as u64).sum())?;
         let meta = self
             .db
             .cf_handle(META_CF)
@@ -267,10 +364,10 @@ impl DiskInner {
                 out.push(None);
                 continue;
             }
-            match self.db.get_pinned(k.as_bytes()) {
+            match self.db.get_pinned_opt(k.as_bytes(), &self.read_options) {
                 Ok(Some(v)) => {
                     self.index.lock().order.on_access(k);
-                    out.push(Some(Bytes::copy_from_slice(&v)));
+                    out.push(Some(Bytes::from_owner(PinnedValue::new(v, &self.db))));
                 }
                 Ok(None) => out.push(None),
                 Err(e) if e.kind() == ErrorKind::Corruption => {
@@ -294,6 +391,15 @@ impl DiskInner {
         f: impl FnOnce(&DiskInner) -> Result<T, BackendError> + Send + 'static,
     ) -> Result<T, BackendError> {
         self.check()?;
+        // On a multi-threaded runtime, run RocksDB on this thread and let tokio move the
+        // worker's other tasks elsewhere: hot reads take microseconds, and a hand-off to the
+        // blocking pool would cost more than the read. A current-thread runtime cannot do
+        // that, so it uses the blocking pool.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread {
+            return tokio::task::block_in_place(|| f(self));
+        }
         let this = self.clone();
         tokio::task::spawn_blocking(move || f(&this))
             .await
@@ -336,6 +442,11 @@ impl DiskConnector {
     /// Replaces the stored bytes of `key` directly in RocksDB (fault injection in tests).
     pub fn overwrite_raw(&self, key: &str, value: &[u8]) -> Result<(), BackendError> {
         self.inner.overwrite_raw(key, value)
+    }
+
+    /// Flushes RocksDB's memtables, so every value so far lives in files on disk.
+    pub fn persist(&self) -> Result<(), BackendError> {
+        self.inner.db.flush().map_err(db_error)
     }
 }
 

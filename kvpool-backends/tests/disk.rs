@@ -2,6 +2,7 @@
 #![cfg(feature = "disk")]
 
 mod common;
+mod servers;
 
 use std::sync::Arc;
 
@@ -66,7 +67,8 @@ async fn disk_tier_passes_the_kit() {
     assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// On a current-thread runtime (RocksDB calls go through the blocking pool).
+#[tokio::test]
 async fn chunks_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     {
@@ -189,4 +191,52 @@ async fn engine_over_l1_and_disk_recovers_from_disk_and_rejects_garbage() {
         .unwrap();
     assert_eq!(mask.iter().filter(|m| **m).count(), 32);
     assert_eq!(disk.usage().0, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
+    let Some(fs) = servers::TmpfsMount::new("96m") else {
+        return;
+    };
+    let layout = KvLayout::new(4, 8, 64, Dtype::F16, KvKind::KeyValue, 16).unwrap(); // 8 KiB/token
+    let mut config = DiskConfig::new(fs.path.join("db")); // 64 GiB "capacity", far above the fs
+    config.min_free_bytes = 32 << 20;
+    let disk = DiskConnector::open(config).unwrap();
+    let manager = StorageManager::builder()
+        .lower(Arc::new(RemoteBackend::new(
+            disk.clone(),
+            ChunkCodec::default(),
+            64 << 20,
+        )))
+        .build()
+        .unwrap();
+    let db = ChunkedTokenDatabase::new(
+        ChunkingConfig {
+            chunk_size: 64,
+            ..Default::default()
+        },
+        KeyScope::new("full-fs", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let src = filled_cache(layout, 64, 3);
+    let slots: Vec<i64> = (0..1024).collect();
+    // 24 stores of 8 MiB each into a 96 MiB filesystem that keeps 32 MiB free.
+    for round in 0..24u32 {
+        let tokens: Vec<u32> = (0..1024).map(|t| t + round * 100_000).collect();
+        engine.store(&tokens, None, &src, &slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+    }
+    let tier = &engine.storage().stats().tiers[0];
+    assert!(
+        tier.failed_writes > 0,
+        "writes beyond the reserve are refused: {tier:?}"
+    );
+    assert!(
+        disk.usage().0 > 0,
+        "writes before the reserve was reached went in"
+    );
+    // Still serving what it has: the first store is found and loads.
+    let first: Vec<u32> = (0..1024).collect();
+    assert_eq!(engine.lookup(&first).await.unwrap(), 1024);
 }

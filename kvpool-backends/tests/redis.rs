@@ -213,3 +213,77 @@ async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
+    let (Some(binary), Some(cli)) = (
+        server_url("KVPOOL_TEST_REDIS_SERVER"),
+        server_url("KVPOOL_TEST_REDIS_CLI"),
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = servers::RedisCluster::start(&binary, &cli, dir.path());
+    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
+    let mut config = RedisConfig::new(cluster.url());
+    config.timeout = Duration::from_millis(1000);
+    let redis = RedisConnector::connect(&config).await.unwrap();
+    let manager = StorageManager::builder()
+        .lower(Arc::new(RemoteBackend::new(
+            redis,
+            ChunkCodec::default(),
+            64 << 20,
+        )))
+        .config(StorageManagerConfig::default())
+        .build()
+        .unwrap();
+    let db = ChunkedTokenDatabase::new(
+        ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        KeyScope::new("redis-cluster-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    // 16 chunks: with 3 nodes, every node holds some of them.
+    let tokens: Vec<u32> = (0..256).collect();
+    let slots: Vec<i64> = (0..256).collect();
+    let kv = filled_cache(layout, 64, 1);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert_eq!(engine.lookup(&tokens).await.unwrap(), 256);
+
+    cluster.kill_node(1);
+    let started = Instant::now();
+    assert!(
+        engine.lookup(&tokens).await.unwrap() < 256,
+        "chunks on the dead node are misses"
+    );
+    let mut dst = kvpool_core::HostPagedKvCache::new(layout, 64);
+    let mask = engine
+        .retrieve(&tokens, None, &mut dst, &slots)
+        .await
+        .unwrap();
+    assert!(mask.iter().filter(|m| **m).count() < 256);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "calls must time out, not hang"
+    );
+
+    cluster.restart_node(1);
+    cluster.wait_ok(&cli);
+    let mut recovered = false;
+    for _ in 0..100 {
+        engine.store(&tokens, None, &kv, &slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+        if engine.lookup(&tokens).await.unwrap() == 256 {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "no recovery after the node came back");
+}

@@ -27,6 +27,7 @@ struct TierCounters {
     read_nanos: AtomicU64,
     write_nanos: AtomicU64,
     dropped_writes: AtomicU64,
+    failed_writes: AtomicU64,
     deduplicated_writes: AtomicU64,
     errors: AtomicU64,
 }
@@ -50,6 +51,8 @@ pub struct TierStats {
     pub write_seconds: f64,
     /// Write-behind entries dropped because the in-flight quota was full.
     pub dropped_writes: u64,
+    /// Write-behind entries lost because the tier's put failed (server down, disk full).
+    pub failed_writes: u64,
     /// Write-behind entries skipped because the same key was already in flight.
     pub deduplicated_writes: u64,
     /// Tier errors turned into misses or skipped writes.
@@ -487,6 +490,9 @@ impl StorageManager {
                 Ok(_) => add(&tier.counters.bytes_written, bytes),
                 Err(e) => {
                     add(&tier.counters.errors, 1);
+                    add(&tier.counters.failed_writes, keys.len() as u64);
+                    metrics::counter!("kvpool_write_behind_failed_total", "tier" => tier.backend.name().to_string())
+                        .increment(keys.len() as u64);
                     warn!(tier = tier.backend.name(), error = %e, "write-behind failed; chunks not stored in this tier");
                 }
             }
@@ -557,6 +563,7 @@ impl StorageManager {
                     read_seconds: l(&t.counters.read_nanos) as f64 * 1e-9,
                     write_seconds: l(&t.counters.write_nanos) as f64 * 1e-9,
                     dropped_writes: l(&t.counters.dropped_writes),
+                    failed_writes: l(&t.counters.failed_writes),
                     deduplicated_writes: l(&t.counters.deduplicated_writes),
                     errors: l(&t.counters.errors),
                     backend: t.backend.stats(),

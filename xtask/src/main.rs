@@ -6,10 +6,13 @@
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
 //!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
+//! - `cargo xtask bench-backends`: the same servers, then `redis-benchmark` and the criterion
+//!   `remote` bench (Redis, S3, RocksDB vs their baselines) in one run.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
 
 mod matrix;
+mod servers;
 
 use std::env;
 use std::path::PathBuf;
@@ -180,15 +183,89 @@ fn bench() -> Result<(), String> {
     Ok(())
 }
 
+/// The remote-tier benchmarks with their baselines in one run: `redis-benchmark` and the
+/// criterion `remote` bench against the same Redis, plus moto and RocksDB.
+fn bench_backends() -> Result<(), String> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let moto_server = servers::prepare()?;
+    run(
+        &cargo,
+        &[
+            "bench",
+            "-p",
+            "kvpool-backends",
+            "--all-features",
+            "--bench",
+            "remote",
+            "--no-run",
+        ],
+    )?;
+    let dir = servers::scratch_dir("bench")?;
+    let servers = servers::start_servers(&dir, &moto_server)?;
+    let get = |k: &str| {
+        servers
+            .env
+            .iter()
+            .find(|(name, _)| name == k)
+            .map(|(_, v)| v.clone())
+            .ok_or(format!("{k} missing"))
+    };
+    let redis_url = get("KVPOOL_TEST_REDIS_URL")?;
+    let port = redis_url.rsplit(':').next().unwrap_or_default().to_string();
+    for (clients, requests) in [("1", "300"), ("8", "1000")] {
+        run(
+            "redis-benchmark",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-a",
+                "kvpool-test",
+                "-t",
+                "set,get",
+                "-d",
+                "1048576",
+                "-n",
+                requests,
+                "-c",
+                clients,
+                "--csv",
+            ],
+        )?;
+    }
+    let mut envs: Vec<(String, String)> = servers.env.clone();
+    envs.push(("KVPOOL_BENCH_REDIS_URL".into(), redis_url));
+    envs.push(("KVPOOL_BENCH_S3_URL".into(), get("KVPOOL_TEST_S3_URL")?));
+    envs.push((
+        "KVPOOL_BENCH_S3_ENDPOINT".into(),
+        get("KVPOOL_TEST_S3_ENDPOINT")?,
+    ));
+    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    run_with_env(
+        &cargo,
+        &[
+            "bench",
+            "-p",
+            "kvpool-backends",
+            "--all-features",
+            "--bench",
+            "remote",
+        ],
+        &envs,
+    )
+}
+
 fn main() -> ExitCode {
     let task = env::args().nth(1);
     let result = match task.as_deref() {
         Some("ci") => ci(),
         Some("bench") => bench(),
         Some("matrix") => matrix::matrix(),
+        Some("bench-backends") => bench_backends(),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
-            eprintln!("usage: cargo xtask <ci | matrix | bench | fmt>");
+            eprintln!("usage: cargo xtask <ci | matrix | bench | bench-backends | fmt>");
             return ExitCode::from(2);
         }
     };

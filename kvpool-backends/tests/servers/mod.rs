@@ -149,3 +149,170 @@ pub fn create_bucket(port: u16, bucket: &str) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A 3-node Redis cluster of child processes (no replicas), each killed by PID on drop.
+pub struct RedisCluster {
+    binary: String,
+    dir: std::path::PathBuf,
+    pub ports: Vec<u16>,
+    nodes: Vec<Option<Child>>,
+}
+
+impl RedisCluster {
+    /// Starts three nodes in `dir` and joins them with `redis-cli --cluster create`.
+    pub fn start(binary: &str, cli: &str, dir: &std::path::Path) -> Self {
+        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let mut cluster = RedisCluster {
+            binary: binary.to_string(),
+            dir: dir.to_path_buf(),
+            ports: ports.clone(),
+            nodes: Vec::new(),
+        };
+        for i in 0..3 {
+            let child = cluster.spawn_node(i);
+            cluster.nodes.push(Some(child));
+        }
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let status = Command::new(cli)
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli runs");
+        assert!(status.success(), "redis-cli --cluster create failed");
+        cluster.wait_ok(cli);
+        cluster
+    }
+
+    fn spawn_node(&self, i: usize) -> Child {
+        let port = self.ports[i];
+        let conf = self.dir.join(format!("nodes-{port}.conf"));
+        let child = Command::new(&self.binary)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+            .arg("--cluster-config-file")
+            .arg(&conf)
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "cluster node did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child
+    }
+
+    /// Waits until every node reports `cluster_state:ok`.
+    pub fn wait_ok(&self, cli: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let all_ok = self.ports.iter().all(|p| {
+                Command::new(cli)
+                    .args(["-p", &p.to_string(), "cluster", "info"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
+            });
+            if all_ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The `redis+cluster://` URL of all nodes.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// Kills node `i`.
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Restarts node `i` on its port with its saved cluster config (it rejoins).
+    pub fn restart_node(&mut self, i: usize) {
+        let child = self.spawn_node(i);
+        self.nodes[i] = Some(child);
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for c in self.nodes.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A small tmpfs mounted for one test (needs root), unmounted on drop.
+pub struct TmpfsMount {
+    pub path: std::path::PathBuf,
+}
+
+impl TmpfsMount {
+    /// Mounts a tmpfs of `size` (e.g. "8m") at a fresh directory; `None` (with the reason
+    /// printed) where mounting is not permitted. Under the matrix it must work.
+    pub fn new(size: &str) -> Option<Self> {
+        let path = std::env::temp_dir().join(format!(
+            "kvpool-tmpfs-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&path).ok()?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&path)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(TmpfsMount { path }),
+            other => {
+                let _ = std::fs::remove_dir(&path);
+                let why = match other {
+                    Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    std::env::var("KVPOOL_MATRIX").is_err(),
+                    "cannot mount a tmpfs under the matrix: {why}"
+                );
+                println!("SKIP: cannot mount a small tmpfs to fill ({why}); needs root");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
