@@ -98,7 +98,7 @@ impl AsRef<[u8]> for PinnedValue {
 /// The shared state behind a [`DiskConnector`].
 struct DiskInner {
     db: Arc<DB>,
-    /// Reads skip RocksDB's own block/blob checksum: every value carries the chunk format's
+    /// Reads skip RocksDB's own block checksums: every value carries the chunk format's
     /// checksum, which `RemoteBackend` verifies end to end, so checking twice only costs time.
     read_options: ReadOptions,
     config: DiskConfig,
@@ -410,12 +410,15 @@ impl DiskInner {
 /// A RocksDB database as a [`RemoteConnector`]; wrap it in `kvpool_core::RemoteBackend` for
 /// the chunk format (checksums; corrupt values become misses and are deleted).
 ///
-/// Values live in the default column family with blob files on (large values are not
-/// rewritten by compaction); each key's size lives in a small `meta` column family, from
-/// which the capacity index is rebuilt at open without reading any value. After a restart the
-/// eviction order is the stored key order, as access times are not persisted.
+/// Values live uncompressed in the default column family behind a block cache; a hot value is
+/// handed out as [`Bytes`] pinned in that cache, without a copy. Each key's size lives in a
+/// small `meta` column family, from which the capacity index is rebuilt at open without
+/// reading any value. After a restart the eviction order is the stored key order, as access
+/// times are not persisted. Writes that would leave less than `min_free_bytes` free on the
+/// filesystem are refused.
 ///
-/// Clones share the same database; blocking RocksDB work runs on tokio's blocking pool.
+/// Clones share the same database. RocksDB calls run under `block_in_place` on a
+/// multi-threaded runtime and on the blocking pool otherwise.
 #[derive(Clone)]
 pub struct DiskConnector {
     inner: Arc<DiskInner>,
