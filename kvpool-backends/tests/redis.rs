@@ -176,7 +176,10 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     );
     let tier = &engine.storage().stats().tiers[0];
     assert!(tier.errors >= 3, "{tier:?}");
-    assert!(tier.failed_writes > 0, "writes during the outage are counted as failed: {tier:?}");
+    assert!(
+        tier.failed_writes > 0,
+        "writes during the outage are counted as failed: {tier:?}"
+    );
 
     // Restart on the same port: traffic recovers without rebuilding anything.
     let _server = RedisProcess::start(&binary, port);

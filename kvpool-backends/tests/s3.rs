@@ -142,7 +142,10 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     );
     let tier = &engine.storage().stats().tiers[0];
     assert!(tier.errors >= 3, "{tier:?}");
-    assert!(tier.failed_writes > 0, "writes during the outage are counted as failed: {tier:?}");
+    assert!(
+        tier.failed_writes > 0,
+        "writes during the outage are counted as failed: {tier:?}"
+    );
 
     // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
     let _server = MotoProcess::start(&binary, port, "fault");
