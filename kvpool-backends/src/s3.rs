@@ -27,6 +27,8 @@ pub struct S3Config {
     pub endpoint: Option<String>,
     /// Region (default from the environment, else `us-east-1`).
     pub region: Option<String>,
+    /// Access key id and secret, overriding the environment's.
+    pub credentials: Option<(String, String)>,
     /// Bound on every request.
     pub timeout: Duration,
     /// Requests in flight per batch.
@@ -42,6 +44,7 @@ impl S3Config {
             url: url.into(),
             endpoint: None,
             region: None,
+            credentials: None,
             timeout: Duration::from_secs(10),
             concurrency: 8,
             multipart_part_bytes: 8 << 20,
@@ -103,6 +106,11 @@ impl S3Connector {
         }
         if let Some(region) = &config.region {
             builder = builder.with_region(region);
+        }
+        if let Some((key, secret)) = &config.credentials {
+            builder = builder
+                .with_access_key_id(key)
+                .with_secret_access_key(secret);
         }
         let store = builder
             .build()

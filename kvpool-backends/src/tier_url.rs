@@ -105,6 +105,9 @@ pub async fn open_tier(
                 let mut config = crate::s3::S3Config::new(tier.url.clone());
                 config.endpoint = tier.endpoint.clone();
                 config.region = tier.region.clone();
+                if let (Some(key), Some(secret)) = (&tier.access_key_id, &tier.secret_access_key) {
+                    config.credentials = Some((key.clone(), secret.clone()));
+                }
                 config.timeout = Duration::from_millis(tier.timeout_ms);
                 let s3 = crate::s3::S3Connector::connect(&config)
                     .await

@@ -161,3 +161,33 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     }
     assert!(recovered, "no recovery after the server came back");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_config_selects_s3_by_url_and_fails_fast_on_a_missing_bucket() {
+    let (Some(url), Some(endpoint)) = (
+        server_url("KVPOOL_TEST_S3_URL"),
+        server_url("KVPOOL_TEST_S3_ENDPOINT"),
+    ) else {
+        return;
+    };
+    let mut tier = kvpool_core::TierConfig::new(url);
+    tier.endpoint = Some(endpoint);
+    tier.region = Some("us-east-1".into());
+    tier.access_key_id = Some("from-config".into());
+    tier.secret_access_key = Some("from-config".into());
+    let mut config = kvpool_core::PoolConfig::default();
+    config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
+    config.tiers.push(tier);
+    let pool = kvpool_backends::build_pool(&config).await.unwrap();
+    assert_eq!(pool.engine.storage().tier_names(), ["cpu", "s3"]);
+    config.tiers[0].url = "s3://kvpool-no-such-bucket/x".into();
+    let err = kvpool_backends::build_pool(&config)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("tier.url") && err.contains("kvpool-no-such-bucket"),
+        "{err}"
+    );
+}

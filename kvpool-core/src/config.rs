@@ -245,6 +245,12 @@ pub struct TierConfig {
     /// S3: region (default from `AWS_REGION`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<String>,
+    /// S3: access key id (default from `AWS_ACCESS_KEY_ID`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_key_id: Option<String>,
+    /// S3: secret access key (default from `AWS_SECRET_ACCESS_KEY`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_access_key: Option<String>,
     /// Bound on connecting and on every call, in milliseconds.
     #[serde(default = "TierConfig::default_timeout_ms")]
     pub timeout_ms: u64,
@@ -264,6 +270,8 @@ impl TierConfig {
             ttl_seconds: None,
             endpoint: None,
             region: None,
+            access_key_id: None,
+            secret_access_key: None,
             timeout_ms: Self::default_timeout_ms(),
         }
     }
