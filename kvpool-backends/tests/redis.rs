@@ -10,14 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::filled_cache;
+use common::{engine_over, filled_cache, recovers, small_layout};
 use kvpool_backends::conformance::{self, Outcome, Subject};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
-use kvpool_core::storage_manager::StorageManagerConfig;
-use kvpool_core::{
-    CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Dtype, KeyScope, KvKind,
-    KvLayout, RemoteBackend, RemoteConnector, StorageManager,
-};
+use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
 use servers::{RedisProcess, free_port, server_url};
 
 async fn kit(name: &str, url: &str) {
@@ -125,28 +121,14 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     };
     let port = free_port();
     let server = RedisProcess::start(&binary, port);
-    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
+    let layout = small_layout();
     let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
     config.timeout = Duration::from_millis(500);
     let redis = RedisConnector::connect(&config).await.unwrap();
-    let manager = StorageManager::builder()
-        .lower(Arc::new(RemoteBackend::new(
-            redis,
-            ChunkCodec::default(),
-            64 << 20,
-        )))
-        .config(StorageManagerConfig::default())
-        .build()
-        .unwrap();
-    let db = ChunkedTokenDatabase::new(
-        ChunkingConfig {
-            chunk_size: 16,
-            ..Default::default()
-        },
-        KeyScope::new("redis-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
-    )
-    .unwrap();
-    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let engine = engine_over(
+        Arc::new(RemoteBackend::new(redis, ChunkCodec::default(), 64 << 20)),
+        "redis-fault",
+    );
     let tokens: Vec<u32> = (0..64).collect();
     let slots: Vec<i64> = (0..64).collect();
     let kv = filled_cache(layout, 32, 1);
@@ -183,17 +165,10 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
 
     // Restart on the same port: traffic recovers without rebuilding anything.
     let _server = RedisProcess::start(&binary, port);
-    let mut recovered = false;
-    for _ in 0..50 {
-        engine.store(&other, None, &kv, &slots).await.unwrap();
-        engine.storage().flush().await.unwrap();
-        if engine.lookup(&other).await.unwrap() == 64 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(recovered, "no recovery after the server came back");
+    assert!(
+        recovers(&engine, &other, &kv, &slots).await,
+        "no recovery after the server came back"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,28 +204,14 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
     };
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = servers::RedisCluster::start(&binary, &cli, dir.path());
-    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
+    let layout = small_layout();
     let mut config = RedisConfig::new(cluster.url());
     config.timeout = Duration::from_millis(1000);
     let redis = RedisConnector::connect(&config).await.unwrap();
-    let manager = StorageManager::builder()
-        .lower(Arc::new(RemoteBackend::new(
-            redis,
-            ChunkCodec::default(),
-            64 << 20,
-        )))
-        .config(StorageManagerConfig::default())
-        .build()
-        .unwrap();
-    let db = ChunkedTokenDatabase::new(
-        ChunkingConfig {
-            chunk_size: 16,
-            ..Default::default()
-        },
-        KeyScope::new("redis-cluster-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
-    )
-    .unwrap();
-    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let engine = engine_over(
+        Arc::new(RemoteBackend::new(redis, ChunkCodec::default(), 64 << 20)),
+        "redis-cluster-fault",
+    );
     // 16 chunks: with 3 nodes, every node holds some of them.
     let tokens: Vec<u32> = (0..256).collect();
     let slots: Vec<i64> = (0..256).collect();
@@ -280,15 +241,8 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
 
     cluster.restart_node(1);
     cluster.wait_ok(&cli);
-    let mut recovered = false;
-    for _ in 0..100 {
-        engine.store(&tokens, None, &kv, &slots).await.unwrap();
-        engine.storage().flush().await.unwrap();
-        if engine.lookup(&tokens).await.unwrap() == 256 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(recovered, "no recovery after the node came back");
+    assert!(
+        recovers(&engine, &tokens, &kv, &slots).await,
+        "no recovery after the node came back"
+    );
 }

@@ -9,14 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::filled_cache;
+use common::{engine_over, filled_cache, recovers, small_layout};
 use kvpool_backends::conformance::{self, Outcome, Subject};
 use kvpool_backends::s3::{S3Config, S3Connector};
-use kvpool_core::storage_manager::StorageManagerConfig;
-use kvpool_core::{
-    CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Dtype, HostPagedKvCache,
-    KeyScope, KvKind, KvLayout, RemoteBackend, RemoteConnector, StorageManager,
-};
+use kvpool_core::{ChunkCodec, HostPagedKvCache, RemoteBackend, RemoteConnector};
 use servers::{MotoProcess, free_port, server_url};
 
 fn config(url: &str, endpoint: &str) -> S3Config {
@@ -92,25 +88,11 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     let mut cfg = config("s3://fault/kv", &endpoint);
     cfg.timeout = Duration::from_millis(1000);
     let s3 = S3Connector::connect(&cfg).await.unwrap();
-    let layout = KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).unwrap();
-    let manager = StorageManager::builder()
-        .lower(Arc::new(RemoteBackend::new(
-            s3,
-            ChunkCodec::default(),
-            64 << 20,
-        )))
-        .config(StorageManagerConfig::default())
-        .build()
-        .unwrap();
-    let db = ChunkedTokenDatabase::new(
-        ChunkingConfig {
-            chunk_size: 16,
-            ..Default::default()
-        },
-        KeyScope::new("s3-fault", 1, 0, 0, layout.fingerprint()).unwrap(),
-    )
-    .unwrap();
-    let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let layout = small_layout();
+    let engine = engine_over(
+        Arc::new(RemoteBackend::new(s3, ChunkCodec::default(), 64 << 20)),
+        "s3-fault",
+    );
     let tokens: Vec<u32> = (0..64).collect();
     let slots: Vec<i64> = (0..64).collect();
     let kv = filled_cache(layout, 32, 1);
@@ -149,17 +131,10 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
 
     // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
     let _server = MotoProcess::start(&binary, port, "fault");
-    let mut recovered = false;
-    for _ in 0..50 {
-        engine.store(&tokens, None, &kv, &slots).await.unwrap();
-        engine.storage().flush().await.unwrap();
-        if engine.lookup(&tokens).await.unwrap() == 64 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(recovered, "no recovery after the server came back");
+    assert!(
+        recovers(&engine, &tokens, &kv, &slots).await,
+        "no recovery after the server came back"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

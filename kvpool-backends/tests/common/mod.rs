@@ -132,3 +132,57 @@ pub fn row_is_zero(c: &HostPagedKvCache, slot: i64) -> bool {
         (0..layout.kind.planes()).all(|p| c.row(l, p, slot as usize).iter().all(|&b| b == 0))
     })
 }
+
+/// The small layout the engine-level backend tests use: 2 layers x 2 KV heads x 8, f16.
+pub fn small_layout() -> KvLayout {
+    KvLayout::new(
+        2,
+        2,
+        8,
+        kvpool_core::Dtype::F16,
+        kvpool_core::KvKind::KeyValue,
+        4,
+    )
+    .unwrap()
+}
+
+/// A cache engine (16-token chunks, [`small_layout`]) over one lower tier and no L1, so every
+/// lookup and load goes to that tier.
+pub fn engine_over(
+    lower: Arc<dyn kvpool_core::StorageBackend>,
+    model: &str,
+) -> kvpool_core::CacheEngine {
+    let layout = small_layout();
+    let manager = kvpool_core::StorageManager::builder()
+        .lower(lower)
+        .build()
+        .unwrap();
+    let db = kvpool_core::ChunkedTokenDatabase::new(
+        kvpool_core::ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        kvpool_core::KeyScope::new(model, 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap()
+}
+
+/// Stores `tokens` again until a lookup finds all of them; false if that never happens within
+/// about ten seconds (the tier did not recover).
+pub async fn recovers(
+    engine: &kvpool_core::CacheEngine,
+    tokens: &[u32],
+    kv: &HostPagedKvCache,
+    slots: &[i64],
+) -> bool {
+    for _ in 0..100 {
+        engine.store(tokens, None, kv, slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+        if engine.lookup(tokens).await.unwrap() == tokens.len() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
