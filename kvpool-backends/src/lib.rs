@@ -20,6 +20,7 @@ pub mod conformance;
 pub mod cpu;
 #[cfg(feature = "disk")]
 pub mod disk;
+pub mod faults;
 pub mod memory;
 pub mod pool_builder;
 #[cfg(feature = "redis")]
@@ -31,6 +32,7 @@ pub mod timeout;
 
 #[cfg(feature = "cpu")]
 pub use cpu::LocalCpuBackend;
+pub use faults::FaultInjector;
 pub use memory::InMemoryConnector;
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
 pub use timeout::TimeoutConnector;

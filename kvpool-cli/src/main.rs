@@ -33,8 +33,48 @@ enum Command {
     Replay(ReplayArgs),
     /// Write a synthetic trace in the Mooncake format.
     GenTrace(GenTraceArgs),
+    /// Simulate an engine (scheduler + worker over serialized connector metadata) on the pool,
+    /// checking every loaded KV byte against recomputation.
+    Sim(SimArgs),
     /// Show or check configuration.
     Config(ConfigArgs),
+}
+
+#[derive(Args, Debug)]
+struct SimArgs {
+    /// Requests.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Distinct shared prefixes.
+    #[arg(long, default_value_t = 6)]
+    prefixes: usize,
+    /// Longest shared prefix, in tokens.
+    #[arg(long, default_value_t = 512)]
+    max_prefix_tokens: usize,
+    /// Longest unique suffix, in tokens.
+    #[arg(long, default_value_t = 128)]
+    max_suffix_tokens: usize,
+    /// GPU KV blocks (16 tokens each); small enough that the GPU prefix cache loses prefixes.
+    #[arg(long, default_value_t = 64)]
+    gpu_blocks: usize,
+    /// L1 CPU pool size.
+    #[arg(long, default_value = "64MiB")]
+    cpu_size: ByteSize,
+    /// Add a memory:// tier below L1.
+    #[arg(long)]
+    lower_tier: bool,
+    /// With --lower-tier: fail every 3rd batch get and corrupt every 4th stored value.
+    #[arg(long)]
+    inject_failures: bool,
+    /// Random seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print one line per request.
+    #[arg(long)]
+    timeline: bool,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -197,6 +237,59 @@ fn print_report<R: serde::Serialize>(
     Ok(())
 }
 
+/// The `kvpool sim` summary and, optionally, its per-request timeline.
+fn render_sim(r: &kvpool_connector::simulator::SimReport, timeline: bool) -> String {
+    let mut t = report::Table::new(&["simulation", "value"]);
+    for (k, v) in [
+        ("requests", r.requests.to_string()),
+        ("prompt tokens", r.prompt_tokens.to_string()),
+        ("GPU prefix-cache hit tokens", r.gpu_hit_tokens.to_string()),
+        (
+            "prefill tokens saved (loaded from kvpool)",
+            r.prefill_tokens_saved.to_string(),
+        ),
+        ("tokens computed", r.computed_tokens.to_string()),
+        (
+            "failed-load blocks (recomputed)",
+            r.failed_blocks.to_string(),
+        ),
+        (
+            "KV rows differing from recomputation",
+            r.mismatched_rows.to_string(),
+        ),
+        (
+            "leaks (GPU blocks, requests, CPU regions)",
+            format!("{:?}", r.leaks),
+        ),
+    ] {
+        t.row(vec![k.into(), v]);
+    }
+    let mut out = t.render();
+    if timeline {
+        let mut steps = report::Table::new(&[
+            "request",
+            "prompt",
+            "GPU hit",
+            "pool hit",
+            "computed",
+            "failed blocks",
+        ]);
+        for o in &r.timeline {
+            steps.row(vec![
+                o.req_id.clone(),
+                o.prompt_tokens.to_string(),
+                o.gpu_hit_tokens.to_string(),
+                o.pool_hit_tokens.to_string(),
+                o.computed_tokens.to_string(),
+                o.failed_blocks.to_string(),
+            ]);
+        }
+        out.push_str("\n\n");
+        out.push_str(&steps.render());
+    }
+    out
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -272,6 +365,43 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "wrote {} requests ({tokens} input tokens) to {}",
                 a.requests,
                 a.out.display()
+            );
+        }
+        Command::Sim(a) => {
+            let layout = kvpool_core::KvLayout::new(
+                4,
+                4,
+                64,
+                Dtype::F16,
+                kvpool_core::KvKind::KeyValue,
+                16,
+            )?;
+            let config = kvpool_connector::simulator::SimConfig {
+                layout,
+                chunk_size: 64,
+                gpu_blocks: a.gpu_blocks,
+                cpu_pool_bytes: a.cpu_size.as_usize(),
+                lower_tier: a.lower_tier || a.inject_failures,
+                inject_failures: a.inject_failures.then_some((3, 4)),
+            };
+            let workload = kvpool_connector::simulator::Workload {
+                requests: a.requests,
+                prefixes: a.prefixes,
+                max_prefix_tokens: a.max_prefix_tokens,
+                max_suffix_tokens: a.max_suffix_tokens,
+                seed: a.seed,
+            };
+            let report = kvpool_connector::simulator::run(&config, &workload)?;
+            print_report(&report, a.json, |r| render_sim(r, a.timeline))?;
+            anyhow::ensure!(
+                report.mismatched_rows == 0,
+                "{} KV rows differ from recomputation",
+                report.mismatched_rows
+            );
+            anyhow::ensure!(
+                report.leaks == (0, 0, 0),
+                "leaks at the end: {:?}",
+                report.leaks
             );
         }
         Command::Config(a) => {

@@ -141,3 +141,20 @@ fn user_errors_are_messages_not_panics() {
         assert!(!stderr(o).contains("panicked"));
     }
 }
+
+#[test]
+fn sim_proves_exact_kv_with_and_without_failures() {
+    for extra in [&[][..], &["--cpu-size", "1MiB", "--inject-failures"][..]] {
+        let mut args = vec!["sim", "--requests", "60", "--json"];
+        args.extend_from_slice(extra);
+        let out = kvpool(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(v["mismatched_rows"], 0);
+        assert_eq!(v["leaks"], serde_json::json!([0, 0, 0]));
+        assert!(v["prefill_tokens_saved"].as_u64().unwrap() > 0, "{extra:?}");
+        if !extra.is_empty() {
+            assert!(v["failed_blocks"].as_u64().unwrap() > 0);
+        }
+    }
+}

@@ -1,5 +1,106 @@
-//! kvpool-connector: the engine-facing connector (vLLM KVConnector V1, scheduler and worker sides).
+//! kvpool-connector: the vLLM KVConnector V1 protocol in Rust, and an engine simulator.
 //!
-//! Not implemented yet: this crate currently exports nothing. Until it lands, engines embed
-//! [`kvpool_core::CacheEngine`] directly, built from a [`kvpool_core::PoolConfig`] with
-//! [`kvpool_backends::build_pool`].
+//! The protocol has two roles in different processes. The scheduler decides, per step, what
+//! to load from the pool and what to save; the worker moves the bytes. They talk only through
+//! [`ConnectorMetadata`], which is serialised every step.
+//!
+//! | vLLM KVConnector V1 call | kvpool |
+//! |---|---|
+//! | `get_num_new_matched_tokens(request, num_computed_tokens)` | [`ConnectorScheduler::get_num_new_matched_tokens`] |
+//! | `update_state_after_alloc(request, blocks, num_external_tokens)` | [`ConnectorScheduler::update_state_after_alloc`] |
+//! | `build_connector_meta(scheduler_output)` | [`ConnectorScheduler::build_connector_meta`], then [`ConnectorMetadata::encode`] |
+//! | `update_connector_output(connector_output)` | [`ConnectorScheduler::update_connector_output`] |
+//! | `request_finished(request, block_ids)` | [`ConnectorScheduler::request_finished`] |
+//! | `register_kv_caches(kv_caches)` | [`ConnectorWorker::register_kv_caches`] |
+//! | `bind_connector_metadata(metadata)` | [`ConnectorWorker::bind_connector_metadata`] (bytes in) |
+//! | `clear_connector_metadata()` | [`ConnectorWorker::clear_connector_metadata`] |
+//! | `start_load_kv(forward_context)` | [`ConnectorWorker::start_load_kv`] |
+//! | `wait_for_layer_load(layer_name)` | [`ConnectorWorker::wait_for_layer_load`] |
+//! | `save_kv_layer(layer_name, kv_layer, attn_metadata)` | [`ConnectorWorker::save_kv_layer`] |
+//! | `wait_for_save()` | [`ConnectorWorker::wait_for_save`] |
+//! | `get_finished(finished_req_ids)` | [`ConnectorWorker::get_finished`] |
+//! | `get_block_ids_with_load_errors()` | [`ConnectorWorker::get_block_ids_with_load_errors`] |
+//!
+//! Behaviour:
+//! - Loads cover only what the GPU lacks and never the final prompt token. Chunks are fetched
+//!   and verified whole, but only the tokens beyond the GPU's prefix are written, so blocks the
+//!   GPU already holds (possibly shared with other requests) are never overwritten. LMCache
+//!   instead aligns the GPU count down to a chunk and re-writes those tokens with identical bytes.
+//! - Saves skip what was saved before. They cover complete chunks unless `save_unfull_chunk`,
+//!   and decode tokens only with `save_decode_tokens`. A request can opt out (`skip_save`).
+//!   Offload is eager: each newly computed chunk is saved in the step that computes it.
+//! - A chunk that fails to load (missing, corrupt, backend down) is reported by exact GPU block
+//!   id. The worker saves nothing from it on in that step, and the scheduler rewinds the save
+//!   point, so the recomputed KV is saved later and nothing unverified is ever reported as
+//!   loaded or stored.
+//! - `request_finished` delays freeing blocks while a save from them is in flight.
+//! - Every step's metadata carries the scheduler's [`probe_hash`]; a worker deriving another
+//!   one (different model, world size, layout, chunk size or hash) refuses it. Hash mismatches
+//!   across processes otherwise show up only as silent zero hit rates.
+//!
+//! Not yet: lazy offload (saving only blocks about to be evicted), asynchronous loads, the
+//! engine's KV-event stream, and a two-process transport test.
+
+#![warn(missing_docs)]
+
+pub mod metadata;
+pub mod scheduler;
+pub mod simulator;
+pub mod worker;
+
+use kvpool_core::CacheEngine;
+use thiserror::Error;
+
+pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
+pub use scheduler::{
+    ConnectorOutput, ConnectorScheduler, EngineRequest, RequestTracker, ScheduledRequest,
+};
+pub use worker::ConnectorWorker;
+
+/// Connector settings (the pool's own settings come from its `PoolConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectorConfig {
+    /// The engine's page size in tokens.
+    pub block_size: usize,
+    /// Save the trailing partial chunk too.
+    pub save_unfull_chunk: bool,
+    /// Save tokens generated during decode, not only the prompt.
+    pub save_decode_tokens: bool,
+}
+
+/// A connector call that could not be carried out.
+#[derive(Debug, Error)]
+pub enum ConnectorError {
+    /// Bad metadata.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// The engine failed (a transfer error, not a miss).
+    #[error(transparent)]
+    Engine(#[from] kvpool_core::EngineError),
+    /// The engine's KV cache does not match the pool.
+    #[error("{0}")]
+    Layout(String),
+    /// Calls in the wrong order.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// A digest of how this process derives keys: model, TP world size, layout fingerprint, and
+/// the chunk hash of a fixed probe sequence. The TP rank is left out, so every rank agrees.
+pub fn probe_hash(engine: &CacheEngine) -> [u8; 16] {
+    let db = engine.token_database();
+    let probe: Vec<u32> = (1..=db.chunk_size() as u32).collect();
+    let spans = db
+        .process_tokens(&probe, None)
+        .expect("probe tokens are valid");
+    let scope = db.scope();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(scope.model.as_bytes());
+    h.update(&scope.world_size.to_le_bytes());
+    h.update(&scope.layout_fingerprint.to_le_bytes());
+    h.update(&(db.chunk_size() as u64).to_le_bytes());
+    if let Some(first) = spans.first() {
+        h.update(&first.key.hash.0);
+    }
+    h.digest128().to_be_bytes()
+}

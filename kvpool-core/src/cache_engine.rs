@@ -243,7 +243,7 @@ impl CacheEngine {
                 Ok(buf) => buffers.push((span.clone(), buf)),
                 Err(e) => {
                     report.skipped_no_space = spans.len() - i;
-                    warn!(error = %e, skipped = report.skipped_no_space, "no memory for chunks; skipping the rest of this store");
+                    tracing::debug!(error = %e, skipped = report.skipped_no_space, "no memory for chunks; skipping the rest of this store");
                     break;
                 }
             }

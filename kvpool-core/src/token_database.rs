@@ -176,7 +176,7 @@ impl ChunkedTokenDatabase {
         skip_tokens: usize,
     ) -> Result<Vec<ChunkSpan>, TokenError> {
         let cs = self.config.chunk_size;
-        if block_size == 0 || cs % block_size != 0 {
+        if block_size == 0 || !cs.is_multiple_of(block_size) {
             return Err(TokenError::ChunkNotBlockAligned {
                 chunk_size: cs,
                 block_size,

@@ -1,0 +1,507 @@
+//! An engine simulator that drives both connector roles, to prove the protocol end to end.
+//!
+//! It plays vLLM:
+//! - a scheduler with a GPU block pool and prefix caching (blocks of cached prefixes stay
+//!   reusable until evicted, least recently freed first);
+//! - a worker with a host paged KV cache, whose "model" writes a deterministic function of
+//!   (token id, position, layer, plane) into every slot it computes.
+//!
+//! Scheduler and worker meet only through encoded [`crate::ConnectorMetadata`] bytes. After
+//! every request, each of its slots is compared with what the model would have written.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use kvpool_backends::{FaultInjector, InMemoryConnector, LocalCpuBackend};
+use kvpool_core::{
+    CacheEngine, ChunkCodec, ChunkHash, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind,
+    HashAlgorithm, HostPagedKvCache, KeyScope, KvKind, KvLayout, RemoteBackend, StorageBackend,
+    StorageManager,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use thiserror::Error;
+use tokio::runtime::Runtime;
+
+use crate::{
+    ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
+    EngineRequest, ScheduledRequest,
+};
+
+/// Simulator settings.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// KV layout of the simulated model.
+    pub layout: KvLayout,
+    /// Tokens per pool chunk (a multiple of the layout's block size).
+    pub chunk_size: usize,
+    /// GPU KV blocks.
+    pub gpu_blocks: usize,
+    /// L1 (CPU) pool bytes.
+    pub cpu_pool_bytes: usize,
+    /// Add a lower tier (`memory://`) below L1.
+    pub lower_tier: bool,
+    /// With the lower tier: fail every n-th batch get and corrupt every m-th stored value.
+    pub inject_failures: Option<(u64, u64)>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            layout: KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 4).expect("valid layout"),
+            chunk_size: 16,
+            gpu_blocks: 64,
+            cpu_pool_bytes: 16 << 20,
+            lower_tier: false,
+            inject_failures: None,
+        }
+    }
+}
+
+/// Something the simulation could not do.
+#[derive(Debug, Error)]
+pub enum SimError {
+    /// The connector failed.
+    #[error(transparent)]
+    Connector(#[from] ConnectorError),
+    /// The GPU pool cannot hold a request.
+    #[error("request needs {needed} GPU blocks, {free} are free; raise gpu_blocks")]
+    GpuFull {
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// Setting up the pool failed.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RequestOutcome {
+    /// Request id.
+    pub req_id: String,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens found in the GPU prefix cache.
+    pub gpu_hit_tokens: usize,
+    /// Tokens the connector promised to load.
+    pub pool_hit_tokens: usize,
+    /// Tokens the model computed (including recomputation after failed loads).
+    pub computed_tokens: usize,
+    /// GPU blocks reported as failed loads.
+    pub failed_blocks: usize,
+    /// GPU blocks the request used.
+    pub block_ids: Vec<u32>,
+    /// Slots (token x layer x plane) whose bytes differ from the model's: must be 0.
+    pub mismatched_rows: usize,
+}
+
+/// A prefix-caching GPU block pool.
+struct GpuBlocks {
+    free: VecDeque<u32>,
+    refs: Vec<u32>,
+    cached: HashMap<ChunkHash, u32>,
+    hash_of: Vec<Option<ChunkHash>>,
+    block_size: usize,
+}
+
+impl GpuBlocks {
+    fn new(n: usize, block_size: usize) -> Self {
+        GpuBlocks {
+            free: (0..n as u32).collect(),
+            refs: vec![0; n],
+            cached: HashMap::new(),
+            hash_of: vec![None; n],
+            block_size,
+        }
+    }
+
+    fn block_hashes(&self, tokens: &[u32]) -> Vec<ChunkHash> {
+        let algo = HashAlgorithm::Xxh3_128;
+        let mut prev = algo.root();
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|b| {
+                prev = algo.chain_tokens(&prev, b);
+                prev
+            })
+            .collect()
+    }
+
+    /// Cached blocks of the longest prefix of full blocks, leaving at least one token to compute.
+    fn lookup_and_pin(&mut self, tokens: &[u32]) -> Vec<u32> {
+        let mut hit = Vec::new();
+        for h in self.block_hashes(&tokens[..tokens.len() - 1]) {
+            let Some(&b) = self.cached.get(&h) else { break };
+            if self.refs[b as usize] == 0 {
+                self.free.retain(|&f| f != b);
+            }
+            self.refs[b as usize] += 1;
+            hit.push(b);
+        }
+        hit
+    }
+
+    fn allocate(&mut self, n: usize) -> Result<Vec<u32>, SimError> {
+        if self.free.len() < n {
+            return Err(SimError::GpuFull {
+                needed: n,
+                free: self.free.len(),
+            });
+        }
+        let blocks: Vec<u32> = self.free.drain(..n).collect();
+        for &b in &blocks {
+            if let Some(h) = self.hash_of[b as usize].take() {
+                self.cached.remove(&h); // evicted from the GPU prefix cache
+            }
+            self.refs[b as usize] = 1;
+        }
+        Ok(blocks)
+    }
+
+    fn cache_full_blocks(&mut self, tokens: &[u32], blocks: &[u32]) {
+        for (h, &b) in self.block_hashes(tokens).into_iter().zip(blocks) {
+            if self.hash_of[b as usize].is_none() && !self.cached.contains_key(&h) {
+                self.cached.insert(h, b);
+                self.hash_of[b as usize] = Some(h);
+            }
+        }
+    }
+
+    fn release(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            self.refs[b as usize] -= 1;
+            if self.refs[b as usize] == 0 {
+                self.free.push_back(b);
+            }
+        }
+    }
+
+    fn evict_all(&mut self) {
+        self.cached.clear();
+        self.hash_of.iter_mut().for_each(|h| *h = None);
+    }
+}
+
+/// The bytes the model writes for one row.
+fn model_row(token: u32, pos: usize, layer: usize, plane: usize, row: &mut [u8]) {
+    let mut x = xxhash_rust::xxh3::xxh3_64(
+        &[
+            token.to_le_bytes(),
+            (pos as u32).to_le_bytes(),
+            (layer as u32).to_le_bytes(),
+            (plane as u32).to_le_bytes(),
+        ]
+        .concat(),
+    ) | 1;
+    for b in row.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+/// The simulated engine: scheduler, worker, GPU blocks and a host KV cache, over one pool.
+pub struct Simulator {
+    runtime: Arc<Runtime>,
+    engine: Arc<CacheEngine>,
+    l1: Arc<LocalCpuBackend>,
+    scheduler: ConnectorScheduler,
+    worker: ConnectorWorker,
+    gpu: GpuBlocks,
+    kv: HostPagedKvCache,
+    layout: KvLayout,
+    next_id: u64,
+}
+
+impl Simulator {
+    /// Builds the pool, both connector roles, and the engine state.
+    pub fn new(config: &SimConfig) -> Result<Self, SimError> {
+        let runtime = Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| SimError::Setup(e.to_string()))?,
+        );
+        let layout = config.layout;
+        let l1 = Arc::new(
+            LocalCpuBackend::new(config.cpu_pool_bytes, EvictionKind::Lru)
+                .map_err(|e| SimError::Setup(e.to_string()))?,
+        );
+        let manager = runtime.block_on(async {
+            let mut b = StorageManager::builder().primary(l1.clone(), l1.clone());
+            if config.lower_tier {
+                let (fail_get, corrupt_put) = config.inject_failures.unwrap_or((0, 0));
+                let store = FaultInjector::new(InMemoryConnector::new(), fail_get, corrupt_put);
+                let lower: Arc<dyn StorageBackend> =
+                    Arc::new(RemoteBackend::new(store, ChunkCodec::default(), 64 << 20));
+                b = b.lower(lower);
+            }
+            b.build()
+        });
+        let manager = manager.map_err(|e| SimError::Setup(e.to_string()))?;
+        let db = ChunkedTokenDatabase::new(
+            ChunkingConfig {
+                chunk_size: config.chunk_size,
+                ..Default::default()
+            },
+            KeyScope::new("kvpool-sim", 1, 0, 0, layout.fingerprint())
+                .map_err(|e| SimError::Setup(e.to_string()))?,
+        )
+        .map_err(|e| SimError::Setup(e.to_string()))?;
+        let engine = Arc::new(
+            CacheEngine::new(layout, db, Arc::new(manager))
+                .map_err(|e| SimError::Setup(e.to_string()))?,
+        );
+        let connector_config = ConnectorConfig {
+            block_size: layout.block_size,
+            save_unfull_chunk: false,
+            save_decode_tokens: false,
+        };
+        let scheduler = ConnectorScheduler::new(engine.clone(), runtime.clone(), connector_config);
+        let mut worker = ConnectorWorker::new(engine.clone(), runtime.clone(), layout.block_size);
+        worker.register_kv_caches(&layout)?;
+        Ok(Simulator {
+            kv: HostPagedKvCache::new(layout, config.gpu_blocks),
+            gpu: GpuBlocks::new(config.gpu_blocks, layout.block_size),
+            runtime,
+            engine,
+            l1,
+            scheduler,
+            worker,
+            layout,
+            next_id: 0,
+        })
+    }
+
+    /// The cache engine (for inspection).
+    pub fn engine(&self) -> &Arc<CacheEngine> {
+        &self.engine
+    }
+
+    /// Forgets the GPU prefix cache, as if memory pressure evicted every cached block.
+    pub fn evict_gpu_prefix_cache(&mut self) {
+        self.gpu.evict_all();
+    }
+
+    fn slot(&self, blocks: &[u32], i: usize) -> usize {
+        let bs = self.layout.block_size;
+        blocks[i / bs] as usize * bs + i % bs
+    }
+
+    fn compute(
+        &mut self,
+        layer: usize,
+        tokens: &[u32],
+        blocks: &[u32],
+        positions: impl Iterator<Item = usize>,
+    ) {
+        let row = self.layout.bytes_per_token_per_plane();
+        let num_slots = self.kv.num_slots();
+        for i in positions {
+            let slot = self.slot(blocks, i);
+            for plane in 0..self.layout.kind.planes() {
+                let at = (plane * num_slots + slot) * row;
+                model_row(
+                    tokens[i],
+                    i,
+                    layer,
+                    plane,
+                    &mut self.kv.layer_mut(layer)[at..at + row],
+                );
+            }
+        }
+    }
+
+    fn mismatches(&self, tokens: &[u32], blocks: &[u32]) -> usize {
+        let mut expected = vec![0u8; self.layout.bytes_per_token_per_plane()];
+        let mut bad = 0;
+        for layer in 0..self.layout.num_layers {
+            for (i, &t) in tokens.iter().enumerate() {
+                for plane in 0..self.layout.kind.planes() {
+                    model_row(t, i, layer, plane, &mut expected);
+                    if self.kv.row(layer, plane, self.slot(blocks, i)) != expected.as_slice() {
+                        bad += 1;
+                    }
+                }
+            }
+        }
+        bad
+    }
+
+    /// One engine step for a request: bind the metadata bytes, load, compute `compute` (all
+    /// layers), save; returns the failed blocks.
+    fn step(
+        &mut self,
+        req_id: &str,
+        tokens: &[u32],
+        blocks: &[u32],
+        compute: &[usize],
+    ) -> Result<Vec<u32>, SimError> {
+        let meta = self.scheduler.build_connector_meta(&[ScheduledRequest {
+            req_id: req_id.to_string(),
+            new_token_ids: Vec::new(),
+            block_ids: None,
+            num_computed_tokens_after_step: tokens.len(),
+        }]);
+        self.worker.bind_connector_metadata(&meta.encode())?;
+        self.worker.start_load_kv()?;
+        for layer in 0..self.layout.num_layers {
+            self.worker.wait_for_layer_load(layer, &mut self.kv)?;
+            self.compute(layer, tokens, blocks, compute.iter().copied());
+            self.worker.save_kv_layer(layer, &self.kv)?;
+        }
+        self.worker.wait_for_save(&self.kv)?;
+        let (finished_sending, finished_recving) = self.worker.get_finished(&[]);
+        let failed = self.worker.get_block_ids_with_load_errors();
+        self.worker.clear_connector_metadata();
+        self.scheduler.update_connector_output(&ConnectorOutput {
+            finished_sending,
+            finished_recving,
+            failed_block_ids: failed.clone(),
+        });
+        Ok(failed)
+    }
+
+    /// Runs one request (its prefill) through the whole protocol and checks its KV.
+    pub fn run_request(&mut self, prompt: &[u32]) -> Result<RequestOutcome, SimError> {
+        self.next_id += 1;
+        let req_id = format!("req-{}", self.next_id);
+        let n = prompt.len();
+        let bs = self.layout.block_size;
+        let cached = self.gpu.lookup_and_pin(prompt);
+        let gpu_hit = cached.len() * bs;
+        let request = EngineRequest {
+            req_id: req_id.clone(),
+            prompt_token_ids: prompt.to_vec(),
+            skip_save: false,
+        };
+        let (external, _is_async) = self.scheduler.get_num_new_matched_tokens(&request, gpu_hit);
+        let needed = n.div_ceil(bs) - cached.len();
+        let fresh = match self.gpu.allocate(needed) {
+            Ok(b) => b,
+            Err(e) => {
+                self.gpu.release(&cached);
+                return Err(e);
+            }
+        };
+        let blocks: Vec<u32> = cached.iter().chain(&fresh).copied().collect();
+        self.scheduler
+            .update_state_after_alloc(&req_id, &blocks, external);
+        let compute: Vec<usize> = (gpu_hit + external..n).collect();
+        let failed = self.step(&req_id, prompt, &blocks, &compute)?;
+        let mut computed = compute.len();
+        if !failed.is_empty() {
+            // The engine recomputes the failed blocks, and a later step saves them.
+            let redo: Vec<usize> = (0..n)
+                .filter(|&i| failed.contains(&blocks[i / bs]))
+                .collect();
+            computed += redo.len();
+            for layer in 0..self.layout.num_layers {
+                self.compute(layer, prompt, &blocks, redo.iter().copied());
+            }
+            self.step(&req_id, prompt, &blocks, &[])?;
+        }
+        let mismatched_rows = self.mismatches(prompt, &blocks);
+        self.gpu.cache_full_blocks(prompt, &blocks);
+        let (delay_free, _) = self.scheduler.request_finished(&req_id, &blocks);
+        if delay_free {
+            self.scheduler.release(&req_id);
+        }
+        self.gpu.release(&blocks);
+        Ok(RequestOutcome {
+            req_id,
+            prompt_tokens: n,
+            gpu_hit_tokens: gpu_hit,
+            pool_hit_tokens: external,
+            computed_tokens: computed,
+            failed_blocks: failed.len(),
+            block_ids: blocks,
+            mismatched_rows,
+        })
+    }
+
+    /// After all requests: GPU blocks not returned, requests still tracked, and CPU pool
+    /// regions not owned by a stored chunk. All must be 0.
+    pub fn leaks(&self) -> (usize, usize, usize) {
+        let gpu = self.gpu.refs.iter().filter(|&&r| r > 0).count();
+        let tracked = self.scheduler.tracked_requests();
+        let l1 = self.runtime.block_on(async { self.l1.stats() });
+        let regions = self.l1.pool().stats().regions;
+        (gpu, tracked, regions.saturating_sub(l1.entries as usize))
+    }
+}
+
+/// A random shared-prefix workload.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Workload {
+    /// Requests.
+    pub requests: usize,
+    /// Distinct shared prefixes.
+    pub prefixes: usize,
+    /// Longest prefix, in tokens.
+    pub max_prefix_tokens: usize,
+    /// Longest unique suffix, in tokens.
+    pub max_suffix_tokens: usize,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// Totals of a simulated run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SimReport {
+    /// Requests run.
+    pub requests: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens found in the GPU prefix cache.
+    pub gpu_hit_tokens: usize,
+    /// Prefill tokens loaded from the pool instead of computed.
+    pub prefill_tokens_saved: usize,
+    /// Tokens computed.
+    pub computed_tokens: usize,
+    /// Failed-load blocks reported (and recomputed).
+    pub failed_blocks: usize,
+    /// Rows whose final bytes differ from the model's (must be 0).
+    pub mismatched_rows: usize,
+    /// Leaks at the end: GPU blocks, tracked requests, CPU regions (must be 0).
+    pub leaks: (usize, usize, usize),
+    /// One line per request.
+    pub timeline: Vec<RequestOutcome>,
+}
+
+/// Runs `workload` on a fresh simulator.
+pub fn run(config: &SimConfig, workload: &Workload) -> Result<SimReport, SimError> {
+    let mut sim = Simulator::new(config)?;
+    let mut rng = SmallRng::seed_from_u64(workload.seed);
+    let prefixes: Vec<Vec<u32>> = (0..workload.prefixes.max(1))
+        .map(|_| {
+            let len = rng.random_range(1..=workload.max_prefix_tokens.max(1));
+            (0..len).map(|_| rng.random_range(0..32_000)).collect()
+        })
+        .collect();
+    let mut report = SimReport::default();
+    for _ in 0..workload.requests {
+        let mut prompt = prefixes[rng.random_range(0..prefixes.len())].clone();
+        let suffix = rng.random_range(1..=workload.max_suffix_tokens.max(1));
+        prompt.extend((0..suffix).map(|_| rng.random_range(0..32_000u32)));
+        let o = sim.run_request(&prompt)?;
+        report.requests += 1;
+        report.prompt_tokens += o.prompt_tokens;
+        report.gpu_hit_tokens += o.gpu_hit_tokens;
+        report.prefill_tokens_saved += o
+            .pool_hit_tokens
+            .saturating_sub(o.failed_blocks * config.layout.block_size);
+        report.computed_tokens += o.computed_tokens;
+        report.failed_blocks += o.failed_blocks;
+        report.mismatched_rows += o.mismatched_rows;
+        report.timeline.push(o);
+    }
+    report.leaks = sim.leaks();
+    Ok(report)
+}

@@ -1,0 +1,155 @@
+//! The connector protocol proven end to end by the engine simulator.
+
+use std::sync::Arc;
+
+use kvpool_connector::simulator::{self, SimConfig, Simulator, Workload};
+use kvpool_connector::{
+    ConnectorConfig, ConnectorScheduler, ConnectorWorker, EngineRequest, ScheduledRequest,
+};
+use kvpool_core::{Dtype, KvKind, KvLayout};
+
+/// The SimpleCPUOffloadConnector walk-through: A = "Hello, world!" (3 tokens) is computed and
+/// its full chunk offloaded; the GPU cache is then evicted; B shares the prefix, loads it from
+/// the pool into a different GPU block, and computes only the rest.
+#[test]
+fn walkthrough_request_b_loads_request_a_prefix_from_the_pool() {
+    let config = SimConfig {
+        layout: KvLayout::new(2, 2, 8, Dtype::F16, KvKind::KeyValue, 2).unwrap(),
+        chunk_size: 2,
+        gpu_blocks: 8,
+        ..Default::default()
+    };
+    let mut sim = Simulator::new(&config).unwrap();
+    let hello_world = [15496u32, 11, 995]; // "Hello", ",", " world"
+    let a = sim.run_request(&hello_world).unwrap();
+    assert_eq!(
+        (a.gpu_hit_tokens, a.pool_hit_tokens, a.computed_tokens),
+        (0, 0, 3)
+    );
+    assert_eq!(a.mismatched_rows, 0);
+
+    sim.evict_gpu_prefix_cache();
+    let b_prompt = [15496u32, 11, 1917, 0]; // "Hello", ",", " Bob", "!"
+    let b = sim.run_request(&b_prompt).unwrap();
+    assert_eq!(b.gpu_hit_tokens, 0, "the GPU cache was evicted");
+    assert_eq!(b.pool_hit_tokens, 2, "the shared chunk comes from the pool");
+    assert_eq!(b.computed_tokens, 2, "only the rest is computed");
+    assert_ne!(
+        b.block_ids[0], a.block_ids[0],
+        "loaded into a different GPU block"
+    );
+    assert_eq!(
+        b.mismatched_rows, 0,
+        "B's KV is exactly what the model computes"
+    );
+    assert_eq!(sim.leaks(), (0, 0, 0));
+}
+
+fn workload(seed: u64) -> Workload {
+    Workload {
+        requests: 60,
+        prefixes: 4,
+        max_prefix_tokens: 96,
+        max_suffix_tokens: 40,
+        seed,
+    }
+}
+
+#[test]
+fn random_shared_prefix_workloads_under_gpu_pressure_stay_exact() {
+    for seed in 1..=3 {
+        // 40 blocks of 4 tokens: the GPU prefix cache cannot keep every prefix.
+        let config = SimConfig {
+            gpu_blocks: 40,
+            ..Default::default()
+        };
+        let report = simulator::run(&config, &workload(seed)).unwrap();
+        assert_eq!(report.mismatched_rows, 0, "seed {seed}");
+        assert_eq!(report.leaks, (0, 0, 0), "seed {seed}");
+        assert!(
+            report.prefill_tokens_saved > 0,
+            "seed {seed}: the pool served prefixes the GPU lost"
+        );
+        assert_eq!(report.failed_blocks, 0);
+        assert_eq!(
+            report.gpu_hit_tokens + report.prefill_tokens_saved + report.computed_tokens,
+            report.prompt_tokens,
+            "every token is either cached, loaded or computed exactly once"
+        );
+    }
+}
+
+#[test]
+fn injected_failures_become_reported_blocks_and_recomputation_with_exact_kv() {
+    // Chunks are 2 KiB: a 4 KiB L1 holds two, so most hits come from the faulty lower tier.
+    let config = SimConfig {
+        gpu_blocks: 40,
+        cpu_pool_bytes: 4 << 10,
+        lower_tier: true,
+        inject_failures: Some((3, 4)),
+        ..Default::default()
+    };
+    let report = simulator::run(&config, &workload(7)).unwrap();
+    assert!(
+        report.failed_blocks > 0,
+        "faults were injected and reported: {report:?}"
+    );
+    assert_eq!(
+        report.mismatched_rows, 0,
+        "no wrong byte survives a failed load"
+    );
+    assert_eq!(report.leaks, (0, 0, 0));
+    assert!(report.prefill_tokens_saved > 0);
+}
+
+#[test]
+fn a_worker_that_derives_other_keys_refuses_the_metadata() {
+    let runtime = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+    );
+    let make = |chunk_size: usize| {
+        let mut config = kvpool_core::PoolConfig::default();
+        config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
+        config.chunking.chunk_size = chunk_size;
+        runtime
+            .block_on(kvpool_backends::build_pool(&config))
+            .unwrap()
+            .engine
+    };
+    let (sched_engine, worker_engine) = (make(256), make(128));
+    let block_size = sched_engine.layout().block_size;
+    let config = ConnectorConfig {
+        block_size,
+        save_unfull_chunk: false,
+        save_decode_tokens: false,
+    };
+    let mut scheduler = ConnectorScheduler::new(sched_engine.clone(), runtime.clone(), config);
+    let mut worker = ConnectorWorker::new(worker_engine, runtime.clone(), block_size);
+    worker.register_kv_caches(sched_engine.layout()).unwrap();
+    let req = EngineRequest {
+        req_id: "r".into(),
+        prompt_token_ids: (0..300).collect(),
+        skip_save: false,
+    };
+    scheduler.get_num_new_matched_tokens(&req, 0);
+    scheduler.update_state_after_alloc("r", &(0..19).collect::<Vec<u32>>(), 0);
+    let meta = scheduler.build_connector_meta(&[ScheduledRequest {
+        req_id: "r".into(),
+        new_token_ids: vec![],
+        block_ids: None,
+        num_computed_tokens_after_step: 300,
+    }]);
+    let err = worker
+        .bind_connector_metadata(&meta.encode())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("disagree on key derivation"), "{err}");
+    assert!(
+        worker.bind_connector_metadata(&[1, 2, 3]).is_err(),
+        "garbage is an error, not a panic"
+    );
+}
