@@ -129,6 +129,10 @@ impl ConnectorWorker {
         for plan in &mut self.loads {
             plan.load_layer(layer, kv)?;
         }
+        // After the last layer, release the fetched chunks so L1 can evict them again.
+        if layer + 1 == self.engine.layout().num_layers {
+            self.loads.clear();
+        }
         Ok(())
     }
 
