@@ -342,12 +342,13 @@ impl Simulator {
         tokens: &[u32],
         blocks: &[u32],
         compute: &[usize],
+        computed_after_step: usize,
     ) -> Result<Vec<u32>, SimError> {
         let meta = self.scheduler.build_connector_meta(&[ScheduledRequest {
             req_id: req_id.to_string(),
             new_token_ids: Vec::new(),
             block_ids: None,
-            num_computed_tokens_after_step: tokens.len(),
+            num_computed_tokens_after_step: computed_after_step,
         }]);
         self.worker.bind_connector_metadata(&meta.encode())?;
         self.worker.start_load_kv()?;
@@ -394,7 +395,7 @@ impl Simulator {
         self.scheduler
             .update_state_after_alloc(&req_id, &blocks, external);
         let compute: Vec<usize> = (gpu_hit + external..n).collect();
-        let failed = self.step(&req_id, prompt, &blocks, &compute)?;
+        let failed = self.step(&req_id, prompt, &blocks, &compute, n)?;
         let mut computed = compute.len();
         if !failed.is_empty() {
             // The engine recomputes the failed blocks, and a later step saves them.
@@ -405,7 +406,7 @@ impl Simulator {
             for layer in 0..self.layout.num_layers {
                 self.compute(layer, prompt, &blocks, redo.iter().copied());
             }
-            self.step(&req_id, prompt, &blocks, &[])?;
+            self.step(&req_id, prompt, &blocks, &[], n)?;
         }
         let mismatched_rows = self.mismatches(prompt, &blocks);
         self.gpu.cache_full_blocks(prompt, &blocks);
@@ -420,6 +421,60 @@ impl Simulator {
             gpu_hit_tokens: gpu_hit,
             pool_hit_tokens: external,
             computed_tokens: computed,
+            failed_blocks: failed.len(),
+            block_ids: blocks,
+            mismatched_rows,
+        })
+    }
+
+    /// A request preempted mid-prefill and resumed: step 1 computes (and saves) the first
+    /// `first_step_tokens` tokens; the request is then preempted, its blocks freed and the GPU
+    /// prefix cache evicted; the resumed request loads what step 1 saved from the pool and
+    /// computes the rest. Returns the resumed request's outcome.
+    pub fn run_preempted_request(
+        &mut self,
+        prompt: &[u32],
+        first_step_tokens: usize,
+    ) -> Result<RequestOutcome, SimError> {
+        self.next_id += 1;
+        let req_id = format!("req-{}", self.next_id);
+        let n = prompt.len();
+        let first = first_step_tokens.min(n - 1);
+        let request = EngineRequest {
+            req_id: req_id.clone(),
+            prompt_token_ids: prompt.to_vec(),
+            skip_save: false,
+        };
+        let (external, _) = self.scheduler.get_num_new_matched_tokens(&request, 0);
+        let blocks = self.gpu.allocate(n.div_ceil(self.layout.block_size))?;
+        self.scheduler
+            .update_state_after_alloc(&req_id, &blocks, external);
+        let compute: Vec<usize> = (external.min(first)..first).collect();
+        self.step(&req_id, prompt, &blocks, &compute, first)?;
+        // Preempted: the GPU blocks go back to the pool and their cached prefixes are lost.
+        self.scheduler.request_preempted(&req_id);
+        self.gpu.release(&blocks);
+        self.gpu.evict_all();
+        // Resumed under the same id, from scratch on the GPU side.
+        let (external, _) = self.scheduler.get_num_new_matched_tokens(&request, 0);
+        let blocks = self.gpu.allocate(n.div_ceil(self.layout.block_size))?;
+        self.scheduler
+            .update_state_after_alloc(&req_id, &blocks, external);
+        let compute: Vec<usize> = (external..n).collect();
+        let failed = self.step(&req_id, prompt, &blocks, &compute, n)?;
+        let mismatched_rows = self.mismatches(prompt, &blocks);
+        self.gpu.cache_full_blocks(prompt, &blocks);
+        let (delay_free, _) = self.scheduler.request_finished(&req_id, &blocks);
+        if delay_free {
+            self.scheduler.release(&req_id);
+        }
+        self.gpu.release(&blocks);
+        Ok(RequestOutcome {
+            req_id,
+            prompt_tokens: n,
+            gpu_hit_tokens: 0,
+            pool_hit_tokens: external,
+            computed_tokens: compute.len(),
             failed_blocks: failed.len(),
             block_ids: blocks,
             mismatched_rows,

@@ -153,3 +153,18 @@ fn a_worker_that_derives_other_keys_refuses_the_metadata() {
         "garbage is an error, not a panic"
     );
 }
+
+#[test]
+fn a_preempted_request_resumes_from_what_the_pool_holds() {
+    let mut sim = Simulator::new(&SimConfig::default()).unwrap();
+    let prompt: Vec<u32> = (0..100).map(|i| i * 7 + 3).collect();
+    // Step 1 computes 40 tokens: two complete 16-token chunks are saved before preemption.
+    let resumed = sim.run_preempted_request(&prompt, 40).unwrap();
+    assert_eq!(
+        resumed.pool_hit_tokens, 32,
+        "the resumed request loads the saved chunks"
+    );
+    assert_eq!(resumed.computed_tokens, 68, "and computes only the rest");
+    assert_eq!(resumed.mismatched_rows, 0);
+    assert_eq!(sim.leaks(), (0, 0, 0));
+}
