@@ -34,6 +34,8 @@
 //!   point, so the recomputed KV is saved later and nothing unverified is ever reported as
 //!   loaded or stored.
 //! - `request_finished` delays freeing blocks while a save from them is in flight.
+//! - A preempted request (`request_preempted`) forgets its GPU blocks and save progress; when it
+//!   resumes, its next lookup finds what earlier steps saved, and it loads instead of recomputing.
 //! - Every step's metadata carries the scheduler's [`probe_hash`]; a worker deriving another
 //!   one (different model, world size, layout, chunk size or hash) refuses it. Hash mismatches
 //!   across processes otherwise show up only as silent zero hit rates.
