@@ -369,6 +369,42 @@ impl Simulator {
         Ok(failed)
     }
 
+    /// The engine's answer to failed loads: recompute the failed blocks' tokens, then a step
+    /// that saves them. Returns the tokens recomputed.
+    fn recover_failed(
+        &mut self,
+        req_id: &str,
+        prompt: &[u32],
+        blocks: &[u32],
+        failed: &[u32],
+    ) -> Result<usize, SimError> {
+        if failed.is_empty() {
+            return Ok(0);
+        }
+        let bs = self.layout.block_size;
+        let redo: Vec<usize> = (0..prompt.len())
+            .filter(|&i| failed.contains(&blocks[i / bs]))
+            .collect();
+        for layer in 0..self.layout.num_layers {
+            self.compute(layer, prompt, blocks, redo.iter().copied());
+        }
+        self.step(req_id, prompt, blocks, &[], prompt.len())?;
+        Ok(redo.len())
+    }
+
+    /// Checks the request's KV against the model, caches its full blocks on the GPU, finishes
+    /// it and frees its blocks. Returns the rows that differ from the model.
+    fn finish_request(&mut self, req_id: &str, prompt: &[u32], blocks: &[u32]) -> usize {
+        let mismatched_rows = self.mismatches(prompt, blocks);
+        self.gpu.cache_full_blocks(prompt, blocks);
+        let (delay_free, _) = self.scheduler.request_finished(req_id, blocks);
+        if delay_free {
+            self.scheduler.release(req_id);
+        }
+        self.gpu.release(blocks);
+        mismatched_rows
+    }
+
     /// Runs one request (its prefill) through the whole protocol and checks its KV.
     pub fn run_request(&mut self, prompt: &[u32]) -> Result<RequestOutcome, SimError> {
         self.next_id += 1;
@@ -396,25 +432,8 @@ impl Simulator {
             .update_state_after_alloc(&req_id, &blocks, external);
         let compute: Vec<usize> = (gpu_hit + external..n).collect();
         let failed = self.step(&req_id, prompt, &blocks, &compute, n)?;
-        let mut computed = compute.len();
-        if !failed.is_empty() {
-            // The engine recomputes the failed blocks, and a later step saves them.
-            let redo: Vec<usize> = (0..n)
-                .filter(|&i| failed.contains(&blocks[i / bs]))
-                .collect();
-            computed += redo.len();
-            for layer in 0..self.layout.num_layers {
-                self.compute(layer, prompt, &blocks, redo.iter().copied());
-            }
-            self.step(&req_id, prompt, &blocks, &[], n)?;
-        }
-        let mismatched_rows = self.mismatches(prompt, &blocks);
-        self.gpu.cache_full_blocks(prompt, &blocks);
-        let (delay_free, _) = self.scheduler.request_finished(&req_id, &blocks);
-        if delay_free {
-            self.scheduler.release(&req_id);
-        }
-        self.gpu.release(&blocks);
+        let computed = compute.len() + self.recover_failed(&req_id, prompt, &blocks, &failed)?;
+        let mismatched_rows = self.finish_request(&req_id, prompt, &blocks);
         Ok(RequestOutcome {
             req_id,
             prompt_tokens: n,
@@ -462,19 +481,14 @@ impl Simulator {
             .update_state_after_alloc(&req_id, &blocks, external);
         let compute: Vec<usize> = (external..n).collect();
         let failed = self.step(&req_id, prompt, &blocks, &compute, n)?;
-        let mismatched_rows = self.mismatches(prompt, &blocks);
-        self.gpu.cache_full_blocks(prompt, &blocks);
-        let (delay_free, _) = self.scheduler.request_finished(&req_id, &blocks);
-        if delay_free {
-            self.scheduler.release(&req_id);
-        }
-        self.gpu.release(&blocks);
+        let recomputed = self.recover_failed(&req_id, prompt, &blocks, &failed)?;
+        let mismatched_rows = self.finish_request(&req_id, prompt, &blocks);
         Ok(RequestOutcome {
             req_id,
             prompt_tokens: n,
             gpu_hit_tokens: 0,
             pool_hit_tokens: external,
-            computed_tokens: compute.len(),
+            computed_tokens: compute.len() + recomputed,
             failed_blocks: failed.len(),
             block_ids: blocks,
             mismatched_rows,

@@ -23,6 +23,15 @@ pub fn server_url(var: &str) -> Option<String> {
     }
 }
 
+/// Waits until something accepts connections on 127.0.0.1:`port`; panics after `limit`.
+pub fn wait_for_port(port: u16, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A free TCP port on 127.0.0.1.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -56,14 +65,7 @@ impl RedisProcess {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_port(port, "redis-server", Duration::from_secs(10));
         RedisProcess { port, child }
     }
 
@@ -96,14 +98,7 @@ impl MotoProcess {
             .stderr(Stdio::null())
             .spawn()
             .expect("moto_server starts");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto_server did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_port(port, "moto_server", Duration::from_secs(30));
         create_bucket(port, bucket);
         MotoProcess { port, child }
     }
@@ -209,14 +204,7 @@ impl RedisCluster {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "cluster node did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_port(port, "cluster node", Duration::from_secs(10));
         child
     }
 
