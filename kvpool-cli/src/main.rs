@@ -66,6 +66,9 @@ struct SimArgs {
     /// With --lower-tier: fail every 3rd batch get and corrupt every 4th stored value.
     #[arg(long)]
     inject_failures: bool,
+    /// Lazy offload: save chunks only when the GPU is about to reuse their blocks.
+    #[arg(long)]
+    lazy: bool,
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -249,6 +252,7 @@ fn render_sim(r: &kvpool_connector::simulator::SimReport, timeline: bool) -> Str
             r.prefill_tokens_saved.to_string(),
         ),
         ("tokens computed", r.computed_tokens.to_string()),
+        ("tokens stored to kvpool", r.stored_tokens.to_string()),
         (
             "failed-load blocks (recomputed)",
             r.failed_blocks.to_string(),
@@ -383,6 +387,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cpu_pool_bytes: a.cpu_size.as_usize(),
                 lower_tier: a.lower_tier || a.inject_failures,
                 inject_failures: a.inject_failures.then_some((3, 4)),
+                offload: if a.lazy {
+                    kvpool_connector::OffloadMode::Lazy
+                } else {
+                    kvpool_connector::OffloadMode::Eager
+                },
             };
             let workload = kvpool_connector::simulator::Workload {
                 requests: a.requests,

@@ -28,7 +28,9 @@
 //!   instead aligns the GPU count down to a chunk and re-writes those tokens with identical bytes.
 //! - Saves skip what was saved before. They cover complete chunks unless `save_unfull_chunk`,
 //!   and decode tokens only with `save_decode_tokens`. A request can opt out (`skip_save`).
-//!   Offload is eager: each newly computed chunk is saved in the step that computes it.
+//!   Offload is eager (each newly computed chunk is saved in the step that computes it) or lazy
+//!   (a chunk is saved when the engine is about to reuse one of its GPU blocks; the worker saves
+//!   it at the start of the step, before anything overwrites those blocks).
 //! - A chunk that fails to load (missing, corrupt, backend down) is reported by exact GPU block
 //!   id. The worker saves nothing from it on in that step, and the scheduler rewinds the save
 //!   point, so the recomputed KV is saved later and nothing unverified is ever reported as
@@ -40,8 +42,7 @@
 //!   one (different model, world size, layout, chunk size or hash) refuses it. Hash mismatches
 //!   across processes otherwise show up only as silent zero hit rates.
 //!
-//! Not yet: lazy offload (saving only blocks about to be evicted), asynchronous loads, the
-//! engine's KV-event stream, and a two-process transport test.
+//! Not yet: asynchronous loads, the engine's KV-event stream, and a two-process transport test.
 
 #![warn(missing_docs)]
 
@@ -55,9 +56,22 @@ use thiserror::Error;
 
 pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
 pub use scheduler::{
-    ConnectorOutput, ConnectorScheduler, EngineRequest, RequestTracker, ScheduledRequest,
+    ConnectorOutput, ConnectorScheduler, EngineRequest, EvictingChunk, RequestTracker,
+    ScheduledRequest,
 };
 pub use worker::ConnectorWorker;
+
+/// When computed KV is saved to the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadMode {
+    /// Every newly computed complete chunk is saved in the step that computes it.
+    #[default]
+    Eager,
+    /// A chunk is saved only when the GPU is about to reuse one of its blocks
+    /// ([`ConnectorScheduler::on_blocks_evicting`]): less traffic, and only for KV the GPU
+    /// prefix cache is about to lose.
+    Lazy,
+}
 
 /// Connector settings (the pool's own settings come from its `PoolConfig`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +82,8 @@ pub struct ConnectorConfig {
     pub save_unfull_chunk: bool,
     /// Save tokens generated during decode, not only the prompt.
     pub save_decode_tokens: bool,
+    /// Eager or lazy offload.
+    pub offload: OffloadMode,
 }
 
 /// A connector call that could not be carried out.

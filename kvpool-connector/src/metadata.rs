@@ -49,6 +49,9 @@ pub struct ConnectorMetadata {
     pub probe_hash: [u8; 16],
     /// Per-request work.
     pub requests: Vec<ReqMeta>,
+    /// Lazy offload: chunks of cached prefixes whose GPU blocks are about to be reused. Saved
+    /// at the start of the step, before any load or compute writes those blocks.
+    pub evictions: Vec<ReqMeta>,
 }
 
 /// Metadata that cannot be used.
@@ -114,7 +117,17 @@ impl ConnectorMetadata {
     /// Checks ranges and lengths.
     pub fn validate(&self) -> Result<(), MetadataError> {
         let mut seen = HashSet::new();
-        for r in &self.requests {
+        if let Some(r) = self
+            .evictions
+            .iter()
+            .find(|r| r.load.is_some() || r.save.is_none())
+        {
+            return Err(MetadataError::Invalid {
+                req_id: r.req_id.clone(),
+                reason: "an eviction must be a save and nothing else".into(),
+            });
+        }
+        for r in self.requests.iter().chain(&self.evictions) {
             let bad = |reason: String| MetadataError::Invalid {
                 req_id: r.req_id.clone(),
                 reason,
@@ -174,6 +187,7 @@ mod tests {
                     save_until: 8,
                 }),
             }],
+            evictions: vec![],
         }
     }
 

@@ -34,6 +34,16 @@ pub struct ScheduledRequest {
     pub num_computed_tokens_after_step: usize,
 }
 
+/// A chunk of a cached prefix whose GPU block the engine is about to reuse (lazy offload).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EvictingChunk {
+    /// The prefix's tokens up to the end of the chunk (a multiple of the chunk size).
+    pub token_ids: Vec<u32>,
+    /// The GPU blocks of those tokens. The blocks of the last chunk must still hold its KV;
+    /// earlier ones are only used for their position and are never read.
+    pub block_ids: Vec<u32>,
+}
+
 /// What the worker reported back for a step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnectorOutput {
@@ -70,6 +80,8 @@ pub struct ConnectorScheduler {
     probe_hash: [u8; 16],
     trackers: HashMap<String, RequestTracker>,
     pending_saves: HashSet<String>,
+    pending_evictions: Vec<ReqMeta>,
+    evictions_made: u64,
 }
 
 impl ConnectorScheduler {
@@ -83,6 +95,8 @@ impl ConnectorScheduler {
             probe_hash,
             trackers: HashMap::new(),
             pending_saves: HashSet::new(),
+            pending_evictions: Vec::new(),
+            evictions_made: 0,
         }
     }
 
@@ -176,7 +190,8 @@ impl ConnectorScheduler {
             } else {
                 savable / chunk * chunk
             };
-            let save = (!t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
+            let eager = self.config.offload == crate::OffloadMode::Eager;
+            let save = (eager && !t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
                 save_from: t.saved_tokens as u32,
                 save_until: save_until as u32,
             });
@@ -211,6 +226,45 @@ impl ConnectorScheduler {
         ConnectorMetadata {
             probe_hash: self.probe_hash,
             requests,
+            evictions: std::mem::take(&mut self.pending_evictions),
+        }
+    }
+
+    /// Lazy offload: the engine is about to reuse GPU blocks of these cached chunks. Each is
+    /// saved by the worker at the start of the next step (see [`ConnectorMetadata::evictions`]).
+    /// Ignored in eager mode, where the chunks were saved when computed.
+    pub fn on_blocks_evicting(&mut self, chunks: Vec<EvictingChunk>) {
+        if self.config.offload != crate::OffloadMode::Lazy {
+            return;
+        }
+        let chunk = self.engine.token_database().chunk_size();
+        let block_size = self.config.block_size;
+        for c in chunks {
+            let n = c.token_ids.len();
+            if n < chunk || !n.is_multiple_of(chunk) || c.block_ids.len() * block_size < n {
+                tracing::warn!(
+                    tokens = n,
+                    blocks = c.block_ids.len(),
+                    "ignoring a malformed evicting chunk"
+                );
+                continue;
+            }
+            self.evictions_made += 1;
+            let slot_mapping = (0..n)
+                .map(|i| {
+                    (c.block_ids[i / block_size] as usize * block_size + i % block_size) as i64
+                })
+                .collect();
+            self.pending_evictions.push(ReqMeta {
+                req_id: format!("evict-{}", self.evictions_made),
+                token_ids: c.token_ids,
+                slot_mapping,
+                load: None,
+                save: Some(SaveSpec {
+                    save_from: (n - chunk) as u32,
+                    save_until: n as u32,
+                }),
+            });
         }
     }
 

@@ -26,7 +26,7 @@ use tokio::runtime::Runtime;
 
 use crate::{
     ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
-    EngineRequest, ScheduledRequest,
+    EngineRequest, EvictingChunk, OffloadMode, ScheduledRequest,
 };
 
 /// Simulator settings.
@@ -44,6 +44,8 @@ pub struct SimConfig {
     pub lower_tier: bool,
     /// With the lower tier: fail every n-th batch get and corrupt every m-th stored value.
     pub inject_failures: Option<(u64, u64)>,
+    /// Eager or lazy offload.
+    pub offload: OffloadMode,
 }
 
 impl Default for SimConfig {
@@ -55,6 +57,7 @@ impl Default for SimConfig {
             cpu_pool_bytes: 16 << 20,
             lower_tier: false,
             inject_failures: None,
+            offload: OffloadMode::Eager,
         }
     }
 }
@@ -99,24 +102,49 @@ pub struct RequestOutcome {
     pub mismatched_rows: usize,
 }
 
+/// A cached prefix: its tokens (whole blocks), blocks and block hashes.
+struct CachedPrefix {
+    tokens: Vec<u32>,
+    blocks: Vec<u32>,
+    hashes: Vec<ChunkHash>,
+}
+
 /// A prefix-caching GPU block pool.
 struct GpuBlocks {
     free: VecDeque<u32>,
     refs: Vec<u32>,
     cached: HashMap<ChunkHash, u32>,
     hash_of: Vec<Option<ChunkHash>>,
+    /// For a cached block: the prefix it was cached with, and its position in it.
+    prefix_of: Vec<Option<(Arc<CachedPrefix>, usize)>>,
     block_size: usize,
+    blocks_per_chunk: usize,
 }
 
 impl GpuBlocks {
-    fn new(n: usize, block_size: usize) -> Self {
+    fn new(n: usize, block_size: usize, chunk_size: usize) -> Self {
         GpuBlocks {
             free: (0..n as u32).collect(),
             refs: vec![0; n],
             cached: HashMap::new(),
             hash_of: vec![None; n],
+            prefix_of: vec![None; n],
             block_size,
+            blocks_per_chunk: (chunk_size / block_size).max(1),
         }
+    }
+
+    /// The chunk holding cached block `b`, if every block of that chunk still holds it.
+    fn intact_chunk(&self, b: u32) -> Option<(Arc<CachedPrefix>, usize)> {
+        let (prefix, pos) = self.prefix_of[b as usize].clone()?;
+        let chunk = pos / self.blocks_per_chunk;
+        let end = (chunk + 1) * self.blocks_per_chunk;
+        if prefix.blocks.len() < end {
+            return None; // a partial chunk is never saved
+        }
+        let intact = (chunk * self.blocks_per_chunk..end)
+            .all(|j| self.hash_of[prefix.blocks[j] as usize] == Some(prefix.hashes[j]));
+        intact.then_some((prefix, chunk))
     }
 
     fn block_hashes(&self, tokens: &[u32]) -> Vec<ChunkHash> {
@@ -145,7 +173,9 @@ impl GpuBlocks {
         hit
     }
 
-    fn allocate(&mut self, n: usize) -> Result<Vec<u32>, SimError> {
+    /// Takes `n` free blocks, least recently freed first. Cached blocks among them leave the
+    /// prefix cache; their intact chunks are returned so a lazy connector can save them first.
+    fn allocate(&mut self, n: usize) -> Result<(Vec<u32>, Vec<EvictingChunk>), SimError> {
         if self.free.len() < n {
             return Err(SimError::GpuFull {
                 needed: n,
@@ -153,20 +183,44 @@ impl GpuBlocks {
             });
         }
         let blocks: Vec<u32> = self.free.drain(..n).collect();
+        // Check every chunk before any hash is cleared, so two blocks of one chunk evicted
+        // together still find it intact (and it is saved once).
+        let mut evicting = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for &b in &blocks {
+            if let Some((prefix, chunk)) = self.intact_chunk(b)
+                && seen.insert((Arc::as_ptr(&prefix), chunk))
+            {
+                let end = (chunk + 1) * self.blocks_per_chunk;
+                evicting.push(EvictingChunk {
+                    token_ids: prefix.tokens[..end * self.block_size].to_vec(),
+                    block_ids: prefix.blocks[..end].to_vec(),
+                });
+            }
+        }
         for &b in &blocks {
             if let Some(h) = self.hash_of[b as usize].take() {
                 self.cached.remove(&h); // evicted from the GPU prefix cache
             }
+            self.prefix_of[b as usize] = None;
             self.refs[b as usize] = 1;
         }
-        Ok(blocks)
+        Ok((blocks, evicting))
     }
 
     fn cache_full_blocks(&mut self, tokens: &[u32], blocks: &[u32]) {
-        for (h, &b) in self.block_hashes(tokens).into_iter().zip(blocks) {
+        let hashes = self.block_hashes(tokens);
+        let full = hashes.len();
+        let prefix = Arc::new(CachedPrefix {
+            tokens: tokens[..full * self.block_size].to_vec(),
+            blocks: blocks[..full].to_vec(),
+            hashes: hashes.clone(),
+        });
+        for (pos, (h, &b)) in hashes.into_iter().zip(blocks).enumerate() {
             if self.hash_of[b as usize].is_none() && !self.cached.contains_key(&h) {
                 self.cached.insert(h, b);
                 self.hash_of[b as usize] = Some(h);
+                self.prefix_of[b as usize] = Some((prefix.clone(), pos));
             }
         }
     }
@@ -183,6 +237,7 @@ impl GpuBlocks {
     fn evict_all(&mut self) {
         self.cached.clear();
         self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.prefix_of.iter_mut().for_each(|p| *p = None);
     }
 }
 
@@ -262,13 +317,14 @@ impl Simulator {
             block_size: layout.block_size,
             save_unfull_chunk: false,
             save_decode_tokens: false,
+            offload: config.offload,
         };
         let scheduler = ConnectorScheduler::new(engine.clone(), runtime.clone(), connector_config);
         let mut worker = ConnectorWorker::new(engine.clone(), runtime.clone(), layout.block_size);
         worker.register_kv_caches(&layout)?;
         Ok(Simulator {
             kv: HostPagedKvCache::new(layout, config.gpu_blocks),
-            gpu: GpuBlocks::new(config.gpu_blocks, layout.block_size),
+            gpu: GpuBlocks::new(config.gpu_blocks, layout.block_size, config.chunk_size),
             runtime,
             engine,
             l1,
@@ -282,6 +338,13 @@ impl Simulator {
     /// The cache engine (for inspection).
     pub fn engine(&self) -> &Arc<CacheEngine> {
         &self.engine
+    }
+
+    /// GPU blocks for a new request; chunks losing their blocks go to the connector.
+    fn allocate(&mut self, n: usize) -> Result<Vec<u32>, SimError> {
+        let (blocks, evicting) = self.gpu.allocate(n)?;
+        self.scheduler.on_blocks_evicting(evicting);
+        Ok(blocks)
     }
 
     /// Forgets the GPU prefix cache, as if memory pressure evicted every cached block.
@@ -351,7 +414,7 @@ impl Simulator {
             num_computed_tokens_after_step: computed_after_step,
         }]);
         self.worker.bind_connector_metadata(&meta.encode())?;
-        self.worker.start_load_kv()?;
+        self.worker.start_load_kv(&self.kv)?;
         for layer in 0..self.layout.num_layers {
             self.worker.wait_for_layer_load(layer, &mut self.kv)?;
             self.compute(layer, tokens, blocks, compute.iter().copied());
@@ -421,7 +484,10 @@ impl Simulator {
         let (external, _is_async) = self.scheduler.get_num_new_matched_tokens(&request, gpu_hit);
         let needed = n.div_ceil(bs) - cached.len();
         let fresh = match self.gpu.allocate(needed) {
-            Ok(b) => b,
+            Ok((b, evicting)) => {
+                self.scheduler.on_blocks_evicting(evicting);
+                b
+            }
             Err(e) => {
                 self.gpu.release(&cached);
                 return Err(e);
@@ -465,7 +531,7 @@ impl Simulator {
             skip_save: false,
         };
         let (external, _) = self.scheduler.get_num_new_matched_tokens(&request, 0);
-        let blocks = self.gpu.allocate(n.div_ceil(self.layout.block_size))?;
+        let blocks = self.allocate(n.div_ceil(self.layout.block_size))?;
         self.scheduler
             .update_state_after_alloc(&req_id, &blocks, external);
         let compute: Vec<usize> = (external.min(first)..first).collect();
@@ -476,7 +542,7 @@ impl Simulator {
         self.gpu.evict_all();
         // Resumed under the same id, from scratch on the GPU side.
         let (external, _) = self.scheduler.get_num_new_matched_tokens(&request, 0);
-        let blocks = self.gpu.allocate(n.div_ceil(self.layout.block_size))?;
+        let blocks = self.allocate(n.div_ceil(self.layout.block_size))?;
         self.scheduler
             .update_state_after_alloc(&req_id, &blocks, external);
         let compute: Vec<usize> = (external..n).collect();
@@ -540,6 +606,8 @@ pub struct SimReport {
     pub mismatched_rows: usize,
     /// Leaks at the end: GPU blocks, tracked requests, CPU regions (must be 0).
     pub leaks: (usize, usize, usize),
+    /// Tokens written to the pool.
+    pub stored_tokens: u64,
     /// One line per request.
     pub timeline: Vec<RequestOutcome>,
 }
@@ -572,5 +640,40 @@ pub fn run(config: &SimConfig, workload: &Workload) -> Result<SimReport, SimErro
         report.timeline.push(o);
     }
     report.leaks = sim.leaks();
+    report.stored_tokens = sim.engine().stats().stored_tokens;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_intact_chunks_are_handed_over_at_eviction() {
+        // 4-token blocks, 8-token chunks: a chunk is two blocks.
+        let mut gpu = GpuBlocks::new(8, 4, 8);
+        let tokens: Vec<u32> = (0..16).collect();
+        let (blocks, none) = gpu.allocate(4).unwrap();
+        assert!(none.is_empty());
+        gpu.cache_full_blocks(&tokens, &blocks);
+        gpu.release(&blocks);
+        // Free order: the 4 unused blocks, then the prefix's blocks [0, 1, 2, 3].
+        let (_, none) = gpu.allocate(4).unwrap();
+        assert!(none.is_empty(), "never-cached blocks evict nothing");
+        // Block 0 goes: chunk 0 (blocks 0 and 1) is still intact, so it is handed over.
+        let (_, evicting) = gpu.allocate(1).unwrap();
+        assert_eq!(evicting.len(), 1);
+        assert_eq!(evicting[0].token_ids, (0..8).collect::<Vec<u32>>());
+        assert_eq!(evicting[0].block_ids, vec![0, 1]);
+        // Block 1 goes next: chunk 0 lost block 0 already, so it is not handed over again.
+        let (_, evicting) = gpu.allocate(1).unwrap();
+        assert!(
+            evicting.is_empty(),
+            "a chunk with a reused block must not be saved: {evicting:?}"
+        );
+        // Blocks 2 and 3 go together: chunk 1 is intact and handed over once.
+        let (_, evicting) = gpu.allocate(2).unwrap();
+        assert_eq!(evicting.len(), 1);
+        assert_eq!(evicting[0].token_ids.len(), 16);
+    }
 }

@@ -95,8 +95,15 @@ impl ConnectorWorker {
     /// vLLM `start_load_kv`: fetches and verifies every chunk to load this step. Tokens that
     /// will not arrive are recorded now, by GPU block, for
     /// [`ConnectorWorker::get_block_ids_with_load_errors`].
-    pub fn start_load_kv(&mut self) -> Result<(), ConnectorError> {
+    ///
+    /// Lazy-offload evictions are saved first, from `kv`, before any load writes their blocks.
+    pub fn start_load_kv(&mut self, kv: &dyn KvTransfer) -> Result<(), ConnectorError> {
         let meta = self.meta()?.clone();
+        for r in &meta.evictions {
+            if let Some(save) = r.save {
+                self.store_range(r, save.save_from as usize, save.save_until as usize, kv)?;
+            }
+        }
         for r in &meta.requests {
             let Some(load) = r.load else { continue };
             let (from, until) = (load.gpu_cached_tokens as usize, load.load_until as usize);
@@ -173,16 +180,28 @@ impl ConnectorWorker {
             if let Some(&bad) = self.failed_from.get(&r.req_id) {
                 until = until.min(bad / chunk * chunk);
             }
-            if until > from {
-                let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
-                self.runtime.block_on(self.engine.store(
-                    &r.token_ids[..until],
-                    Some(&mask),
-                    kv,
-                    &r.slot_mapping[..until],
-                ))?;
-            }
+            self.store_range(r, from, until, kv)?;
             self.finished_sending.push(r.req_id.clone());
+        }
+        Ok(())
+    }
+
+    /// Stores the chunks of `r` covering tokens `from..until`, read from `kv`.
+    fn store_range(
+        &self,
+        r: &crate::ReqMeta,
+        from: usize,
+        until: usize,
+        kv: &dyn KvTransfer,
+    ) -> Result<(), ConnectorError> {
+        if until > from {
+            let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
+            self.runtime.block_on(self.engine.store(
+                &r.token_ids[..until],
+                Some(&mask),
+                kv,
+                &r.slot_mapping[..until],
+            ))?;
         }
         Ok(())
     }

@@ -35,6 +35,7 @@ fn scheduler(s: &Setup, save_decode_tokens: bool) -> ConnectorScheduler {
         block_size: 16,
         save_unfull_chunk: false,
         save_decode_tokens,
+        offload: Default::default(),
     };
     ConnectorScheduler::new(s.engine.clone(), s.runtime.clone(), config)
 }

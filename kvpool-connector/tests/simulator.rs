@@ -126,6 +126,7 @@ fn a_worker_that_derives_other_keys_refuses_the_metadata() {
         block_size,
         save_unfull_chunk: false,
         save_decode_tokens: false,
+        offload: Default::default(),
     };
     let mut scheduler = ConnectorScheduler::new(sched_engine.clone(), runtime.clone(), config);
     let mut worker = ConnectorWorker::new(worker_engine, runtime.clone(), block_size);
@@ -167,4 +168,48 @@ fn a_preempted_request_resumes_from_what_the_pool_holds() {
     assert_eq!(resumed.computed_tokens, 68, "and computes only the rest");
     assert_eq!(resumed.mismatched_rows, 0);
     assert_eq!(sim.leaks(), (0, 0, 0));
+}
+
+#[test]
+fn lazy_offload_saves_only_what_the_gpu_evicts_and_stays_exact() {
+    let eager = simulator::run(
+        &SimConfig {
+            gpu_blocks: 40,
+            ..Default::default()
+        },
+        &workload(5),
+    )
+    .unwrap();
+    let lazy_config = SimConfig {
+        gpu_blocks: 40,
+        offload: kvpool_connector::OffloadMode::Lazy,
+        ..Default::default()
+    };
+    // A pool of 8 chunks (2 KiB each) forgets chunks, so stale GPU blocks would be re-saved
+    // if the simulator handed over chunks whose blocks were already reused.
+    let small_pool = SimConfig {
+        cpu_pool_bytes: 16 << 10,
+        ..lazy_config.clone()
+    };
+    for seed in 1..=4 {
+        let r = simulator::run(&small_pool, &workload(seed)).unwrap();
+        assert_eq!(r.mismatched_rows, 0, "seed {seed}");
+        assert_eq!(r.leaks, (0, 0, 0), "seed {seed}");
+    }
+    let lazy = simulator::run(&lazy_config, &workload(5)).unwrap();
+    assert_eq!(
+        lazy.mismatched_rows, 0,
+        "chunks saved at eviction hold exactly the model's bytes"
+    );
+    assert_eq!(lazy.leaks, (0, 0, 0));
+    assert!(
+        lazy.prefill_tokens_saved > 0,
+        "prefixes the GPU evicted came back from the pool"
+    );
+    assert!(
+        lazy.stored_tokens < eager.stored_tokens,
+        "lazy stores less: {} vs {}",
+        lazy.stored_tokens,
+        eager.stored_tokens
+    );
 }
