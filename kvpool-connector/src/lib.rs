@@ -20,6 +20,7 @@
 //! | `wait_for_save()` | [`ConnectorWorker::wait_for_save`] |
 //! | `get_finished(finished_req_ids)` | [`ConnectorWorker::get_finished`] |
 //! | `get_block_ids_with_load_errors()` | [`ConnectorWorker::get_block_ids_with_load_errors`] |
+//! | `get_kv_connector_kv_cache_events()` | [`ConnectorWorker::take_kv_events`] |
 //!
 //! Behaviour:
 //! - Loads cover only what the GPU lacks and never the final prompt token. Chunks are fetched
@@ -42,7 +43,9 @@
 //!   one (different model, world size, layout, chunk size or hash) refuses it. Hash mismatches
 //!   across processes otherwise show up only as silent zero hit rates.
 //!
-//! Not yet: asynchronous loads, the engine's KV-event stream, and a two-process transport test.
+//! - The worker's KV events list exactly the chunks the pool stored (by chained hash).
+//!
+//! Not yet: asynchronous loads and a two-process transport test.
 
 #![warn(missing_docs)]
 
@@ -59,7 +62,7 @@ pub use scheduler::{
     ConnectorOutput, ConnectorScheduler, EngineRequest, EvictingChunk, RequestTracker,
     ScheduledRequest,
 };
-pub use worker::ConnectorWorker;
+pub use worker::{ConnectorWorker, KvEvent};
 
 /// When computed KV is saved to the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

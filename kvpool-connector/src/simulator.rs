@@ -271,6 +271,7 @@ pub struct Simulator {
     kv: HostPagedKvCache,
     layout: KvLayout,
     next_id: u64,
+    kv_events: Vec<crate::KvEvent>,
 }
 
 impl Simulator {
@@ -332,7 +333,13 @@ impl Simulator {
             worker,
             layout,
             next_id: 0,
+            kv_events: Vec::new(),
         })
+    }
+
+    /// The worker's KV events so far.
+    pub fn kv_events(&self) -> &[crate::KvEvent] {
+        &self.kv_events
     }
 
     /// The cache engine (for inspection).
@@ -421,6 +428,7 @@ impl Simulator {
             self.worker.save_kv_layer(layer, &self.kv)?;
         }
         self.worker.wait_for_save(&self.kv)?;
+        self.kv_events.extend(self.worker.take_kv_events());
         let (finished_sending, finished_recving) = self.worker.get_finished(&[]);
         let failed = self.worker.get_block_ids_with_load_errors();
         self.worker.clear_connector_metadata();
@@ -608,6 +616,8 @@ pub struct SimReport {
     pub leaks: (usize, usize, usize),
     /// Tokens written to the pool.
     pub stored_tokens: u64,
+    /// Chunks announced by the worker's KV events.
+    pub stored_chunk_events: usize,
     /// One line per request.
     pub timeline: Vec<RequestOutcome>,
 }
@@ -641,6 +651,13 @@ pub fn run(config: &SimConfig, workload: &Workload) -> Result<SimReport, SimErro
     }
     report.leaks = sim.leaks();
     report.stored_tokens = sim.engine().stats().stored_tokens;
+    report.stored_chunk_events = sim
+        .kv_events()
+        .iter()
+        .map(|e| match e {
+            crate::KvEvent::ChunksStored { chunk_hashes, .. } => chunk_hashes.len(),
+        })
+        .sum();
     Ok(report)
 }
 

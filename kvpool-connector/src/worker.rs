@@ -24,6 +24,19 @@ pub struct ConnectorWorker {
     saved_layers: usize,
     finished_sending: Vec<String>,
     load_errors: BTreeSet<u32>,
+    kv_events: Vec<KvEvent>,
+}
+
+/// An event for the engine's KV-event stream (vLLM `get_kv_connector_kv_cache_events`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum KvEvent {
+    /// Chunks the pool stored in this step, exactly those written.
+    ChunksStored {
+        /// The request, or `evict-N` for a lazy-offload eviction.
+        req_id: String,
+        /// Their chained chunk hashes, in order.
+        chunk_hashes: Vec<[u8; 16]>,
+    },
 }
 
 impl ConnectorWorker {
@@ -42,6 +55,7 @@ impl ConnectorWorker {
             saved_layers: 0,
             finished_sending: Vec::new(),
             load_errors: BTreeSet::new(),
+            kv_events: Vec::new(),
         }
     }
 
@@ -188,7 +202,7 @@ impl ConnectorWorker {
 
     /// Stores the chunks of `r` covering tokens `from..until`, read from `kv`.
     fn store_range(
-        &self,
+        &mut self,
         r: &crate::ReqMeta,
         from: usize,
         until: usize,
@@ -196,12 +210,18 @@ impl ConnectorWorker {
     ) -> Result<(), ConnectorError> {
         if until > from {
             let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
-            self.runtime.block_on(self.engine.store(
+            let report = self.runtime.block_on(self.engine.store(
                 &r.token_ids[..until],
                 Some(&mask),
                 kv,
                 &r.slot_mapping[..until],
             ))?;
+            if !report.stored_keys.is_empty() {
+                self.kv_events.push(KvEvent::ChunksStored {
+                    req_id: r.req_id.clone(),
+                    chunk_hashes: report.stored_keys.iter().map(|k| k.hash.0).collect(),
+                });
+            }
         }
         Ok(())
     }
@@ -209,6 +229,11 @@ impl ConnectorWorker {
     /// vLLM `get_finished`: requests whose saves and (asynchronous) loads completed.
     pub fn get_finished(&mut self, _finished_req_ids: &[String]) -> (Vec<String>, Vec<String>) {
         (std::mem::take(&mut self.finished_sending), Vec::new())
+    }
+
+    /// vLLM `get_kv_connector_kv_cache_events`: what the pool stored since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.kv_events)
     }
 
     /// vLLM `get_block_ids_with_load_errors`: GPU blocks whose load failed since the last call.

@@ -27,6 +27,22 @@ fn walkthrough_request_b_loads_request_a_prefix_from_the_pool() {
         (0, 0, 3)
     );
     assert_eq!(a.mismatched_rows, 0);
+    // The KV event names exactly the one full chunk ("Hello", ",") that was stored.
+    let expected = sim
+        .engine()
+        .token_database()
+        .process_tokens(&hello_world[..2], None)
+        .unwrap()[0]
+        .key
+        .hash
+        .0;
+    assert_eq!(
+        sim.kv_events(),
+        [kvpool_connector::KvEvent::ChunksStored {
+            req_id: a.req_id.clone(),
+            chunk_hashes: vec![expected]
+        }]
+    );
 
     sim.evict_gpu_prefix_cache();
     let b_prompt = [15496u32, 11, 1917, 0]; // "Hello", ",", " Bob", "!"
@@ -71,6 +87,11 @@ fn random_shared_prefix_workloads_under_gpu_pressure_stay_exact() {
             "seed {seed}: the pool served prefixes the GPU lost"
         );
         assert_eq!(report.failed_blocks, 0);
+        assert_eq!(
+            report.stored_tokens,
+            report.stored_chunk_events as u64 * 16,
+            "KV events announce exactly the chunks stored"
+        );
         assert_eq!(
             report.gpu_hit_tokens + report.prefill_tokens_saved + report.computed_tokens,
             report.prompt_tokens,

@@ -15,7 +15,7 @@ use crate::token_database::{ChunkSpan, ChunkedTokenDatabase};
 use crate::transfer::KvTransfer;
 
 /// What a store did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StoreReport {
     /// Chunks written (to L1, and scheduled for lower tiers).
     pub stored_chunks: usize,
@@ -25,6 +25,9 @@ pub struct StoreReport {
     pub already_present: usize,
     /// Chunks not stored for lack of memory (they and every later chunk).
     pub skipped_no_space: usize,
+    /// Keys of the chunks written, in order. Empty when any write was skipped, as it is then
+    /// unknown which ones went in (for event streams: a missing event beats a false one).
+    pub stored_keys: Vec<crate::key::CacheKey>,
 }
 
 /// Counters of the engine, in tokens.
@@ -427,8 +430,12 @@ impl LayerwiseStore<'_> {
             .iter()
             .map(|(_, c)| c.meta.token_count as usize)
             .sum();
+        let keys: Vec<_> = entries.iter().map(|(k, _)| k.clone()).collect();
         let outcome = self.engine.manager.put(entries).await?;
         report.stored_chunks = outcome.stored;
+        if outcome.skipped == 0 {
+            report.stored_keys = keys;
+        }
         report.stored_tokens = if outcome.skipped == 0 { tokens } else { 0 };
         report.skipped_no_space += outcome.skipped;
         add(
