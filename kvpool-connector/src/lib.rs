@@ -45,7 +45,12 @@
 //!
 //! - The worker's KV events list exactly the chunks the pool stored (by chained hash).
 //!
-//! Not yet: asynchronous loads and a two-process transport test.
+//! - The scheduler asks the pool through [`PoolLookup`]: in-process ([`EngineLookup`]) or
+//!   across processes (the `two_process` test runs the worker in another OS process and
+//!   answers lookups over a Unix socket).
+//!
+//! Loads are synchronous: `get_num_new_matched_tokens` always answers `is_async = false`, and
+//! loaded KV is in place once `wait_for_layer_load` returns.
 
 #![warn(missing_docs)]
 
@@ -59,8 +64,8 @@ use thiserror::Error;
 
 pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
 pub use scheduler::{
-    ConnectorOutput, ConnectorScheduler, EngineRequest, EvictingChunk, RequestTracker,
-    ScheduledRequest,
+    ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, EvictingChunk, PoolLookup,
+    RequestTracker, ScheduledRequest,
 };
 pub use worker::{ConnectorWorker, KvEvent};
 
@@ -109,7 +114,11 @@ pub enum ConnectorError {
 /// A digest of how this process derives keys: model, TP world size, layout fingerprint, and
 /// the chunk hash of a fixed probe sequence. The TP rank is left out, so every rank agrees.
 pub fn probe_hash(engine: &CacheEngine) -> [u8; 16] {
-    let db = engine.token_database();
+    probe_hash_of(engine.token_database())
+}
+
+/// [`probe_hash`] from a token database alone (for a scheduler process without a pool).
+pub fn probe_hash_of(db: &kvpool_core::ChunkedTokenDatabase) -> [u8; 16] {
     let probe: Vec<u32> = (1..=db.chunk_size() as u32).collect();
     let spans = db
         .process_tokens(&probe, None)

@@ -10,6 +10,28 @@ use tracing::debug;
 use crate::ConnectorConfig;
 use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec};
 
+/// How the scheduler learns what the pool holds: in-process, or across a process boundary.
+pub trait PoolLookup: Send {
+    /// How many leading tokens of `tokens` the pool can load (0 on any failure).
+    fn lookup(&mut self, tokens: &[u32]) -> usize;
+}
+
+/// Lookups against a cache engine in this process.
+pub struct EngineLookup {
+    /// The engine.
+    pub engine: Arc<CacheEngine>,
+    /// The runtime its async lookups run on.
+    pub runtime: Arc<Runtime>,
+}
+
+impl PoolLookup for EngineLookup {
+    fn lookup(&mut self, tokens: &[u32]) -> usize {
+        self.runtime
+            .block_on(self.engine.lookup(tokens))
+            .unwrap_or(0)
+    }
+}
+
 /// A request as the engine's scheduler sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineRequest {
@@ -74,8 +96,8 @@ pub struct RequestTracker {
 
 /// The scheduler side of the connector.
 pub struct ConnectorScheduler {
-    engine: Arc<CacheEngine>,
-    runtime: Arc<Runtime>,
+    lookup: Box<dyn PoolLookup>,
+    chunk_size: usize,
     config: ConnectorConfig,
     probe_hash: [u8; 16],
     trackers: HashMap<String, RequestTracker>,
@@ -85,12 +107,30 @@ pub struct ConnectorScheduler {
 }
 
 impl ConnectorScheduler {
-    /// A scheduler over `engine`; `runtime` runs its lookups (the protocol is synchronous).
+    /// A scheduler over `engine` in this process; `runtime` runs its lookups (the protocol
+    /// is synchronous).
     pub fn new(engine: Arc<CacheEngine>, runtime: Arc<Runtime>, config: ConnectorConfig) -> Self {
         let probe_hash = crate::probe_hash(&engine);
+        let chunk_size = engine.token_database().chunk_size();
+        Self::with_lookup(
+            Box::new(EngineLookup { engine, runtime }),
+            chunk_size,
+            probe_hash,
+            config,
+        )
+    }
+
+    /// A scheduler whose lookups go through `lookup` (e.g. an RPC to the worker process that
+    /// owns the pool). `chunk_size` and `probe_hash` must be the pool's.
+    pub fn with_lookup(
+        lookup: Box<dyn PoolLookup>,
+        chunk_size: usize,
+        probe_hash: [u8; 16],
+        config: ConnectorConfig,
+    ) -> Self {
         ConnectorScheduler {
-            engine,
-            runtime,
+            lookup,
+            chunk_size,
             config,
             probe_hash,
             trackers: HashMap::new(),
@@ -120,9 +160,7 @@ impl ConnectorScheduler {
     ) -> (usize, bool) {
         let n = req.prompt_token_ids.len();
         let hit = if n > 1 {
-            self.runtime
-                .block_on(self.engine.lookup(&req.prompt_token_ids[..n - 1]))
-                .unwrap_or(0)
+            self.lookup.lookup(&req.prompt_token_ids[..n - 1])
         } else {
             0
         };
@@ -167,7 +205,7 @@ impl ConnectorScheduler {
 
     /// vLLM `build_connector_meta`: this step's loads and saves for the scheduled requests.
     pub fn build_connector_meta(&mut self, scheduled: &[ScheduledRequest]) -> ConnectorMetadata {
-        let chunk = self.engine.token_database().chunk_size();
+        let chunk = self.chunk_size;
         let block_size = self.config.block_size;
         let mut requests = Vec::new();
         for s in scheduled {
@@ -237,7 +275,7 @@ impl ConnectorScheduler {
         if self.config.offload != crate::OffloadMode::Lazy {
             return;
         }
-        let chunk = self.engine.token_database().chunk_size();
+        let chunk = self.chunk_size;
         let block_size = self.config.block_size;
         for c in chunks {
             let n = c.token_ids.len();
@@ -279,7 +317,7 @@ impl ConnectorScheduler {
             return;
         }
         let failed: HashSet<u32> = output.failed_block_ids.iter().copied().collect();
-        let chunk = self.engine.token_database().chunk_size();
+        let chunk = self.chunk_size;
         for t in self.trackers.values_mut() {
             if let Some(first) = t.block_ids.iter().position(|b| failed.contains(b)) {
                 let token = first * self.config.block_size;

@@ -260,6 +260,56 @@ fn model_row(token: u32, pos: usize, layer: usize, plane: usize, row: &mut [u8])
     }
 }
 
+fn slot_of(layout: &KvLayout, blocks: &[u32], i: usize) -> usize {
+    let bs = layout.block_size;
+    blocks[i / bs] as usize * bs + i % bs
+}
+
+/// The model's forward pass for one layer: writes the KV of `positions` of `tokens` into their
+/// slots (`blocks[i / block_size] * block_size + i % block_size`).
+pub fn model_compute(
+    kv: &mut HostPagedKvCache,
+    layer: usize,
+    tokens: &[u32],
+    blocks: &[u32],
+    positions: impl Iterator<Item = usize>,
+) {
+    let layout = *kvpool_core::KvTransfer::layout(kv);
+    let row = layout.bytes_per_token_per_plane();
+    let num_slots = kv.num_slots();
+    for i in positions {
+        let slot = slot_of(&layout, blocks, i);
+        for plane in 0..layout.kind.planes() {
+            let at = (plane * num_slots + slot) * row;
+            model_row(
+                tokens[i],
+                i,
+                layer,
+                plane,
+                &mut kv.layer_mut(layer)[at..at + row],
+            );
+        }
+    }
+}
+
+/// Rows (token x layer x plane) of `tokens` whose bytes in `kv` differ from the model's.
+pub fn model_mismatches(kv: &HostPagedKvCache, tokens: &[u32], blocks: &[u32]) -> usize {
+    let layout = *kvpool_core::KvTransfer::layout(kv);
+    let mut expected = vec![0u8; layout.bytes_per_token_per_plane()];
+    let mut bad = 0;
+    for layer in 0..layout.num_layers {
+        for (i, &t) in tokens.iter().enumerate() {
+            for plane in 0..layout.kind.planes() {
+                model_row(t, i, layer, plane, &mut expected);
+                if kv.row(layer, plane, slot_of(&layout, blocks, i)) != expected.as_slice() {
+                    bad += 1;
+                }
+            }
+        }
+    }
+    bad
+}
+
 /// The simulated engine: scheduler, worker, GPU blocks and a host KV cache, over one pool.
 pub struct Simulator {
     runtime: Arc<Runtime>,
@@ -359,11 +409,6 @@ impl Simulator {
         self.gpu.evict_all();
     }
 
-    fn slot(&self, blocks: &[u32], i: usize) -> usize {
-        let bs = self.layout.block_size;
-        blocks[i / bs] as usize * bs + i % bs
-    }
-
     fn compute(
         &mut self,
         layer: usize,
@@ -371,37 +416,11 @@ impl Simulator {
         blocks: &[u32],
         positions: impl Iterator<Item = usize>,
     ) {
-        let row = self.layout.bytes_per_token_per_plane();
-        let num_slots = self.kv.num_slots();
-        for i in positions {
-            let slot = self.slot(blocks, i);
-            for plane in 0..self.layout.kind.planes() {
-                let at = (plane * num_slots + slot) * row;
-                model_row(
-                    tokens[i],
-                    i,
-                    layer,
-                    plane,
-                    &mut self.kv.layer_mut(layer)[at..at + row],
-                );
-            }
-        }
+        model_compute(&mut self.kv, layer, tokens, blocks, positions);
     }
 
     fn mismatches(&self, tokens: &[u32], blocks: &[u32]) -> usize {
-        let mut expected = vec![0u8; self.layout.bytes_per_token_per_plane()];
-        let mut bad = 0;
-        for layer in 0..self.layout.num_layers {
-            for (i, &t) in tokens.iter().enumerate() {
-                for plane in 0..self.layout.kind.planes() {
-                    model_row(t, i, layer, plane, &mut expected);
-                    if self.kv.row(layer, plane, self.slot(blocks, i)) != expected.as_slice() {
-                        bad += 1;
-                    }
-                }
-            }
-        }
-        bad
+        model_mismatches(&self.kv, tokens, blocks)
     }
 
     /// One engine step for a request: bind the metadata bytes, load, compute `compute` (all
