@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{engine_over, filled_cache, recovers, small_layout};
+use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
 use kvpool_backends::conformance::{self, Outcome, Subject};
 use kvpool_backends::s3::{S3Config, S3Connector};
-use kvpool_core::{ChunkCodec, HostPagedKvCache, RemoteBackend, RemoteConnector};
-use servers::{MotoProcess, free_port, server_url};
+use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
+use servers::{ServerProcess, free_port, server_url};
 
 fn config(url: &str, endpoint: &str) -> S3Config {
     let mut c = S3Config::new(url);
@@ -83,7 +83,7 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
         return;
     };
     let port = free_port();
-    let server = MotoProcess::start(&binary, port, "fault");
+    let server = ServerProcess::moto(&binary, port, "fault");
     let endpoint = format!("http://127.0.0.1:{port}");
     let mut cfg = config("s3://fault/kv", &endpoint);
     cfg.timeout = Duration::from_millis(1000);
@@ -101,36 +101,18 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
 
     server.kill();
-    let started = Instant::now();
-    assert_eq!(
-        engine.lookup(&tokens).await.unwrap(),
-        0,
-        "a dead server is a miss"
-    );
-    let mut dst = HostPagedKvCache::new(layout, 32);
-    assert!(
-        engine
-            .retrieve(&tokens, None, &mut dst, &slots)
-            .await
-            .unwrap()
-            .iter()
-            .all(|m| !*m)
-    );
-    engine.store(&tokens, None, &kv, &slots).await.unwrap();
-    engine.storage().flush().await.unwrap();
-    assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "calls must time out, not hang"
-    );
-    let tier = &engine.storage().stats().tiers[0];
-    assert!(tier.errors >= 3, "{tier:?}");
-    assert!(
-        tier.failed_writes > 0,
-        "writes during the outage are counted as failed: {tier:?}"
-    );
+    assert_outage_is_misses(
+        &engine,
+        &tokens,
+        &tokens,
+        &kv,
+        &slots,
+        Duration::from_secs(30),
+    )
+    .await;
 
     // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
-    let _server = MotoProcess::start(&binary, port, "fault");
+    let _server = ServerProcess::moto(&binary, port, "fault");
     assert!(
         recovers(&engine, &tokens, &kv, &slots).await,
         "no recovery after the server came back"

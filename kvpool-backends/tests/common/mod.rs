@@ -186,3 +186,39 @@ pub async fn recovers(
     }
     false
 }
+
+/// With the engine's only tier down: `tokens` (stored before) miss and load nothing, a store of
+/// `other` is counted as failed writes, and all of it finishes within `limit` (no hang).
+pub async fn assert_outage_is_misses(
+    engine: &kvpool_core::CacheEngine,
+    tokens: &[u32],
+    other: &[u32],
+    kv: &HostPagedKvCache,
+    slots: &[i64],
+    limit: Duration,
+) {
+    let started = std::time::Instant::now();
+    assert_eq!(
+        engine.lookup(tokens).await.unwrap(),
+        0,
+        "a dead server is a miss"
+    );
+    let mut dst = HostPagedKvCache::new(
+        *kvpool_core::KvTransfer::layout(kv),
+        kv.num_slots() / kvpool_core::KvTransfer::layout(kv).block_size,
+    );
+    let mask = engine
+        .retrieve(tokens, None, &mut dst, slots)
+        .await
+        .unwrap();
+    assert!(mask.iter().all(|m| !*m), "nothing loads from a dead server");
+    engine.store(other, None, kv, slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert!(started.elapsed() < limit, "calls must time out, not hang");
+    let tier = &engine.storage().stats().tiers[0];
+    assert!(tier.errors >= 3, "{tier:?}");
+    assert!(
+        tier.failed_writes > 0,
+        "writes during the outage are counted as failed: {tier:?}"
+    );
+}

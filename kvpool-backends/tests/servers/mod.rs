@@ -41,76 +41,56 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A redis-server child process on 127.0.0.1, killed (by PID) on drop.
-pub struct RedisProcess {
+/// A test server child process on 127.0.0.1, killed (by PID) on drop.
+pub struct ServerProcess {
     pub port: u16,
     child: Child,
 }
 
-impl RedisProcess {
-    /// Starts `binary` on `port` with persistence off; waits until it accepts connections.
-    pub fn start(binary: &str, port: u16) -> Self {
-        let child = Command::new(binary)
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+impl ServerProcess {
+    fn spawn(command: &mut Command, port: u16, what: &str, limit: Duration) -> Self {
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("redis-server starts");
-        wait_for_port(port, "redis-server", Duration::from_secs(10));
-        RedisProcess { port, child }
+            .unwrap_or_else(|e| panic!("{what} does not start: {e}"));
+        let server = ServerProcess { port, child };
+        wait_for_port(port, what, limit);
+        server
     }
 
-    /// Kills the server and waits for it to exit.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// redis-server `binary` on `port`, persistence off.
+    pub fn redis(binary: &str, port: u16) -> Self {
+        let mut cmd = Command::new(binary);
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        Self::spawn(&mut cmd, port, "redis-server", Duration::from_secs(10))
     }
-}
 
-impl Drop for RedisProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A moto_server child process (an S3-compatible server), killed (by PID) on drop.
-pub struct MotoProcess {
-    pub port: u16,
-    child: Child,
-}
-
-impl MotoProcess {
-    /// Starts `binary` on 127.0.0.1:`port` and creates `bucket`.
-    pub fn start(binary: &str, port: u16, bucket: &str) -> Self {
-        let child = Command::new(binary)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto_server starts");
-        wait_for_port(port, "moto_server", Duration::from_secs(30));
+    /// moto_server `binary` (an S3-compatible server) on `port`, with `bucket` created.
+    pub fn moto(binary: &str, port: u16, bucket: &str) -> Self {
+        let mut cmd = Command::new(binary);
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+        let server = Self::spawn(&mut cmd, port, "moto_server", Duration::from_secs(30));
         create_bucket(port, bucket);
-        MotoProcess { port, child }
+        server
     }
 
     /// Kills the server and waits for it to exit.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    pub fn kill(self) {
+        drop(self);
     }
 }
 
-impl Drop for MotoProcess {
+impl Drop for ServerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
