@@ -18,6 +18,7 @@ pub const SCHEMES: &[&str] = &[
     "redis+cluster",
     "rediss+cluster",
     "memory",
+    "mooncakestore",
 ];
 
 fn invalid(reason: String) -> ConfigError {
@@ -116,6 +117,21 @@ pub async fn open_tier(
             }
             #[cfg(not(feature = "s3"))]
             Err(not_compiled(scheme, "s3"))
+        }
+        "mooncakestore" => {
+            #[cfg(feature = "mooncake")]
+            {
+                let mut config = crate::mooncake::MooncakeConfig::from_url(&tier.url)?;
+                // Room for a few values of the largest chunk the pool stores.
+                let needed = (max_chunk_bytes + 4096).saturating_mul(4);
+                config.staging_bytes = config.staging_bytes.max(needed);
+                let mooncake = crate::mooncake::MooncakeConnector::connect(&config)
+                    .await
+                    .map_err(|e| invalid(e.to_string()))?;
+                Ok(wrap(mooncake, tier, codec, max_chunk_bytes))
+            }
+            #[cfg(not(feature = "mooncake"))]
+            Err(not_compiled(scheme, "mooncake"))
         }
         other => Err(invalid(format!(
             "unknown scheme `{other}://`: expected one of {}",

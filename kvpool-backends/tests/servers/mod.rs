@@ -299,3 +299,108 @@ impl Drop for TmpfsMount {
         let _ = std::fs::remove_dir(&self.path);
     }
 }
+
+/// A Mooncake Store on 127.0.0.1 for tests: `mooncake_master` plus a segment-holder process
+/// (so that values cross the TCP transport between processes), both killed by PID on drop.
+/// `venv` holds the `mooncake-transfer-engine-non-cuda` wheel (`cargo xtask matrix` makes it).
+pub struct MooncakeCluster {
+    venv: std::path::PathBuf,
+    pub master_port: u16,
+    metrics_port: u16,
+    master: Option<Child>,
+    holder: Option<Child>,
+}
+
+impl MooncakeCluster {
+    /// Starts a master and a holder contributing `segment_bytes`.
+    pub fn start(venv: &str, segment_bytes: u64) -> Self {
+        let mut cluster = MooncakeCluster {
+            venv: venv.into(),
+            master_port: free_port(),
+            metrics_port: free_port(),
+            master: None,
+            holder: None,
+        };
+        cluster.start_master();
+        let holder_script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/mooncake_segment_holder.py"
+        );
+        let mut holder = Command::new(cluster.venv.join("bin/python"))
+            .args([
+                holder_script,
+                &cluster.master_address(),
+                &segment_bytes.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the segment holder starts");
+        let mut ready = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(holder.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        assert_eq!(ready.trim(), "ready", "the segment holder did not mount");
+        cluster.holder = Some(holder);
+        cluster
+    }
+
+    /// `127.0.0.1:port` of the master.
+    pub fn master_address(&self) -> String {
+        format!("127.0.0.1:{}", self.master_port)
+    }
+
+    /// The wheel's site-packages, for the embedded client's `python_path`.
+    pub fn site_packages(&self) -> std::path::PathBuf {
+        Self::site_packages_of(&self.venv.display().to_string())
+    }
+
+    /// `venv`'s site-packages directory.
+    pub fn site_packages_of(venv: &str) -> std::path::PathBuf {
+        std::fs::read_dir(std::path::Path::new(venv).join("lib"))
+            .unwrap()
+            .map(|e| e.unwrap().path().join("site-packages"))
+            .find(|p| p.is_dir())
+            .expect("a site-packages directory in the venv")
+    }
+
+    /// Starts (or restarts) the master on the same ports; every address is loopback.
+    pub fn start_master(&mut self) {
+        let child = Command::new(self.venv.join("bin/mooncake_master"))
+            .args([
+                "--rpc_address=127.0.0.1".to_string(),
+                format!("--rpc_port={}", self.master_port),
+                "--metrics_host=127.0.0.1".to_string(),
+                format!("--metrics_port={}", self.metrics_port),
+                "--enable_http_metadata_server=false".to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mooncake_master starts");
+        self.master = Some(child);
+        wait_for_port(self.master_port, "mooncake_master", Duration::from_secs(20));
+    }
+
+    /// Kills the master (SIGKILL) and waits for it to exit.
+    pub fn kill_master(&mut self) {
+        if let Some(mut m) = self.master.take() {
+            let _ = m.kill();
+            let _ = m.wait();
+        }
+    }
+}
+
+impl Drop for MooncakeCluster {
+    fn drop(&mut self) {
+        for child in [self.holder.take(), self.master.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
