@@ -429,6 +429,7 @@ impl MooncakeConnector {
         config
             .validate()
             .map_err(|e| unavailable("mooncake", e.to_string()))?;
+        probe_master(config).await?;
         let setup_config = config.clone();
         // A detached thread, not the runtime's blocking pool: Mooncake's setup retries an
         // unreachable master for minutes, and a runtime waits for its blocking tasks on drop.
@@ -481,8 +482,8 @@ impl MooncakeConnector {
         })
     }
 
-    /// Runs `op` on a blocking thread unless the connector is closed or paused; a cluster
-    /// failure pauses it for `retry_after`.
+    /// Runs the blocking `f` unless the connector is closed or paused; a cluster failure
+    /// pauses it for `retry_after`.
     async fn call<T: Send + 'static>(
         &self,
         op: &'static str,
@@ -502,9 +503,20 @@ impl MooncakeConnector {
             ));
         }
         let shared = inner.clone();
-        let result = tokio::task::spawn_blocking(move || f(&shared))
-            .await
-            .map_err(|e| unavailable(&inner.name, format!("{op}: {e}")))?;
+        // On a multi-threaded runtime the call runs on this worker (`block_in_place`): handing
+        // it to the blocking pool and back cost ~30 µs per 1 MiB operation, 8% of a get
+        // (docs/benchmarks.md). The price: a `tokio::time::timeout` around the call cannot cut
+        // it short; Mooncake bounds its own RPCs (about 4 s with the master gone), and after
+        // one cluster failure calls fail fast for `retry_after`.
+        let result = if tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            tokio::task::block_in_place(move || f(&shared))
+        } else {
+            tokio::task::spawn_blocking(move || f(&shared))
+                .await
+                .map_err(|e| unavailable(&inner.name, format!("{op}: {e}")))?
+        };
         match result {
             Ok(v) => Ok(v),
             Err(CallError::Client(reason)) => Err(unavailable(&inner.name, reason)),
@@ -519,6 +531,29 @@ impl MooncakeConnector {
             }
             Err(CallError::Pool(e)) => Err(BackendError::Pool(e)),
         }
+    }
+}
+
+/// Fails fast, with a clear error, when nothing accepts connections at the master's address:
+/// Mooncake's `setup` would otherwise retry for about a minute and a half while holding the
+/// embedded interpreter's lock, stalling every other Mooncake client in the process.
+async fn probe_master(config: &MooncakeConfig) -> Result<(), BackendError> {
+    let address = config.master_server_address.clone();
+    let limit = config.connect_timeout.min(Duration::from_secs(3));
+    let probe = tokio::time::timeout(limit, tokio::net::TcpStream::connect(address.clone())).await;
+    match probe {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(unavailable(
+            "mooncake",
+            format!("cannot reach mooncake_master at {address}: {e}"),
+        )),
+        Err(_) => Err(unavailable(
+            "mooncake",
+            format!(
+                "cannot reach mooncake_master at {address}: no answer within {} ms",
+                limit.as_millis()
+            ),
+        )),
     }
 }
 

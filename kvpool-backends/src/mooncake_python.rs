@@ -150,6 +150,17 @@ impl MooncakeStoreClient for PythonStoreClient {
         keys: &[String],
         buffers: &[RawBuffer],
     ) -> Result<Vec<i64>, String> {
+        if let ([key], [buffer]) = (keys, buffers) {
+            // The single-key call skips the batch machinery (measurably faster for one value).
+            let (ptr, len) = (buffer.ptr as usize, buffer.len);
+            let config = &self.replicate_config;
+            return self.with_store("upsert_from", |py, store| {
+                let code: i64 = store
+                    .call_method1("upsert_from", (key, ptr, len, config.bind(py)))?
+                    .extract()?;
+                Ok(vec![code])
+            });
+        }
         let (ptrs, sizes) = pointers_and_sizes(buffers);
         let config = &self.replicate_config;
         self.with_store("batch_upsert_from", |py, store| {
@@ -164,6 +175,13 @@ impl MooncakeStoreClient for PythonStoreClient {
         keys: &[String],
         buffers: &[RawBuffer],
     ) -> Result<Vec<i64>, String> {
+        if let ([key], [buffer]) = (keys, buffers) {
+            let (ptr, len) = (buffer.ptr as usize, buffer.len);
+            return self.with_store("get_into", |_, store| {
+                let code: i64 = store.call_method1("get_into", (key, ptr, len))?.extract()?;
+                Ok(vec![code])
+            });
+        }
         let (ptrs, sizes) = pointers_and_sizes(buffers);
         self.with_store("batch_get_into", |_, store| {
             store

@@ -76,9 +76,23 @@ pub async fn build_pool_with_allocator(
         });
     }
     let max_chunk_bytes = layout.chunk_bytes(config.chunking.chunk_size) as u64;
+    // Lower tiers decode loaded chunks straight into L1 memory.
+    #[cfg(feature = "cpu")]
+    let allocator = l1
+        .clone()
+        .map(|cpu| cpu as Arc<dyn kvpool_core::ChunkAllocator>);
+    #[cfg(not(feature = "cpu"))]
+    let allocator = None;
     for tier in &config.tiers {
-        builder =
-            builder.lower(crate::tier_url::open_tier(tier, config.codec, max_chunk_bytes).await?);
+        builder = builder.lower(
+            crate::tier_url::open_tier_with_allocator(
+                tier,
+                config.codec,
+                max_chunk_bytes,
+                allocator.clone(),
+            )
+            .await?,
+        );
     }
     let manager = Arc::new(builder.build()?);
     let engine = Arc::new(CacheEngine::new(layout, db, manager)?);

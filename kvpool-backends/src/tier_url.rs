@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpool_core::{
-    ChunkCodec, ConfigError, RemoteBackend, RemoteConnector, StorageBackend, TierConfig,
+    ChunkAllocator, ChunkCodec, ConfigError, RemoteBackend, RemoteConnector, StorageBackend,
+    TierConfig,
 };
 
 use crate::memory::InMemoryConnector;
@@ -42,9 +43,14 @@ fn wrap<C: RemoteConnector>(
     tier: &TierConfig,
     codec: ChunkCodec,
     max_chunk_bytes: u64,
+    allocator: Option<Arc<dyn ChunkAllocator>>,
 ) -> Arc<dyn StorageBackend> {
     let bounded = TimeoutConnector::new(connector, Duration::from_millis(tier.timeout_ms));
-    Arc::new(RemoteBackend::new(bounded, codec, max_chunk_bytes))
+    let backend = RemoteBackend::new(bounded, codec, max_chunk_bytes);
+    Arc::new(match allocator {
+        Some(allocator) => backend.with_allocator(allocator),
+        None => backend,
+    })
 }
 
 #[allow(dead_code)] // unused when every backend feature is on
@@ -61,9 +67,26 @@ pub async fn open_tier(
     codec: ChunkCodec,
     max_chunk_bytes: u64,
 ) -> Result<Arc<dyn StorageBackend>, ConfigError> {
+    open_tier_with_allocator(tier, codec, max_chunk_bytes, None).await
+}
+
+/// [`open_tier`], decoding loaded chunks into buffers from `allocator` (the L1 pool, so that
+/// a promoted chunk needs no second copy); the heap when `None` or when it is full.
+pub async fn open_tier_with_allocator(
+    tier: &TierConfig,
+    codec: ChunkCodec,
+    max_chunk_bytes: u64,
+    allocator: Option<Arc<dyn ChunkAllocator>>,
+) -> Result<Arc<dyn StorageBackend>, ConfigError> {
     let scheme = scheme_of(&tier.url)?;
     match scheme {
-        "memory" => Ok(wrap(InMemoryConnector::new(), tier, codec, max_chunk_bytes)),
+        "memory" => Ok(wrap(
+            InMemoryConnector::new(),
+            tier,
+            codec,
+            max_chunk_bytes,
+            allocator,
+        )),
         "file" => {
             #[cfg(feature = "disk")]
             {
@@ -81,7 +104,7 @@ pub async fn open_tier(
                 config.admit_on_second_put = tier.admit_on_second_put;
                 let disk =
                     crate::disk::DiskConnector::open(config).map_err(|e| invalid(e.to_string()))?;
-                Ok(wrap(disk, tier, codec, max_chunk_bytes))
+                Ok(wrap(disk, tier, codec, max_chunk_bytes, allocator))
             }
             #[cfg(not(feature = "disk"))]
             Err(not_compiled(scheme, "disk"))
@@ -95,7 +118,7 @@ pub async fn open_tier(
                 let redis = crate::redis::RedisConnector::connect(&config)
                     .await
                     .map_err(|e| invalid(e.to_string()))?;
-                Ok(wrap(redis, tier, codec, max_chunk_bytes))
+                Ok(wrap(redis, tier, codec, max_chunk_bytes, allocator))
             }
             #[cfg(not(feature = "redis"))]
             Err(not_compiled(scheme, "redis"))
@@ -113,7 +136,7 @@ pub async fn open_tier(
                 let s3 = crate::s3::S3Connector::connect(&config)
                     .await
                     .map_err(|e| invalid(e.to_string()))?;
-                Ok(wrap(s3, tier, codec, max_chunk_bytes))
+                Ok(wrap(s3, tier, codec, max_chunk_bytes, allocator))
             }
             #[cfg(not(feature = "s3"))]
             Err(not_compiled(scheme, "s3"))
@@ -128,7 +151,7 @@ pub async fn open_tier(
                 let mooncake = crate::mooncake::MooncakeConnector::connect(&config)
                     .await
                     .map_err(|e| invalid(e.to_string()))?;
-                Ok(wrap(mooncake, tier, codec, max_chunk_bytes))
+                Ok(wrap(mooncake, tier, codec, max_chunk_bytes, allocator))
             }
             #[cfg(not(feature = "mooncake"))]
             Err(not_compiled(scheme, "mooncake"))

@@ -7,7 +7,21 @@ use crate::run;
 use crate::servers::{prepare, scratch_dir, start_servers};
 
 /// Test binaries the matrix runs, with the backends they cover.
-const SUITES: &[&str] = &["conformance", "disk", "redis", "s3"];
+const SUITES: &[&str] = &["conformance", "disk", "redis", "s3", "mooncake"];
+
+/// Suites run in a private network namespace: Mooncake's transfer engine listens on all
+/// interfaces whatever it is told, and a namespace with only loopback keeps it off the network.
+const ISOLATED_SUITES: &[&str] = &["mooncake"];
+
+/// Whether this process may create network namespaces (root, or the capability).
+pub(crate) fn can_isolate_network() -> bool {
+    Command::new("unshare")
+        .args(["--net", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
 
 /// One test's result: suite, test name, libtest's verdict.
 type TestRow = (String, String, String);
@@ -15,6 +29,13 @@ type TestRow = (String, String, String);
 /// Runs each suite with the servers' environment, one test at a time; returns the test rows
 /// and whether every suite passed.
 fn run_suites(cargo: &str, env: &[(String, String)]) -> Result<(Vec<TestRow>, bool), String> {
+    let isolate = can_isolate_network();
+    if !isolate {
+        eprintln!(
+            "warning: cannot create a network namespace (needs root); Mooncake's test processes \
+             will listen on all interfaces while the matrix runs"
+        );
+    }
     let mut rows = Vec::new();
     let mut all_ok = true;
     for suite in SUITES {
@@ -29,9 +50,30 @@ fn run_suites(cargo: &str, env: &[(String, String)]) -> Result<(Vec<TestRow>, bo
             "--test-threads",
             "1",
         ];
-        eprintln!("\n==> {cargo} {}", args.join(" "));
-        let out = Command::new(cargo)
-            .args(args)
+        let mut command = if ISOLATED_SUITES.contains(suite) && isolate {
+            eprintln!(
+                "\n==> (in a network namespace with only loopback) {cargo} {}",
+                args.join(" ")
+            );
+            let mut c = Command::new("unshare");
+            c.args([
+                "--net",
+                "--",
+                "sh",
+                "-c",
+                r#"ip link set lo up && exec "$0" "$@""#,
+                cargo,
+            ])
+            .arg("--offline")
+            .args(args);
+            c
+        } else {
+            eprintln!("\n==> {cargo} {}", args.join(" "));
+            let mut c = Command::new(cargo);
+            c.args(args);
+            c
+        };
+        let out = command
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stderr(Stdio::inherit())
             .output()
@@ -99,7 +141,7 @@ fn render_matrix(report: &str, tests: &[TestRow]) -> String {
 /// Starts the servers, runs the suites, prints the matrix, stops the servers.
 pub fn matrix() -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let moto_server = prepare()?;
+    let prepared = prepare()?;
     // Build first, so server start-up is not raced against a long compile.
     run(
         &cargo,
@@ -114,7 +156,13 @@ pub fn matrix() -> Result<(), String> {
     let dir = scratch_dir("matrix")?;
     let report = dir.join("conformance.tsv");
     let (tests, ok) = {
-        let mut servers = start_servers(&dir, &moto_server)?;
+        let mut servers = start_servers(&dir, &prepared.moto_server)?;
+        servers.env.push((
+            "KVPOOL_TEST_MOONCAKE_VENV".into(),
+            prepared.mooncake_venv.display().to_string(),
+        ));
+        // Mooncake logs to stderr: warnings and errors only.
+        servers.env.push(("MC_LOG_LEVEL".into(), "WARNING".into()));
         servers.env.push((
             "KVPOOL_CONFORMANCE_REPORT".into(),
             report.display().to_string(),

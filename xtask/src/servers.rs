@@ -11,13 +11,23 @@ use std::time::{Duration, Instant};
 use crate::{ensure_system_packages, run};
 
 /// Debian packages the servers need.
-pub(crate) const SERVER_PACKAGES: &[&str] = &["redis-server", "redis-tools", "openssl"];
+/// (`libibverbs1`: Mooncake's transfer engine links it even for TCP.)
+pub(crate) const SERVER_PACKAGES: &[&str] = &[
+    "redis-server",
+    "redis-tools",
+    "openssl",
+    "libibverbs1",
+    "iproute2",
+];
 
 /// The S3-compatible test server, installed from PyPI into a virtualenv under `target/`.
 const MOTO_REQUIREMENT: &str = "moto[server]==5.2.5";
 
+/// Mooncake Store: `mooncake_master` and the Python client, from PyPI.
+const MOONCAKE_REQUIREMENT: &str = "mooncake-transfer-engine-non-cuda==0.3.13.post1";
+
 /// A server process, stopped by PID when dropped.
-struct Server {
+pub(crate) struct Server {
     name: String,
     child: Child,
 }
@@ -266,12 +276,58 @@ pub(crate) fn start_servers(dir: &Path, moto_server: &Path) -> Result<Servers, S
     })
 }
 
-/// Installs moto into `target/moto-venv` once; returns the `moto_server` path.
-pub(crate) fn ensure_moto(target_dir: &Path) -> Result<PathBuf, String> {
-    let venv = target_dir.join("moto-venv");
-    let server = venv.join("bin/moto_server");
-    if server.exists() {
-        return Ok(server);
+/// A Mooncake Store on loopback: `mooncake_master` and a segment holder (a separate process,
+/// so that values cross the TCP transport). Returns the processes and the master's address.
+pub(crate) fn start_mooncake(dir: &Path, venv: &Path) -> Result<(Vec<Server>, String), String> {
+    use std::io::BufRead;
+    let (port, metrics_port) = (free_port()?, free_port()?);
+    let master = start(
+        "mooncake_master",
+        &venv.join("bin/mooncake_master").display().to_string(),
+        &[
+            "--rpc_address=127.0.0.1".to_string(),
+            format!("--rpc_port={port}"),
+            "--metrics_host=127.0.0.1".to_string(),
+            format!("--metrics_port={metrics_port}"),
+            "--enable_http_metadata_server=false".to_string(),
+        ],
+        &dir.join("mooncake-master.log"),
+        port,
+    )?;
+    let address = format!("127.0.0.1:{port}");
+    let script = crate::workspace_root().join("kvpool-backends/tests/mooncake_segment_holder.py");
+    let mut child = Command::new(venv.join("bin/python"))
+        .arg(&script)
+        .args([address.as_str(), "1073741824"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.join("mooncake-holder.log")).map_err(|e| e.to_string())?)
+        .spawn()
+        .map_err(|e| format!("cannot start the Mooncake segment holder: {e}"))?;
+    let mut ready = String::new();
+    let stdout = child.stdout.take().ok_or("no holder stdout")?;
+    let _ = std::io::BufReader::new(stdout).read_line(&mut ready);
+    let holder = Server {
+        name: "mooncake segment holder".into(),
+        child,
+    };
+    if ready.trim() != "ready" {
+        return Err(format!(
+            "the Mooncake segment holder did not mount (see {})",
+            dir.join("mooncake-holder.log").display()
+        ));
+    }
+    eprintln!(
+        "started mooncake segment holder (pid {})",
+        holder.child.id()
+    );
+    // The holder is dropped (stopped) first.
+    Ok((vec![holder, master], address))
+}
+
+/// Creates `venv` with `requirement` installed, once; returns the venv path.
+fn ensure_venv(venv: &Path, requirement: &str, marker: &str) -> Result<(), String> {
+    if venv.join(marker).exists() {
+        return Ok(());
     }
     let venv_str = venv.display().to_string();
     run("python3", &["-m", "venv", &venv_str])?;
@@ -282,15 +338,27 @@ pub(crate) fn ensure_moto(target_dir: &Path) -> Result<PathBuf, String> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            MOTO_REQUIREMENT,
+            requirement,
         ],
     )?;
-    if !server.exists() {
-        return Err(format!(
-            "{MOTO_REQUIREMENT} installed no moto_server in {venv_str}"
-        ));
+    if !venv.join(marker).exists() {
+        return Err(format!("{requirement} installed no {marker} in {venv_str}"));
     }
-    Ok(server)
+    Ok(())
+}
+
+/// Installs moto into `target/moto-venv` once; returns the `moto_server` path.
+pub(crate) fn ensure_moto(target_dir: &Path) -> Result<PathBuf, String> {
+    let venv = target_dir.join("moto-venv");
+    ensure_venv(&venv, MOTO_REQUIREMENT, "bin/moto_server")?;
+    Ok(venv.join("bin/moto_server"))
+}
+
+/// Installs Mooncake's wheel into `target/mooncake-venv` once; returns the venv.
+pub(crate) fn ensure_mooncake(target_dir: &Path) -> Result<PathBuf, String> {
+    let venv = target_dir.join("mooncake-venv");
+    ensure_venv(&venv, MOONCAKE_REQUIREMENT, "bin/mooncake_master")?;
+    Ok(venv)
 }
 
 /// Creates a bucket on the local S3-compatible server with a plain (unsigned) HTTP PUT.
@@ -323,13 +391,24 @@ fn which(program: &str) -> Result<PathBuf, String> {
     Ok(PathBuf::from(path))
 }
 
-/// Installs what the servers need and returns the `moto_server` path.
-pub(crate) fn prepare() -> Result<PathBuf, String> {
+/// What the servers are started from.
+pub(crate) struct Prepared {
+    /// moto's `moto_server`.
+    pub moto_server: PathBuf,
+    /// The virtualenv holding `mooncake_master` and the Mooncake Python client.
+    pub mooncake_venv: PathBuf,
+}
+
+/// Installs what the servers need (Debian packages, moto, Mooncake).
+pub(crate) fn prepare() -> Result<Prepared, String> {
     ensure_system_packages(SERVER_PACKAGES)?;
     let target_dir = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| crate::workspace_root().join("target"));
-    ensure_moto(&target_dir)
+    Ok(Prepared {
+        moto_server: ensure_moto(&target_dir)?,
+        mooncake_venv: ensure_mooncake(&target_dir)?,
+    })
 }
 
 /// A fresh scratch directory for server files and logs.
