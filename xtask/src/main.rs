@@ -147,7 +147,61 @@ fn ci() -> Result<(), String> {
         )?;
     }
     // Last: every backend against real servers.
+    nvrtc_check()?;
     matrix::matrix()
+}
+
+/// NVRTC from PyPI (no GPU needed), to compile kvpool-cuda's kernels in CI.
+const NVRTC_REQUIREMENT: &str = "nvidia-cuda-nvrtc==13.5.37";
+
+/// Compiles kvpool-cuda's kernel source with a real NVRTC, so that a kernel that does not
+/// compile fails CI although CI has no GPU (the GPU tests themselves skip there).
+fn nvrtc_check() -> Result<(), String> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target_dir = env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"));
+    let venv = target_dir.join("nvrtc-venv");
+    let find = || {
+        std::fs::read_dir(venv.join("lib"))
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|e| e.path().join("site-packages/nvidia/cu13/lib"))
+            .find(|dir| dir.join("libnvrtc.so.13").exists())
+    };
+    let lib_dir = match find() {
+        Some(dir) => dir,
+        None => {
+            let venv_str = venv.display().to_string();
+            run("python3", &["-m", "venv", &venv_str])?;
+            let pip = venv.join("bin/pip").display().to_string();
+            run(
+                &pip,
+                &[
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    NVRTC_REQUIREMENT,
+                ],
+            )?;
+            find().ok_or(format!("{NVRTC_REQUIREMENT} installed no libnvrtc.so.13"))?
+        }
+    };
+    let lib_dir = lib_dir.display().to_string();
+    run_with_env(
+        &cargo,
+        &[
+            "test",
+            "-p",
+            "kvpool-cuda",
+            "--lib",
+            "kernels::tests::the_kernels_compile_with_nvrtc_where_it_exists",
+        ],
+        &[
+            ("LD_LIBRARY_PATH", lib_dir.as_str()),
+            ("KVPOOL_REQUIRE_NVRTC", "1"),
+        ],
+    )
 }
 
 fn bench() -> Result<(), String> {
@@ -419,6 +473,70 @@ fn bench_mooncake(inside_namespace: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// `cargo xtask gpu-bundle`: kvpool-cuda's test and benchmark binaries, release-built and
+/// stripped, in `target/gpu-bundle/` with a `run.sh`, to carry to a GPU machine that has no
+/// Rust toolchain (CI never has a GPU; there the GPU tests skip).
+fn gpu_bundle() -> Result<(), String> {
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let bundle = workspace_root().join("target/gpu-bundle");
+    let _ = std::fs::remove_dir_all(&bundle);
+    std::fs::create_dir_all(&bundle).map_err(|e| e.to_string())?;
+    let mut names = Vec::new();
+    for kind in ["test", "bench"] {
+        let out = Command::new(&cargo)
+            .args([
+                kind,
+                "-p",
+                "kvpool-cuda",
+                "--release",
+                "--no-run",
+                "--message-format=json",
+            ])
+            .current_dir(workspace_root())
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot run cargo: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("cargo {kind} --no-run failed"));
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some(at) = line.find("\"executable\":\"") else {
+                continue;
+            };
+            let rest = &line[at + "\"executable\":\"".len()..];
+            let Some(end) = rest.find('"') else { continue };
+            let path = PathBuf::from(&rest[..end]);
+            let stem = path.file_name().and_then(|n| n.to_str()).unwrap_or("bin");
+            let name = format!("{kind}-{}", stem.rsplit_once('-').map_or(stem, |(n, _)| n));
+            std::fs::copy(&path, bundle.join(&name)).map_err(|e| e.to_string())?;
+            run(
+                "strip",
+                &[bundle.join(&name).to_str().ok_or("non-UTF-8 path")?],
+            )?;
+            names.push(name);
+        }
+    }
+    let mut script = String::from(
+        "#!/bin/sh\n# Runs kvpool-cuda's GPU tests, then its benchmarks.\nset -e\ncd \"$(dirname \"$0\")\"\n",
+    );
+    for name in names.iter().filter(|n| n.starts_with("test-")) {
+        script.push_str(&format!("./{name} --test-threads 1 --nocapture\n"));
+    }
+    for name in names.iter().filter(|n| n.starts_with("bench-")) {
+        script.push_str(&format!("./{name} --bench\n"));
+    }
+    std::fs::write(bundle.join("run.sh"), script).map_err(|e| e.to_string())?;
+    run(
+        "chmod",
+        &[
+            "+x",
+            bundle.join("run.sh").to_str().ok_or("non-UTF-8 path")?,
+        ],
+    )?;
+    println!("{}: {}", bundle.display(), names.join(" "));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let task = env::args().nth(1);
     let result = match task.as_deref() {
@@ -429,10 +547,11 @@ fn main() -> ExitCode {
         Some("bench-mooncake") => {
             bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
+        Some("gpu-bundle") => gpu_bundle(),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | bench | bench-backends | bench-mooncake | fmt>"
+                "usage: cargo xtask <ci | matrix | bench | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -1,0 +1,551 @@
+//! `GpuTransferEngine`: moves KV between an engine's paged GPU caches and kvpool's host chunks,
+//! on a copy stream of its own, whole or layer by layer.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg, sys};
+use kvpool_core::{KvLayout, KvTransfer, TransferError, transfer::check_chunk_window};
+use parking_lot::Mutex;
+
+use crate::driver::open_context;
+use crate::error::CudaError;
+use crate::kernels::{AccessWidth, Kernels, threads_per_row};
+use crate::kv_caches::RegisteredKvCaches;
+
+/// How gathered bytes reach host memory (and scattered bytes leave it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostPath {
+    /// The kernel works on a device staging buffer; one large DMA moves it to or from the host.
+    Staged,
+    /// The kernel reads or writes pinned, device-mapped host memory directly. Falls back to
+    /// [`HostPath::Staged`] for a buffer that is not pinned.
+    Mapped,
+}
+
+/// Device memory owned by the engine, freed on drop.
+struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+        ctx.bind_to_thread()
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(16)) }
+            .result()
+            .map_err(|e| CudaError::driver("cuMemAlloc", e))?;
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `new`, freed once; users synchronise their streams first.
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Reusable device scratch: the slot mapping and the staging buffer, grown on demand.
+struct Scratch {
+    slots: Option<DeviceBuffer>,
+    staging: Option<DeviceBuffer>,
+}
+
+fn ensure(
+    slot: &mut Option<DeviceBuffer>,
+    ctx: &Arc<CudaContext>,
+    len: usize,
+) -> Result<sys::CUdeviceptr, CudaError> {
+    if slot.as_ref().is_none_or(|b| b.len < len) {
+        *slot = None;
+        *slot = Some(DeviceBuffer::new(ctx, len.next_power_of_two())?);
+    }
+    Ok(slot.as_ref().map(|b| b.ptr).unwrap_or_default())
+}
+
+/// Which way a kernel moves rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Gather,
+    Scatter,
+}
+
+/// One kernel launch's worth of rows.
+struct RowCopy {
+    direction: Direction,
+    first_layer: usize,
+    layers: usize,
+    slots: sys::CUdeviceptr,
+    tokens: usize,
+    chunk: sys::CUdeviceptr,
+    chunk_tokens: usize,
+    token_offset: usize,
+}
+
+/// Moves KV between registered paged device caches and host chunk buffers. Implements
+/// [`KvTransfer`], so a [`kvpool_core::CacheEngine`] can store from and retrieve into GPU memory;
+/// the host transfer ([`kvpool_core::HostPagedKvCache`]) is its byte-for-byte oracle.
+///
+/// All work runs on the engine's own copy stream. [`GpuTransferEngine::wait_for`] makes that
+/// stream wait for an event from the engine's compute stream (store after the layer's KV was
+/// written); [`GpuTransferEngine::retrieve_layerwise`] returns per-layer events the compute
+/// stream can wait on, so layer `i + 1` loads while layer `i` computes.
+pub struct GpuTransferEngine {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    caches: RegisteredKvCaches,
+    layer_ptrs: DeviceBuffer,
+    scratch: Mutex<Scratch>,
+    path: HostPath,
+}
+
+fn driver<T>(
+    call: &'static str,
+    r: Result<T, cudarc::driver::DriverError>,
+) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::driver(call, e))
+}
+
+impl GpuTransferEngine {
+    /// An engine on device `ordinal` for `caches`, compiling the kernels with NVRTC. Without a
+    /// driver, NVRTC or device this is [`CudaError::CudaUnavailable`]; use
+    /// [`kvpool_core::HostPagedKvCache`] (the host path) instead.
+    pub fn new(
+        ordinal: usize,
+        caches: RegisteredKvCaches,
+        path: HostPath,
+    ) -> Result<Self, CudaError> {
+        let ctx = open_context(ordinal)?;
+        let kernels = Kernels::compile(&ctx)?;
+        let stream = driver("cuStreamCreate", ctx.new_stream())?;
+        let ptrs = caches.layer_ptrs();
+        let layer_ptrs = DeviceBuffer::new(&ctx, std::mem::size_of_val(ptrs))?;
+        // SAFETY: copies the pointer table into a buffer of its size; synchronous.
+        driver("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                layer_ptrs.ptr,
+                ptrs.as_ptr().cast(),
+                std::mem::size_of_val(ptrs),
+            )
+            .result()
+        })?;
+        Ok(GpuTransferEngine {
+            ctx,
+            stream,
+            kernels,
+            caches,
+            layer_ptrs,
+            scratch: Mutex::new(Scratch {
+                slots: None,
+                staging: None,
+            }),
+            path,
+        })
+    }
+
+    /// The registered caches.
+    pub fn caches(&self) -> &RegisteredKvCaches {
+        &self.caches
+    }
+
+    /// The copy stream (separate from the engine's compute stream).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Later transfers wait for `event` (e.g. recorded on the compute stream after a layer's KV
+    /// was written) before reading the paged cache.
+    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), CudaError> {
+        driver("cuStreamWaitEvent", self.stream.wait(event))
+    }
+
+    fn check_slots(&self, slots: &[i64]) -> Result<(), TransferError> {
+        let num_slots = self.caches.geometry().num_slots();
+        for &slot in slots {
+            if slot < 0 || slot as usize >= num_slots {
+                return Err(TransferError::SlotOutOfRange { slot, num_slots });
+            }
+        }
+        Ok(())
+    }
+
+    fn upload_slots(
+        &self,
+        scratch: &mut Scratch,
+        slots: &[i64],
+    ) -> Result<sys::CUdeviceptr, CudaError> {
+        let bytes = std::mem::size_of_val(slots);
+        let dst = ensure(&mut scratch.slots, &self.ctx, bytes)?;
+        // SAFETY: `dst` holds at least `bytes`; the copy completes before the call returns
+        // (pageable source), so `slots` may be dropped afterwards.
+        driver("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, slots.as_ptr().cast(), bytes, self.stream.cu_stream())
+                .result()
+        })?;
+        Ok(dst)
+    }
+
+    /// The device address of pinned, mapped host memory, if `host` is such memory.
+    fn mapped(&self, host: *const u8) -> Option<sys::CUdeviceptr> {
+        let mut device = 0;
+        // SAFETY: only queries the driver about an address.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut _, 0) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(device)
+    }
+
+    fn launch(&self, copy: &RowCopy) -> Result<(), CudaError> {
+        let g = self.caches.geometry();
+        let width = AccessWidth::widest(
+            g.row_bytes,
+            self.caches.layer_ptrs().iter().copied().chain([copy.chunk]),
+        );
+        let function = match copy.direction {
+            Direction::Gather => self.kernels.gather(width),
+            Direction::Scatter => self.kernels.scatter(width),
+        };
+        let grid_y = copy.layers * g.planes;
+        if copy.tokens == 0 || grid_y == 0 {
+            return Ok(());
+        }
+        let config = LaunchConfig {
+            grid_dim: (copy.tokens as u32, grid_y as u32, 1),
+            block_dim: (threads_per_row(g.row_bytes, width), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (first_layer, planes) = (copy.first_layer as i32, g.planes as i32);
+        let (chunk_tokens, token_offset) = (copy.chunk_tokens as i64, copy.token_offset as i64);
+        let (row_bytes, block_size) = (g.row_bytes as i64, g.block_size as i64);
+        let (block_stride, plane_stride) = (g.block_stride_rows as i64, g.plane_stride_rows as i64);
+        let mut builder = self.stream.launch_builder(function);
+        builder
+            .arg(&self.layer_ptrs.ptr)
+            .arg(&first_layer)
+            .arg(&copy.slots)
+            .arg(&copy.chunk)
+            .arg(&chunk_tokens)
+            .arg(&token_offset)
+            .arg(&planes)
+            .arg(&row_bytes)
+            .arg(&block_size)
+            .arg(&block_stride)
+            .arg(&plane_stride);
+        // SAFETY: the argument list matches the kernel signature in kernels.cu; every slot was
+        // checked against the cache, and `chunk` holds `layers * planes * chunk_tokens` rows.
+        driver("cuLaunchKernel", unsafe { builder.launch(config) })?;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), CudaError> {
+        driver("cuStreamSynchronize", self.stream.synchronize())
+    }
+
+    /// Gathers layers `first_layer..first_layer + layers` of `slots` into `chunk` (host memory,
+    /// those layers' region of a `slots.len()`-token chunk) and waits for it.
+    fn gather_layers(
+        &self,
+        first_layer: usize,
+        layers: usize,
+        slots: &[i64],
+        chunk: &mut [u8],
+    ) -> Result<(), CudaError> {
+        self.check_slots(slots)?;
+        let mut scratch = self.scratch.lock();
+        let slots_dev = self.upload_slots(&mut scratch, slots)?;
+        let mut copy = RowCopy {
+            direction: Direction::Gather,
+            first_layer,
+            layers,
+            slots: slots_dev,
+            tokens: slots.len(),
+            chunk: 0,
+            chunk_tokens: slots.len(),
+            token_offset: 0,
+        };
+        if self.path == HostPath::Mapped
+            && let Some(device) = self.mapped(chunk.as_ptr())
+        {
+            copy.chunk = device;
+            self.launch(&copy)?;
+            return self.synchronize();
+        }
+        copy.chunk = ensure(&mut scratch.staging, &self.ctx, chunk.len())?;
+        self.launch(&copy)?;
+        // SAFETY: staging holds `chunk.len()` bytes written by the kernel; we wait below, so
+        // `chunk` outlives the copy.
+        driver("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                chunk.as_mut_ptr().cast(),
+                copy.chunk,
+                chunk.len(),
+                self.stream.cu_stream(),
+            )
+            .result()
+        })?;
+        self.synchronize()
+    }
+
+    /// Scatters tokens `token_offset..token_offset + slots.len()` of `region` (host memory,
+    /// layers `first_layer..first_layer + layers` of a `chunk_tokens`-token chunk) to `slots`.
+    fn scatter_layers(
+        &self,
+        first_layer: usize,
+        layers: usize,
+        region: &[u8],
+        chunk_tokens: usize,
+        token_offset: usize,
+        slots: &[i64],
+    ) -> Result<(), CudaError> {
+        self.check_slots(slots)?;
+        let mut scratch = self.scratch.lock();
+        let slots_dev = self.upload_slots(&mut scratch, slots)?;
+        let mut copy = RowCopy {
+            direction: Direction::Scatter,
+            first_layer,
+            layers,
+            slots: slots_dev,
+            tokens: slots.len(),
+            chunk: 0,
+            chunk_tokens,
+            token_offset,
+        };
+        if self.path == HostPath::Mapped
+            && let Some(device) = self.mapped(region.as_ptr())
+        {
+            copy.chunk = device;
+        } else {
+            copy.chunk = ensure(&mut scratch.staging, &self.ctx, region.len())?;
+            // SAFETY: staging holds `region.len()` bytes; we wait below, so `region` outlives it.
+            driver("cuMemcpyHtoDAsync", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    copy.chunk,
+                    region.as_ptr().cast(),
+                    region.len(),
+                    self.stream.cu_stream(),
+                )
+                .result()
+            })?;
+        }
+        self.launch(&copy)?;
+        self.synchronize()
+    }
+
+    /// Starts loading `chunks` into the paged cache layer by layer on the copy stream and
+    /// returns at once. Layer `l` of every chunk is copied host-to-device and scattered, then
+    /// event `l` is recorded: the compute stream waits on it ([`LayerwiseLoad::wait_layer`])
+    /// right before layer `l`'s attention, so loading overlaps compute. For real overlap the
+    /// chunk buffers must be pinned (a pool on [`crate::PinnedAllocator`]).
+    pub fn retrieve_layerwise<'a>(
+        &self,
+        chunks: &[ChunkLoad<'a>],
+    ) -> Result<LayerwiseLoad<'a>, CudaError> {
+        let layout = *self.caches.layout();
+        let per_token_layer = layout.bytes_per_token_per_layer();
+        let mut all_slots = Vec::new();
+        let mut offsets = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            check_chunk_window(
+                &layout,
+                0,
+                c.data.len(),
+                c.chunk_tokens,
+                c.token_offset,
+                c.slots.len(),
+            )?;
+            self.check_slots(c.slots)?;
+            offsets.push(all_slots.len());
+            all_slots.extend_from_slice(c.slots);
+        }
+        let slots = DeviceBuffer::new(&self.ctx, std::mem::size_of_val(all_slots.as_slice()))?;
+        // SAFETY: `slots` holds all of them; the copy is synchronous.
+        driver("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                slots.ptr,
+                all_slots.as_ptr().cast(),
+                std::mem::size_of_val(all_slots.as_slice()),
+            )
+            .result()
+        })?;
+        // Staging for every layer of every chunk, so no layer's bytes wait for another's.
+        let per_layer: usize = chunks
+            .iter()
+            .map(|c| c.chunk_tokens * per_token_layer)
+            .sum();
+        let staging = DeviceBuffer::new(&self.ctx, per_layer * layout.num_layers)?;
+        let mut events = Vec::with_capacity(layout.num_layers);
+        for layer in 0..layout.num_layers {
+            let mut at = staging.ptr + (layer * per_layer) as u64;
+            for (c, &offset) in chunks.iter().zip(&offsets) {
+                let region_len = c.chunk_tokens * per_token_layer;
+                let region = &c.data[layer * region_len..(layer + 1) * region_len];
+                // SAFETY: `region` lives for 'a; the returned load keeps that borrow and
+                // synchronises on drop, so the host memory outlives the DMA.
+                driver("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        at,
+                        region.as_ptr().cast(),
+                        region_len,
+                        self.stream.cu_stream(),
+                    )
+                    .result()
+                })?;
+                self.launch(&RowCopy {
+                    direction: Direction::Scatter,
+                    first_layer: layer,
+                    layers: 1,
+                    slots: slots.ptr + (offset * std::mem::size_of::<i64>()) as u64,
+                    tokens: c.slots.len(),
+                    chunk: at,
+                    chunk_tokens: c.chunk_tokens,
+                    token_offset: c.token_offset,
+                })?;
+                at += region_len as u64;
+            }
+            events.push(driver("cuEventRecord", self.stream.record_event(None))?);
+        }
+        Ok(LayerwiseLoad {
+            events,
+            stream: self.stream.clone(),
+            _buffers: [slots, staging],
+            _chunks: PhantomData,
+        })
+    }
+}
+
+/// One chunk to load: its host bytes (a whole `chunk_tokens`-token chunk, layer-major) and the
+/// slots of its tokens `token_offset..token_offset + slots.len()`.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkLoad<'a> {
+    /// The chunk's bytes.
+    pub data: &'a [u8],
+    /// Tokens in the chunk.
+    pub chunk_tokens: usize,
+    /// First token to load.
+    pub token_offset: usize,
+    /// Destination slots.
+    pub slots: &'a [i64],
+}
+
+/// A layer-wise load in flight. Dropping it waits for the whole load, so the chunk memory it
+/// borrows outlives every copy.
+pub struct LayerwiseLoad<'a> {
+    events: Vec<CudaEvent>,
+    stream: Arc<CudaStream>,
+    _buffers: [DeviceBuffer; 2],
+    _chunks: PhantomData<&'a [u8]>,
+}
+
+impl LayerwiseLoad<'_> {
+    /// Makes `compute` wait until layer `layer` is in the paged cache (no host blocking).
+    pub fn wait_layer(&self, layer: usize, compute: &CudaStream) -> Result<(), CudaError> {
+        driver("cuStreamWaitEvent", compute.wait(&self.events[layer]))
+    }
+
+    /// The event recorded after layer `layer` was scattered.
+    pub fn layer_event(&self, layer: usize) -> &CudaEvent {
+        &self.events[layer]
+    }
+
+    /// Blocks until every layer is loaded.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        driver("cuStreamSynchronize", self.stream.synchronize())
+    }
+}
+
+impl Drop for LayerwiseLoad<'_> {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+    }
+}
+
+impl KvTransfer for GpuTransferEngine {
+    fn layout(&self) -> &KvLayout {
+        self.caches.layout()
+    }
+
+    fn gather_layer(
+        &self,
+        layer: usize,
+        slots: &[i64],
+        chunk: &mut [u8],
+    ) -> Result<(), TransferError> {
+        let layout = *self.layout();
+        let n = slots.len();
+        check_chunk_window(&layout, layer, chunk.len(), n, 0, n)?;
+        let region = n * layout.bytes_per_token_per_layer();
+        let chunk = &mut chunk[layer * region..(layer + 1) * region];
+        Ok(self.gather_layers(layer, 1, slots, chunk)?)
+    }
+
+    fn scatter_layer(
+        &mut self,
+        layer: usize,
+        chunk: &[u8],
+        chunk_tokens: usize,
+        token_offset: usize,
+        slots: &[i64],
+    ) -> Result<(), TransferError> {
+        let layout = *self.layout();
+        check_chunk_window(
+            &layout,
+            layer,
+            chunk.len(),
+            chunk_tokens,
+            token_offset,
+            slots.len(),
+        )?;
+        let region = chunk_tokens * layout.bytes_per_token_per_layer();
+        let chunk = &chunk[layer * region..(layer + 1) * region];
+        Ok(self.scatter_layers(layer, 1, chunk, chunk_tokens, token_offset, slots)?)
+    }
+
+    /// All layers in one kernel launch and one DMA.
+    fn gather(&self, slots: &[i64], chunk: &mut [u8]) -> Result<(), TransferError> {
+        let layout = *self.layout();
+        let n = slots.len();
+        check_chunk_window(&layout, 0, chunk.len(), n, 0, n)?;
+        Ok(self.gather_layers(0, layout.num_layers, slots, chunk)?)
+    }
+
+    /// All layers in one DMA and one kernel launch.
+    fn scatter(
+        &mut self,
+        chunk: &[u8],
+        chunk_tokens: usize,
+        token_offset: usize,
+        slots: &[i64],
+    ) -> Result<(), TransferError> {
+        let layout = *self.layout();
+        check_chunk_window(
+            &layout,
+            0,
+            chunk.len(),
+            chunk_tokens,
+            token_offset,
+            slots.len(),
+        )?;
+        Ok(self.scatter_layers(
+            0,
+            layout.num_layers,
+            chunk,
+            chunk_tokens,
+            token_offset,
+            slots,
+        )?)
+    }
+}

@@ -1,0 +1,314 @@
+//! The GPU transfer engine against the host transfer (the oracle), byte for byte, on random
+//! data and random slot mappings (non-contiguous, partial blocks), for the flash-attention,
+//! FlashInfer and MLA orders, whole and per layer, staged and mapped, plus layer-wise loads and
+//! pinned memory. Skips with a message where no CUDA device is present (CI); run on a GPU
+//! machine (see docs/benchmarks.md for how the binaries are carried there).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, sys};
+use kvpool_core::{Dtype, HostPagedKvCache, KvKind, KvLayout, KvTransfer, MemoryPool};
+use kvpool_cuda::driver::{device_count, open_context};
+use kvpool_cuda::{
+    ChunkLoad, DeviceLayer, GpuTransferEngine, HostPath, PagedGeometry, PagedOrder,
+    PinnedAllocator, RegisteredKvCaches,
+};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<Arc<CudaContext>> {
+    match device_count() {
+        Ok(n) if n > 0 => Some(open_context(0).unwrap()),
+        other => {
+            println!("SKIP: no CUDA device ({other:?}); these tests run on a GPU machine");
+            None
+        }
+    }
+}
+
+/// Device memory holding a copy of `bytes`, freed on drop.
+struct DeviceTensor {
+    ptr: u64,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceTensor {
+    fn upload(ctx: &Arc<CudaContext>, bytes: &[u8]) -> Self {
+        ctx.bind_to_thread().unwrap();
+        let mut ptr = 0;
+        unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, bytes.len()).result().unwrap();
+            sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), bytes.len())
+                .result()
+                .unwrap();
+        }
+        DeviceTensor {
+            ptr,
+            len: bytes.len(),
+            ctx: ctx.clone(),
+        }
+    }
+
+    fn download(&self) -> Vec<u8> {
+        self.ctx.bind_to_thread().unwrap();
+        let mut out = vec![0u8; self.len];
+        unsafe {
+            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, self.len)
+                .result()
+                .unwrap();
+        }
+        out
+    }
+}
+
+impl Drop for DeviceTensor {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+fn random_cache(layout: KvLayout, blocks: usize, rng: &mut SmallRng) -> HostPagedKvCache {
+    let mut c = HostPagedKvCache::new(layout, blocks);
+    for l in 0..layout.num_layers {
+        rng.fill(c.layer_mut(l));
+    }
+    c
+}
+
+/// One layer of `host` (flash-attention order) rearranged into `order`.
+fn layer_in_order(
+    host: &HostPagedKvCache,
+    layer: usize,
+    order: PagedOrder,
+    blocks: usize,
+) -> Vec<u8> {
+    let layout = *host.layout();
+    let g = PagedGeometry::new(order, &layout, blocks);
+    let mut out = vec![0u8; g.layer_bytes()];
+    for slot in 0..g.num_slots() {
+        for plane in 0..g.planes {
+            let at = g.row_offset(slot, plane);
+            out[at..at + g.row_bytes].copy_from_slice(host.row(layer, plane, slot));
+        }
+    }
+    out
+}
+
+fn shape(order: PagedOrder, layout: &KvLayout, blocks: usize) -> Vec<usize> {
+    let (bs, h, d) = (layout.block_size, layout.num_kv_heads, layout.head_size);
+    match order {
+        PagedOrder::FlashAttention => vec![2, blocks, bs, h, d],
+        PagedOrder::FlashInfer => vec![blocks, 2, bs, h, d],
+        PagedOrder::Mla => vec![blocks, bs, d],
+    }
+}
+
+/// Device tensors in `order` holding `host`'s bytes, and an engine over them.
+fn device_copy(
+    ctx: &Arc<CudaContext>,
+    host: &HostPagedKvCache,
+    order: PagedOrder,
+    blocks: usize,
+    path: HostPath,
+) -> (Vec<DeviceTensor>, GpuTransferEngine) {
+    let layout = *host.layout();
+    let tensors: Vec<DeviceTensor> = (0..layout.num_layers)
+        .map(|l| DeviceTensor::upload(ctx, &layer_in_order(host, l, order, blocks)))
+        .collect();
+    let layers: Vec<DeviceLayer> = tensors
+        .iter()
+        .map(|t| DeviceLayer {
+            ptr: t.ptr,
+            shape: shape(order, &layout, blocks),
+            dtype: layout.dtype,
+        })
+        .collect();
+    let caches = RegisteredKvCaches::new(layout, order, &layers).unwrap();
+    (tensors, GpuTransferEngine::new(0, caches, path).unwrap())
+}
+
+/// Random distinct slots: scattered over blocks, partial blocks included.
+fn random_slots(n: usize, num_slots: usize, rng: &mut SmallRng) -> Vec<i64> {
+    let mut all: Vec<i64> = (0..num_slots as i64).collect();
+    all.shuffle(rng);
+    all.truncate(n);
+    all
+}
+
+fn layouts() -> Vec<(KvLayout, PagedOrder)> {
+    let kv =
+        |dtype, heads, head| KvLayout::new(3, heads, head, dtype, KvKind::KeyValue, 16).unwrap();
+    vec![
+        (kv(Dtype::Bf16, 8, 128), PagedOrder::FlashAttention),
+        (kv(Dtype::Bf16, 8, 128), PagedOrder::FlashInfer),
+        // 2 x 3 x 1-byte rows: only the byte kernel fits.
+        (kv(Dtype::Fp8E4m3, 2, 3), PagedOrder::FlashAttention),
+        // 4-byte multiple but not 16.
+        (kv(Dtype::F16, 1, 10), PagedOrder::FlashInfer),
+        (
+            KvLayout::new(3, 1, 576, Dtype::Bf16, KvKind::MlaLatent, 16).unwrap(),
+            PagedOrder::Mla,
+        ),
+    ]
+}
+
+#[test]
+fn gather_matches_the_host_oracle_byte_for_byte() {
+    let Some(ctx) = gpu() else { return };
+    let pinned = MemoryPool::with_allocator(64 << 20, &PinnedAllocator::new(0).unwrap()).unwrap();
+    let mut rng = SmallRng::seed_from_u64(1);
+    for (layout, order) in layouts() {
+        for path in [HostPath::Staged, HostPath::Mapped] {
+            let blocks = 37;
+            let host = random_cache(layout, blocks, &mut rng);
+            let (_tensors, engine) = device_copy(&ctx, &host, order, blocks, path);
+            for n in [1usize, 5, 16, 100, 256] {
+                let slots = random_slots(n, blocks * 16, &mut rng);
+                let mut want = vec![0u8; layout.chunk_bytes(n)];
+                host.gather(&slots, &mut want).unwrap();
+                // With HostPath::Mapped the kernel writes straight into pinned host memory.
+                let mut got = pinned.allocate(layout.chunk_bytes(n)).unwrap();
+                got.as_mut_slice().fill(0xAA);
+                engine.gather(&slots, got.as_mut_slice()).unwrap();
+                assert!(
+                    got.as_slice() == want,
+                    "{order:?} {path:?} n={n}: whole gather differs"
+                );
+                let mut by_layer = vec![0x55u8; layout.chunk_bytes(n)];
+                for l in 0..layout.num_layers {
+                    engine.gather_layer(l, &slots, &mut by_layer).unwrap();
+                }
+                assert!(
+                    by_layer == want,
+                    "{order:?} {path:?} n={n}: per-layer gather differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn scatter_matches_the_host_oracle_and_touches_nothing_else() {
+    let Some(ctx) = gpu() else { return };
+    let pinned = MemoryPool::with_allocator(64 << 20, &PinnedAllocator::new(0).unwrap()).unwrap();
+    let mut rng = SmallRng::seed_from_u64(2);
+    for (layout, order) in layouts() {
+        for path in [HostPath::Staged, HostPath::Mapped] {
+            let blocks = 29;
+            let mut host = random_cache(layout, blocks, &mut rng);
+            let (tensors, mut engine) = device_copy(&ctx, &host, order, blocks, path);
+            let chunk_tokens = 64;
+            // With HostPath::Mapped the kernel reads straight from pinned host memory.
+            let mut chunk = pinned.allocate(layout.chunk_bytes(chunk_tokens)).unwrap();
+            rng.fill(chunk.as_mut_slice());
+            let chunk = chunk.freeze();
+            let chunk = chunk.as_slice();
+            // A partial window of the chunk, as when the GPU already holds its first tokens.
+            let (offset, count) = (13, 40);
+            let slots = random_slots(count, blocks * 16, &mut rng);
+            host.scatter(chunk, chunk_tokens, offset, &slots).unwrap();
+            engine.scatter(chunk, chunk_tokens, offset, &slots).unwrap();
+            // Then one layer only, elsewhere.
+            let slots2 = random_slots(9, blocks * 16, &mut rng);
+            host.scatter_layer(1, chunk, chunk_tokens, 0, &slots2)
+                .unwrap();
+            engine
+                .scatter_layer(1, chunk, chunk_tokens, 0, &slots2)
+                .unwrap();
+            for (l, tensor) in tensors.iter().enumerate() {
+                assert!(
+                    tensor.download() == layer_in_order(&host, l, order, blocks),
+                    "{order:?} {path:?}: layer {l} differs from the host after scatter"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_slots_are_errors_and_write_nothing() {
+    let Some(ctx) = gpu() else { return };
+    let mut rng = SmallRng::seed_from_u64(3);
+    let (layout, order) = layouts()[0];
+    let host = random_cache(layout, 4, &mut rng);
+    let (tensors, mut engine) = device_copy(&ctx, &host, order, 4, HostPath::Staged);
+    let chunk = vec![1u8; layout.chunk_bytes(2)];
+    assert!(
+        engine.scatter(&chunk, 2, 0, &[3, -1]).is_err(),
+        "padding slot"
+    );
+    assert!(
+        engine.scatter(&chunk, 2, 0, &[3, 64]).is_err(),
+        "beyond the cache"
+    );
+    let mut out = vec![0u8; layout.chunk_bytes(2)];
+    assert!(engine.gather(&[0, 64], &mut out).is_err());
+    for (l, t) in tensors.iter().enumerate() {
+        assert!(t.download() == layer_in_order(&host, l, order, 4));
+    }
+}
+
+#[test]
+fn layerwise_loads_equal_a_whole_scatter_and_signal_every_layer() {
+    let Some(ctx) = gpu() else { return };
+    let mut rng = SmallRng::seed_from_u64(4);
+    let (layout, order) = layouts()[1];
+    let blocks = 40;
+    let mut host = random_cache(layout, blocks, &mut rng);
+    let (tensors, engine) = device_copy(&ctx, &host, order, blocks, HostPath::Staged);
+    let pool = MemoryPool::with_allocator(64 << 20, &PinnedAllocator::new(0).unwrap()).unwrap();
+    assert!(pool.is_pinned());
+    let mut chunks = Vec::new();
+    for _ in 0..3 {
+        let mut buf = pool.allocate(layout.chunk_bytes(32)).unwrap();
+        rng.fill(buf.as_mut_slice());
+        chunks.push(buf.freeze());
+    }
+    let mut all = random_slots(32 * 3, blocks * 16, &mut rng).into_iter();
+    let slots: Vec<Vec<i64>> = (0..3)
+        .map(|i| all.by_ref().take(if i == 2 { 20 } else { 32 }).collect())
+        .collect();
+    let loads: Vec<ChunkLoad> = chunks
+        .iter()
+        .zip(&slots)
+        .enumerate()
+        .map(|(i, (c, s))| ChunkLoad {
+            data: c.as_slice(),
+            chunk_tokens: 32,
+            token_offset: if i == 2 { 12 } else { 0 },
+            slots: s,
+        })
+        .collect();
+    for load in &loads {
+        host.scatter(load.data, 32, load.token_offset, load.slots)
+            .unwrap();
+    }
+    let compute = ctx.new_stream().unwrap();
+    let inflight = engine.retrieve_layerwise(&loads).unwrap();
+    for layer in 0..layout.num_layers {
+        inflight.wait_layer(layer, &compute).unwrap();
+    }
+    compute.synchronize().unwrap();
+    assert!(inflight.layer_event(layout.num_layers - 1).is_complete());
+    drop(inflight);
+    for (l, tensor) in tensors.iter().enumerate() {
+        assert!(
+            tensor.download() == layer_in_order(&host, l, order, blocks),
+            "layer {l}"
+        );
+    }
+}
+
+#[test]
+fn a_large_pinned_pool_is_registered() {
+    let Some(_ctx) = gpu() else { return };
+    // Larger than peers' single cudaHostAlloc tends to tolerate on shared hosts.
+    let pool = MemoryPool::with_allocator(16 << 30, &PinnedAllocator::new(0).unwrap()).unwrap();
+    assert!(pool.is_pinned());
+    let mut a = pool.allocate(1 << 30).unwrap();
+    a.as_mut_slice()[..4096].fill(9);
+    assert_eq!(a.as_slice()[4095], 9);
+}
