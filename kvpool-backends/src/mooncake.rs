@@ -385,6 +385,7 @@ impl HostAllocator for RegisteringAllocator {
 }
 
 struct Inner {
+    // Field order matters: the client (and its registrations) goes before the staging memory.
     client: Arc<dyn MooncakeStoreClient>,
     staging: MemoryPool,
     /// Largest value seen, so that gets usually need no size lookup first.
@@ -538,23 +539,33 @@ impl MooncakeConnector {
 /// Mooncake's `setup` would otherwise retry for about a minute and a half while holding the
 /// embedded interpreter's lock, stalling every other Mooncake client in the process.
 async fn probe_master(config: &MooncakeConfig) -> Result<(), BackendError> {
+    use std::net::{TcpStream, ToSocketAddrs};
     let address = config.master_server_address.clone();
     let limit = config.connect_timeout.min(Duration::from_secs(3));
-    let probe = tokio::time::timeout(limit, tokio::net::TcpStream::connect(address.clone())).await;
-    match probe {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(unavailable(
+    let target = address.clone();
+    // Plain std sockets on a blocking thread: works on any runtime (no IO driver needed).
+    let probe = tokio::task::spawn_blocking(move || -> Result<(), String> {
+        let addrs: Vec<_> = target
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve: {e}"))?
+            .collect();
+        let mut last = "no address".to_string();
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, limit) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    })
+    .await
+    .map_err(|e| unavailable("mooncake", e.to_string()))?;
+    probe.map_err(|reason| {
+        unavailable(
             "mooncake",
-            format!("cannot reach mooncake_master at {address}: {e}"),
-        )),
-        Err(_) => Err(unavailable(
-            "mooncake",
-            format!(
-                "cannot reach mooncake_master at {address}: no answer within {} ms",
-                limit.as_millis()
-            ),
-        )),
-    }
+            format!("cannot reach mooncake_master at {address}: {reason}"),
+        )
+    })
 }
 
 /// Why a blocking call failed.
