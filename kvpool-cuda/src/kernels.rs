@@ -121,6 +121,98 @@ impl Kernels {
     }
 }
 
+/// Which way a kernel moves rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Paged cache -> chunk.
+    Gather,
+    /// Chunk -> paged cache.
+    Scatter,
+}
+
+/// Everything one kernel launch needs besides the three device pointers (layer table, slots,
+/// chunk): which kernel, the grid, and the scalar arguments in kernel order. The GPU engine
+/// launches exactly this; the CPU emulation test (`tests/kernels_on_cpu.rs`) runs the same
+/// plan over `kernels.cu` compiled for the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchPlan {
+    /// Gather or scatter.
+    pub direction: Direction,
+    /// Access width, so which kernel variant.
+    pub width: AccessWidth,
+    /// Grid: (tokens, layers x planes).
+    pub grid: (u32, u32),
+    /// Threads per block.
+    pub threads: u32,
+    /// First layer of the range.
+    pub first_layer: i32,
+    /// Tokens in the chunk buffer.
+    pub chunk_tokens: i64,
+    /// First chunk token moved.
+    pub token_offset: i64,
+    /// Planes per layer.
+    pub planes: i32,
+    /// Bytes per row.
+    pub row_bytes: i64,
+    /// Tokens per block.
+    pub block_size: i64,
+    /// Rows between blocks.
+    pub block_stride_rows: i64,
+    /// Rows between planes.
+    pub plane_stride_rows: i64,
+}
+
+impl LaunchPlan {
+    /// Plans moving `tokens` rows of layers `first_layer..first_layer + layers` between the
+    /// paged cache (`geometry`, layers at `layer_ptrs`) and a chunk buffer at `chunk` of
+    /// `chunk_tokens` tokens, starting at chunk token `token_offset`. `None` if there is
+    /// nothing to move.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        geometry: &crate::PagedGeometry,
+        direction: Direction,
+        layer_ptrs: &[u64],
+        first_layer: usize,
+        layers: usize,
+        tokens: usize,
+        chunk: u64,
+        chunk_tokens: usize,
+        token_offset: usize,
+    ) -> Option<Self> {
+        let grid_y = layers * geometry.planes;
+        if tokens == 0 || grid_y == 0 {
+            return None;
+        }
+        let width = AccessWidth::widest(
+            geometry.row_bytes,
+            layer_ptrs.iter().copied().chain([chunk]),
+        );
+        Some(LaunchPlan {
+            direction,
+            width,
+            grid: (tokens as u32, grid_y as u32),
+            threads: threads_per_row(geometry.row_bytes, width),
+            first_layer: first_layer as i32,
+            chunk_tokens: chunk_tokens as i64,
+            token_offset: token_offset as i64,
+            planes: geometry.planes as i32,
+            row_bytes: geometry.row_bytes as i64,
+            block_size: geometry.block_size as i64,
+            block_stride_rows: geometry.block_stride_rows as i64,
+            plane_stride_rows: geometry.plane_stride_rows as i64,
+        })
+    }
+
+    /// The kernel's name in [`KERNEL_SOURCE`].
+    pub fn kernel_name(&self) -> String {
+        let kind = match self.direction {
+            Direction::Gather => "gather",
+            Direction::Scatter => "scatter",
+        };
+        format!("kvpool_{kind}_{}", self.width.suffix())
+    }
+}
+
 /// Threads per CUDA block for rows of `row_bytes` moved `width` at a time: enough for one pass
 /// over the row where possible, a multiple of the warp size, at most 256.
 pub fn threads_per_row(row_bytes: usize, width: AccessWidth) -> u32 {

@@ -44,6 +44,7 @@ pub mod pinned;
 pub mod transfer_engine;
 
 pub use error::CudaError;
+pub use kernels::{AccessWidth, Direction, LaunchPlan};
 pub use kv_caches::{DeviceLayer, PagedGeometry, PagedOrder, RegisteredKvCaches};
 pub use pinned::{PinnedAllocator, pinned_or_heap_allocator};
 pub use transfer_engine::{ChunkLoad, GpuTransferEngine, HostPath, LayerwiseLoad};

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use crate::driver::open_context;
 use crate::error::CudaError;
-use crate::kernels::{AccessWidth, Kernels, threads_per_row};
+use crate::kernels::{Direction, Kernels, LaunchPlan};
 use crate::kv_caches::RegisteredKvCaches;
 
 /// How gathered bytes reach host memory (and scattered bytes leave it).
@@ -71,13 +71,6 @@ fn ensure(
         *slot = Some(DeviceBuffer::new(ctx, len.next_power_of_two())?);
     }
     Ok(slot.as_ref().map(|b| b.ptr).unwrap_or_default())
-}
-
-/// Which way a kernel moves rows.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    Gather,
-    Scatter,
 }
 
 /// One kernel launch's worth of rows.
@@ -210,41 +203,41 @@ impl GpuTransferEngine {
     }
 
     fn launch(&self, copy: &RowCopy) -> Result<(), CudaError> {
-        let g = self.caches.geometry();
-        let width = AccessWidth::widest(
-            g.row_bytes,
-            self.caches.layer_ptrs().iter().copied().chain([copy.chunk]),
-        );
-        let function = match copy.direction {
-            Direction::Gather => self.kernels.gather(width),
-            Direction::Scatter => self.kernels.scatter(width),
-        };
-        let grid_y = copy.layers * g.planes;
-        if copy.tokens == 0 || grid_y == 0 {
+        let Some(plan) = LaunchPlan::new(
+            self.caches.geometry(),
+            copy.direction,
+            self.caches.layer_ptrs(),
+            copy.first_layer,
+            copy.layers,
+            copy.tokens,
+            copy.chunk,
+            copy.chunk_tokens,
+            copy.token_offset,
+        ) else {
             return Ok(());
-        }
+        };
+        let function = match plan.direction {
+            Direction::Gather => self.kernels.gather(plan.width),
+            Direction::Scatter => self.kernels.scatter(plan.width),
+        };
         let config = LaunchConfig {
-            grid_dim: (copy.tokens as u32, grid_y as u32, 1),
-            block_dim: (threads_per_row(g.row_bytes, width), 1, 1),
+            grid_dim: (plan.grid.0, plan.grid.1, 1),
+            block_dim: (plan.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (first_layer, planes) = (copy.first_layer as i32, g.planes as i32);
-        let (chunk_tokens, token_offset) = (copy.chunk_tokens as i64, copy.token_offset as i64);
-        let (row_bytes, block_size) = (g.row_bytes as i64, g.block_size as i64);
-        let (block_stride, plane_stride) = (g.block_stride_rows as i64, g.plane_stride_rows as i64);
         let mut builder = self.stream.launch_builder(function);
         builder
             .arg(&self.layer_ptrs.ptr)
-            .arg(&first_layer)
+            .arg(&plan.first_layer)
             .arg(&copy.slots)
             .arg(&copy.chunk)
-            .arg(&chunk_tokens)
-            .arg(&token_offset)
-            .arg(&planes)
-            .arg(&row_bytes)
-            .arg(&block_size)
-            .arg(&block_stride)
-            .arg(&plane_stride);
+            .arg(&plan.chunk_tokens)
+            .arg(&plan.token_offset)
+            .arg(&plan.planes)
+            .arg(&plan.row_bytes)
+            .arg(&plan.block_size)
+            .arg(&plan.block_stride_rows)
+            .arg(&plan.plane_stride_rows);
         // SAFETY: the argument list matches the kernel signature in kernels.cu; every slot was
         // checked against the cache, and `chunk` holds `layers * planes * chunk_tokens` rows.
         driver("cuLaunchKernel", unsafe { builder.launch(config) })?;

@@ -7,15 +7,17 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
-use kvpool_core::{Dtype, HostPagedKvCache, KvKind, KvLayout, KvTransfer, MemoryPool};
+use kvpool_core::{HostPagedKvCache, KvTransfer, MemoryPool};
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::{
-    ChunkLoad, DeviceLayer, GpuTransferEngine, HostPath, PagedGeometry, PagedOrder,
-    PinnedAllocator, RegisteredKvCaches,
+    ChunkLoad, DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator,
+    RegisteredKvCaches,
 };
 use rand::rngs::SmallRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::{layer_in_order, layouts, random_cache, random_slots, shape};
 
 fn gpu() -> Option<Arc<CudaContext>> {
     match device_count() {
@@ -70,42 +72,6 @@ impl Drop for DeviceTensor {
     }
 }
 
-fn random_cache(layout: KvLayout, blocks: usize, rng: &mut SmallRng) -> HostPagedKvCache {
-    let mut c = HostPagedKvCache::new(layout, blocks);
-    for l in 0..layout.num_layers {
-        rng.fill(c.layer_mut(l));
-    }
-    c
-}
-
-/// One layer of `host` (flash-attention order) rearranged into `order`.
-fn layer_in_order(
-    host: &HostPagedKvCache,
-    layer: usize,
-    order: PagedOrder,
-    blocks: usize,
-) -> Vec<u8> {
-    let layout = *host.layout();
-    let g = PagedGeometry::new(order, &layout, blocks);
-    let mut out = vec![0u8; g.layer_bytes()];
-    for slot in 0..g.num_slots() {
-        for plane in 0..g.planes {
-            let at = g.row_offset(slot, plane);
-            out[at..at + g.row_bytes].copy_from_slice(host.row(layer, plane, slot));
-        }
-    }
-    out
-}
-
-fn shape(order: PagedOrder, layout: &KvLayout, blocks: usize) -> Vec<usize> {
-    let (bs, h, d) = (layout.block_size, layout.num_kv_heads, layout.head_size);
-    match order {
-        PagedOrder::FlashAttention => vec![2, blocks, bs, h, d],
-        PagedOrder::FlashInfer => vec![blocks, 2, bs, h, d],
-        PagedOrder::Mla => vec![blocks, bs, d],
-    }
-}
-
 /// Device tensors in `order` holding `host`'s bytes, and an engine over them.
 fn device_copy(
     ctx: &Arc<CudaContext>,
@@ -128,31 +94,6 @@ fn device_copy(
         .collect();
     let caches = RegisteredKvCaches::new(layout, order, &layers).unwrap();
     (tensors, GpuTransferEngine::new(0, caches, path).unwrap())
-}
-
-/// Random distinct slots: scattered over blocks, partial blocks included.
-fn random_slots(n: usize, num_slots: usize, rng: &mut SmallRng) -> Vec<i64> {
-    let mut all: Vec<i64> = (0..num_slots as i64).collect();
-    all.shuffle(rng);
-    all.truncate(n);
-    all
-}
-
-fn layouts() -> Vec<(KvLayout, PagedOrder)> {
-    let kv =
-        |dtype, heads, head| KvLayout::new(3, heads, head, dtype, KvKind::KeyValue, 16).unwrap();
-    vec![
-        (kv(Dtype::Bf16, 8, 128), PagedOrder::FlashAttention),
-        (kv(Dtype::Bf16, 8, 128), PagedOrder::FlashInfer),
-        // 2 x 3 x 1-byte rows: only the byte kernel fits.
-        (kv(Dtype::Fp8E4m3, 2, 3), PagedOrder::FlashAttention),
-        // 4-byte multiple but not 16.
-        (kv(Dtype::F16, 1, 10), PagedOrder::FlashInfer),
-        (
-            KvLayout::new(3, 1, 576, Dtype::Bf16, KvKind::MlaLatent, 16).unwrap(),
-            PagedOrder::Mla,
-        ),
-    ]
 }
 
 #[test]
