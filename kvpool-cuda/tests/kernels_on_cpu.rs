@@ -95,8 +95,9 @@ fn emulator() -> Option<&'static Path> {
     static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let dir =
-                std::env::temp_dir().join(format!("kvpool-kernels-cpu-{}", std::process::id()));
+            // Per process: nextest runs tests of this binary in parallel processes.
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("kernels-on-cpu-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("shim.cpp"), SHIM).unwrap();
             let binary = dir.join("emulator");
