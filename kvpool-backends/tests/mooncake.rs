@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
-use kvpool_backends::conformance::{self, Outcome, Subject};
+use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::mooncake::{MooncakeConfig, MooncakeConnector};
 use kvpool_backends::tier_url::open_tier;
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector, TierConfig};
@@ -53,16 +53,7 @@ async fn mooncake_passes_the_kit() {
         let config = config.clone();
         async move {
             let connector = MooncakeConnector::connect(&config).await.unwrap();
-            let raw = connector.clone();
-            let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
-            Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
-                let raw = raw.clone();
-                Box::pin(async move {
-                    raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
-                        .await
-                        .unwrap()
-                })
-            }))
+            common::chunk_format_subject(connector)
         }
     })
     .await;

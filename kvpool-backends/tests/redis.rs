@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
-use kvpool_backends::conformance::{self, Outcome, Subject};
+use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
 use servers::{ServerProcess, free_port, server_url};
@@ -21,16 +21,7 @@ async fn kit(name: &str, url: &str) {
         let connector = RedisConnector::connect(&RedisConfig::new(url))
             .await
             .unwrap();
-        let raw = connector.clone();
-        let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
-        Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
-            let raw = raw.clone();
-            Box::pin(async move {
-                raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
-                    .await
-                    .unwrap()
-            })
-        }))
+        common::chunk_format_subject(connector)
     })
     .await;
     conformance::assert_all_passed(name, &results);

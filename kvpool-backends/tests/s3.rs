@@ -8,11 +8,10 @@ mod servers;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
-use kvpool_backends::conformance::{self, Outcome, Subject};
+use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::s3::{S3Config, S3Connector};
-use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
+use kvpool_core::{ChunkCodec, RemoteBackend};
 use servers::{ServerProcess, free_port, server_url};
 
 fn config(url: &str, endpoint: &str) -> S3Config {
@@ -34,16 +33,7 @@ async fn s3_passes_the_kit() {
         let connector = S3Connector::connect(&config(&url, &endpoint))
             .await
             .unwrap();
-        let raw = connector.clone();
-        let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
-        Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
-            let raw = raw.clone();
-            Box::pin(async move {
-                raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
-                    .await
-                    .unwrap()
-            })
-        }))
+        common::chunk_format_subject(connector)
     })
     .await;
     conformance::assert_all_passed("s3", &results);

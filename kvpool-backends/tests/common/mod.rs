@@ -8,8 +8,27 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use kvpool_core::{BackendError, HostPagedKvCache, KvLayout, RemoteConnector};
+use kvpool_backends::conformance::Subject;
+use kvpool_core::{
+    BackendError, ChunkCodec, HostPagedKvCache, KvLayout, RemoteBackend, RemoteConnector,
+};
 use parking_lot::Mutex;
+
+/// A conformance-kit subject: `connector` behind the chunk format (chunks up to 32 MiB). Its
+/// corruptor overwrites a stored value, through the raw connector, with bytes that are not a
+/// chunk.
+pub fn chunk_format_subject<C: RemoteConnector + Clone>(connector: C) -> Subject {
+    let raw = connector.clone();
+    let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
+    Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
+        let raw = raw.clone();
+        Box::pin(async move {
+            raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
+                .await
+                .unwrap()
+        })
+    }))
+}
 
 /// A HashMap behind the RemoteConnector interface, with switches to simulate a dead server,
 /// slow writes, and to corrupt stored values.
