@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
+use common::{
+    StoredPrompt, assert_outage_is_misses, engine_over, recovers, small_layout, store_prompt,
+};
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::mooncake::{MooncakeConfig, MooncakeConnector};
 use kvpool_backends::tier_url::open_tier;
@@ -137,12 +139,7 @@ async fn opens_from_a_tier_url_or_mooncake_json() {
         .await
         .unwrap_or_else(|e| panic!("{url}: {e}"));
         let engine = engine_over(tier, "mooncake-url");
-        let tokens: Vec<u32> = (0..64).collect();
-        let slots: Vec<i64> = (0..64).collect();
-        let kv = filled_cache(small_layout(), 32, 7);
-        engine.store(&tokens, None, &kv, &slots).await.unwrap();
-        engine.storage().flush().await.unwrap();
-        assert_eq!(engine.lookup(&tokens).await.unwrap(), 64, "{url}");
+        let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 7).await;
         let mut dst = kvpool_core::HostPagedKvCache::new(small_layout(), 32);
         let mask = engine
             .retrieve(&tokens, None, &mut dst, &slots)
@@ -204,12 +201,7 @@ async fn killed_master_turns_into_misses_and_dropped_writes_then_recovers() {
         Arc::new(RemoteBackend::new(bounded, ChunkCodec::default(), 64 << 20)),
         "mooncake-fault",
     );
-    let tokens: Vec<u32> = (0..64).collect();
-    let slots: Vec<i64> = (0..64).collect();
-    let kv = filled_cache(layout, 32, 3);
-    engine.store(&tokens, None, &kv, &slots).await.unwrap();
-    engine.storage().flush().await.unwrap();
-    assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
+    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 3).await;
 
     cluster.kill_master();
     let other: Vec<u32> = (1000..1064).collect();

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
+use common::{
+    StoredPrompt, assert_outage_is_misses, engine_over, recovers, small_layout, store_prompt,
+};
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
@@ -112,7 +114,6 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     };
     let port = free_port();
     let server = ServerProcess::redis(&binary, port);
-    let layout = small_layout();
     let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
     config.timeout = Duration::from_millis(500);
     let redis = RedisConnector::connect(&config).await.unwrap();
@@ -120,12 +121,7 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
         Arc::new(RemoteBackend::new(redis, ChunkCodec::default(), 64 << 20)),
         "redis-fault",
     );
-    let tokens: Vec<u32> = (0..64).collect();
-    let slots: Vec<i64> = (0..64).collect();
-    let kv = filled_cache(layout, 32, 1);
-    engine.store(&tokens, None, &kv, &slots).await.unwrap();
-    engine.storage().flush().await.unwrap();
-    assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
+    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 1).await;
 
     server.kill();
     let other: Vec<u32> = (1000..1064).collect();
@@ -189,12 +185,7 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
         "redis-cluster-fault",
     );
     // 16 chunks: with 3 nodes, every node holds some of them.
-    let tokens: Vec<u32> = (0..256).collect();
-    let slots: Vec<i64> = (0..256).collect();
-    let kv = filled_cache(layout, 64, 1);
-    engine.store(&tokens, None, &kv, &slots).await.unwrap();
-    engine.storage().flush().await.unwrap();
-    assert_eq!(engine.lookup(&tokens).await.unwrap(), 256);
+    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 256, 1).await;
 
     cluster.kill_node(1);
     let started = Instant::now();

@@ -8,7 +8,7 @@ mod servers;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_outage_is_misses, engine_over, filled_cache, recovers, small_layout};
+use common::{StoredPrompt, assert_outage_is_misses, engine_over, recovers, store_prompt};
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::s3::{S3Config, S3Connector};
 use kvpool_core::{ChunkCodec, RemoteBackend};
@@ -78,17 +78,11 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     let mut cfg = config("s3://fault/kv", &endpoint);
     cfg.timeout = Duration::from_millis(1000);
     let s3 = S3Connector::connect(&cfg).await.unwrap();
-    let layout = small_layout();
     let engine = engine_over(
         Arc::new(RemoteBackend::new(s3, ChunkCodec::default(), 64 << 20)),
         "s3-fault",
     );
-    let tokens: Vec<u32> = (0..64).collect();
-    let slots: Vec<i64> = (0..64).collect();
-    let kv = filled_cache(layout, 32, 1);
-    engine.store(&tokens, None, &kv, &slots).await.unwrap();
-    engine.storage().flush().await.unwrap();
-    assert_eq!(engine.lookup(&tokens).await.unwrap(), 64);
+    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 1).await;
 
     server.kill();
     assert_outage_is_misses(

@@ -248,6 +248,45 @@ impl GpuTransferEngine {
         driver("cuStreamSynchronize", self.stream.synchronize())
     }
 
+    /// Checks and uploads `slots`, and picks where the kernel reads or writes the chunk: the
+    /// mapped host buffer itself (`HostPath::Mapped` and pinned memory) or device staging of
+    /// `host_len` bytes (then `staged` is true and the caller moves the bytes).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        &self,
+        scratch: &mut Scratch,
+        direction: Direction,
+        first_layer: usize,
+        layers: usize,
+        slots: &[i64],
+        chunk_tokens: usize,
+        token_offset: usize,
+        host: *const u8,
+        host_len: usize,
+    ) -> Result<(RowCopy, bool), CudaError> {
+        self.check_slots(slots)?;
+        let slots_dev = self.upload_slots(scratch, slots)?;
+        let mapped = match self.path {
+            HostPath::Mapped => self.mapped(host),
+            HostPath::Staged => None,
+        };
+        let chunk = match mapped {
+            Some(device) => device,
+            None => ensure(&mut scratch.staging, &self.ctx, host_len)?,
+        };
+        let copy = RowCopy {
+            direction,
+            first_layer,
+            layers,
+            slots: slots_dev,
+            tokens: slots.len(),
+            chunk,
+            chunk_tokens,
+            token_offset,
+        };
+        Ok((copy, mapped.is_none()))
+    }
+
     /// Gathers layers `first_layer..first_layer + layers` of `slots` into `chunk` (host memory,
     /// those layers' region of a `slots.len()`-token chunk) and waits for it.
     fn gather_layers(
@@ -257,39 +296,32 @@ impl GpuTransferEngine {
         slots: &[i64],
         chunk: &mut [u8],
     ) -> Result<(), CudaError> {
-        self.check_slots(slots)?;
         let mut scratch = self.scratch.lock();
-        let slots_dev = self.upload_slots(&mut scratch, slots)?;
-        let mut copy = RowCopy {
-            direction: Direction::Gather,
+        let (copy, staged) = self.prepare(
+            &mut scratch,
+            Direction::Gather,
             first_layer,
             layers,
-            slots: slots_dev,
-            tokens: slots.len(),
-            chunk: 0,
-            chunk_tokens: slots.len(),
-            token_offset: 0,
-        };
-        if self.path == HostPath::Mapped
-            && let Some(device) = self.mapped(chunk.as_ptr())
-        {
-            copy.chunk = device;
-            self.launch(&copy)?;
-            return self.synchronize();
-        }
-        copy.chunk = ensure(&mut scratch.staging, &self.ctx, chunk.len())?;
+            slots,
+            slots.len(),
+            0,
+            chunk.as_ptr(),
+            chunk.len(),
+        )?;
         self.launch(&copy)?;
-        // SAFETY: staging holds `chunk.len()` bytes written by the kernel; we wait below, so
-        // `chunk` outlives the copy.
-        driver("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                chunk.as_mut_ptr().cast(),
-                copy.chunk,
-                chunk.len(),
-                self.stream.cu_stream(),
-            )
-            .result()
-        })?;
+        if staged {
+            // SAFETY: staging holds `chunk.len()` bytes written by the kernel; we wait below,
+            // so `chunk` outlives the copy.
+            driver("cuMemcpyDtoHAsync", unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    chunk.as_mut_ptr().cast(),
+                    copy.chunk,
+                    chunk.len(),
+                    self.stream.cu_stream(),
+                )
+                .result()
+            })?;
+        }
         self.synchronize()
     }
 
@@ -304,25 +336,19 @@ impl GpuTransferEngine {
         token_offset: usize,
         slots: &[i64],
     ) -> Result<(), CudaError> {
-        self.check_slots(slots)?;
         let mut scratch = self.scratch.lock();
-        let slots_dev = self.upload_slots(&mut scratch, slots)?;
-        let mut copy = RowCopy {
-            direction: Direction::Scatter,
+        let (copy, staged) = self.prepare(
+            &mut scratch,
+            Direction::Scatter,
             first_layer,
             layers,
-            slots: slots_dev,
-            tokens: slots.len(),
-            chunk: 0,
+            slots,
             chunk_tokens,
             token_offset,
-        };
-        if self.path == HostPath::Mapped
-            && let Some(device) = self.mapped(region.as_ptr())
-        {
-            copy.chunk = device;
-        } else {
-            copy.chunk = ensure(&mut scratch.staging, &self.ctx, region.len())?;
+            region.as_ptr(),
+            region.len(),
+        )?;
+        if staged {
             // SAFETY: staging holds `region.len()` bytes; we wait below, so `region` outlives it.
             driver("cuMemcpyHtoDAsync", unsafe {
                 sys::cuMemcpyHtoDAsync_v2(

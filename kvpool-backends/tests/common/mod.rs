@@ -187,6 +187,34 @@ pub fn engine_over(
     kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap()
 }
 
+/// A prompt stored through an engine: its tokens, their slots, and the paged KV they came from.
+pub struct StoredPrompt {
+    pub tokens: Vec<u32>,
+    pub slots: Vec<i64>,
+    pub kv: HostPagedKvCache,
+}
+
+/// Stores a `len`-token prompt (tokens and slots `0..len`, KV from [`filled_cache`] with
+/// `seed`) through `engine` (over [`small_layout`]), flushes, and checks a lookup finds it all.
+pub async fn store_prompt(
+    engine: &kvpool_core::CacheEngine,
+    len: usize,
+    seed: u32,
+) -> StoredPrompt {
+    let tokens: Vec<u32> = (0..len as u32).collect();
+    let slots: Vec<i64> = (0..len as i64).collect();
+    let layout = small_layout();
+    let kv = filled_cache(layout, len.div_ceil(layout.block_size).max(32), seed);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert_eq!(
+        engine.lookup(&tokens).await.unwrap(),
+        len,
+        "stored prompt not found"
+    );
+    StoredPrompt { tokens, slots, kv }
+}
+
 /// Stores `tokens` again until a lookup finds all of them; false if that never happens within
 /// about ten seconds (the tier did not recover).
 pub async fn recovers(
