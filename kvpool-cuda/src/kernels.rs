@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
+use std::ffi::{CStr, CString};
+
 use cudarc::driver::{CudaContext, CudaFunction};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use tracing::{debug, warn};
 
 use crate::driver::nvrtc_library_present;
 use crate::error::CudaError;
@@ -71,24 +74,87 @@ fn index(width: AccessWidth) -> usize {
     }
 }
 
+/// Compiles `source` with NVRTC straight to machine code (a cubin) for the real architecture
+/// `arch` (`"sm_90"`). Unlike PTX, a cubin needs no JIT by the driver, so it loads even when
+/// NVRTC is newer than the driver (whose JIT rejects a newer PTX version).
+pub fn compile_cubin(source: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    if !nvrtc_library_present() {
+        return Err(nvrtc_missing());
+    }
+    let failed = |what: &str, e: result::NvrtcError| CudaError::Compile(format!("{what}: {e:?}"));
+    let src = CString::new(source).map_err(|e| CudaError::Compile(e.to_string()))?;
+    let prog = result::create_program(&src, Some(c"kvpool_kernels.cu"))
+        .map_err(|e| failed("nvrtcCreateProgram", e))?;
+    let options = [format!("--gpu-architecture={arch}")];
+    // SAFETY: `prog` is live until `destroy_program` below; `src` outlives it.
+    let cubin = unsafe {
+        let compiled = result::compile_program(prog, &options).map_err(|e| {
+            let log = result::get_program_log(prog)
+                .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
+                .unwrap_or_default();
+            CudaError::Compile(format!("nvrtcCompileProgram for {arch}: {e:?}: {log}"))
+        });
+        let cubin = compiled.and_then(|()| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| failed("nvrtcGetCUBINSize", e))?;
+            let mut bytes = vec![0u8; size];
+            sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast())
+                .result()
+                .map_err(|e| failed("nvrtcGetCUBIN", e))?;
+            Ok(bytes)
+        });
+        let _ = result::destroy_program(prog);
+        cubin?
+    };
+    if cubin.is_empty() {
+        return Err(CudaError::Compile(format!(
+            "NVRTC produced no machine code for {arch}"
+        )));
+    }
+    Ok(cubin)
+}
+
+fn nvrtc_missing() -> CudaError {
+    CudaError::CudaUnavailable(
+        "no NVRTC library (libnvrtc.so.13) could be loaded to compile the kernels; put the \
+         CUDA toolkit's lib64 (or pip's nvidia/cu13/lib) on LD_LIBRARY_PATH"
+            .into(),
+    )
+}
+
 impl Kernels {
-    /// Compiles [`KERNEL_SOURCE`] with NVRTC and loads it into `ctx`.
+    /// Compiles [`KERNEL_SOURCE`] with NVRTC and loads it into `ctx`: machine code for the
+    /// device's own architecture where NVRTC knows it, else PTX that the driver compiles.
     pub fn compile(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
         if !nvrtc_library_present() {
-            return Err(CudaError::CudaUnavailable(
-                "no NVRTC library (libnvrtc.so) could be loaded to compile the kernels".into(),
-            ));
+            return Err(nvrtc_missing());
         }
-        let ptx = compile_ptx_with_opts(
-            KERNEL_SOURCE,
-            CompileOptions {
-                name: Some("kvpool_kernels.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))?;
+        let arch = format!("sm_{major}{minor}");
+        let image = match compile_cubin(KERNEL_SOURCE, &arch) {
+            Ok(cubin) => {
+                debug!(%arch, bytes = cubin.len(), "compiled the kernels to machine code");
+                Ptx::from_binary(cubin)
+            }
+            Err(e) => {
+                warn!(%arch, error = %e, "no machine code for this device; loading PTX");
+                compile_ptx_with_opts(
+                    KERNEL_SOURCE,
+                    CompileOptions {
+                        name: Some("kvpool_kernels.cu".into()),
+                        ..Default::default()
+                    },
+                )
+                .map_err(|e| CudaError::Compile(format!("{e:?}")))?
+            }
+        };
         let module = ctx
-            .load_module(ptx)
+            .load_module(image)
             .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
         let load = |kind: &str, width: AccessWidth| {
             module
@@ -271,5 +337,20 @@ mod tests {
             assert!(text.contains(&format!("kvpool_gather_{suffix}")));
             assert!(text.contains(&format!("kvpool_scatter_{suffix}")));
         }
+        // Machine code for Ampere and Hopper (the H100/H200), as `Kernels::compile` builds it.
+        for arch in ["sm_80", "sm_90"] {
+            let cubin = compile_cubin(KERNEL_SOURCE, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a cubin is an ELF image");
+            let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
+            assert!(
+                has("kvpool_gather_v16") && has("kvpool_scatter_v1"),
+                "{arch}"
+            );
+        }
+        let bad = compile_cubin("extern \"C\" __global__ void k() { nope; }", "sm_90");
+        assert!(
+            matches!(&bad, Err(CudaError::Compile(m)) if m.contains("nope")),
+            "a compile error carries NVRTC's log: {bad:?}"
+        );
     }
 }

@@ -55,6 +55,47 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Device buffers of finished layer-wise loads, kept for the next ones: in steady state a load
+/// neither allocates nor frees (`cuMemFree` synchronises the whole device, so freeing after
+/// every load would stall the engine's compute stream).
+struct BufferCache {
+    free: Mutex<Vec<DeviceBuffer>>,
+}
+
+/// Free buffers kept by [`BufferCache`]; two in-flight loads (the prefetch-two pattern) take
+/// two each.
+const CACHED_BUFFERS: usize = 4;
+
+impl BufferCache {
+    /// The smallest cached buffer of at least `len` bytes, or a new one.
+    fn take(&self, ctx: &Arc<CudaContext>, len: usize) -> Result<DeviceBuffer, CudaError> {
+        let mut free = self.free.lock();
+        let best = free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len >= len)
+            .min_by_key(|(_, b)| b.len)
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => Ok(free.swap_remove(i)),
+            None => {
+                drop(free);
+                DeviceBuffer::new(ctx, len.next_power_of_two())
+            }
+        }
+    }
+
+    /// Returns `buffers` (no work may still use them), keeping the largest.
+    fn give(&self, buffers: impl IntoIterator<Item = DeviceBuffer>) {
+        let mut free = self.free.lock();
+        free.extend(buffers);
+        if free.len() > CACHED_BUFFERS {
+            free.sort_by_key(|b| std::cmp::Reverse(b.len));
+            free.truncate(CACHED_BUFFERS);
+        }
+    }
+}
+
 /// Reusable device scratch: the slot mapping and the staging buffer, grown on demand.
 struct Scratch {
     slots: Option<DeviceBuffer>,
@@ -100,6 +141,7 @@ pub struct GpuTransferEngine {
     caches: RegisteredKvCaches,
     layer_ptrs: DeviceBuffer,
     scratch: Mutex<Scratch>,
+    layerwise_buffers: Arc<BufferCache>,
     path: HostPath,
 }
 
@@ -142,6 +184,9 @@ impl GpuTransferEngine {
             scratch: Mutex::new(Scratch {
                 slots: None,
                 staging: None,
+            }),
+            layerwise_buffers: Arc::new(BufferCache {
+                free: Mutex::new(Vec::new()),
             }),
             path,
         })
@@ -194,12 +239,32 @@ impl GpuTransferEngine {
         Ok(dst)
     }
 
-    /// The device address of pinned, mapped host memory, if `host` is such memory.
-    fn mapped(&self, host: *const u8) -> Option<sys::CUdeviceptr> {
-        let mut device = 0;
-        // SAFETY: only queries the driver about an address.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut _, 0) };
-        (r == sys::CUresult::CUDA_SUCCESS).then_some(device)
+    /// Makes the engine's context current on the calling thread. Every entry point calls it
+    /// first: callers (the cache engine's tasks, the connector) may run on any thread, and a
+    /// raw driver call on a thread without a current context fails.
+    fn bind(&self) -> Result<(), CudaError> {
+        driver("cuCtxSetCurrent", self.ctx.bind_to_thread())
+    }
+
+    /// The device address of `host..host + len` if all of it is pinned, device-mapped host
+    /// memory that the device sees as one contiguous range. Both ends are asked: a buffer
+    /// that runs past the registered memory, or across two registrations the device maps
+    /// apart, takes the staged path instead.
+    fn mapped(&self, host: *const u8, len: usize) -> Option<sys::CUdeviceptr> {
+        let device_of = |at: *const u8| {
+            let mut device = 0;
+            // SAFETY: only queries the driver about an address.
+            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, at as *mut _, 0) };
+            (r == sys::CUresult::CUDA_SUCCESS).then_some(device)
+        };
+        let first = device_of(host)?;
+        if len > 1 {
+            let last = device_of(host.wrapping_add(len - 1))?;
+            if last != first + (len as u64 - 1) {
+                return None;
+            }
+        }
+        Some(first)
     }
 
     fn launch(&self, copy: &RowCopy) -> Result<(), CudaError> {
@@ -267,7 +332,7 @@ impl GpuTransferEngine {
         self.check_slots(slots)?;
         let slots_dev = self.upload_slots(scratch, slots)?;
         let mapped = match self.path {
-            HostPath::Mapped => self.mapped(host),
+            HostPath::Mapped => self.mapped(host, host_len),
             HostPath::Staged => None,
         };
         let chunk = match mapped {
@@ -296,6 +361,7 @@ impl GpuTransferEngine {
         slots: &[i64],
         chunk: &mut [u8],
     ) -> Result<(), CudaError> {
+        self.bind()?;
         let mut scratch = self.scratch.lock();
         let (copy, staged) = self.prepare(
             &mut scratch,
@@ -336,6 +402,7 @@ impl GpuTransferEngine {
         token_offset: usize,
         slots: &[i64],
     ) -> Result<(), CudaError> {
+        self.bind()?;
         let mut scratch = self.scratch.lock();
         let (copy, staged) = self.prepare(
             &mut scratch,
@@ -373,6 +440,7 @@ impl GpuTransferEngine {
         &self,
         chunks: &[ChunkLoad<'a>],
     ) -> Result<LayerwiseLoad<'a>, CudaError> {
+        self.bind()?;
         let layout = *self.caches.layout();
         let per_token_layer = layout.bytes_per_token_per_layer();
         let mut all_slots = Vec::new();
@@ -390,25 +458,43 @@ impl GpuTransferEngine {
             offsets.push(all_slots.len());
             all_slots.extend_from_slice(c.slots);
         }
-        let slots = DeviceBuffer::new(&self.ctx, std::mem::size_of_val(all_slots.as_slice()))?;
-        // SAFETY: `slots` holds all of them; the copy is synchronous.
-        driver("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(
-                slots.ptr,
-                all_slots.as_ptr().cast(),
-                std::mem::size_of_val(all_slots.as_slice()),
-            )
-            .result()
-        })?;
         // Staging for every layer of every chunk, so no layer's bytes wait for another's.
         let per_layer: usize = chunks
             .iter()
             .map(|c| c.chunk_tokens * per_token_layer)
             .sum();
-        let staging = DeviceBuffer::new(&self.ctx, per_layer * layout.num_layers)?;
-        let mut events = Vec::with_capacity(layout.num_layers);
+        let slot_bytes = std::mem::size_of_val(all_slots.as_slice());
+        // From here on the load owns what it enqueues: if anything below fails, dropping it
+        // waits for the work already queued before the buffers are reused.
+        let mut load = LayerwiseLoad {
+            events: Vec::with_capacity(layout.num_layers),
+            stream: self.stream.clone(),
+            buffers: Vec::with_capacity(2),
+            cache: self.layerwise_buffers.clone(),
+            host_slots: all_slots,
+            _chunks: PhantomData,
+        };
+        load.buffers
+            .push(self.layerwise_buffers.take(&self.ctx, slot_bytes)?);
+        load.buffers.push(
+            self.layerwise_buffers
+                .take(&self.ctx, per_layer * layout.num_layers)?,
+        );
+        let (slots, staging) = (load.buffers[0].ptr, load.buffers[1].ptr);
+        // On the copy stream, not a synchronous copy: that would run on the legacy default
+        // stream and wait for the engine's queued compute. The host slots live in `load`.
+        // SAFETY: `slots` holds `slot_bytes`; the source outlives the copy (see above).
+        driver("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                slots,
+                load.host_slots.as_ptr().cast(),
+                slot_bytes,
+                self.stream.cu_stream(),
+            )
+            .result()
+        })?;
         for layer in 0..layout.num_layers {
-            let mut at = staging.ptr + (layer * per_layer) as u64;
+            let mut at = staging + (layer * per_layer) as u64;
             for (c, &offset) in chunks.iter().zip(&offsets) {
                 let region_len = c.chunk_tokens * per_token_layer;
                 let region = &c.data[layer * region_len..(layer + 1) * region_len];
@@ -427,7 +513,7 @@ impl GpuTransferEngine {
                     direction: Direction::Scatter,
                     first_layer: layer,
                     layers: 1,
-                    slots: slots.ptr + (offset * std::mem::size_of::<i64>()) as u64,
+                    slots: slots + (offset * std::mem::size_of::<i64>()) as u64,
                     tokens: c.slots.len(),
                     chunk: at,
                     chunk_tokens: c.chunk_tokens,
@@ -435,14 +521,10 @@ impl GpuTransferEngine {
                 })?;
                 at += region_len as u64;
             }
-            events.push(driver("cuEventRecord", self.stream.record_event(None))?);
+            load.events
+                .push(driver("cuEventRecord", self.stream.record_event(None))?);
         }
-        Ok(LayerwiseLoad {
-            events,
-            stream: self.stream.clone(),
-            _buffers: [slots, staging],
-            _chunks: PhantomData,
-        })
+        Ok(load)
     }
 }
 
@@ -461,16 +543,25 @@ pub struct ChunkLoad<'a> {
 }
 
 /// A layer-wise load in flight. Dropping it waits for the whole load, so the chunk memory it
-/// borrows outlives every copy.
+/// borrows outlives every copy, and then hands its device buffers back to the engine for the
+/// next load.
 pub struct LayerwiseLoad<'a> {
     events: Vec<CudaEvent>,
     stream: Arc<CudaStream>,
-    _buffers: [DeviceBuffer; 2],
+    /// The device slot table and the staging for every layer.
+    buffers: Vec<DeviceBuffer>,
+    cache: Arc<BufferCache>,
+    /// The slots the device table is copied from, kept until the copy is done.
+    host_slots: Vec<i64>,
     _chunks: PhantomData<&'a [u8]>,
 }
 
 impl LayerwiseLoad<'_> {
     /// Makes `compute` wait until layer `layer` is in the paged cache (no host blocking).
+    ///
+    /// `compute` is the stream the engine runs attention on; one owned by another library
+    /// (PyTorch's `torch.cuda.current_stream().cuda_stream`) can be wrapped with
+    /// [`CudaContext::wrap_borrowed_stream`] on [`GpuTransferEngine::context`].
     pub fn wait_layer(&self, layer: usize, compute: &CudaStream) -> Result<(), CudaError> {
         driver("cuStreamWaitEvent", compute.wait(&self.events[layer]))
     }
@@ -488,7 +579,10 @@ impl LayerwiseLoad<'_> {
 
 impl Drop for LayerwiseLoad<'_> {
     fn drop(&mut self) {
-        let _ = self.stream.synchronize();
+        if self.stream.synchronize().is_ok() {
+            self.cache.give(self.buffers.drain(..));
+        }
+        // Otherwise the context is broken; the buffers are simply freed.
     }
 }
 

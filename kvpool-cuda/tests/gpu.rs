@@ -244,6 +244,100 @@ fn layerwise_loads_equal_a_whole_scatter_and_signal_every_layer() {
 }
 
 #[test]
+fn transfers_work_from_threads_that_never_touched_cuda() {
+    let Some(ctx) = gpu() else { return };
+    let mut rng = SmallRng::seed_from_u64(5);
+    let (layout, order) = layouts()[0];
+    let blocks = 20;
+    let host = random_cache(layout, blocks, &mut rng);
+    for path in [HostPath::Staged, HostPath::Mapped] {
+        let (_tensors, engine) = device_copy(&ctx, &host, order, blocks, path);
+        let slot_sets: Vec<Vec<i64>> = (0..4)
+            .map(|_| random_slots(33, blocks * 16, &mut rng))
+            .collect();
+        // Each thread starts with no current CUDA context, as a tokio worker would.
+        std::thread::scope(|scope| {
+            for slots in &slot_sets {
+                let (engine, host) = (&engine, &host);
+                scope.spawn(move || {
+                    let mut want = vec![0u8; layout.chunk_bytes(slots.len())];
+                    host.gather(slots, &mut want).unwrap();
+                    let mut got = vec![0xAAu8; want.len()];
+                    engine.gather(slots, &mut got).unwrap();
+                    assert!(got == want, "{path:?}: gather from another thread differs");
+                });
+            }
+        });
+    }
+}
+
+#[test]
+fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
+    let Some(ctx) = gpu() else { return };
+    let mut rng = SmallRng::seed_from_u64(6);
+    let (layout, order) = layouts()[0];
+    let blocks = 64;
+    let mut host = random_cache(layout, blocks, &mut rng);
+    let (tensors, engine) = device_copy(&ctx, &host, order, blocks, HostPath::Staged);
+    // The engine's compute stream belongs to another library: wrap it without owning it.
+    let mut raw = std::ptr::null_mut();
+    unsafe {
+        sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            .result()
+            .unwrap()
+    };
+    let compute = unsafe { engine.context().wrap_borrowed_stream(raw) };
+    // Large, then smaller (a reused, larger buffer), then large again; each from another
+    // thread than the last, so the context is bound wherever the call lands.
+    for (round, (chunks, tokens)) in [(4usize, 48usize), (1, 16), (3, 48)]
+        .into_iter()
+        .enumerate()
+    {
+        let data: Vec<Vec<u8>> = (0..chunks)
+            .map(|_| {
+                let mut d = vec![0u8; layout.chunk_bytes(tokens)];
+                rng.fill(d.as_mut_slice());
+                d
+            })
+            .collect();
+        let mut all = random_slots(chunks * tokens, blocks * 16, &mut rng).into_iter();
+        let slots: Vec<Vec<i64>> = (0..chunks)
+            .map(|_| all.by_ref().take(tokens).collect())
+            .collect();
+        let loads: Vec<ChunkLoad> = data
+            .iter()
+            .zip(&slots)
+            .map(|(d, s)| ChunkLoad {
+                data: d,
+                chunk_tokens: tokens,
+                token_offset: 0,
+                slots: s,
+            })
+            .collect();
+        for load in &loads {
+            host.scatter(load.data, tokens, 0, load.slots).unwrap();
+        }
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let inflight = engine.retrieve_layerwise(&loads).unwrap();
+                for layer in 0..layout.num_layers {
+                    inflight.wait_layer(layer, &compute).unwrap();
+                }
+                compute.synchronize().unwrap();
+            });
+        });
+        for (l, tensor) in tensors.iter().enumerate() {
+            assert!(
+                tensor.download() == layer_in_order(&host, l, order, blocks),
+                "round {round}: layer {l}"
+            );
+        }
+    }
+    drop(compute);
+    unsafe { sys::cuStreamDestroy_v2(raw).result().unwrap() };
+}
+
+#[test]
 fn a_large_pinned_pool_is_registered() {
     let Some(_ctx) = gpu() else { return };
     // Larger than peers' single cudaHostAlloc tends to tolerate on shared hosts.

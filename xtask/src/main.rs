@@ -512,6 +512,9 @@ fn gpu_bundle() -> Result<(), String> {
             if name == "bench-kvpool_cuda" {
                 continue; // the library's unit tests built as a bench: nothing to measure
             }
+            if name == "test-kernels_on_cpu" {
+                continue; // needs a C++ compiler and this tree's target dir; CI runs it
+            }
             std::fs::copy(&path, bundle.join(&name)).map_err(|e| e.to_string())?;
             run(
                 "strip",
@@ -520,8 +523,21 @@ fn gpu_bundle() -> Result<(), String> {
             names.push(name);
         }
     }
+    // cudarc finds libcuda and libnvrtc by name only: put the toolkit's libraries (or pip's
+    // NVRTC next to PyTorch) on the search path, and say which device and driver ran.
     let mut script = String::from(
-        "#!/bin/sh\n# Runs kvpool-cuda's GPU tests, then its benchmarks.\nset -e\ncd \"$(dirname \"$0\")\"\n",
+        r#"#!/bin/sh
+# Runs kvpool-cuda's GPU tests, then its benchmarks.
+set -e
+cd "$(dirname "$0")"
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
+    if [ -e "$dir/libnvrtc.so.13" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+done
+export LD_LIBRARY_PATH
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+"#,
     );
     for name in names.iter().filter(|n| n.starts_with("test-")) {
         script.push_str(&format!("./{name} --test-threads 1 --nocapture\n"));
