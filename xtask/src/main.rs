@@ -527,24 +527,38 @@ fn gpu_bundle() -> Result<(), String> {
     // NVRTC next to PyTorch) on the search path, and say which device and driver ran.
     let mut script = String::from(
         r#"#!/bin/sh
-# Runs kvpool-cuda's GPU tests, then its benchmarks.
-set -e
+# Runs kvpool-cuda's GPU tests, then its benchmarks; every step runs, and the exit status says
+# whether any failed. KVPOOL_SANITIZE=1 also runs the GPU tests under compute-sanitizer.
 cd "$(dirname "$0")"
+failed=""
 for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
     if [ -e "$dir/libnvrtc.so.13" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 done
 export LD_LIBRARY_PATH
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    || echo "no NVIDIA GPU visible: the GPU tests and benchmarks will only SKIP"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 "#,
     );
     for name in names.iter().filter(|n| n.starts_with("test-")) {
-        script.push_str(&format!("./{name} --test-threads 1 --nocapture\n"));
+        script.push_str(&format!(
+            "./{name} --test-threads 1 --nocapture || failed=\"$failed {name}\"\n"
+        ));
     }
+    script.push_str(
+        r#"if [ -n "$KVPOOL_SANITIZE" ]; then
+    compute-sanitizer --tool memcheck --error-exitcode 99 ./test-gpu --test-threads 1 \
+        || failed="$failed compute-sanitizer"
+fi
+"#,
+    );
     for name in names.iter().filter(|n| n.starts_with("bench-")) {
-        script.push_str(&format!("./{name} --bench\n"));
+        script.push_str(&format!("./{name} --bench || failed=\"$failed {name}\"\n"));
     }
+    script.push_str(
+        "if [ -n \"$failed\" ]; then echo \"FAILED:$failed\"; exit 1; fi\necho \"all passed\"\n",
+    );
     std::fs::write(bundle.join("run.sh"), script).map_err(|e| e.to_string())?;
     run(
         "chmod",
