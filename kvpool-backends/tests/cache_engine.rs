@@ -10,8 +10,8 @@ use kvpool_backends::LocalCpuBackend;
 use kvpool_core::storage_manager::StorageManagerConfig;
 use kvpool_core::{
     CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Compression, Dtype,
-    EvictionKind, HostPagedKvCache, KeyScope, KvKind, KvLayout, RemoteBackend, StorageBackend,
-    StorageManager,
+    EvictionKind, HostPagedKvCache, KeyScope, KvKind, KvLayout, KvTransfer, RemoteBackend,
+    StorageBackend, StorageManager,
 };
 
 const CHUNK: usize = 16;
@@ -374,6 +374,54 @@ async fn write_behind_sheds_load_beyond_its_quota_and_deduplicates() {
     assert_eq!(t.deduplicated_writes, 2);
     assert_eq!(t.dropped_writes, 6);
     assert_eq!(s.remote.len(), 2);
+}
+
+/// `LayerwiseRetrieve::windows` (what a GPU engine queues all at once) writes exactly what
+/// `load_layer` writes, partial first chunk included.
+#[tokio::test]
+async fn retrieve_windows_write_what_load_layer_writes() {
+    let s = setup();
+    let n = 3 * CHUNK;
+    let stored = s.store_and_flush(n, 31).await;
+    // The engine already holds the first CHUNK + 5 tokens: those are not written.
+    let skip = CHUNK + 5;
+    let mask: Vec<bool> = (0..n).map(|i| i >= skip).collect();
+    let mut plan = s
+        .engine
+        .begin_retrieve_layerwise(&stored.toks, Some(&mask), &stored.dst_slots)
+        .await
+        .unwrap();
+    let windows = plan.windows();
+    assert_eq!(windows.len(), 2, "the partly held chunk and the last one");
+    assert_eq!(
+        (
+            windows[0].chunk_tokens,
+            windows[0].token_offset,
+            windows[0].slots.len()
+        ),
+        (CHUNK, 5, CHUNK - 5)
+    );
+    assert_eq!(windows[0].slots, &stored.dst_slots[skip..2 * CHUNK]);
+    let mut via_windows = HostPagedKvCache::new(layout(), 100);
+    for w in &windows {
+        via_windows
+            .scatter(w.data, w.chunk_tokens, w.token_offset, w.slots)
+            .unwrap();
+    }
+    let mut via_layers = HostPagedKvCache::new(layout(), 100);
+    plan.load_all(&mut via_layers).unwrap();
+    for l in 0..layout().num_layers {
+        assert!(via_windows.layer(l) == via_layers.layer(l), "layer {l}");
+    }
+    let loaded = plan.into_mask();
+    assert_eq!(loaded, mask);
+    assert_rows_equal(
+        &stored.src,
+        &stored.src_slots,
+        &via_windows,
+        &stored.dst_slots,
+        &loaded,
+    );
 }
 
 #[tokio::test]

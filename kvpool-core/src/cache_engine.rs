@@ -12,7 +12,7 @@ use crate::layout::KvLayout;
 use crate::memory_pool::MemoryObjMut;
 use crate::storage_manager::StorageManager;
 use crate::token_database::{ChunkSpan, ChunkedTokenDatabase};
-use crate::transfer::KvTransfer;
+use crate::transfer::{ChunkWindow, KvTransfer};
 
 /// What a store did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -482,6 +482,22 @@ impl LayerwiseRetrieve {
         Ok(())
     }
 
+    /// Every fetched chunk with the window of it to write and where: what
+    /// [`LayerwiseRetrieve::load_layer`] writes, for a transfer engine that queues all layers
+    /// at once and signals each (kvpool-cuda's `GpuTransferEngine::retrieve_layerwise`).
+    /// Using them does not advance this plan's layer-by-layer state.
+    pub fn windows(&self) -> Vec<ChunkWindow<'_>> {
+        self.chunks
+            .iter()
+            .map(|(span, chunk, offset)| ChunkWindow {
+                data: chunk.data.as_slice(),
+                chunk_tokens: span.len(),
+                token_offset: *offset,
+                slots: &self.slot_mapping[span.start + offset..span.end],
+            })
+            .collect()
+    }
+
     /// Writes layer `layer` of every fetched chunk into `kv`. Layers go in order, once each.
     pub fn load_layer(&mut self, layer: usize, kv: &mut dyn KvTransfer) -> Result<(), EngineError> {
         if layer != self.next_layer || layer >= self.layers {
@@ -491,9 +507,8 @@ impl LayerwiseRetrieve {
             )));
         }
         self.check(kv)?;
-        for (span, chunk, offset) in &self.chunks {
-            let slots = &self.slot_mapping[span.start + offset..span.end];
-            kv.scatter_layer(layer, chunk.data.as_slice(), span.len(), *offset, slots)?;
+        for w in self.windows() {
+            kv.scatter_layer(layer, w.data, w.chunk_tokens, w.token_offset, w.slots)?;
         }
         self.next_layer += 1;
         Ok(())

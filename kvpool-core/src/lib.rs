@@ -51,4 +51,4 @@ pub use memory_pool::{
 pub use remote::{RemoteBackend, RemoteConnector};
 pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
 pub use token_database::{ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
-pub use transfer::{HostPagedKvCache, KvTransfer};
+pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

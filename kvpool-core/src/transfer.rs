@@ -89,6 +89,22 @@ pub fn check_chunk_window(
     Ok(())
 }
 
+/// One chunk to write into a paged cache: its bytes (a whole `chunk_tokens`-token chunk,
+/// layer-major) and the slots of its tokens `token_offset..token_offset + slots.len()`.
+/// Transfer engines that queue every layer at once take a list of these (kvpool-cuda's
+/// `GpuTransferEngine::retrieve_layerwise`); [`crate::LayerwiseRetrieve::windows`] makes them.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkWindow<'a> {
+    /// The chunk's bytes.
+    pub data: &'a [u8],
+    /// Tokens in the chunk.
+    pub chunk_tokens: usize,
+    /// First chunk token to write.
+    pub token_offset: usize,
+    /// Destination slots, one per token written.
+    pub slots: &'a [i64],
+}
+
 /// A paged KV cache in host memory, laid out as vLLM's per-layer tensors
 /// `[planes (2 for K/V, 1 for MLA), num_blocks, block_size, kv_heads, head_size]`.
 ///

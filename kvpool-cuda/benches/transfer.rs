@@ -16,11 +16,10 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
 use cudarc::nvrtc::compile_ptx;
-use kvpool_core::{Dtype, KvKind, KvLayout, KvTransfer, MemoryObjMut, MemoryPool};
+use kvpool_core::{ChunkWindow, Dtype, KvKind, KvLayout, KvTransfer, MemoryObjMut, MemoryPool};
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::{
-    ChunkLoad, DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator,
-    RegisteredKvCaches,
+    DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator, RegisteredKvCaches,
 };
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -168,11 +167,11 @@ impl Setup {
         }
     }
 
-    fn loads(&self) -> Vec<ChunkLoad<'_>> {
+    fn loads(&self) -> Vec<ChunkWindow<'_>> {
         self.host
             .iter()
             .zip(&self.slots)
-            .map(|(h, s)| ChunkLoad {
+            .map(|(h, s)| ChunkWindow {
                 data: h.as_slice(),
                 chunk_tokens: CHUNK_TOKENS,
                 token_offset: 0,

@@ -47,4 +47,4 @@ pub use error::CudaError;
 pub use kernels::{AccessWidth, Direction, LaunchPlan};
 pub use kv_caches::{DeviceLayer, PagedGeometry, PagedOrder, RegisteredKvCaches};
 pub use pinned::{PinnedAllocator, pinned_or_heap_allocator};
-pub use transfer_engine::{ChunkLoad, GpuTransferEngine, HostPath, LayerwiseLoad};
+pub use transfer_engine::{GpuTransferEngine, HostPath, LayerwiseLoad};

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg, sys};
-use kvpool_core::{KvLayout, KvTransfer, TransferError, transfer::check_chunk_window};
+use kvpool_core::{ChunkWindow, KvLayout, KvTransfer, TransferError, transfer::check_chunk_window};
 use parking_lot::Mutex;
 
 use crate::driver::open_context;
@@ -436,9 +436,27 @@ impl GpuTransferEngine {
     /// event `l` is recorded: the compute stream waits on it ([`LayerwiseLoad::wait_layer`])
     /// right before layer `l`'s attention, so loading overlaps compute. For real overlap the
     /// chunk buffers must be pinned (a pool on [`crate::PinnedAllocator`]).
+    ///
+    /// The chunks usually come from the cache engine:
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     engine: &kvpool_core::CacheEngine,
+    /// #     gpu: &kvpool_cuda::GpuTransferEngine,
+    /// #     compute: &cudarc::driver::CudaStream,
+    /// #     tokens: &[u32],
+    /// #     slots: &[i64],
+    /// # ) -> Result<(), Box<dyn std::error::Error>> {
+    /// let plan = engine.begin_retrieve_layerwise(tokens, None, slots).await?;
+    /// let load = gpu.retrieve_layerwise(&plan.windows())?;
+    /// for layer in 0..engine.layout().num_layers {
+    ///     load.wait_layer(layer, compute)?; // then queue layer `layer`'s attention
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn retrieve_layerwise<'a>(
         &self,
-        chunks: &[ChunkLoad<'a>],
+        chunks: &[ChunkWindow<'a>],
     ) -> Result<LayerwiseLoad<'a>, CudaError> {
         self.bind()?;
         let layout = *self.caches.layout();
@@ -526,20 +544,6 @@ impl GpuTransferEngine {
         }
         Ok(load)
     }
-}
-
-/// One chunk to load: its host bytes (a whole `chunk_tokens`-token chunk, layer-major) and the
-/// slots of its tokens `token_offset..token_offset + slots.len()`.
-#[derive(Debug, Clone, Copy)]
-pub struct ChunkLoad<'a> {
-    /// The chunk's bytes.
-    pub data: &'a [u8],
-    /// Tokens in the chunk.
-    pub chunk_tokens: usize,
-    /// First token to load.
-    pub token_offset: usize,
-    /// Destination slots.
-    pub slots: &'a [i64],
 }
 
 /// A layer-wise load in flight. Dropping it waits for the whole load, so the chunk memory it

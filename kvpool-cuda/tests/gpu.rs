@@ -7,11 +7,14 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
-use kvpool_core::{HostPagedKvCache, KvTransfer, MemoryPool};
+use kvpool_backends::build_pool_with_allocator;
+use kvpool_core::config::LayoutConfig;
+use kvpool_core::{
+    ByteSize, ChunkWindow, Dtype, HostPagedKvCache, KvKind, KvTransfer, MemoryPool, PoolConfig,
+};
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::{
-    ChunkLoad, DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator,
-    RegisteredKvCaches,
+    DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator, RegisteredKvCaches,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -212,11 +215,11 @@ fn layerwise_loads_equal_a_whole_scatter_and_signal_every_layer() {
     let slots: Vec<Vec<i64>> = (0..3)
         .map(|i| all.by_ref().take(if i == 2 { 20 } else { 32 }).collect())
         .collect();
-    let loads: Vec<ChunkLoad> = chunks
+    let loads: Vec<ChunkWindow> = chunks
         .iter()
         .zip(&slots)
         .enumerate()
-        .map(|(i, (c, s))| ChunkLoad {
+        .map(|(i, (c, s))| ChunkWindow {
             data: c.as_slice(),
             chunk_tokens: 32,
             token_offset: if i == 2 { 12 } else { 0 },
@@ -304,10 +307,10 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
         let slots: Vec<Vec<i64>> = (0..chunks)
             .map(|_| all.by_ref().take(tokens).collect())
             .collect();
-        let loads: Vec<ChunkLoad> = data
+        let loads: Vec<ChunkWindow> = data
             .iter()
             .zip(&slots)
-            .map(|(d, s)| ChunkLoad {
+            .map(|(d, s)| ChunkWindow {
                 data: d,
                 chunk_tokens: tokens,
                 token_offset: 0,
@@ -335,6 +338,94 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
     }
     drop(compute);
     unsafe { sys::cuStreamDestroy_v2(raw).result().unwrap() };
+}
+
+/// The cache engine over a pool whose L1 is pinned memory, storing from and loading into GPU
+/// caches: whole retrieves through `KvTransfer`, and layer-wise ones by handing the plan's
+/// windows to `retrieve_layerwise`. The host cache, moved the same way, is the oracle.
+#[test]
+fn the_cache_engine_stores_and_loads_through_the_gpu_with_a_pinned_pool() {
+    let Some(ctx) = gpu() else { return };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let chunk = 32;
+    let mut config = PoolConfig {
+        layout: LayoutConfig {
+            num_layers: 3,
+            num_kv_heads: 8,
+            head_size: 128,
+            dtype: Dtype::Bf16,
+            kind: KvKind::KeyValue,
+            block_size: 16,
+        },
+        ..PoolConfig::default()
+    };
+    config.chunking.chunk_size = chunk;
+    config.local_cpu.max_size = ByteSize::mib(64);
+    let pinned = PinnedAllocator::new(0).unwrap();
+    let pool = runtime
+        .block_on(build_pool_with_allocator(&config, &pinned))
+        .unwrap();
+    let layout = *pool.engine.layout();
+    let blocks = 48;
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut host = random_cache(layout, blocks, &mut rng);
+    let n = 3 * chunk;
+    for (round, path) in [HostPath::Staged, HostPath::Mapped].into_iter().enumerate() {
+        let (tensors, mut engine) =
+            device_copy(&ctx, &host, PagedOrder::FlashAttention, blocks, path);
+        let tokens: Vec<u32> = (0..n as u32)
+            .map(|t| t * 7 + round as u32 * 100_000)
+            .collect();
+        let mut all = random_slots(3 * n, blocks * 16, &mut rng).into_iter();
+        let mut take = || -> Vec<i64> { all.by_ref().take(n).collect() };
+        let (src, whole_dst, layerwise_dst) = (take(), take(), take());
+        let copy_on_host = |host: &mut HostPagedKvCache, from: &[i64], to: &[i64], skip: usize| {
+            let mut buf = vec![0u8; layout.chunk_bytes(from.len())];
+            host.gather(from, &mut buf).unwrap();
+            host.scatter(&buf, from.len(), skip, &to[skip..]).unwrap();
+        };
+
+        let stored = runtime
+            .block_on(pool.engine.store(&tokens, None, &engine, &src))
+            .unwrap();
+        assert_eq!(stored.stored_tokens, n, "{path:?}");
+
+        let loaded = runtime
+            .block_on(pool.engine.retrieve(&tokens, None, &mut engine, &whole_dst))
+            .unwrap();
+        assert!(loaded.iter().all(|&l| l), "{path:?}: whole retrieve hit");
+        copy_on_host(&mut host, &src, &whole_dst, 0);
+
+        // The engine already holds the first 5 tokens; load the rest layer by layer.
+        let skip = 5;
+        let mask: Vec<bool> = (0..n).map(|i| i >= skip).collect();
+        let plan = runtime
+            .block_on(
+                pool.engine
+                    .begin_retrieve_layerwise(&tokens, Some(&mask), &layerwise_dst),
+            )
+            .unwrap();
+        assert_eq!(plan.loaded_mask(), mask.as_slice());
+        let compute = ctx.new_stream().unwrap();
+        let load = engine.retrieve_layerwise(&plan.windows()).unwrap();
+        for layer in 0..layout.num_layers {
+            load.wait_layer(layer, &compute).unwrap();
+        }
+        compute.synchronize().unwrap();
+        drop(load);
+        copy_on_host(&mut host, &src, &layerwise_dst, skip);
+
+        for (l, tensor) in tensors.iter().enumerate() {
+            assert!(
+                tensor.download() == layer_in_order(&host, l, PagedOrder::FlashAttention, blocks),
+                "{path:?}: layer {l} differs from the host oracle"
+            );
+        }
+    }
 }
 
 #[test]
