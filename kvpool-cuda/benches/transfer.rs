@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
-use cudarc::nvrtc::compile_ptx;
+use cudarc::nvrtc::Ptx;
 use kvpool_core::{ChunkWindow, Dtype, KvKind, KvLayout, KvTransfer, MemoryObjMut, MemoryPool};
 use kvpool_cuda::driver::{device_count, open_context};
+use kvpool_cuda::kernels::compile_cubin;
 use kvpool_cuda::{
     DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator, RegisteredKvCaches,
 };
@@ -97,8 +98,14 @@ fn setup() -> Option<Setup> {
     let slots = (0..CHUNKS)
         .map(|i| all[i * CHUNK_TOKENS..(i + 1) * CHUNK_TOKENS].to_vec())
         .collect();
-    let ptx = compile_ptx(SPIN_SOURCE).unwrap();
-    let spin = ctx.load_module(ptx).unwrap().load_function("spin").unwrap();
+    // Machine code for this device, as the engine's own kernels are built.
+    let (major, minor) = ctx.compute_capability().unwrap();
+    let cubin = compile_cubin(SPIN_SOURCE, &format!("sm_{major}{minor}")).unwrap();
+    let spin = ctx
+        .load_module(Ptx::from_binary(cubin))
+        .unwrap()
+        .load_function("spin")
+        .unwrap();
     Some(Setup {
         contiguous: alloc(CHUNKS * chunk_bytes, &mut rng),
         staged: GpuTransferEngine::new(0, caches.clone(), HostPath::Staged).unwrap(),
