@@ -152,16 +152,72 @@ fn driver<T>(
     r.map_err(|e| CudaError::driver(call, e))
 }
 
+/// Checks that every layer's tensor, at its first and its last byte, is memory of device
+/// `ordinal`. A pointer into host memory, onto another GPU or to nothing at all is rejected
+/// before any kernel writes through it.
+fn check_layers_on_device(caches: &RegisteredKvCaches, ordinal: usize) -> Result<(), CudaError> {
+    let last = caches.geometry().layer_bytes().saturating_sub(1) as u64;
+    for (layer, &ptr) in caches.layer_ptrs().iter().enumerate() {
+        for at in [ptr, ptr + last] {
+            let reject = |what: String| {
+                CudaError::Registration(format!(
+                    "layer {layer}: address {at:#x} ({} byte {} of the tensor at {ptr:#x}) {what}",
+                    if at == ptr { "first" } else { "last" },
+                    at - ptr
+                ))
+            };
+            let mut memory_type = 0u32;
+            // SAFETY: the attribute is written as an unsigned int, as the driver documents.
+            let r = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut memory_type as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                    at,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(reject(format!(
+                    "is not memory the CUDA driver knows ({r:?}): is the tensor as large as \
+                     its shape says?"
+                )));
+            }
+            if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+                return Err(reject(format!(
+                    "is not device memory (memory type {memory_type}): the KV cache must live \
+                     on the GPU"
+                )));
+            }
+            let mut device = -1i32;
+            // SAFETY: the attribute is written as an int.
+            let r = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut device as *mut i32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    at,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS || device != ordinal as i32 {
+                return Err(reject(format!(
+                    "is on device {device} ({r:?}), not on device {ordinal}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl GpuTransferEngine {
     /// An engine on device `ordinal` for `caches`, compiling the kernels with NVRTC. Without a
     /// driver, NVRTC or device this is [`CudaError::CudaUnavailable`]; use
-    /// [`kvpool_core::HostPagedKvCache`] (the host path) instead.
+    /// [`kvpool_core::HostPagedKvCache`] (the host path) instead. Every layer's tensor must be
+    /// memory of this device, first byte to last ([`CudaError::Registration`] otherwise).
     pub fn new(
         ordinal: usize,
         caches: RegisteredKvCaches,
         path: HostPath,
     ) -> Result<Self, CudaError> {
         let ctx = open_context(ordinal)?;
+        check_layers_on_device(&caches, ordinal)?;
         let kernels = Kernels::compile(&ctx)?;
         let stream = driver("cuStreamCreate", ctx.new_stream())?;
         let ptrs = caches.layer_ptrs();

@@ -14,7 +14,8 @@ use kvpool_core::{
 };
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::{
-    DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator, RegisteredKvCaches,
+    CudaError, DeviceLayer, GpuTransferEngine, HostPath, PagedOrder, PinnedAllocator,
+    RegisteredKvCaches,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -192,6 +193,51 @@ fn bad_slots_are_errors_and_write_nothing() {
     assert!(engine.gather(&[0, 64], &mut out).is_err());
     for (l, t) in tensors.iter().enumerate() {
         assert!(t.download() == layer_in_order(&host, l, order, 4));
+    }
+}
+
+#[test]
+fn kv_caches_that_are_not_memory_of_this_device_are_rejected() {
+    let Some(ctx) = gpu() else { return };
+    let (layout, order) = layouts()[0];
+    let blocks = 4;
+    let layer_bytes = layout.chunk_bytes(blocks * 16) / layout.num_layers;
+    let device = DeviceTensor::upload(&ctx, &vec![7u8; layer_bytes]);
+    let pinned = MemoryPool::with_allocator(16 << 20, &PinnedAllocator::new(0).unwrap()).unwrap();
+    let mut host = pinned.allocate(layer_bytes).unwrap();
+    let host_ptr = host.as_mut_slice().as_mut_ptr() as u64;
+    let register = |ptrs: [u64; 3]| {
+        let layers: Vec<DeviceLayer> = ptrs
+            .iter()
+            .map(|&ptr| DeviceLayer {
+                ptr,
+                shape: shape(order, &layout, blocks),
+                dtype: layout.dtype,
+            })
+            .collect();
+        let caches = RegisteredKvCaches::new(layout, order, &layers).unwrap();
+        GpuTransferEngine::new(0, caches, HostPath::Staged)
+    };
+    register([device.ptr; 3]).expect("device memory of the right size is accepted");
+    let cases = [
+        (
+            [device.ptr, host_ptr, device.ptr],
+            "layer 1",
+            "not device memory",
+        ),
+        (
+            [device.ptr, device.ptr, 0x10000],
+            "layer 2",
+            "not memory the CUDA driver knows",
+        ),
+    ];
+    for (ptrs, layer, why) in cases {
+        match register(ptrs) {
+            Err(CudaError::Registration(m)) => {
+                assert!(m.contains(layer) && m.contains(why), "{m}")
+            }
+            other => panic!("{ptrs:x?} accepted or wrong error: {:?}", other.err()),
+        }
     }
 }
 
