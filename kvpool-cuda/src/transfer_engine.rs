@@ -286,13 +286,23 @@ impl GpuTransferEngine {
     ) -> Result<sys::CUdeviceptr, CudaError> {
         let bytes = std::mem::size_of_val(slots);
         let dst = ensure(&mut scratch.slots, &self.ctx, bytes)?;
-        // SAFETY: `dst` holds at least `bytes`; the copy completes before the call returns
-        // (pageable source), so `slots` may be dropped afterwards.
-        driver("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, slots.as_ptr().cast(), bytes, self.stream.cu_stream())
-                .result()
-        })?;
+        // SAFETY: `dst` holds at least `bytes`; callers synchronise the stream before they
+        // release `slots`.
+        unsafe { self.copy_to_device(dst, bytemuck::cast_slice(slots))? };
         Ok(dst)
+    }
+
+    /// Queues a host-to-device copy of `src` into `dst` on the copy stream.
+    ///
+    /// # Safety
+    /// `dst` must hold `src.len()` bytes, and `src` must stay alive and unchanged until the
+    /// stream has been synchronised past this copy.
+    unsafe fn copy_to_device(&self, dst: sys::CUdeviceptr, src: &[u8]) -> Result<(), CudaError> {
+        // SAFETY: as the caller promised.
+        driver("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream.cu_stream())
+                .result()
+        })
     }
 
     /// Makes the engine's context current on the calling thread. Every entry point calls it
@@ -473,15 +483,7 @@ impl GpuTransferEngine {
         )?;
         if staged {
             // SAFETY: staging holds `region.len()` bytes; we wait below, so `region` outlives it.
-            driver("cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    copy.chunk,
-                    region.as_ptr().cast(),
-                    region.len(),
-                    self.stream.cu_stream(),
-                )
-                .result()
-            })?;
+            unsafe { self.copy_to_device(copy.chunk, region)? };
         }
         self.launch(&copy)?;
         self.synchronize()
@@ -557,32 +559,16 @@ impl GpuTransferEngine {
         let (slots, staging) = (load.buffers[0].ptr, load.buffers[1].ptr);
         // On the copy stream, not a synchronous copy: that would run on the legacy default
         // stream and wait for the engine's queued compute. The host slots live in `load`.
-        // SAFETY: `slots` holds `slot_bytes`; the source outlives the copy (see above).
-        driver("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                slots,
-                load.host_slots.as_ptr().cast(),
-                slot_bytes,
-                self.stream.cu_stream(),
-            )
-            .result()
-        })?;
+        // SAFETY: `slots` holds `slot_bytes`; `load` keeps the source until it synchronises.
+        unsafe { self.copy_to_device(slots, bytemuck::cast_slice(&load.host_slots))? };
         for layer in 0..layout.num_layers {
             let mut at = staging + (layer * per_layer) as u64;
             for (c, &offset) in chunks.iter().zip(&offsets) {
                 let region_len = c.chunk_tokens * per_token_layer;
                 let region = &c.data[layer * region_len..(layer + 1) * region_len];
-                // SAFETY: `region` lives for 'a; the returned load keeps that borrow and
-                // synchronises on drop, so the host memory outlives the DMA.
-                driver("cuMemcpyHtoDAsync", unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        at,
-                        region.as_ptr().cast(),
-                        region_len,
-                        self.stream.cu_stream(),
-                    )
-                    .result()
-                })?;
+                // SAFETY: staging holds `region_len` bytes at `at`; `region` lives for 'a, and
+                // the returned load keeps that borrow and synchronises on drop.
+                unsafe { self.copy_to_device(at, region)? };
                 self.launch(&RowCopy {
                     direction: Direction::Scatter,
                     first_layer: layer,
