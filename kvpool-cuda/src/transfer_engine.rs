@@ -80,7 +80,7 @@ impl BufferCache {
             Some(i) => Ok(free.swap_remove(i)),
             None => {
                 drop(free);
-                DeviceBuffer::new(ctx, len.next_power_of_two())
+                DeviceBuffer::new(ctx, buffer_size(len))
             }
         }
     }
@@ -93,6 +93,18 @@ impl BufferCache {
             free.sort_by_key(|b| std::cmp::Reverse(b.len));
             free.truncate(CACHED_BUFFERS);
         }
+    }
+}
+
+/// The size to allocate for a buffer of `len` bytes: the next power of two up to 2 MiB (so
+/// small buffers that grow are not reallocated often), whole 2 MiB pages above (so a large
+/// staging buffer does not hold up to twice what it needs).
+fn buffer_size(len: usize) -> usize {
+    const PAGE: usize = 2 << 20;
+    if len <= PAGE {
+        len.next_power_of_two()
+    } else {
+        len.next_multiple_of(PAGE)
     }
 }
 
@@ -109,7 +121,7 @@ fn ensure(
 ) -> Result<sys::CUdeviceptr, CudaError> {
     if slot.as_ref().is_none_or(|b| b.len < len) {
         *slot = None;
-        *slot = Some(DeviceBuffer::new(ctx, len.next_power_of_two())?);
+        *slot = Some(DeviceBuffer::new(ctx, buffer_size(len))?);
     }
     Ok(slot.as_ref().map(|b| b.ptr).unwrap_or_default())
 }
@@ -134,6 +146,11 @@ struct RowCopy {
 /// stream wait for an event from the engine's compute stream (store after the layer's KV was
 /// written); [`GpuTransferEngine::retrieve_layerwise`] returns per-layer events the compute
 /// stream can wait on, so layer `i + 1` loads while layer `i` computes.
+///
+/// Device memory the engine holds besides the caches it was given: staging for the largest
+/// single transfer so far, and the buffers of up to two finished layer-wise loads (their
+/// chunks' bytes), kept for reuse. [`GpuTransferEngine::release_cached_buffers`] frees them,
+/// e.g. before the inference engine sizes its own caches.
 pub struct GpuTransferEngine {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -261,6 +278,16 @@ impl GpuTransferEngine {
     /// The context (the device's primary context).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Frees the device buffers kept for reuse (staging and finished layer-wise loads'). Loads
+    /// still in flight keep theirs until they are dropped.
+    pub fn release_cached_buffers(&self) {
+        let _ = self.bind();
+        let mut scratch = self.scratch.lock();
+        scratch.slots = None;
+        scratch.staging = None;
+        self.layerwise_buffers.free.lock().clear();
     }
 
     /// Later transfers wait for `event` (e.g. recorded on the compute stream after a layer's KV
@@ -706,5 +733,22 @@ impl KvTransfer for GpuTransferEngine {
             token_offset,
             slots,
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buffer_size;
+
+    #[test]
+    fn buffers_round_to_powers_of_two_then_to_2_mib_pages() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(buffer_size(0), 1);
+        assert_eq!(buffer_size(3), 4);
+        assert_eq!(buffer_size(1000), 1024);
+        assert_eq!(buffer_size(2 * MIB), 2 * MIB);
+        assert_eq!(buffer_size(2 * MIB + 1), 4 * MIB);
+        // 256 MiB and a bit: not 512 MiB.
+        assert_eq!(buffer_size(256 * MIB + 5), 258 * MIB);
     }
 }

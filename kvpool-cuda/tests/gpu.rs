@@ -366,6 +366,10 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
         for load in &loads {
             host.scatter(load.data, tokens, 0, load.slots).unwrap();
         }
+        if round == 2 {
+            // Freed between loads: the next one allocates afresh.
+            engine.release_cached_buffers();
+        }
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 let inflight = engine.retrieve_layerwise(&loads).unwrap();
