@@ -1,9 +1,8 @@
 //! The gather/scatter kernels: their CUDA source (`kernels.cu`, kept in the crate), NVRTC
 //! compilation at run time, and the choice of access width.
 
-use std::sync::Arc;
-
 use std::ffi::{CStr, CString};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
