@@ -406,7 +406,7 @@ impl GpuTransferEngine {
         driver("cuStreamSynchronize", self.stream.synchronize())
     }
 
-    /// Checks and uploads `slots`, and picks where the kernel reads or writes the chunk: the
+    /// Binds the context to this thread, checks and uploads `slots`, and picks where the kernel reads or writes the chunk: the
     /// mapped host buffer itself (`HostPath::Mapped` and pinned memory) or device staging of
     /// `host_len` bytes (then `staged` is true and the caller moves the bytes).
     #[allow(clippy::too_many_arguments)]
@@ -422,6 +422,7 @@ impl GpuTransferEngine {
         host: *const u8,
         host_len: usize,
     ) -> Result<(RowCopy, bool), CudaError> {
+        self.bind()?;
         self.check_slots(slots)?;
         let slots_dev = self.upload_slots(scratch, slots)?;
         let mapped = match self.path {
@@ -454,7 +455,6 @@ impl GpuTransferEngine {
         slots: &[i64],
         chunk: &mut [u8],
     ) -> Result<(), CudaError> {
-        self.bind()?;
         let mut scratch = self.scratch.lock();
         let (copy, staged) = self.prepare(
             &mut scratch,
@@ -495,7 +495,6 @@ impl GpuTransferEngine {
         token_offset: usize,
         slots: &[i64],
     ) -> Result<(), CudaError> {
-        self.bind()?;
         let mut scratch = self.scratch.lock();
         let (copy, staged) = self.prepare(
             &mut scratch,
