@@ -54,20 +54,24 @@
 
 #![warn(missing_docs)]
 
+pub mod extra_keys;
+pub mod lookup_service;
 pub mod metadata;
 pub mod scheduler;
 pub mod simulator;
+pub mod vllm;
 pub mod worker;
 
 use kvpool_core::CacheEngine;
 use thiserror::Error;
 
+pub use lookup_service::{LookupServer, SocketLookup, WorkerInfo};
 pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
 pub use scheduler::{
-    ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, EvictingChunk, PoolLookup,
-    RequestTracker, ScheduledRequest,
+    BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, EvictingChunk,
+    PoolLookup, RequestTracker, ScheduledRequest,
 };
-pub use worker::{ConnectorWorker, KvEvent};
+pub use worker::{ConnectorWorker, KvEvent, WorkerStats};
 
 /// When computed KV is saved to the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

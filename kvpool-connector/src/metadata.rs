@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Encoding version, the first byte of every encoded metadata.
-pub const METADATA_VERSION: u8 = 1;
+pub const METADATA_VERSION: u8 = 2;
 
 /// Tokens to load into the GPU for one request: `[gpu_cached_tokens, load_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -33,6 +33,8 @@ pub struct ReqMeta {
     pub req_id: String,
     /// Token ids `0..n` the load and save below need (keys are derived from them).
     pub token_ids: Vec<u32>,
+    /// The request's extra keys (LoRA, multimodal hashes, cache salt), part of every key.
+    pub extra_keys: Vec<u8>,
     /// The GPU slot of each of those tokens (`block_id * block_size + offset`).
     pub slot_mapping: Vec<i64>,
     /// Load, if any.
@@ -52,6 +54,9 @@ pub struct ConnectorMetadata {
     /// Lazy offload: chunks of cached prefixes whose GPU blocks are about to be reused. Saved
     /// at the start of the step, before any load or compute writes those blocks.
     pub evictions: Vec<ReqMeta>,
+    /// GPU blocks of promised loads the scheduler could not plan: the worker reports them as
+    /// load errors so the engine recomputes them instead of trusting them.
+    pub unloadable_blocks: Vec<u32>,
 }
 
 /// Metadata that cannot be used.
@@ -177,6 +182,7 @@ mod tests {
             requests: vec![ReqMeta {
                 req_id: "req-a".into(),
                 token_ids: (0..8).collect(),
+                extra_keys: b"lora:1".to_vec(),
                 slot_mapping: (16..24).collect(),
                 load: Some(LoadSpec {
                     gpu_cached_tokens: 0,
@@ -188,6 +194,7 @@ mod tests {
                 }),
             }],
             evictions: vec![],
+            unloadable_blocks: vec![7],
         }
     }
 

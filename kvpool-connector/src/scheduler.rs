@@ -12,8 +12,9 @@ use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec};
 
 /// How the scheduler learns what the pool holds: in-process, or across a process boundary.
 pub trait PoolLookup: Send {
-    /// How many leading tokens of `tokens` the pool can load (0 on any failure).
-    fn lookup(&mut self, tokens: &[u32]) -> usize;
+    /// How many leading tokens of `tokens` the pool can load under the request's
+    /// `extra_keys` (0 on any failure).
+    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize;
 }
 
 /// Lookups against a cache engine in this process.
@@ -25,10 +26,15 @@ pub struct EngineLookup {
 }
 
 impl PoolLookup for EngineLookup {
-    fn lookup(&mut self, tokens: &[u32]) -> usize {
-        self.runtime
-            .block_on(self.engine.lookup(tokens))
-            .unwrap_or(0)
+    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize {
+        match self
+            .engine
+            .token_database()
+            .process_tokens_with_extra(tokens, None, extra_keys)
+        {
+            Ok(spans) => self.runtime.block_on(self.engine.lookup_spans(&spans)),
+            Err(_) => 0,
+        }
     }
 }
 
@@ -41,6 +47,21 @@ pub struct EngineRequest {
     pub prompt_token_ids: Vec<u32>,
     /// Do not save this request's KV (e.g. a private prompt).
     pub skip_save: bool,
+    /// What the request's KV depends on besides its token ids: LoRA adapter, multimodal input
+    /// hashes, cache salt (see [`crate::extra_keys`]). Empty for a plain text request.
+    pub extra_keys: Vec<u8>,
+}
+
+/// How a step changes a request's GPU block list.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum BlockUpdate {
+    /// No new blocks.
+    #[default]
+    Unchanged,
+    /// Blocks allocated this step, appended (vLLM `scheduled_cached_reqs.new_block_ids`).
+    Append(Vec<u32>),
+    /// The whole list (a new request, or one resumed after preemption).
+    Replace(Vec<u32>),
 }
 
 /// One scheduled request of a step.
@@ -50,8 +71,8 @@ pub struct ScheduledRequest {
     pub req_id: String,
     /// Tokens generated since the last step (joining the sequence).
     pub new_token_ids: Vec<u32>,
-    /// The request's GPU blocks, in order, if they changed.
-    pub block_ids: Option<Vec<u32>>,
+    /// How the request's GPU blocks changed.
+    pub blocks: BlockUpdate,
     /// Tokens whose KV will be on the GPU when this step ends.
     pub num_computed_tokens_after_step: usize,
 }
@@ -69,9 +90,10 @@ pub struct EvictingChunk {
 /// What the worker reported back for a step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnectorOutput {
-    /// Requests whose saves finished.
+    /// Requests whose (asynchronous) saves finished. Saves are synchronous in kvpool, so the
+    /// worker reports none; kept for engines that pass vLLM's output through.
     pub finished_sending: Vec<String>,
-    /// Requests whose (asynchronous) loads finished.
+    /// Requests whose (asynchronous) loads finished (none: loads are synchronous).
     pub finished_recving: Vec<String>,
     /// GPU blocks whose load failed: the engine must recompute them.
     pub failed_block_ids: Vec<u32>,
@@ -82,6 +104,8 @@ pub struct ConnectorOutput {
 pub struct RequestTracker {
     /// Tokens known so far (prompt, then generated).
     pub token_ids: Vec<u32>,
+    /// The request's extra keys (part of every chunk key).
+    pub extra_keys: Vec<u8>,
     /// Prompt length.
     pub prompt_len: usize,
     /// GPU blocks, in order.
@@ -101,10 +125,16 @@ pub struct ConnectorScheduler {
     config: ConnectorConfig,
     probe_hash: [u8; 16],
     trackers: HashMap<String, RequestTracker>,
-    pending_saves: HashSet<String>,
     pending_evictions: Vec<ReqMeta>,
     evictions_made: u64,
+    max_tracked: usize,
+    trackers_dropped: u64,
+    broken_promises: u64,
 }
+
+/// Requests tracked at most (vLLM tells the connector of every finish, so this bounds state
+/// only when an engine forgets to); past it, trackers without a pending load are dropped.
+pub const DEFAULT_MAX_TRACKED_REQUESTS: usize = 65_536;
 
 impl ConnectorScheduler {
     /// A scheduler over `engine` in this process; `runtime` runs its lookups (the protocol
@@ -134,9 +164,47 @@ impl ConnectorScheduler {
             config,
             probe_hash,
             trackers: HashMap::new(),
-            pending_saves: HashSet::new(),
             pending_evictions: Vec::new(),
             evictions_made: 0,
+            max_tracked: DEFAULT_MAX_TRACKED_REQUESTS,
+            trackers_dropped: 0,
+            broken_promises: 0,
+        }
+    }
+
+    /// Caps the number of tracked requests (see [`DEFAULT_MAX_TRACKED_REQUESTS`]).
+    pub fn set_max_tracked_requests(&mut self, max: usize) {
+        self.max_tracked = max.max(1);
+    }
+
+    /// Trackers dropped because the cap was reached.
+    pub fn trackers_dropped(&self) -> u64 {
+        self.trackers_dropped
+    }
+
+    /// Loads promised by `get_num_new_matched_tokens` whose blocks never covered them; their
+    /// blocks were reported as failed so the engine recomputes them.
+    pub fn broken_promises(&self) -> u64 {
+        self.broken_promises
+    }
+
+    /// Chunk size of the pool.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
+    fn make_room(&mut self) {
+        while self.trackers.len() >= self.max_tracked {
+            let victim = self
+                .trackers
+                .iter()
+                .find(|(_, t)| t.load.is_none())
+                .or_else(|| self.trackers.iter().next())
+                .map(|(id, _)| id.clone());
+            let Some(victim) = victim else { return };
+            tracing::warn!(req = %victim, max = self.max_tracked, "too many tracked requests; dropping one (its KV will not be saved)");
+            self.trackers.remove(&victim);
+            self.trackers_dropped += 1;
         }
     }
 
@@ -153,6 +221,10 @@ impl ConnectorScheduler {
     /// vLLM `get_num_new_matched_tokens`: tokens beyond the GPU's `num_computed_tokens` that
     /// the pool can load, and whether the load is asynchronous (never, here). The final prompt
     /// token is never loaded, as the engine must compute at least one.
+    ///
+    /// Creates the request's tracker, or replaces it when the id is reused for another prompt
+    /// or other extra keys. May be called several times for one request (vLLM asks again when
+    /// it could not allocate blocks); the last answer stands.
     pub fn get_num_new_matched_tokens(
         &mut self,
         req: &EngineRequest,
@@ -160,21 +232,36 @@ impl ConnectorScheduler {
     ) -> (usize, bool) {
         let n = req.prompt_token_ids.len();
         let hit = if n > 1 {
-            self.lookup.lookup(&req.prompt_token_ids[..n - 1])
+            self.lookup
+                .lookup(&req.prompt_token_ids[..n - 1], &req.extra_keys)
         } else {
             0
         };
+        let same_request = self.trackers.get(&req.req_id).is_some_and(|t| {
+            t.prompt_len == n
+                && t.token_ids[..n] == req.prompt_token_ids[..]
+                && t.extra_keys == req.extra_keys
+        });
+        if !same_request {
+            self.trackers.remove(&req.req_id);
+            self.make_room();
+            self.trackers.insert(
+                req.req_id.clone(),
+                RequestTracker {
+                    token_ids: req.prompt_token_ids.clone(),
+                    extra_keys: req.extra_keys.clone(),
+                    prompt_len: n,
+                    block_ids: Vec::new(),
+                    saved_tokens: 0,
+                    load: None,
+                    skip_save: req.skip_save,
+                },
+            );
+        }
         let tracker = self
             .trackers
-            .entry(req.req_id.clone())
-            .or_insert_with(|| RequestTracker {
-                token_ids: req.prompt_token_ids.clone(),
-                prompt_len: n,
-                block_ids: Vec::new(),
-                saved_tokens: 0,
-                load: None,
-                skip_save: req.skip_save,
-            });
+            .get_mut(&req.req_id)
+            .expect("tracker inserted above");
         if hit <= num_computed_tokens {
             tracker.load = None;
             return (0, false);
@@ -197,26 +284,52 @@ impl ConnectorScheduler {
     ) {
         if let Some(t) = self.trackers.get_mut(req_id) {
             t.block_ids = block_ids.to_vec();
-            if num_external_tokens == 0 {
-                t.load = None;
+            match &mut t.load {
+                _ if num_external_tokens == 0 => t.load = None,
+                Some(load) => {
+                    // The engine accepted this many: load exactly that.
+                    let until = load.gpu_cached_tokens as usize + num_external_tokens;
+                    load.load_until = (load.load_until as usize).min(until) as u32;
+                }
+                None => {}
             }
         }
     }
 
     /// vLLM `build_connector_meta`: this step's loads and saves for the scheduled requests.
+    ///
+    /// A promised load whose blocks do not cover it (which vLLM never does, but an engine
+    /// might) is not dropped silently: the request's blocks from the GPU-cached prefix on are
+    /// listed in [`ConnectorMetadata::unloadable_blocks`], which the worker reports as load
+    /// errors, so the engine recomputes them.
     pub fn build_connector_meta(&mut self, scheduled: &[ScheduledRequest]) -> ConnectorMetadata {
         let chunk = self.chunk_size;
         let block_size = self.config.block_size;
         let mut requests = Vec::new();
+        let mut unloadable_blocks = Vec::new();
         for s in scheduled {
             let Some(t) = self.trackers.get_mut(&s.req_id) else {
                 continue;
             };
             t.token_ids.extend_from_slice(&s.new_token_ids);
-            if let Some(b) = &s.block_ids {
-                t.block_ids = b.clone();
+            match &s.blocks {
+                BlockUpdate::Unchanged => {}
+                BlockUpdate::Append(b) => t.block_ids.extend_from_slice(b),
+                BlockUpdate::Replace(b) => t.block_ids = b.clone(),
             }
-            let load = t.load.take();
+            let mut load = t.load.take();
+            if let Some(l) = load
+                && t.block_ids.len() * block_size < l.load_until as usize
+            {
+                tracing::error!(req = %s.req_id, load_until = l.load_until, blocks = t.block_ids.len(), "the engine's blocks do not cover a promised load; reporting them as failed");
+                let first = l.gpu_cached_tokens as usize / block_size;
+                unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
+                self.broken_promises += 1;
+                t.saved_tokens = t
+                    .saved_tokens
+                    .min(l.gpu_cached_tokens as usize / chunk * chunk);
+                load = None;
+            }
             let computed = s.num_computed_tokens_after_step.min(t.token_ids.len());
             let savable = if self.config.save_decode_tokens {
                 computed
@@ -240,13 +353,13 @@ impl ConnectorScheduler {
                 continue;
             }
             if t.block_ids.len() * block_size < needed {
-                tracing::warn!(req = %s.req_id, needed, blocks = t.block_ids.len(), "not enough GPU blocks for the connector's work; skipping");
+                // Only a save can get here (loads were checked above): skipping it is a miss.
+                tracing::warn!(req = %s.req_id, needed, blocks = t.block_ids.len(), "not enough GPU blocks for the connector's save; skipping it");
                 continue;
             }
             if let Some(sv) = save {
                 // Only full chunks advance the save point; a partial tail is saved again later.
                 t.saved_tokens = sv.save_until as usize / chunk * chunk;
-                self.pending_saves.insert(s.req_id.clone());
             }
             let slot_mapping = (0..needed)
                 .map(|i| {
@@ -256,6 +369,7 @@ impl ConnectorScheduler {
             requests.push(ReqMeta {
                 req_id: s.req_id.clone(),
                 token_ids: t.token_ids[..needed].to_vec(),
+                extra_keys: t.extra_keys.clone(),
                 slot_mapping,
                 load,
                 save,
@@ -265,6 +379,7 @@ impl ConnectorScheduler {
             probe_hash: self.probe_hash,
             requests,
             evictions: std::mem::take(&mut self.pending_evictions),
+            unloadable_blocks,
         }
     }
 
@@ -296,6 +411,7 @@ impl ConnectorScheduler {
             self.pending_evictions.push(ReqMeta {
                 req_id: format!("evict-{}", self.evictions_made),
                 token_ids: c.token_ids,
+                extra_keys: Vec::new(),
                 slot_mapping,
                 load: None,
                 save: Some(SaveSpec {
@@ -306,13 +422,9 @@ impl ConnectorScheduler {
         }
     }
 
-    /// vLLM `update_connector_output`: finished saves release their blocks; a failed load
-    /// rewinds the request's save point to the first failed block, so the recomputed KV is
-    /// saved in a later step.
+    /// vLLM `update_connector_output`: a failed load rewinds the save point of every request
+    /// holding a failed block to that block, so the recomputed KV is saved in a later step.
     pub fn update_connector_output(&mut self, output: &ConnectorOutput) {
-        for r in &output.finished_sending {
-            self.pending_saves.remove(r);
-        }
         if output.failed_block_ids.is_empty() {
             return;
         }
@@ -326,29 +438,29 @@ impl ConnectorScheduler {
         }
     }
 
-    /// vLLM `request_finished`: whether the engine must delay freeing the request's blocks
-    /// (a save from them is still in flight), and no extra transfer parameters.
+    /// vLLM `request_finished`: the request's state is dropped. Returns whether the engine
+    /// must delay freeing its blocks (never: every save completes inside the step's
+    /// `wait_for_save`, and lower tiers are written from kvpool's own memory) and no transfer
+    /// parameters.
     pub fn request_finished(&mut self, req_id: &str, _block_ids: &[u32]) -> (bool, Option<String>) {
-        let delay = self.pending_saves.contains(req_id);
-        if !delay {
-            self.trackers.remove(req_id);
-        }
-        (delay, None)
-    }
-
-    /// Frees the state of a request whose delayed blocks were released.
-    pub fn release(&mut self, req_id: &str) {
-        self.pending_saves.remove(req_id);
         self.trackers.remove(req_id);
+        (false, None)
     }
 
-    /// vLLM preemption: the request's GPU blocks are gone; forget loads and save progress
-    /// (the pool keeps what was saved, and the next lookup finds it).
+    /// vLLM preemption (`scheduler_output.preempted_req_ids`): the request's GPU blocks are
+    /// gone; forget loads and save progress (the pool keeps what was saved, and the next
+    /// lookup finds it).
     pub fn request_preempted(&mut self, req_id: &str) {
         if let Some(t) = self.trackers.get_mut(req_id) {
             t.block_ids.clear();
             t.load = None;
             t.saved_tokens = 0;
         }
+    }
+
+    /// vLLM `reset_cache` / `shutdown`: forgets every request.
+    pub fn reset(&mut self) {
+        self.trackers.clear();
+        self.pending_evictions.clear();
     }
 }

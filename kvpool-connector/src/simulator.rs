@@ -25,8 +25,8 @@ use thiserror::Error;
 use tokio::runtime::Runtime;
 
 use crate::{
-    ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
-    EngineRequest, EvictingChunk, OffloadMode, ScheduledRequest,
+    BlockUpdate, ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler,
+    ConnectorWorker, EngineRequest, EvictingChunk, OffloadMode, ScheduledRequest,
 };
 
 /// Simulator settings.
@@ -436,7 +436,7 @@ impl Simulator {
         let meta = self.scheduler.build_connector_meta(&[ScheduledRequest {
             req_id: req_id.to_string(),
             new_token_ids: Vec::new(),
-            block_ids: None,
+            blocks: BlockUpdate::Unchanged,
             num_computed_tokens_after_step: computed_after_step,
         }]);
         self.worker.bind_connector_metadata(&meta.encode())?;
@@ -488,9 +488,10 @@ impl Simulator {
         let mismatched_rows = self.mismatches(prompt, blocks);
         self.gpu.cache_full_blocks(prompt, blocks);
         let (delay_free, _) = self.scheduler.request_finished(req_id, blocks);
-        if delay_free {
-            self.scheduler.release(req_id);
-        }
+        debug_assert!(
+            !delay_free,
+            "saves are synchronous: frees are never delayed"
+        );
         self.gpu.release(blocks);
         mismatched_rows
     }
@@ -507,6 +508,7 @@ impl Simulator {
             req_id: req_id.clone(),
             prompt_token_ids: prompt.to_vec(),
             skip_save: false,
+            extra_keys: Vec::new(),
         };
         let (external, _is_async) = self.scheduler.get_num_new_matched_tokens(&request, gpu_hit);
         let needed = n.div_ceil(bs) - cached.len();
@@ -556,6 +558,7 @@ impl Simulator {
             req_id: req_id.clone(),
             prompt_token_ids: prompt.to_vec(),
             skip_save: false,
+            extra_keys: Vec::new(),
         };
         let (external, _) = self.scheduler.get_num_new_matched_tokens(&request, 0);
         let blocks = self.allocate(n.div_ceil(self.layout.block_size))?;

@@ -1,14 +1,14 @@
 //! The worker side: binds each step's metadata, loads layer by layer, saves, reports failures.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use kvpool_core::{CacheEngine, KvLayout, KvTransfer, LayerwiseRetrieve};
+use kvpool_core::{CacheEngine, ChunkSpan, KvLayout, KvTransfer, LayerwiseRetrieve};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
 use crate::ConnectorError;
-use crate::metadata::{ConnectorMetadata, MetadataError};
+use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta};
 
 /// The worker side of the connector (one per GPU worker / TP rank).
 pub struct ConnectorWorker {
@@ -19,12 +19,33 @@ pub struct ConnectorWorker {
     registered: bool,
     meta: Option<ConnectorMetadata>,
     loads: Vec<LayerwiseRetrieve>,
-    /// Per request: the first token whose load failed this step (saves stop before it).
-    failed_from: HashMap<String, usize>,
+    /// GPU blocks whose load failed in this step, whichever request loaded them: no request
+    /// saves a chunk that touches one (they hold neither loaded nor computed KV, and KV
+    /// computed after them attended to them).
+    failed_blocks: BTreeSet<u32>,
     saved_layers: usize,
-    finished_sending: Vec<String>,
     load_errors: BTreeSet<u32>,
     kv_events: Vec<KvEvent>,
+    stats: WorkerStats,
+}
+
+/// Counters of a worker since it started (vLLM's connector stats read them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Steps bound.
+    pub steps: u64,
+    /// Tokens the scheduler asked to load.
+    pub load_requested_tokens: u64,
+    /// Tokens loaded into the engine's cache.
+    pub loaded_tokens: u64,
+    /// GPU blocks reported as failed loads.
+    pub failed_load_blocks: u64,
+    /// Tokens stored into the pool.
+    pub stored_tokens: u64,
+    /// Saves that failed (a miss later, nothing else).
+    pub save_errors: u64,
+    /// Chunks a save skipped because they touch a block that failed to load in the step.
+    pub saves_cut_by_failed_loads: u64,
 }
 
 /// An event for the engine's KV-event stream (vLLM `get_kv_connector_kv_cache_events`).
@@ -51,12 +72,22 @@ impl ConnectorWorker {
             registered: false,
             meta: None,
             loads: Vec::new(),
-            failed_from: HashMap::new(),
+            failed_blocks: BTreeSet::new(),
             saved_layers: 0,
-            finished_sending: Vec::new(),
             load_errors: BTreeSet::new(),
             kv_events: Vec::new(),
+            stats: WorkerStats::default(),
         }
+    }
+
+    /// The pool this worker loads from and saves to.
+    pub fn engine(&self) -> &Arc<CacheEngine> {
+        &self.engine
+    }
+
+    /// Counters since the worker started.
+    pub fn stats(&self) -> WorkerStats {
+        self.stats
     }
 
     /// vLLM `register_kv_caches`: checks the engine's paged KV layout matches the pool's.
@@ -89,8 +120,9 @@ impl ConnectorWorker {
         }
         self.meta = Some(meta);
         self.loads.clear();
-        self.failed_from.clear();
+        self.failed_blocks.clear();
         self.saved_layers = 0;
+        self.stats.steps += 1;
         Ok(())
     }
 
@@ -106,53 +138,119 @@ impl ConnectorWorker {
         })
     }
 
+    fn spans(
+        &self,
+        r: &ReqMeta,
+        from: usize,
+        until: usize,
+    ) -> Result<Vec<ChunkSpan>, ConnectorError> {
+        let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
+        Ok(self
+            .engine
+            .token_database()
+            .process_tokens_with_extra(&r.token_ids[..until], Some(&mask), &r.extra_keys)
+            .map_err(kvpool_core::EngineError::from)?)
+    }
+
+    /// Marks the blocks of tokens `from..until` of `r` as failed loads.
+    fn fail_tokens(&mut self, r: &ReqMeta, from: usize, until: usize) {
+        for i in from..until {
+            let block = (r.slot_mapping[i] as usize / self.block_size) as u32;
+            if self.load_errors.insert(block) {
+                self.stats.failed_load_blocks += 1;
+            }
+            self.failed_blocks.insert(block);
+        }
+    }
+
     /// vLLM `start_load_kv`: fetches and verifies every chunk to load this step. Tokens that
     /// will not arrive are recorded now, by GPU block, for
-    /// [`ConnectorWorker::get_block_ids_with_load_errors`].
+    /// [`ConnectorWorker::get_block_ids_with_load_errors`]; one request's failure never stops
+    /// another's load.
     ///
     /// Lazy-offload evictions are saved first, from `kv`, before any load writes their blocks.
     pub fn start_load_kv(&mut self, kv: &dyn KvTransfer) -> Result<(), ConnectorError> {
         let meta = self.meta()?.clone();
+        for &block in &meta.unloadable_blocks {
+            if self.load_errors.insert(block) {
+                self.stats.failed_load_blocks += 1;
+            }
+            self.failed_blocks.insert(block);
+        }
         for r in &meta.evictions {
             if let Some(save) = r.save {
-                self.store_range(r, save.save_from as usize, save.save_until as usize, kv)?;
+                self.save_best_effort(r, save.save_from as usize, save.save_until as usize, kv);
             }
         }
         for r in &meta.requests {
             let Some(load) = r.load else { continue };
             let (from, until) = (load.gpu_cached_tokens as usize, load.load_until as usize);
-            let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
-            let plan = self.runtime.block_on(self.engine.begin_retrieve_layerwise(
-                &r.token_ids[..until],
-                Some(&mask),
-                &r.slot_mapping[..until],
-            ))?;
+            self.stats.load_requested_tokens += (until - from) as u64;
+            let plan = self.spans(r, from, until).and_then(|spans| {
+                Ok(self.runtime.block_on(self.engine.begin_retrieve_spans(
+                    &spans,
+                    from,
+                    until,
+                    &r.slot_mapping[..until],
+                ))?)
+            });
+            let plan = match plan {
+                Ok(plan) => plan,
+                Err(e) => {
+                    warn!(req = %r.req_id, error = %e, "load failed; reporting its blocks");
+                    self.fail_tokens(r, from, until);
+                    continue;
+                }
+            };
             let loaded = plan.loaded_mask();
             if let Some(first) = (from..until).find(|&i| !loaded[i]) {
                 warn!(req = %r.req_id, expected = until - from, loaded = plan.loaded_tokens(), "load incomplete; reporting failed blocks");
-                self.failed_from.insert(r.req_id.clone(), first);
-                for i in first..until {
-                    self.load_errors
-                        .insert((r.slot_mapping[i] as usize / self.block_size) as u32);
-                }
+                self.fail_tokens(r, first, until);
             }
             self.loads.push(plan);
         }
         Ok(())
     }
 
-    /// vLLM `wait_for_layer_load`: writes layer `layer` of every fetched chunk into `kv`.
+    /// vLLM `wait_for_layer_load`: writes layer `layer` of every fetched chunk into `kv`. A
+    /// load whose write fails is reported (all its blocks) and dropped; the others go on.
     pub fn wait_for_layer_load(
         &mut self,
         layer: usize,
         kv: &mut dyn KvTransfer,
     ) -> Result<(), ConnectorError> {
-        for plan in &mut self.loads {
-            plan.load_layer(layer, kv)?;
+        let mut failed = Vec::new();
+        for (i, plan) in self.loads.iter_mut().enumerate() {
+            if let Err(e) = plan.load_layer(layer, kv) {
+                warn!(layer, error = %e, "writing a loaded layer failed; reporting the load's blocks");
+                failed.push(i);
+            }
+        }
+        for i in failed.into_iter().rev() {
+            let plan = self.loads.remove(i);
+            let slots: Vec<i64> = plan.slot_mapping_of_loaded();
+            for s in slots {
+                let block = (s as usize / self.block_size) as u32;
+                if self.load_errors.insert(block) {
+                    self.stats.failed_load_blocks += 1;
+                }
+                self.failed_blocks.insert(block);
+            }
         }
         // After the last layer, release the fetched chunks so L1 can evict them again.
         if layer + 1 == self.engine.layout().num_layers {
-            self.loads.clear();
+            for plan in self.loads.drain(..) {
+                self.stats.loaded_tokens += plan.loaded_tokens() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every layer of every fetched chunk (for engines that load before the forward
+    /// pass rather than layer by layer, such as vLLM on CPU).
+    pub fn finish_loads(&mut self, kv: &mut dyn KvTransfer) -> Result<(), ConnectorError> {
+        for layer in 0..self.engine.layout().num_layers {
+            self.wait_for_layer_load(layer, kv)?;
         }
         Ok(())
     }
@@ -174,61 +272,84 @@ impl ConnectorWorker {
         Ok(())
     }
 
-    /// vLLM `wait_for_save`: stores every request's new chunks. A request whose load failed
-    /// this step saves nothing from its first failed chunk on: those GPU slots hold neither
-    /// loaded nor computed KV.
+    /// vLLM `wait_for_save`: stores every request's new chunks, all layers, from `kv`; call it
+    /// once the step's forward pass is complete. A chunk touching a block whose load failed
+    /// in this step (whichever request loaded it) is not saved, nor anything after it. A
+    /// failing save is logged and counted; it never stops the others.
     pub fn wait_for_save(&mut self, kv: &dyn KvTransfer) -> Result<(), ConnectorError> {
         let meta = self.meta()?.clone();
-        let chunk = self.engine.token_database().chunk_size();
         let wanted_layers = self.engine.layout().num_layers;
+        if self.saved_layers != 0 && self.saved_layers != wanted_layers {
+            return Err(ConnectorError::Usage(format!(
+                "wait_for_save after {} of {wanted_layers} save_kv_layer calls",
+                self.saved_layers
+            )));
+        }
+        let chunk = self.engine.token_database().chunk_size();
         for r in &meta.requests {
             let Some(save) = r.save else { continue };
-            if self.saved_layers != wanted_layers {
-                return Err(ConnectorError::Usage(format!(
-                    "wait_for_save after {} of {wanted_layers} save_kv_layer calls",
-                    self.saved_layers
-                )));
-            }
             let from = save.save_from as usize;
             let mut until = save.save_until as usize;
-            if let Some(&bad) = self.failed_from.get(&r.req_id) {
-                until = until.min(bad / chunk * chunk);
+            if let Some(bad) = (0..until).find(|&i| {
+                self.failed_blocks
+                    .contains(&((r.slot_mapping[i] as usize / self.block_size) as u32))
+            }) {
+                let cut = (bad / chunk * chunk).max(from).min(until);
+                if cut < until {
+                    self.stats.saves_cut_by_failed_loads += 1;
+                }
+                until = cut;
             }
-            self.store_range(r, from, until, kv)?;
-            self.finished_sending.push(r.req_id.clone());
+            self.save_best_effort(r, from, until, kv);
         }
         Ok(())
+    }
+
+    fn save_best_effort(&mut self, r: &ReqMeta, from: usize, until: usize, kv: &dyn KvTransfer) {
+        if let Err(e) = self.store_range(r, from, until, kv) {
+            self.stats.save_errors += 1;
+            warn!(req = %r.req_id, error = %e, "save failed (the chunks will be missing from the pool)");
+        }
     }
 
     /// Stores the chunks of `r` covering tokens `from..until`, read from `kv`.
     fn store_range(
         &mut self,
-        r: &crate::ReqMeta,
+        r: &ReqMeta,
         from: usize,
         until: usize,
         kv: &dyn KvTransfer,
     ) -> Result<(), ConnectorError> {
-        if until > from {
-            let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
-            let report = self.runtime.block_on(self.engine.store(
-                &r.token_ids[..until],
-                Some(&mask),
-                kv,
-                &r.slot_mapping[..until],
-            ))?;
-            if !report.stored_keys.is_empty() {
-                self.kv_events.push(KvEvent::ChunksStored {
-                    req_id: r.req_id.clone(),
-                    chunk_hashes: report.stored_keys.iter().map(|k| k.hash.0).collect(),
-                });
+        if until <= from {
+            return Ok(());
+        }
+        let spans = self.spans(r, from, until)?;
+        let report = self.runtime.block_on(async {
+            let mut store = self
+                .engine
+                .begin_store_spans(spans, until, &r.slot_mapping[..until])
+                .await?;
+            for layer in 0..self.engine.layout().num_layers {
+                store.save_layer(layer, kv)?;
             }
+            store.finish().await
+        })?;
+        self.stats.stored_tokens += report.stored_tokens as u64;
+        if !report.stored_keys.is_empty() {
+            self.kv_events.push(KvEvent::ChunksStored {
+                req_id: r.req_id.clone(),
+                chunk_hashes: report.stored_keys.iter().map(|k| k.hash.0).collect(),
+            });
         }
         Ok(())
     }
 
-    /// vLLM `get_finished`: requests whose saves and (asynchronous) loads completed.
+    /// vLLM `get_finished`: requests whose asynchronous saves and loads completed. Both are
+    /// synchronous here (done when `wait_for_save` / `start_load_kv` return), and
+    /// `request_finished` never delays a free, so there is never anything to report: a
+    /// request id vLLM did not hand over as finished is never returned.
     pub fn get_finished(&mut self, _finished_req_ids: &[String]) -> (Vec<String>, Vec<String>) {
-        (std::mem::take(&mut self.finished_sending), Vec::new())
+        (Vec::new(), Vec::new())
     }
 
     /// vLLM `get_kv_connector_kv_cache_events`: what the pool stored since the last call.

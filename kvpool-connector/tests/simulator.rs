@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use kvpool_connector::simulator::{self, SimConfig, Simulator, Workload};
 use kvpool_connector::{
-    ConnectorConfig, ConnectorScheduler, ConnectorWorker, EngineRequest, ScheduledRequest,
+    BlockUpdate, ConnectorConfig, ConnectorScheduler, ConnectorWorker, EngineRequest,
+    ScheduledRequest,
 };
 use kvpool_core::{Dtype, KvKind, KvLayout};
 
@@ -156,13 +157,14 @@ fn a_worker_that_derives_other_keys_refuses_the_metadata() {
         req_id: "r".into(),
         prompt_token_ids: (0..300).collect(),
         skip_save: false,
+        extra_keys: Vec::new(),
     };
     scheduler.get_num_new_matched_tokens(&req, 0);
     scheduler.update_state_after_alloc("r", &(0..19).collect::<Vec<u32>>(), 0);
     let meta = scheduler.build_connector_meta(&[ScheduledRequest {
         req_id: "r".into(),
         new_token_ids: vec![],
-        block_ids: None,
+        blocks: BlockUpdate::Unchanged,
         num_computed_tokens_after_step: 300,
     }]);
     let err = worker

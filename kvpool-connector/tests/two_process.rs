@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use kvpool_connector::simulator::{model_compute, model_mismatches};
 use kvpool_connector::{
-    ConnectorConfig, ConnectorOutput, ConnectorScheduler, ConnectorWorker, EngineRequest,
-    PoolLookup, ScheduledRequest, probe_hash_of,
+    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
+    EngineRequest, PoolLookup, ScheduledRequest, probe_hash_of,
 };
 use kvpool_core::{
     CacheEngine, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind, HostPagedKvCache,
@@ -155,7 +155,8 @@ fn worker_process() {
 struct RpcLookup(Arc<Mutex<UnixStream>>);
 
 impl PoolLookup for RpcLookup {
-    fn lookup(&mut self, tokens: &[u32]) -> usize {
+    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize {
+        assert!(extra_keys.is_empty(), "this test sends plain requests");
         let mut s = self.0.lock().unwrap();
         send(&mut s, &ToWorker::Lookup(tokens.to_vec()));
         match recv(&mut s) {
@@ -177,13 +178,14 @@ fn run_request(
         req_id: id.into(),
         prompt_token_ids: prompt.to_vec(),
         skip_save: false,
+        extra_keys: Vec::new(),
     };
     let (external, _) = sched.get_num_new_matched_tokens(&request, 0);
     sched.update_state_after_alloc(id, blocks, external);
     let meta = sched.build_connector_meta(&[ScheduledRequest {
         req_id: id.into(),
         new_token_ids: vec![],
-        block_ids: None,
+        blocks: BlockUpdate::Unchanged,
         num_computed_tokens_after_step: prompt.len(),
     }]);
     let mut s = sock.lock().unwrap();

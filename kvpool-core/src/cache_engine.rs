@@ -468,6 +468,16 @@ impl LayerwiseRetrieve {
         self.mask.iter().filter(|m| **m).count()
     }
 
+    /// The slots of the tokens this plan writes (to report them if a write fails).
+    pub fn slot_mapping_of_loaded(&self) -> Vec<i64> {
+        self.slot_mapping
+            .iter()
+            .zip(&self.mask)
+            .filter(|(_, m)| **m)
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
     /// Consumes the plan, returning the loaded mask.
     pub fn into_mask(self) -> Vec<bool> {
         self.mask

@@ -44,6 +44,8 @@ pub enum HashAlgorithm {
 const DOMAIN_TOKENS: u8 = 0x01;
 /// Domain tag for chunks hashed from engine block hashes.
 const DOMAIN_BLOCKS: u8 = 0x02;
+/// Domain tag for a request's extra keys chained onto the root.
+const DOMAIN_EXTRA: u8 = 0x03;
 /// Bytes hashed to form the fixed root of every chain.
 const ROOT_SEED: &[u8] = b"kvpool.chunk-hash.root.v1";
 
@@ -89,6 +91,12 @@ impl HashAlgorithm {
         }
     }
 
+    /// A request's root: H(root || 0x03 || extra keys), for requests whose KV depends on
+    /// more than their token ids (LoRA adapter, multimodal inputs, cache salt).
+    pub fn chain_extra(self, root: &ChunkHash, extra_keys: &[u8]) -> ChunkHash {
+        self.hash_parts(&[&root.0, &[DOMAIN_EXTRA], extra_keys])
+    }
+
     /// hash_i = H(prev || 0x02 || for each block: len as u32 LE || block hash bytes).
     pub fn chain_blocks<B: AsRef<[u8]>>(self, prev: &ChunkHash, blocks: &[B]) -> ChunkHash {
         let mut buf = Vec::with_capacity(17 + blocks.len() * 36);
@@ -121,6 +129,19 @@ mod tests {
     }
 
     #[test]
+    fn pinned_extra_keys_chain() {
+        let algo = HashAlgorithm::Xxh3_128;
+        // Extra keys of a request under LoRA adapter "adapter-1" (see docs/keys.md).
+        let mut extra = vec![1u8];
+        extra.extend_from_slice(&9u32.to_le_bytes());
+        extra.extend_from_slice(b"adapter-1");
+        let root = algo.chain_extra(&algo.root(), &extra);
+        assert_eq!(root.to_string(), PINNED_XXH3_ROOT_LORA);
+        let h1 = algo.chain_tokens(&root, &[1, 2, 3, 4]);
+        assert_eq!(h1.to_string(), PINNED_XXH3_H1_LORA);
+    }
+
+    #[test]
     fn pinned_sha256_chain() {
         let algo = HashAlgorithm::Sha256;
         let h1 = algo.chain_tokens(&algo.root(), &[1, 2, 3, 4]);
@@ -134,6 +155,10 @@ mod tests {
     const PINNED_XXH3_ROOT: &str = "10b4248da3324d63541e264ac9f43631";
     const PINNED_XXH3_H1: &str = "895d1392eb618d64049d62e3a0249520";
     const PINNED_XXH3_H2: &str = "f009ace08f0bfa674cf696dff76a4c10";
+    //   root_lora = xxh3_128_digest(root + b"\x03" + b"\x01" + struct.pack("<I", 9) + b"adapter-1")
+    //   h1_lora   = xxh3_128_digest(root_lora + b"\x01" + struct.pack("<4I", 1, 2, 3, 4))
+    const PINNED_XXH3_ROOT_LORA: &str = "63d12d1bfe12314691c4dc74c23243e0";
+    const PINNED_XXH3_H1_LORA: &str = "c6311e42108cb3118b86026a5a5ebdd1";
     const PINNED_SHA_H1: &str = "7ca0bb862c5ee49bfb565207845dc7d9";
 
     #[test]

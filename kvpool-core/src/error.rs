@@ -299,6 +299,21 @@ pub enum TransferError {
     /// A device-side failure (CUDA).
     #[error("device transfer failed: {0}")]
     Device(String),
+    /// A whole-block transfer was asked to move part of an engine block, or slots that are
+    /// not one block's slots in order.
+    #[error(
+        "tokens {start}..{end} are not whole engine blocks of {block_size} tokens in order: {reason}"
+    )]
+    NotWholeBlocks {
+        /// First chunk token of the range.
+        start: usize,
+        /// End of the range.
+        end: usize,
+        /// Tokens per engine block.
+        block_size: usize,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// A configuration file or value is invalid.

@@ -11,11 +11,13 @@
 //! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind;
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
+//! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
 //! - [`config`]: the TOML configuration.
 
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod block_transfer;
 pub mod cache_engine;
 pub mod chunk_format;
 pub mod chunk_hash;
@@ -34,6 +36,7 @@ pub use backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
+pub use block_transfer::BlockKvCache;
 pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};

@@ -284,6 +284,11 @@ impl StorageManager {
             .collect()
     }
 
+    /// Each tier's own counters (hits, bytes, errors, corrupt values), in lookup order.
+    pub fn backend_stats(&self) -> Vec<crate::backend::BackendStats> {
+        self.tiers.iter().map(|t| t.backend.stats()).collect()
+    }
+
     fn ensure_open(&self) -> Result<(), BackendError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(BackendError::Closed("storage manager".into()));

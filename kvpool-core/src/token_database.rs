@@ -136,6 +136,31 @@ impl ChunkedTokenDatabase {
         tokens: &[u32],
         mask: Option<&[bool]>,
     ) -> Result<Vec<ChunkSpan>, TokenError> {
+        self.process_tokens_with_extra(tokens, mask, &[])
+    }
+
+    /// The hash that precedes a request's first chunk: the fixed root, or, when the request
+    /// has extra keys (LoRA adapter, multimodal input hashes, cache salt), the root chained
+    /// with them, so requests that differ only in those never share a chunk.
+    pub fn root_for(&self, extra_keys: &[u8]) -> ChunkHash {
+        if extra_keys.is_empty() {
+            self.root
+        } else {
+            self.config
+                .hash_algorithm
+                .chain_extra(&self.root, extra_keys)
+        }
+    }
+
+    /// [`ChunkedTokenDatabase::process_tokens`] for a request with extra keys (see
+    /// [`ChunkedTokenDatabase::root_for`]); empty `extra_keys` give the same keys as
+    /// `process_tokens`.
+    pub fn process_tokens_with_extra(
+        &self,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+        extra_keys: &[u8],
+    ) -> Result<Vec<ChunkSpan>, TokenError> {
         let skip = match mask {
             Some(m) => Self::masked_prefix_len(m, tokens.len())?,
             None => 0,
@@ -143,7 +168,7 @@ impl ChunkedTokenDatabase {
         let algo = self.config.hash_algorithm;
         let cs = self.config.chunk_size;
         let mut spans = Vec::with_capacity(tokens.len() / cs + 1);
-        let mut prev = self.root;
+        let mut prev = self.root_for(extra_keys);
         for (i, chunk) in tokens.chunks(cs).enumerate() {
             if chunk.len() < cs && !self.config.save_unfull_chunk {
                 break;
@@ -248,6 +273,27 @@ mod tests {
         assert_ne!(ka[1].key, kb[1].key);
         // The chain makes the third chunk differ although its own tokens are equal.
         assert_ne!(ka[2].key, kb[2].key);
+    }
+
+    #[test]
+    fn extra_keys_separate_every_chunk_and_empty_extra_keys_change_nothing() {
+        let d = db(4, false);
+        let tokens: Vec<u32> = (0..8).collect();
+        let plain = d.process_tokens(&tokens, None).unwrap();
+        assert_eq!(
+            d.process_tokens_with_extra(&tokens, None, b"").unwrap(),
+            plain
+        );
+        let lora = d
+            .process_tokens_with_extra(&tokens, None, b"lora:7")
+            .unwrap();
+        let salt = d
+            .process_tokens_with_extra(&tokens, None, b"salt:x")
+            .unwrap();
+        for i in 0..2 {
+            assert_ne!(lora[i].key, plain[i].key);
+            assert_ne!(lora[i].key, salt[i].key);
+        }
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //!
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
-//!   `cargo test`), all with every feature, then `matrix`: exactly what CI runs.
+//!   `cargo test`), all with every feature, then `matrix` and `vllm`: exactly what CI runs.
+//! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
+//!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
 //!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
@@ -13,6 +15,7 @@
 
 mod matrix;
 mod servers;
+mod vllm;
 
 use std::env;
 use std::path::PathBuf;
@@ -32,7 +35,11 @@ pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
 }
 
 /// [`run`] with extra environment variables for the child.
-fn run_with_env(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<(), String> {
+pub(crate) fn run_with_env(
+    program: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Result<(), String> {
     eprintln!("\n==> {program} {}", args.join(" "));
     let started = Instant::now();
     let status = Command::new(program)
@@ -146,9 +153,10 @@ fn ci() -> Result<(), String> {
             ],
         )?;
     }
-    // Last: every backend against real servers.
+    // Then every backend against real servers, and last kvpool inside real vLLM.
     nvrtc_check()?;
-    matrix::matrix()
+    matrix::matrix()?;
+    vllm::vllm(&[])
 }
 
 /// NVRTC from PyPI (no GPU needed), to compile kvpool-cuda's kernels in CI.
@@ -582,10 +590,11 @@ fn main() -> ExitCode {
             bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
         Some("gpu-bundle") => gpu_bundle(),
+        Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | bench | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | matrix | vllm | bench | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -1,0 +1,156 @@
+//! Fitting a pool to a vLLM engine: the facts vLLM gives the connector (model, parallel ranks,
+//! the KV tensors' shape and dtype) override the config's model and layout sections.
+
+use std::path::{Path, PathBuf};
+
+use kvpool_core::{ConfigError, Dtype, KvKind, PoolConfig};
+
+/// What the Python connector learns from vLLM about the engine it runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmEngineFacts {
+    /// vLLM's model (served name or path); used when the config does not name one.
+    pub model: String,
+    /// Tensor-parallel world size.
+    pub tp_size: u32,
+    /// This worker's tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u32,
+    /// vLLM's block size in tokens.
+    pub block_size: usize,
+    /// Attention layers with a KV cache (one registered tensor each).
+    pub num_layers: usize,
+    /// KV heads per layer on this rank.
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_size: usize,
+    /// The KV cache's element type.
+    pub dtype: Dtype,
+    /// A description of how the engine lays out bytes inside a block (attention backend,
+    /// instruction set, tensor shape and strides). Blocks are moved as opaque bytes, so two
+    /// engines with different tags must never share chunks: the tag is part of every key.
+    pub kv_format: String,
+}
+
+/// The config name that means "not set by the user" (see `ModelConfig::default`).
+const DEFAULT_MODEL_NAME: &str = "default-model";
+
+/// The pool config for a vLLM worker: `base` (the user's TOML or JSON) with its `[model]` and
+/// `[layout]` taken from the engine. The key scope's model is `<name>|kv=<digest of
+/// kv_format>`, so chunks written under another block format are never found.
+pub fn pool_config_for_vllm(
+    base: &PoolConfig,
+    facts: &VllmEngineFacts,
+) -> Result<PoolConfig, ConfigError> {
+    let mut config = base.clone();
+    let name = if base.model.name == DEFAULT_MODEL_NAME {
+        facts.model.clone()
+    } else {
+        base.model.name.clone()
+    };
+    let digest = xxhash_rust::xxh3::xxh3_64(facts.kv_format.as_bytes());
+    config.model.name = format!("{name}|kv={digest:016x}");
+    config.model.world_size = facts.tp_size;
+    config.model.rank = facts.tp_rank;
+    config.model.pp_rank = facts.pp_rank;
+    config.layout.num_layers = facts.num_layers;
+    config.layout.num_kv_heads = facts.num_kv_heads;
+    config.layout.head_size = facts.head_size;
+    config.layout.dtype = facts.dtype;
+    config.layout.kind = KvKind::KeyValue;
+    config.layout.block_size = facts.block_size;
+    if !config.chunking.chunk_size.is_multiple_of(facts.block_size) {
+        return Err(ConfigError::Invalid {
+            field: "chunking.chunk_size",
+            reason: format!(
+                "{} is not a multiple of vLLM's block size {}: chunks are made of whole blocks",
+                config.chunking.chunk_size, facts.block_size
+            ),
+        });
+    }
+    if config.chunking.save_unfull_chunk {
+        tracing::warn!(
+            "chunking.save_unfull_chunk is ignored with vLLM: chunks are moved as whole blocks"
+        );
+        config.chunking.save_unfull_chunk = false;
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// The lookup socket of one worker rank of one vLLM engine (`engine_id` is vLLM's
+/// `kv_transfer_config.engine_id`, the same in every process of the engine).
+pub fn lookup_socket_path(dir: &Path, engine_id: &str, tp_rank: u32) -> PathBuf {
+    let safe: String = engine_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    dir.join(format!("kvpool-{safe}-tp{tp_rank}.sock"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> VllmEngineFacts {
+        VllmEngineFacts {
+            model: "/models/tiny".into(),
+            tp_size: 2,
+            tp_rank: 1,
+            pp_rank: 0,
+            block_size: 32,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_size: 64,
+            dtype: Dtype::F32,
+            kv_format: "cpu|avx512|[32768,2,32,128]".into(),
+        }
+    }
+
+    #[test]
+    fn engine_facts_override_model_and_layout() {
+        let c = pool_config_for_vllm(&PoolConfig::default(), &facts()).unwrap();
+        assert!(c.model.name.starts_with("/models/tiny|kv="));
+        assert_eq!((c.model.world_size, c.model.rank), (2, 1));
+        assert_eq!(c.layout.num_layers, 2);
+        assert_eq!(c.layout.block_size, 32);
+        let mut other = facts();
+        other.kv_format = "cpu|avx2|[32768,2,32,128]".into();
+        let c2 = pool_config_for_vllm(&PoolConfig::default(), &other).unwrap();
+        assert_ne!(
+            c.model.name, c2.model.name,
+            "block formats never share keys"
+        );
+        let mut named = PoolConfig::default();
+        named.model.name = "llama".into();
+        assert!(
+            pool_config_for_vllm(&named, &facts())
+                .unwrap()
+                .model
+                .name
+                .starts_with("llama|kv=")
+        );
+    }
+
+    #[test]
+    fn chunk_size_must_be_whole_blocks() {
+        let mut base = PoolConfig::default();
+        base.chunking.chunk_size = 48;
+        let err = pool_config_for_vllm(&base, &facts()).unwrap_err();
+        assert!(err.to_string().contains("multiple of vLLM's block size 32"));
+    }
+
+    #[test]
+    fn socket_paths_are_per_engine_and_rank() {
+        let a = lookup_socket_path(Path::new("/tmp"), "e/1", 0);
+        assert_eq!(a, Path::new("/tmp/kvpool-e_1-tp0.sock"));
+        assert_ne!(a, lookup_socket_path(Path::new("/tmp"), "e/1", 1));
+    }
+}

@@ -1,0 +1,342 @@
+//! The connector driven the way vLLM 0.32 drives it: several requests per step sharing
+//! prefix blocks, incremental block ids, reused request ids, failed loads. One test per
+//! defect listed in the "real protocol" issue; each failed on the code before it.
+
+use std::sync::Arc;
+
+use kvpool_connector::simulator::{model_compute, model_mismatches};
+use kvpool_connector::{
+    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
+    EngineRequest, ScheduledRequest,
+};
+use kvpool_core::{ByteSize, CacheEngine, HostPagedKvCache, KvTransfer, PoolConfig};
+
+const BLOCK: usize = 16;
+const CHUNK: usize = 32;
+
+struct Setup {
+    runtime: Arc<tokio::runtime::Runtime>,
+    engine: Arc<CacheEngine>,
+    sched: ConnectorScheduler,
+    worker: ConnectorWorker,
+    kv: HostPagedKvCache,
+}
+
+fn setup() -> Setup {
+    let runtime = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+    );
+    let mut config = PoolConfig::default();
+    config.local_cpu.max_size = ByteSize::mib(64);
+    config.chunking.chunk_size = CHUNK;
+    config.layout.num_layers = 2;
+    config.layout.num_kv_heads = 2;
+    config.layout.head_size = 8;
+    config.layout.block_size = BLOCK;
+    let engine = runtime
+        .block_on(kvpool_backends::build_pool(&config))
+        .unwrap()
+        .engine;
+    let sched = ConnectorScheduler::new(
+        engine.clone(),
+        runtime.clone(),
+        ConnectorConfig {
+            block_size: BLOCK,
+            save_unfull_chunk: false,
+            save_decode_tokens: false,
+            offload: Default::default(),
+        },
+    );
+    let mut worker = ConnectorWorker::new(engine.clone(), runtime.clone(), BLOCK);
+    worker.register_kv_caches(engine.layout()).unwrap();
+    let kv = HostPagedKvCache::new(*engine.layout(), 64);
+    Setup {
+        runtime,
+        engine,
+        sched,
+        worker,
+        kv,
+    }
+}
+
+fn request(id: &str, prompt: &[u32]) -> EngineRequest {
+    EngineRequest {
+        req_id: id.into(),
+        prompt_token_ids: prompt.to_vec(),
+        skip_save: false,
+        extra_keys: Vec::new(),
+    }
+}
+
+fn scheduled(id: &str, blocks: BlockUpdate, computed: usize) -> ScheduledRequest {
+    ScheduledRequest {
+        req_id: id.into(),
+        new_token_ids: Vec::new(),
+        blocks,
+        num_computed_tokens_after_step: computed,
+    }
+}
+
+impl Setup {
+    /// Computes (with the simulator's model) the KV of `tokens` into `blocks`.
+    fn compute(&mut self, tokens: &[u32], blocks: &[u32], positions: std::ops::Range<usize>) {
+        for layer in 0..2 {
+            model_compute(&mut self.kv, layer, tokens, blocks, positions.clone());
+        }
+    }
+
+    /// Stores `tokens` (computed into blocks 40..) in the pool, as a finished request would.
+    fn seed_pool(&mut self, tokens: &[u32]) {
+        let blocks: Vec<u32> = (40..40 + tokens.len().div_ceil(BLOCK) as u32).collect();
+        self.compute(tokens, &blocks, 0..tokens.len());
+        let slots: Vec<i64> = (0..tokens.len())
+            .map(|i| (blocks[i / BLOCK] as usize * BLOCK + i % BLOCK) as i64)
+            .collect();
+        self.runtime
+            .block_on(self.engine.store(tokens, None, &self.kv, &slots))
+            .unwrap();
+    }
+
+    fn pool_hit(&self, tokens: &[u32]) -> usize {
+        self.runtime.block_on(self.engine.lookup(tokens)).unwrap()
+    }
+
+    /// One worker step: bind, load (all layers), the engine computes `compute`, save.
+    fn worker_step(&mut self, meta: &[u8], compute: &[(&[u32], &[u32], std::ops::Range<usize>)]) {
+        self.worker.bind_connector_metadata(meta).unwrap();
+        self.worker.start_load_kv(&self.kv).unwrap();
+        self.worker.finish_loads(&mut self.kv).unwrap();
+        for (tokens, blocks, range) in compute {
+            self.compute(tokens, blocks, range.clone());
+        }
+        self.worker.wait_for_save(&self.kv).unwrap();
+        self.worker.clear_connector_metadata();
+    }
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt).collect()
+}
+
+/// Defect 1: request A's load of chunk 1 fails; request B, in the same step, shares A's blocks
+/// through the prefix cache and saves them. The pool must not get B's copy of the never-loaded
+/// blocks under a valid key.
+#[test]
+fn a_failed_load_is_never_saved_by_another_request_sharing_its_blocks() {
+    let mut s = setup();
+    let p = prompt(3 * CHUNK + 1, 1);
+    s.seed_pool(&p[..2 * CHUNK]);
+    // A: 64 tokens in the pool; blocks 0..7.
+    let a_blocks: Vec<u32> = (0..7).collect();
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("a", &p), 0),
+        (2 * CHUNK, false)
+    );
+    s.sched.update_state_after_alloc("a", &a_blocks, 2 * CHUNK);
+    // The second chunk disappears from the pool between lookup and load (evicted, tier down).
+    let spans = s
+        .engine
+        .token_database()
+        .process_tokens(&p[..2 * CHUNK], None)
+        .unwrap();
+    s.runtime
+        .block_on(s.engine.storage().remove(&[spans[1].key.clone()]));
+    // B: same prompt, shares A's blocks 0..3 (prefix cache), own blocks after.
+    let b_blocks: Vec<u32> = (0..4).chain(20..23).collect();
+    s.sched
+        .get_num_new_matched_tokens(&request("b", &p), 2 * CHUNK);
+    s.sched.update_state_after_alloc("b", &b_blocks, 0);
+    let meta = s.sched.build_connector_meta(&[
+        scheduled("a", BlockUpdate::Replace(a_blocks.clone()), p.len()),
+        scheduled("b", BlockUpdate::Replace(b_blocks.clone()), p.len()),
+    ]);
+    let (pa, pb) = (p.clone(), p.clone());
+    s.worker_step(
+        &meta.encode(),
+        &[
+            (&pa, &a_blocks, 2 * CHUNK..p.len()),
+            (&pb, &b_blocks, 2 * CHUNK..p.len()),
+        ],
+    );
+    let failed = s.worker.get_block_ids_with_load_errors();
+    assert_eq!(failed, [2, 3], "A's second chunk is blocks 2 and 3");
+    assert_eq!(
+        s.pool_hit(&p[..3 * CHUNK]),
+        CHUNK,
+        "nothing from the failed chunk on was stored, by A or by B"
+    );
+    // The scheduler rewinds both saves; once the engine recomputed the blocks, they are saved.
+    s.sched.update_connector_output(&ConnectorOutput {
+        failed_block_ids: failed,
+        ..Default::default()
+    });
+    assert_eq!(s.sched.tracker("b").unwrap().saved_tokens, CHUNK);
+    s.compute(&p, &a_blocks, CHUNK..2 * CHUNK);
+    let meta = s.sched.build_connector_meta(&[
+        scheduled("a", BlockUpdate::Unchanged, p.len()),
+        scheduled("b", BlockUpdate::Unchanged, p.len()),
+    ]);
+    s.worker_step(&meta.encode(), &[]);
+    assert_eq!(s.pool_hit(&p[..3 * CHUNK]), 3 * CHUNK);
+    let mut check = HostPagedKvCache::new(*s.engine.layout(), 64);
+    let slots: Vec<i64> = (0..3 * CHUNK as i64).collect();
+    s.runtime
+        .block_on(s.engine.retrieve(&p[..3 * CHUNK], None, &mut check, &slots))
+        .unwrap();
+    let blocks: Vec<u32> = (0..6).collect();
+    assert_eq!(model_mismatches(&check, &p[..3 * CHUNK], &blocks), 0);
+}
+
+/// Defect 2: `get_finished` must not report requests vLLM did not hand over as finished.
+#[test]
+fn get_finished_reports_no_unfinished_request() {
+    let mut s = setup();
+    let p = prompt(2 * CHUNK + 1, 2);
+    let blocks: Vec<u32> = (0..5).collect();
+    s.sched.get_num_new_matched_tokens(&request("a", &p), 0);
+    s.sched.update_state_after_alloc("a", &blocks, 0);
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "a",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    let pa = p.clone();
+    s.worker_step(&meta.encode(), &[(&pa, &blocks, 0..p.len())]);
+    assert_eq!(s.pool_hit(&p), 2 * CHUNK, "the save happened");
+    assert_eq!(s.worker.get_finished(&[]), (vec![], vec![]));
+    assert_eq!(
+        s.worker.get_finished(&["a".to_string()]),
+        (vec![], vec![]),
+        "saves are synchronous: nothing is pending for a finished request either"
+    );
+}
+
+/// Defect 3: a finished request's state is dropped at once (vLLM never calls `release`), and a
+/// reused id with another prompt never loads or saves the old prompt's KV.
+#[test]
+fn a_reused_request_id_starts_over() {
+    let mut s = setup();
+    let old = prompt(2 * CHUNK + 1, 3);
+    let new = prompt(2 * CHUNK + 1, 4);
+    s.seed_pool(&new[..2 * CHUNK]);
+    s.sched.get_num_new_matched_tokens(&request("x", &old), 0);
+    s.sched.update_state_after_alloc("x", &[0, 1, 2, 3, 4], 0);
+    s.sched
+        .build_connector_meta(&[scheduled("x", BlockUpdate::Unchanged, old.len())]);
+    assert_eq!(
+        s.sched.request_finished("x", &[0, 1, 2, 3, 4]),
+        (false, None)
+    );
+    assert_eq!(s.sched.tracked_requests(), 0, "no leaked state");
+
+    // The engine reuses "x" for another prompt before (or without) telling us it finished.
+    s.sched.get_num_new_matched_tokens(&request("x", &old), 0);
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("x", &new), 0),
+        (2 * CHUNK, false)
+    );
+    s.sched
+        .update_state_after_alloc("x", &[5, 6, 7, 8, 9], 2 * CHUNK);
+    let meta = s
+        .sched
+        .build_connector_meta(&[scheduled("x", BlockUpdate::Unchanged, new.len())]);
+    assert_eq!(meta.requests[0].token_ids, new[..2 * CHUNK].to_vec());
+    s.worker_step(&meta.encode(), &[]);
+    assert!(s.worker.get_block_ids_with_load_errors().is_empty());
+    assert_eq!(model_mismatches(&s.kv, &new[..2 * CHUNK], &[5, 6, 7, 8]), 0);
+}
+
+/// Defect 4: vLLM passes only newly allocated blocks for running requests; they accumulate.
+/// And a promised load the blocks cannot hold is reported as failed, never dropped silently.
+#[test]
+fn incremental_blocks_accumulate_and_an_uncoverable_load_is_reported() {
+    let mut s = setup();
+    // Chunked prefill: 3 chunks over three steps, blocks arriving two at a time.
+    let p = prompt(3 * CHUNK + 1, 5);
+    s.sched.get_num_new_matched_tokens(&request("a", &p), 0);
+    s.sched.update_state_after_alloc("a", &[10, 11], 0);
+    let pa = p.clone();
+    let m1 =
+        s.sched
+            .build_connector_meta(&[scheduled("a", BlockUpdate::Replace(vec![10, 11]), CHUNK)]);
+    s.worker_step(&m1.encode(), &[(&pa, &[10, 11], 0..CHUNK)]);
+    let m2 = s.sched.build_connector_meta(&[scheduled(
+        "a",
+        BlockUpdate::Append(vec![12, 13]),
+        2 * CHUNK,
+    )]);
+    assert_eq!(m2.requests[0].slot_mapping[2 * BLOCK], 12 * BLOCK as i64);
+    s.worker_step(&m2.encode(), &[(&pa, &[10, 11, 12, 13], CHUNK..2 * CHUNK)]);
+    assert_eq!(s.pool_hit(&p[..2 * CHUNK]), 2 * CHUNK);
+
+    // Request b is promised 64 tokens, but the engine gives it one block.
+    s.sched.get_num_new_matched_tokens(&request("b", &p), 0);
+    s.sched.update_state_after_alloc("b", &[30], 2 * CHUNK);
+    let meta = s
+        .sched
+        .build_connector_meta(&[scheduled("b", BlockUpdate::Unchanged, p.len())]);
+    assert_eq!(meta.unloadable_blocks, [30]);
+    assert_eq!(s.sched.broken_promises(), 1);
+    s.worker_step(&meta.encode(), &[]);
+    assert_eq!(s.worker.get_block_ids_with_load_errors(), [30]);
+}
+
+/// Defect 5: one request's failing load never hides another's result in the same step.
+#[test]
+fn one_failure_does_not_hide_other_requests() {
+    let mut s = setup();
+    let p = prompt(2 * CHUNK + 1, 6);
+    s.seed_pool(&p[..2 * CHUNK]);
+    // a's blocks lie beyond the 64-block cache: writing them fails; b's are fine.
+    let a_blocks: Vec<u32> = (100..105).collect();
+    let b_blocks: Vec<u32> = (0..5).collect();
+    for (id, blocks) in [("a", &a_blocks), ("b", &b_blocks)] {
+        assert_eq!(
+            s.sched.get_num_new_matched_tokens(&request(id, &p), 0),
+            (2 * CHUNK, false)
+        );
+        s.sched.update_state_after_alloc(id, blocks, 2 * CHUNK);
+    }
+    let meta = s.sched.build_connector_meta(&[
+        scheduled("a", BlockUpdate::Unchanged, p.len()),
+        scheduled("b", BlockUpdate::Unchanged, p.len()),
+    ]);
+    s.worker.bind_connector_metadata(&meta.encode()).unwrap();
+    s.worker.start_load_kv(&s.kv).unwrap();
+    s.worker.finish_loads(&mut s.kv).unwrap();
+    assert_eq!(
+        s.worker.get_block_ids_with_load_errors(),
+        [100, 101, 102, 103],
+        "a's blocks are reported"
+    );
+    assert_eq!(
+        model_mismatches(&s.kv, &p[..2 * CHUNK], &b_blocks[..4]),
+        0,
+        "b was loaded"
+    );
+    let _ = s.kv.layout();
+}
+
+/// Defect 6: the same token ids under another LoRA adapter, multimodal input or cache salt
+/// never share a chunk.
+#[test]
+fn extra_keys_separate_requests_with_the_same_tokens() {
+    let mut s = setup();
+    let p = prompt(2 * CHUNK + 1, 7);
+    s.seed_pool(&p[..2 * CHUNK]);
+    let mut lora = request("l", &p);
+    lora.extra_keys = kvpool_connector::extra_keys::ExtraKeys {
+        lora_name: Some("adapter-1".into()),
+        ..Default::default()
+    }
+    .encode();
+    assert_eq!(s.sched.get_num_new_matched_tokens(&lora, 0), (0, false));
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("plain", &p), 0),
+        (2 * CHUNK, false)
+    );
+}

@@ -1,0 +1,112 @@
+//! kvpool's Python extension (`kvpool._native`): the connector's scheduler and worker for
+//! `kvpool.vllm.KvpoolConnector`. No KV bytes cross into Python: tensors arrive as addresses
+//! and shapes, and the metadata between the two halves is kvpool's own encoded bytes.
+
+#![warn(missing_docs)]
+
+mod py_scheduler;
+mod py_worker;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+pub use py_scheduler::PyScheduler;
+pub use py_worker::{PyWorker, WorkerSpec};
+
+/// Parses the user's pool config: `format` is `"toml"` (text of a TOML file), `"json"` (a
+/// JSON object, as vLLM's `kv_connector_extra_config` gives it) or `"default"` (embedded
+/// defaults: 2 GiB of CPU memory, no lower tier).
+pub fn parse_pool_config(text: &str, format: &str) -> Result<kvpool_core::PoolConfig, String> {
+    match format {
+        "toml" => kvpool_core::PoolConfig::from_toml(text).map_err(|e| e.to_string()),
+        "json" => {
+            let config: kvpool_core::PoolConfig = serde_json::from_str(text)
+                .map_err(|e| format!("cannot parse the kvpool config (JSON): {e}"))?;
+            config.validate().map_err(|e| e.to_string())?;
+            Ok(config)
+        }
+        "default" => Ok(kvpool_core::PoolConfig::default()),
+        other => Err(format!(
+            "unknown config format `{other}` (expected toml, json or default)"
+        )),
+    }
+}
+
+/// Logs from Rust go to stderr through `tracing`, filtered by `KVPOOL_LOG` (default `warn`;
+/// e.g. `KVPOOL_LOG=kvpool_connector=debug`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPOOL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Encodes a request's extra keys (LoRA name, cache salt, multimodal hashes) the way every
+/// kvpool process does; see docs/keys.md.
+#[pyfunction]
+#[pyo3(signature = (lora_name=None, cache_salt=None, mm_hashes=Vec::new()))]
+fn encode_extra_keys(
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    mm_hashes: Vec<String>,
+) -> Vec<u8> {
+    kvpool_connector::extra_keys::ExtraKeys {
+        lora_name,
+        cache_salt,
+        mm_hashes,
+    }
+    .encode()
+}
+
+/// The lookup socket path of a vLLM engine's worker rank.
+#[pyfunction]
+fn lookup_socket_path(dir: &str, engine_id: &str, tp_rank: u32) -> String {
+    kvpool_connector::vllm::lookup_socket_path(std::path::Path::new(dir), engine_id, tp_rank)
+        .display()
+        .to_string()
+}
+
+/// Checks a config without building anything (for a clear error at engine start).
+#[pyfunction]
+fn check_config(text: &str, format: &str) -> PyResult<()> {
+    parse_pool_config(text, format)
+        .map(|_| ())
+        .map_err(PyValueError::new_err)
+}
+
+/// The `kvpool._native` module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PyWorker>()?;
+    m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(lookup_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_parse_from_toml_json_and_defaults() {
+        let toml = parse_pool_config("[local_cpu]\nmax_size = \"64MiB\"\n", "toml").unwrap();
+        assert_eq!(toml.local_cpu.max_size.0, 64 << 20);
+        let json = parse_pool_config(
+            r#"{"local_cpu": {"max_size": "64MiB"}, "tier": [{"url": "memory://"}]}"#,
+            "json",
+        )
+        .unwrap();
+        assert_eq!(json.local_cpu.max_size.0, 64 << 20);
+        assert_eq!(json.tiers.len(), 1);
+        assert!(parse_pool_config("", "default").is_ok());
+        let err = parse_pool_config(r#"{"local_cpu": {"max_sise": 1}}"#, "json").unwrap_err();
+        assert!(err.contains("max_sise"), "{err}");
+        assert!(parse_pool_config("", "yaml").is_err());
+    }
+}

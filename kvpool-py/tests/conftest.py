@@ -1,0 +1,145 @@
+"""Fixtures for kvpool's end-to-end tests against real vLLM (CPU build).
+
+Each engine runs in a fresh subprocess (``vllm_runner.py``). Set ``KVPOOL_E2E_KEEP=1`` to
+keep the scratch directory.
+"""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from make_model import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def scratch():
+    d = tempfile.mkdtemp(prefix="kvpool-e2e-")
+    yield d
+    if not os.environ.get("KVPOOL_E2E_KEEP"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_dir(scratch):
+    return make_model(os.path.join(scratch, "tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(scratch):
+    """Same architecture, other random weights: its KV is wrong for ``model_dir``."""
+    return make_model(os.path.join(scratch, "tiny-llama-other"), seed=1)
+
+
+def shared_prefix_prompts(n, prefix_len=1024, suffix_len=37, seed=1):
+    """``n`` prompts: one random prefix, then different random suffixes."""
+    r = random.Random(seed)
+    prefix = [r.randrange(3, 999) for _ in range(prefix_len)]
+    return [prefix + [r.randrange(3, 999) for _ in range(suffix_len)] for _ in range(n)]
+
+
+class Runner:
+    """Runs vLLM engines in subprocesses and caches the no-kvpool baselines."""
+
+    def __init__(self, scratch):
+        self.scratch = scratch
+        self.count = 0
+        self.baselines = {}
+
+    def run(self, spec, timeout=600):
+        self.count += 1
+        spec_path = os.path.join(self.scratch, f"spec-{self.count}.json")
+        out_path = os.path.join(self.scratch, f"out-{self.count}.json")
+        log_path = os.path.join(self.scratch, f"run-{self.count}.log")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        started = time.time()
+        with open(log_path, "w") as log:
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, "vllm_runner.py"), spec_path, out_path],
+                stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+        if proc.returncode != 0:
+            with open(log_path) as f:
+                tail = f.read()[-6000:]
+            raise AssertionError(f"vLLM run {self.count} failed ({proc.returncode}):\n{tail}")
+        with open(out_path) as f:
+            out = json.load(f)
+        out["wall_s"] = time.time() - started
+        out["log"] = log_path
+        return out
+
+    def baseline(self, model, prompts, **kw):
+        key = json.dumps([model, prompts, sorted(kw.items())])
+        if key not in self.baselines:
+            spec = {"model": model, "prompts": prompts, "kvpool": None, **kw}
+            self.baselines[key] = self.run(spec)
+        return self.baselines[key]
+
+
+@pytest.fixture(scope="session")
+def runner(scratch):
+    return Runner(scratch)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1, started and stopped by PID."""
+
+    def __init__(self, workdir):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(dir=workdir, prefix="redis-")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def cli(self, *args):
+        return subprocess.run(["redis-cli", "-p", str(self.port), *args], check=True,
+                              capture_output=True, text=True).stdout
+
+    def keys(self):
+        return [k for k in self.cli("--scan").split("\n") if k]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(scratch):
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (cargo xtask vllm installs it)")
+    server = RedisServer(scratch)
+    yield server
+    server.stop()

@@ -1,0 +1,159 @@
+"""kvpool inside real vLLM (CPU build): outputs, stored bytes, tiers, faults, preemption.
+
+Every test compares an engine with kvpool to the same engine without it: greedy tokens must be
+identical and logprobs within 1e-4 (identical float32 runs differ by < 1e-5). The control test
+shows the comparison is sensitive: KV from another model changes the output.
+"""
+
+import os
+import random
+
+import pytest
+
+from conftest import shared_prefix_prompts
+
+TOL = 1e-4
+PREFIX = 1024
+
+
+def assert_same_outputs(base, got, label=""):
+    assert len(base["results"]) == len(got["results"])
+    for i, (b, g) in enumerate(zip(base["results"], got["results"])):
+        assert g["tokens"] == b["tokens"], f"{label} prompt {i}: tokens differ"
+        worst = max(abs(x - y) for x, y in zip(b["logprobs"], g["logprobs"]))
+        assert worst <= TOL, f"{label} prompt {i}: logprobs differ by {worst}"
+
+
+def l1(size="256MiB", **extra):
+    return {"config": {"local_cpu": {"max_size": size}, **extra}}
+
+
+def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
+    """Done-when 1: a batch sharing a 1K prefix; later requests load the prefix from kvpool."""
+    prompts = shared_prefix_prompts(6)
+    kw = {"batches": [[0], [1, 2, 3, 4, 5]], "prefix_caching": False}
+    base = runner.baseline(model_dir, prompts, **kw)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
+    assert_same_outputs(base, got)
+    assert got["results"][0]["num_cached_tokens"] == 0
+    for r in got["results"][1:]:
+        assert r["num_cached_tokens"] >= PREFIX, r
+    assert got["stats"]["loaded_tokens"] >= 5 * PREFIX
+    assert got["stats"]["failed_load_blocks"] == 0
+
+
+def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
+    """Done-when 2: every stored chunk equals vLLM's KV blocks for its tokens, block by block,
+    both for the request that computed them and for the ones that loaded them."""
+    prompts = shared_prefix_prompts(3, seed=2)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(),
+                      "batches": [[0], [1, 2]], "prefix_caching": False, "check_blocks": True})
+    for i, r in enumerate(got["blocks"]):
+        assert r["chunks"] == PREFIX // 256, (i, r)
+        assert r["blocks_compared"] == 2 * PREFIX // 32, (i, r)
+        assert r["blocks_mismatched"] == 0, (i, r)
+
+
+def test_kv_from_another_model_changes_the_output(runner, model_dir, other_model_dir, scratch):
+    """Control: the output comparison above detects wrong KV. Another model's KV, stored under
+    the same model name, is served to this one and its tokens or logprobs change."""
+    disk = os.path.join(scratch, "disk-control")
+    cfg = l1(model={"name": "same-name"}, tier=[{"url": f"file://{disk}"}])
+    prompts = shared_prefix_prompts(2, seed=3)
+    runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg})
+    base = runner.baseline(model_dir, prompts)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg})
+    assert got["results"][0]["num_cached_tokens"] >= PREFIX
+    with pytest.raises(AssertionError):
+        assert_same_outputs(base, got)
+
+
+def test_fresh_process_is_served_from_disk(runner, model_dir, scratch):
+    """Done-when 3: a second vLLM process with the same disk tier loads the prefix from it."""
+    disk = os.path.join(scratch, "disk-fresh")
+    cfg = l1(tier=[{"url": f"file://{disk}"}])
+    prompts = shared_prefix_prompts(2, seed=4)
+    base = runner.baseline(model_dir, prompts)
+    first = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    assert first["stats"]["stored_tokens"] >= PREFIX
+    second = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg})
+    assert_same_outputs(base, second)
+    assert second["results"][0]["num_cached_tokens"] >= PREFIX
+    assert second["stats"]["loaded_tokens"] >= PREFIX
+
+
+def test_two_processes_share_a_redis_tier(runner, model_dir, redis_server):
+    """Done-when 4: what one vLLM process stored in Redis serves another."""
+    cfg = l1(tier=[{"url": redis_server.url}])
+    prompts = shared_prefix_prompts(2, seed=5)
+    base = runner.baseline(model_dir, prompts)
+    runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    assert len(redis_server.keys()) >= PREFIX // 256
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg})
+    assert_same_outputs(base, got)
+    assert got["results"][0]["num_cached_tokens"] >= PREFIX
+
+
+def corrupt(redis_server, keys):
+    """Overwrites 8 bytes in the middle of each value (the checksum must catch it)."""
+    for k in keys:
+        n = int(redis_server.cli("STRLEN", k))
+        assert n > 64, (k, n)
+        redis_server.cli("SETRANGE", k, str(n // 2), "KVPOOL!!")
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_corrupt_chunks_are_recomputed(runner, model_dir, redis_server, fraction):
+    """Done-when 5: corrupted stored chunks (all of them, or a random half: loads failing at
+    random) are rejected, reported as failed blocks, and recomputed: identical output."""
+    cfg = l1(tier=[{"url": redis_server.url}])
+    prompts = shared_prefix_prompts(3, seed=6)
+    base = runner.baseline(model_dir, prompts)
+    runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    keys = redis_server.keys()
+    assert keys
+    victims = random.Random(7).sample(keys, max(1, int(len(keys) * fraction)))
+    corrupt(redis_server, victims)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                      "batches": [[0], [1, 2]]})
+    assert_same_outputs(base, got)
+    assert got["stats"]["failed_load_blocks"] > 0, (victims, keys, got["stats"])
+    assert got["stats"]["corrupt_chunks"] > 0, got["stats"]
+
+
+def test_redis_killed_mid_run(runner, model_dir, redis_server):
+    """Done-when 5: Redis dies between two batches; the second batch's lookups miss and vLLM
+    recomputes: identical output, no crash, no hang."""
+    cfg = l1(tier=[{"url": redis_server.url, "timeout_ms": 500}])
+    prompts = shared_prefix_prompts(2, seed=8) + shared_prefix_prompts(2, seed=9)
+    base = runner.baseline(model_dir, prompts)
+    runner.run({"model": model_dir, "prompts": [prompts[2]], "kvpool": cfg})
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                      "batches": [[0, 1], [2, 3]],
+                      "kill_after_batch": {"0": redis_server.proc.pid}})
+    assert_same_outputs(base, got)
+
+
+def test_preemption_with_32_concurrent_requests(runner, model_dir):
+    """Done-when 6: a KV cache small enough to preempt; 32 concurrent requests over four shared
+    prefixes; outputs identical to the run without kvpool."""
+    prompts = []
+    for seed in range(4):
+        prompts += shared_prefix_prompts(8, prefix_len=512, suffix_len=45, seed=20 + seed)
+    kw = {"num_gpu_blocks": 160, "max_tokens": 16}
+    base = runner.baseline(model_dir, prompts, **kw)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
+    assert_same_outputs(base, got)
+    assert got["stats"]["stored_tokens"] > 0
+
+
+def test_default_multiprocess_mode(runner, model_dir):
+    """Done-when 7: vLLM's default mode (scheduler in EngineCore, worker in its own process)."""
+    prompts = shared_prefix_prompts(4, seed=10)
+    kw = {"batches": [[0], [1, 2, 3]], "prefix_caching": False}
+    base = runner.baseline(model_dir, prompts, **kw)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(),
+                      "multiprocess": True, **kw})
+    assert_same_outputs(base, got)
+    for r in got["results"][1:]:
+        assert r["num_cached_tokens"] >= PREFIX, r

