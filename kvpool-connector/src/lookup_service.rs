@@ -4,7 +4,8 @@
 //! vLLM runs the scheduler half of a connector in the EngineCore process and the worker half
 //! in each Worker process. The pool (L1 and the lower tiers) lives in the worker, so the
 //! scheduler asks every worker rank over its socket how much of a prompt it can load and takes
-//! the minimum: every rank must be able to load a chunk for the engine to skip it.
+//! the minimum: every rank must be able to load a chunk for the engine to skip it. Lookups
+//! carry the chunk hashes the scheduler computed (16 bytes per chunk), never token ids.
 //!
 //! Wire format: frames of a little-endian `u32` length followed by a postcard-encoded
 //! [`LookupRequest`] or [`LookupResponse`]. Every read and write has a timeout; a rank that
@@ -26,7 +27,7 @@ use tracing::{debug, info, warn};
 
 use crate::scheduler::PoolLookup;
 
-/// Largest frame either side accepts (a 1M-token prompt is 4 MiB of token ids).
+/// Largest frame either side accepts.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// What the scheduler asks a worker.
@@ -34,12 +35,10 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 pub enum LookupRequest {
     /// Who are you: the worker's key derivation and chunking.
     Hello,
-    /// How many leading tokens of `tokens` (with the request's extra keys) the pool can load.
+    /// How many leading chunks of these (scheduler-computed chain hashes) the pool holds.
     Lookup {
-        /// Token ids.
-        tokens: Vec<u32>,
-        /// The request's extra keys (see `ChunkedTokenDatabase::root_for`).
-        extra_keys: Vec<u8>,
+        /// Chunk hashes, in order.
+        chunk_hashes: Vec<[u8; 16]>,
     },
 }
 
@@ -48,8 +47,8 @@ pub enum LookupRequest {
 pub enum LookupResponse {
     /// Answer to [`LookupRequest::Hello`].
     Hello(WorkerInfo),
-    /// Tokens the pool can load.
-    Hits(u64),
+    /// Leading chunks the pool holds.
+    Chunks(u64),
     /// The lookup failed (reported as a miss by the client).
     Error(String),
 }
@@ -61,6 +60,8 @@ pub struct WorkerInfo {
     pub probe_hash: [u8; 16],
     /// Tokens per chunk.
     pub chunk_size: u32,
+    /// The chain hash function.
+    pub hash_algorithm: kvpool_core::HashAlgorithm,
     /// The worker's tensor-parallel rank.
     pub rank: u32,
 }
@@ -122,6 +123,7 @@ impl LookupServer {
         let info = WorkerInfo {
             probe_hash: crate::probe_hash(&engine),
             chunk_size: engine.token_database().chunk_size() as u32,
+            hash_algorithm: engine.token_database().config().hash_algorithm,
             rank,
         };
         let stop = Arc::new(AtomicBool::new(false));
@@ -190,16 +192,14 @@ fn serve(
         };
         let response = match request {
             LookupRequest::Hello => LookupResponse::Hello(info),
-            LookupRequest::Lookup { tokens, extra_keys } => {
-                match engine
-                    .token_database()
-                    .process_tokens_with_extra(&tokens, None, &extra_keys)
-                {
-                    Ok(spans) => {
-                        LookupResponse::Hits(runtime.block_on(engine.lookup_spans(&spans)) as u64)
-                    }
-                    Err(e) => LookupResponse::Error(e.to_string()),
-                }
+            LookupRequest::Lookup { chunk_hashes } => {
+                let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
+                    .into_iter()
+                    .map(kvpool_core::ChunkHash)
+                    .collect();
+                LookupResponse::Chunks(
+                    crate::scheduler::lookup_chunks(engine, runtime, &hashes) as u64
+                )
             }
         };
         if write_frame(&mut stream, &response).is_err() {
@@ -287,10 +287,11 @@ impl SocketLookup {
             infos.push(info);
         }
         let first = infos[0];
-        if let Some(other) = infos
-            .iter()
-            .find(|i| i.probe_hash != first.probe_hash || i.chunk_size != first.chunk_size)
-        {
+        if let Some(other) = infos.iter().find(|i| {
+            i.probe_hash != first.probe_hash
+                || i.chunk_size != first.chunk_size
+                || i.hash_algorithm != first.hash_algorithm
+        }) {
             return Err(io_err(format!(
                 "worker ranks {} and {} derive keys differently (probe hash or chunk size)",
                 first.rank, other.rank
@@ -301,15 +302,17 @@ impl SocketLookup {
 }
 
 impl PoolLookup for SocketLookup {
-    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize {
+    fn lookup(&mut self, chunk_hashes: &[kvpool_core::ChunkHash]) -> usize {
+        if chunk_hashes.is_empty() {
+            return 0;
+        }
         let request = LookupRequest::Lookup {
-            tokens: tokens.to_vec(),
-            extra_keys: extra_keys.to_vec(),
+            chunk_hashes: chunk_hashes.iter().map(|h| h.0).collect(),
         };
         let mut hit = usize::MAX;
         for rank in &mut self.ranks {
             let answer = match rank.call(&request, self.timeout) {
-                Ok(LookupResponse::Hits(n)) => n as usize,
+                Ok(LookupResponse::Chunks(n)) => n as usize,
                 Ok(LookupResponse::Error(e)) => {
                     warn!(path = %rank.path.display(), error = %e, "lookup failed on a worker; treating as a miss");
                     0

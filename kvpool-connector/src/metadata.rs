@@ -31,11 +31,12 @@ pub struct SaveSpec {
 pub struct ReqMeta {
     /// The engine's request id.
     pub req_id: String,
-    /// Token ids `0..n` the load and save below need (keys are derived from them).
-    pub token_ids: Vec<u32>,
-    /// The request's extra keys (LoRA, multimodal hashes, cache salt), part of every key.
-    pub extra_keys: Vec<u8>,
-    /// The GPU slot of each of those tokens (`block_id * block_size + offset`).
+    /// Chain hashes of the chunks covering tokens `0..n` (the last may be partial), computed
+    /// once by the scheduler; with the worker's key scope they are the chunks' keys. Extra
+    /// keys (LoRA, multimodal hashes, cache salt) are already part of them.
+    pub chunk_hashes: Vec<[u8; 16]>,
+    /// The GPU slot of each token `0..n` the load and save below need
+    /// (`block_id * block_size + offset`).
     pub slot_mapping: Vec<i64>,
     /// Load, if any.
     pub load: Option<LoadSpec>,
@@ -140,12 +141,9 @@ impl ConnectorMetadata {
             if !seen.insert(&r.req_id) {
                 return Err(bad("listed twice".into()));
             }
-            let n = r.token_ids.len();
-            if r.slot_mapping.len() != n {
-                return Err(bad(format!(
-                    "{} slots for {n} tokens",
-                    r.slot_mapping.len()
-                )));
+            let n = r.slot_mapping.len();
+            if n > 0 && r.chunk_hashes.is_empty() {
+                return Err(bad(format!("{n} tokens without chunk hashes")));
             }
             if let Some(l) = r.load
                 && (l.gpu_cached_tokens > l.load_until || l.load_until as usize > n)
@@ -181,8 +179,7 @@ mod tests {
             probe_hash: [3; 16],
             requests: vec![ReqMeta {
                 req_id: "req-a".into(),
-                token_ids: (0..8).collect(),
-                extra_keys: b"lora:1".to_vec(),
+                chunk_hashes: vec![[1; 16], [2; 16]],
                 slot_mapping: (16..24).collect(),
                 load: Some(LoadSpec {
                     gpu_cached_tokens: 0,
@@ -207,7 +204,7 @@ mod tests {
     #[test]
     fn inconsistent_metadata_is_rejected() {
         let mut m = sample();
-        m.requests[0].slot_mapping.pop();
+        m.requests[0].chunk_hashes.clear();
         assert!(matches!(
             ConnectorMetadata::decode(&m.encode()),
             Err(MetadataError::Invalid { .. })

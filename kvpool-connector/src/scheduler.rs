@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvpool_core::CacheEngine;
+use kvpool_core::{CacheEngine, ChunkHash, ChunkHasher, HashAlgorithm};
 use tokio::runtime::Runtime;
 use tracing::debug;
 
@@ -11,10 +11,12 @@ use crate::ConnectorConfig;
 use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec};
 
 /// How the scheduler learns what the pool holds: in-process, or across a process boundary.
+///
+/// Lookups take the chunk hashes the scheduler computed (it hashes each request's tokens once
+/// and ships the hashes to the worker), not token ids.
 pub trait PoolLookup: Send {
-    /// How many leading tokens of `tokens` the pool can load under the request's
-    /// `extra_keys` (0 on any failure).
-    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize;
+    /// How many leading chunks of `chunk_hashes` the pool can load (0 on any failure).
+    fn lookup(&mut self, chunk_hashes: &[ChunkHash]) -> usize;
 }
 
 /// Lookups against a cache engine in this process.
@@ -26,16 +28,18 @@ pub struct EngineLookup {
 }
 
 impl PoolLookup for EngineLookup {
-    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize {
-        match self
-            .engine
-            .token_database()
-            .process_tokens_with_extra(tokens, None, extra_keys)
-        {
-            Ok(spans) => self.runtime.block_on(self.engine.lookup_spans(&spans)),
-            Err(_) => 0,
-        }
+    fn lookup(&mut self, chunk_hashes: &[ChunkHash]) -> usize {
+        lookup_chunks(&self.engine, &self.runtime, chunk_hashes)
     }
+}
+
+/// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier).
+pub fn lookup_chunks(engine: &CacheEngine, runtime: &Runtime, chunk_hashes: &[ChunkHash]) -> usize {
+    let keys: Vec<_> = chunk_hashes
+        .iter()
+        .map(|h| kvpool_core::CacheKey::new(engine.token_database().scope().clone(), *h))
+        .collect();
+    runtime.block_on(engine.storage().lookup(&keys)).len()
 }
 
 /// A request as the engine's scheduler sees it.
@@ -106,6 +110,8 @@ pub struct RequestTracker {
     pub token_ids: Vec<u32>,
     /// The request's extra keys (part of every chunk key).
     pub extra_keys: Vec<u8>,
+    /// Chain hashes of the full chunks of `token_ids`, computed once as tokens arrive.
+    pub hasher: ChunkHasher,
     /// Prompt length.
     pub prompt_len: usize,
     /// GPU blocks, in order.
@@ -122,6 +128,7 @@ pub struct RequestTracker {
 pub struct ConnectorScheduler {
     lookup: Box<dyn PoolLookup>,
     chunk_size: usize,
+    hash_algorithm: HashAlgorithm,
     config: ConnectorConfig,
     probe_hash: [u8; 16],
     trackers: HashMap<String, RequestTracker>,
@@ -141,26 +148,29 @@ impl ConnectorScheduler {
     /// is synchronous).
     pub fn new(engine: Arc<CacheEngine>, runtime: Arc<Runtime>, config: ConnectorConfig) -> Self {
         let probe_hash = crate::probe_hash(&engine);
-        let chunk_size = engine.token_database().chunk_size();
+        let chunking = *engine.token_database().config();
         Self::with_lookup(
             Box::new(EngineLookup { engine, runtime }),
-            chunk_size,
+            chunking.chunk_size,
+            chunking.hash_algorithm,
             probe_hash,
             config,
         )
     }
 
     /// A scheduler whose lookups go through `lookup` (e.g. an RPC to the worker process that
-    /// owns the pool). `chunk_size` and `probe_hash` must be the pool's.
+    /// owns the pool). `chunk_size`, `hash_algorithm` and `probe_hash` must be the pool's.
     pub fn with_lookup(
         lookup: Box<dyn PoolLookup>,
         chunk_size: usize,
+        hash_algorithm: HashAlgorithm,
         probe_hash: [u8; 16],
         config: ConnectorConfig,
     ) -> Self {
         ConnectorScheduler {
             lookup,
             chunk_size,
+            hash_algorithm,
             config,
             probe_hash,
             trackers: HashMap::new(),
@@ -231,12 +241,6 @@ impl ConnectorScheduler {
         num_computed_tokens: usize,
     ) -> (usize, bool) {
         let n = req.prompt_token_ids.len();
-        let hit = if n > 1 {
-            self.lookup
-                .lookup(&req.prompt_token_ids[..n - 1], &req.extra_keys)
-        } else {
-            0
-        };
         let same_request = self.trackers.get(&req.req_id).is_some_and(|t| {
             t.prompt_len == n
                 && t.token_ids[..n] == req.prompt_token_ids[..]
@@ -245,11 +249,18 @@ impl ConnectorScheduler {
         if !same_request {
             self.trackers.remove(&req.req_id);
             self.make_room();
+            let mut hasher = ChunkHasher::new(
+                self.hash_algorithm,
+                self.chunk_size,
+                self.hash_algorithm.request_root(&req.extra_keys),
+            );
+            hasher.extend(&req.prompt_token_ids);
             self.trackers.insert(
                 req.req_id.clone(),
                 RequestTracker {
                     token_ids: req.prompt_token_ids.clone(),
                     extra_keys: req.extra_keys.clone(),
+                    hasher,
                     prompt_len: n,
                     block_ids: Vec::new(),
                     saved_tokens: 0,
@@ -258,6 +269,15 @@ impl ConnectorScheduler {
                 },
             );
         }
+        let hit = if n > 1 {
+            let t = &self.trackers[&req.req_id];
+            let hashes =
+                chunk_hashes_until(t, n - 1, self.chunk_size, self.config.save_unfull_chunk);
+            let chunks = self.lookup.lookup(&hashes);
+            (chunks * self.chunk_size).min(n - 1)
+        } else {
+            0
+        };
         let tracker = self
             .trackers
             .get_mut(&req.req_id)
@@ -312,6 +332,7 @@ impl ConnectorScheduler {
                 continue;
             };
             t.token_ids.extend_from_slice(&s.new_token_ids);
+            t.hasher.extend(&s.new_token_ids);
             match &s.blocks {
                 BlockUpdate::Unchanged => {}
                 BlockUpdate::Append(b) => t.block_ids.extend_from_slice(b),
@@ -368,8 +389,10 @@ impl ConnectorScheduler {
                 .collect();
             requests.push(ReqMeta {
                 req_id: s.req_id.clone(),
-                token_ids: t.token_ids[..needed].to_vec(),
-                extra_keys: t.extra_keys.clone(),
+                chunk_hashes: chunk_hashes_until(t, needed, chunk, self.config.save_unfull_chunk)
+                    .iter()
+                    .map(|h| h.0)
+                    .collect(),
                 slot_mapping,
                 load,
                 save,
@@ -408,10 +431,12 @@ impl ConnectorScheduler {
                     (c.block_ids[i / block_size] as usize * block_size + i % block_size) as i64
                 })
                 .collect();
+            let mut hasher =
+                ChunkHasher::new(self.hash_algorithm, chunk, self.hash_algorithm.root());
+            hasher.extend(&c.token_ids);
             self.pending_evictions.push(ReqMeta {
                 req_id: format!("evict-{}", self.evictions_made),
-                token_ids: c.token_ids,
-                extra_keys: Vec::new(),
+                chunk_hashes: hasher.hashes().iter().map(|h| h.0).collect(),
                 slot_mapping,
                 load: None,
                 save: Some(SaveSpec {
@@ -463,4 +488,26 @@ impl ConnectorScheduler {
         self.trackers.clear();
         self.pending_evictions.clear();
     }
+}
+
+/// The hashes of the chunks covering a tracker's tokens `0..until`: the full chunks from its
+/// hasher, and, when `until` ends inside a chunk and partial chunks are kept, that chunk's
+/// hash over its first tokens (the only tokens hashed again).
+fn chunk_hashes_until(
+    t: &RequestTracker,
+    until: usize,
+    chunk_size: usize,
+    save_unfull_chunk: bool,
+) -> Vec<ChunkHash> {
+    let full = (until / chunk_size).min(t.hasher.hashes().len());
+    let mut hashes = t.hasher.hashes()[..full].to_vec();
+    if save_unfull_chunk && until > full * chunk_size {
+        let prev = hashes.last().copied().unwrap_or_else(|| t.hasher.root());
+        hashes.push(
+            t.hasher
+                .algorithm()
+                .chain_tokens(&prev, &t.token_ids[full * chunk_size..until]),
+        );
+    }
+    hashes
 }

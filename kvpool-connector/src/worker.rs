@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use kvpool_core::{CacheEngine, ChunkSpan, KvLayout, KvTransfer, LayerwiseRetrieve};
+use kvpool_core::{CacheEngine, ChunkHash, ChunkSpan, KvLayout, KvTransfer, LayerwiseRetrieve};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
@@ -138,18 +138,31 @@ impl ConnectorWorker {
         })
     }
 
+    /// The spans of `r`'s chunks covering tokens `from..until`, from the hashes the scheduler
+    /// shipped (no token is hashed here).
     fn spans(
         &self,
         r: &ReqMeta,
         from: usize,
         until: usize,
     ) -> Result<Vec<ChunkSpan>, ConnectorError> {
-        let mask: Vec<bool> = (0..until).map(|i| i >= from).collect();
-        Ok(self
+        let hashes: Vec<ChunkHash> = r.chunk_hashes.iter().map(|h| ChunkHash(*h)).collect();
+        let spans = self
             .engine
             .token_database()
-            .process_tokens_with_extra(&r.token_ids[..until], Some(&mask), &r.extra_keys)
-            .map_err(kvpool_core::EngineError::from)?)
+            .spans_from_hashes(&hashes, from, until);
+        let covered = spans.last().map_or(from, |s| s.end);
+        let cs = self.engine.token_database().chunk_size();
+        // A partial last chunk's hash covers exactly the request's tokens `0..n`.
+        let partial_mismatch = !covered.is_multiple_of(cs) && covered != r.slot_mapping.len();
+        if covered != until || partial_mismatch || spans.first().is_some_and(|s| s.start > from) {
+            return Err(ConnectorError::Usage(format!(
+                "request {}: {} chunk hashes do not cover tokens {from}..{until}",
+                r.req_id,
+                r.chunk_hashes.len()
+            )));
+        }
+        Ok(spans)
     }
 
     /// Marks the blocks of tokens `from..until` of `r` as failed loads.

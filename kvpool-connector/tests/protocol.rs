@@ -89,15 +89,17 @@ impl Setup {
         }
     }
 
-    /// Stores `tokens` (computed into blocks 40..) in the pool, as a finished request would.
+    /// Stores `tokens` in the pool, as a finished request would (computed in a cache of its
+    /// own, so this engine's blocks are untouched).
     fn seed_pool(&mut self, tokens: &[u32]) {
-        let blocks: Vec<u32> = (40..40 + tokens.len().div_ceil(BLOCK) as u32).collect();
-        self.compute(tokens, &blocks, 0..tokens.len());
-        let slots: Vec<i64> = (0..tokens.len())
-            .map(|i| (blocks[i / BLOCK] as usize * BLOCK + i % BLOCK) as i64)
-            .collect();
+        let blocks: Vec<u32> = (0..tokens.len().div_ceil(BLOCK) as u32).collect();
+        let mut own = HostPagedKvCache::new(*self.engine.layout(), blocks.len());
+        for layer in 0..2 {
+            model_compute(&mut own, layer, tokens, &blocks, 0..tokens.len());
+        }
+        let slots: Vec<i64> = (0..tokens.len() as i64).collect();
         self.runtime
-            .block_on(self.engine.store(tokens, None, &self.kv, &slots))
+            .block_on(self.engine.store(tokens, None, &own, &slots))
             .unwrap();
     }
 
@@ -244,7 +246,18 @@ fn a_reused_request_id_starts_over() {
     let meta = s
         .sched
         .build_connector_meta(&[scheduled("x", BlockUpdate::Unchanged, new.len())]);
-    assert_eq!(meta.requests[0].token_ids, new[..2 * CHUNK].to_vec());
+    let new_keys: Vec<[u8; 16]> = s
+        .engine
+        .token_database()
+        .process_tokens(&new[..2 * CHUNK], None)
+        .unwrap()
+        .iter()
+        .map(|span| span.key.hash.0)
+        .collect();
+    assert_eq!(
+        meta.requests[0].chunk_hashes, new_keys,
+        "the new prompt's chunks"
+    );
     s.worker_step(&meta.encode(), &[]);
     assert!(s.worker.get_block_ids_with_load_errors().is_empty());
     assert_eq!(model_mismatches(&s.kv, &new[..2 * CHUNK], &[5, 6, 7, 8]), 0);
@@ -339,4 +352,36 @@ fn extra_keys_separate_requests_with_the_same_tokens() {
         s.sched.get_num_new_matched_tokens(&request("plain", &p), 0),
         (2 * CHUNK, false)
     );
+}
+
+/// Hash once: a 128K-token prompt's tokens are hashed exactly once between the scheduler's
+/// lookup, the metadata, the worker's load and its save of the rest.
+#[test]
+fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
+    let mut s = setup();
+    let n = 128 * 1024;
+    let p = prompt(n + 1, 8);
+    s.seed_pool(&p[..n / 2]);
+    let blocks: Vec<u32> = (0..(n + 1).div_ceil(BLOCK) as u32).collect();
+    let mut kv = HostPagedKvCache::new(*s.engine.layout(), blocks.len());
+    let before = kvpool_core::chunk_hash::tokens_hashed_on_this_thread();
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("long", &p), 0),
+        (n / 2, false)
+    );
+    s.sched.update_state_after_alloc("long", &blocks, n / 2);
+    let meta = s
+        .sched
+        .build_connector_meta(&[scheduled("long", BlockUpdate::Unchanged, n + 1)]);
+    s.worker.bind_connector_metadata(&meta.encode()).unwrap();
+    s.worker.start_load_kv(&kv).unwrap();
+    s.worker.finish_loads(&mut kv).unwrap();
+    s.worker.wait_for_save(&kv).unwrap();
+    let hashed = kvpool_core::chunk_hash::tokens_hashed_on_this_thread() - before;
+    assert_eq!(
+        hashed, n as u64,
+        "every token hashed once (the final token is in no chunk)"
+    );
+    assert!(s.worker.get_block_ids_with_load_errors().is_empty());
+    assert_eq!(s.pool_hit(&p[..n]), n, "the second half was saved");
 }

@@ -16,8 +16,8 @@ use kvpool_connector::{
     EngineRequest, PoolLookup, ScheduledRequest, probe_hash_of,
 };
 use kvpool_core::{
-    CacheEngine, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind, HostPagedKvCache,
-    KeyScope, KvKind, KvLayout, StorageManager,
+    CacheEngine, ChunkHash, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind,
+    HashAlgorithm, HostPagedKvCache, KeyScope, KvKind, KvLayout, StorageManager,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -26,7 +26,7 @@ const SOCKET_ENV: &str = "KVPOOL_TWO_PROCESS_SOCKET";
 
 #[derive(Debug, Serialize, Deserialize)]
 enum ToWorker {
-    Lookup(Vec<u32>),
+    Lookup(Vec<[u8; 16]>),
     Step {
         meta: Vec<u8>,
         tokens: Vec<u32>,
@@ -107,9 +107,10 @@ fn worker_process() {
     let mut kv = HostPagedKvCache::new(layout(), 16);
     loop {
         match recv::<ToWorker>(&mut sock) {
-            ToWorker::Lookup(tokens) => {
-                let hits = runtime.block_on(engine.lookup(&tokens)).unwrap_or(0);
-                send(&mut sock, &FromWorker::Hits(hits as u64));
+            ToWorker::Lookup(hashes) => {
+                let hashes: Vec<ChunkHash> = hashes.into_iter().map(ChunkHash).collect();
+                let chunks = kvpool_connector::scheduler::lookup_chunks(&engine, &runtime, &hashes);
+                send(&mut sock, &FromWorker::Hits(chunks as u64));
             }
             ToWorker::Step {
                 meta,
@@ -155,10 +156,12 @@ fn worker_process() {
 struct RpcLookup(Arc<Mutex<UnixStream>>);
 
 impl PoolLookup for RpcLookup {
-    fn lookup(&mut self, tokens: &[u32], extra_keys: &[u8]) -> usize {
-        assert!(extra_keys.is_empty(), "this test sends plain requests");
+    fn lookup(&mut self, chunk_hashes: &[ChunkHash]) -> usize {
         let mut s = self.0.lock().unwrap();
-        send(&mut s, &ToWorker::Lookup(tokens.to_vec()));
+        send(
+            &mut s,
+            &ToWorker::Lookup(chunk_hashes.iter().map(|h| h.0).collect()),
+        );
         match recv(&mut s) {
             FromWorker::Hits(n) => n as usize,
             other => panic!("unexpected reply {other:?}"),
@@ -269,6 +272,7 @@ fn scheduler_and_worker_in_two_processes() {
     let mut sched = ConnectorScheduler::with_lookup(
         Box::new(RpcLookup(sock.clone())),
         2,
+        HashAlgorithm::default(),
         probe_hash_of(&token_database()),
         config,
     );

@@ -21,7 +21,7 @@ pub struct StoreReport {
     pub stored_chunks: usize,
     /// Tokens in those chunks.
     pub stored_tokens: usize,
-    /// Chunks skipped because a tier already had them.
+    /// Chunks skipped because L1 already had them.
     pub already_present: usize,
     /// Chunks not stored for lack of memory (they and every later chunk).
     pub skipped_no_space: usize,
@@ -235,7 +235,9 @@ impl CacheEngine {
     ) -> Result<LayerwiseStore<'_>, EngineError> {
         check_slot_mapping(slot_mapping, num_tokens)?;
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        let present = self.manager.lookup(&keys).await.len();
+        // Only L1 is asked: a save must not wait on a remote tier, and write-behind skips
+        // what is already in flight.
+        let present = self.manager.primary_prefix(&keys).await;
         let mut report = StoreReport {
             already_present: present,
             ..Default::default()

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::cell::Cell;
 use std::fmt;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -27,6 +28,16 @@ impl fmt::Display for ChunkHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:032x}", self.as_u128())
     }
+}
+
+thread_local! {
+    static TOKENS_HASHED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Token ids this thread has chained into chunk hashes so far (to prove in tests that a
+/// request's tokens are hashed once between scheduler and worker).
+pub fn tokens_hashed_on_this_thread() -> u64 {
+    TOKENS_HASHED.with(Cell::get)
 }
 
 /// Which hash function chains the chunks.
@@ -79,6 +90,7 @@ impl HashAlgorithm {
 
     /// hash_i = H(prev || 0x01 || tokens as little-endian u32).
     pub fn chain_tokens(self, prev: &ChunkHash, tokens: &[u32]) -> ChunkHash {
+        TOKENS_HASHED.with(|c| c.set(c.get() + tokens.len() as u64));
         #[cfg(target_endian = "little")]
         {
             let bytes: &[u8] = bytemuck::cast_slice(tokens);
@@ -88,6 +100,16 @@ impl HashAlgorithm {
         {
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
             self.hash_parts(&[&prev.0, &[DOMAIN_TOKENS], &bytes])
+        }
+    }
+
+    /// The root a request's chain starts from: the fixed root, or, when it has extra keys,
+    /// [`HashAlgorithm::chain_extra`] of them.
+    pub fn request_root(self, extra_keys: &[u8]) -> ChunkHash {
+        if extra_keys.is_empty() {
+            self.root()
+        } else {
+            self.chain_extra(&self.root(), extra_keys)
         }
     }
 

@@ -53,5 +53,5 @@ pub use memory_pool::{
 };
 pub use remote::{RemoteBackend, RemoteConnector};
 pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
-pub use token_database::{ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
+pub use token_database::{ChunkHasher, ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

@@ -337,6 +337,23 @@ impl StorageManager {
         PrefixLookup { tiers }
     }
 
+    /// How many leading `keys` the primary tier (L1) holds: what a store checks before writing,
+    /// so a save never waits on a remote tier. Without a primary tier, every tier is asked.
+    pub async fn primary_prefix(&self, keys: &[CacheKey]) -> usize {
+        let Some(p) = self.primary else {
+            return self.lookup(keys).await.len();
+        };
+        let tier = &self.tiers[p];
+        match tier.backend.contains(keys).await {
+            Ok(present) => present.iter().take_while(|p| **p).count(),
+            Err(e) => {
+                add(&tier.counters.errors, 1);
+                warn!(tier = tier.backend.name(), error = %e, "lookup failed; treating tier as empty");
+                0
+            }
+        }
+    }
+
     /// Loads the longest available prefix of `keys`. Returns the chunks of that prefix, in
     /// order; it is shorter than `keys` from the first key that could not be loaded.
     /// Chunks found below L1 are promoted into L1.

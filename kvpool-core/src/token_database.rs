@@ -56,6 +56,82 @@ impl ChunkSpan {
     }
 }
 
+/// Chain hashes of one request's tokens, computed incrementally: each full chunk is hashed
+/// once, when its last token arrives. A scheduler keeps one per request and ships the hashes,
+/// so no process hashes the request's tokens again.
+///
+/// ```
+/// use kvpool_core::{ChunkedTokenDatabase, ChunkingConfig, KeyScope};
+/// let db = ChunkedTokenDatabase::new(
+///     ChunkingConfig { chunk_size: 4, ..Default::default() },
+///     KeyScope::new("demo", 1, 0, 0, 42).unwrap(),
+/// ).unwrap();
+/// let tokens: Vec<u32> = (0..10).collect();
+/// let mut hasher = db.hasher(b"");
+/// hasher.extend(&tokens[..3]);
+/// hasher.extend(&tokens[3..]);
+/// let spans = db.process_tokens(&tokens, None).unwrap();
+/// assert_eq!(hasher.hashes(), [spans[0].key.hash, spans[1].key.hash]);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkHasher {
+    algorithm: HashAlgorithm,
+    chunk_size: usize,
+    root: ChunkHash,
+    prev: ChunkHash,
+    hashes: Vec<ChunkHash>,
+    pending: Vec<u32>,
+}
+
+impl ChunkHasher {
+    /// A hasher whose first chunk chains onto `root` (see [`ChunkedTokenDatabase::root_for`]).
+    pub fn new(algorithm: HashAlgorithm, chunk_size: usize, root: ChunkHash) -> Self {
+        ChunkHasher {
+            algorithm,
+            chunk_size: chunk_size.max(1),
+            root,
+            prev: root,
+            hashes: Vec::new(),
+            pending: Vec::new(),
+        }
+    }
+
+    /// Appends tokens, hashing every chunk they complete.
+    pub fn extend(&mut self, tokens: &[u32]) {
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let take = (self.chunk_size - self.pending.len()).min(rest.len());
+            self.pending.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            if self.pending.len() == self.chunk_size {
+                self.prev = self.algorithm.chain_tokens(&self.prev, &self.pending);
+                self.hashes.push(self.prev);
+                self.pending.clear();
+            }
+        }
+    }
+
+    /// The hash the first chunk chains onto.
+    pub fn root(&self) -> ChunkHash {
+        self.root
+    }
+
+    /// The hash algorithm.
+    pub fn algorithm(&self) -> HashAlgorithm {
+        self.algorithm
+    }
+
+    /// Hashes of the full chunks so far, in order.
+    pub fn hashes(&self) -> &[ChunkHash] {
+        &self.hashes
+    }
+
+    /// Tokens appended so far.
+    pub fn num_tokens(&self) -> usize {
+        self.hashes.len() * self.chunk_size + self.pending.len()
+    }
+}
+
 /// Turns token sequences into prefix-chained chunk keys.
 ///
 /// Deterministic across processes and machines: the hash has no seed and a fixed root.
@@ -150,6 +226,39 @@ impl ChunkedTokenDatabase {
                 .hash_algorithm
                 .chain_extra(&self.root, extra_keys)
         }
+    }
+
+    /// An incremental hasher for a request with `extra_keys`.
+    pub fn hasher(&self, extra_keys: &[u8]) -> ChunkHasher {
+        ChunkHasher::new(
+            self.config.hash_algorithm,
+            self.config.chunk_size,
+            self.root_for(extra_keys),
+        )
+    }
+
+    /// Spans of chunks whose hashes a scheduler already computed (chunk `i` covers tokens
+    /// `i * chunk_size..` up to `num_tokens`; the last one may be partial). Chunks ending at or
+    /// before `skip_tokens` are omitted. No token is hashed.
+    pub fn spans_from_hashes(
+        &self,
+        hashes: &[ChunkHash],
+        skip_tokens: usize,
+        num_tokens: usize,
+    ) -> Vec<ChunkSpan> {
+        let cs = self.config.chunk_size;
+        hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (i * cs, ((i + 1) * cs).min(num_tokens), h))
+            .take_while(|(start, _, _)| *start < num_tokens)
+            .filter(|(_, end, _)| *end > skip_tokens)
+            .map(|(start, end, h)| ChunkSpan {
+                start,
+                end,
+                key: CacheKey::new(self.scope.clone(), *h),
+            })
+            .collect()
     }
 
     /// [`ChunkedTokenDatabase::process_tokens`] for a request with extra keys (see

@@ -36,6 +36,7 @@ pub fn connect_scheduler(
     Ok(ConnectorScheduler::with_lookup(
         Box::new(lookup),
         chunk_size,
+        info.hash_algorithm,
         info.probe_hash,
         ConnectorConfig {
             block_size,

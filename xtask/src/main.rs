@@ -5,6 +5,8 @@
 //!   `cargo test`), all with every feature, then `matrix` and `vllm`: exactly what CI runs.
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
+//! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
+//!   vLLM's ExampleConnector (see docs/benchmarks.md).
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
 //!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
@@ -591,10 +593,11 @@ fn main() -> ExitCode {
         }
         Some("gpu-bundle") => gpu_bundle(),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | vllm | bench | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | matrix | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -117,9 +117,9 @@ fn ensure_vllm_venv(python: &Path, tools: &Path) -> Result<PathBuf, String> {
     Ok(venv_python)
 }
 
-/// Builds the kvpool wheel (dev profile: it shares the test build's artifacts) and installs
-/// it into the vLLM virtualenv.
-fn install_wheel(tools: &Path, venv_python: &Path) -> Result<(), String> {
+/// Builds the kvpool wheel in `profile` (`dev` for tests: it shares the test build's
+/// artifacts; `release` for benchmarks) and installs it into the vLLM virtualenv.
+fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
     let wheels = target_dir().join("wheels");
     let _ = std::fs::remove_dir_all(&wheels);
     run(
@@ -127,7 +127,7 @@ fn install_wheel(tools: &Path, venv_python: &Path) -> Result<(), String> {
         &[
             "build",
             "--profile",
-            "dev",
+            profile,
             "-m",
             "kvpool-py/Cargo.toml",
             "-o",
@@ -166,7 +166,7 @@ pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
     let python = python312()?;
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_vllm_venv(&python, &tools)?;
-    install_wheel(&tools, &venv_python)?;
+    install_wheel(&tools, &venv_python, "dev")?;
     eprintln!("vLLM environment ready in {:.0?}", started.elapsed());
     let mut args = vec![
         "-m".to_string(),
@@ -189,4 +189,24 @@ pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
         started.elapsed()
     );
     result
+}
+
+/// `cargo xtask bench-vllm`: TTFT and throughput on a repeated 8K-token prefix, with and
+/// without kvpool and against vLLM's ExampleConnector, each in a fresh process (release wheel).
+pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python, "release")?;
+    let out = target_dir().join("bench-vllm.json");
+    let mut cmd = vec![
+        "kvpool-py/bench/bench_vllm.py".to_string(),
+        "--out".into(),
+        path_str(&out)?.to_string(),
+    ];
+    cmd.extend(args.iter().cloned());
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    run_with_env(path_str(&venv_python)?, &cmd, &[("HF_HUB_OFFLINE", "1")])?;
+    eprintln!("results in {}", out.display());
+    Ok(())
 }

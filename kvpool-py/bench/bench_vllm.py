@@ -1,0 +1,150 @@
+"""TTFT and throughput of vLLM (CPU build) on a repeated 8K-token prefix: recompute, kvpool
+(L1 only; disk only in a fresh process; and a different suffix after the prefix), and vLLM's
+own ExampleConnector. Each configuration runs in a fresh process.
+
+    python bench_vllm.py --out results.json [--prefix 8192 --repeats 5]
+
+Run through `cargo xtask bench-vllm`, which builds a release wheel first.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def engine_main(spec_path, out_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if spec["connector"] == "kvpool":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"config": spec["kvpool"]})
+    elif spec["connector"] == "example":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+              dtype="float32", block_size=32, max_model_len=spec["max_model_len"],
+              enable_prefix_caching=False, distributed_executor_backend="uni", seed=0,
+              **kwargs)
+    one = SamplingParams(temperature=0, detokenize=False, ignore_eos=True, max_tokens=1)
+    many = SamplingParams(temperature=0, detokenize=False, ignore_eos=True, max_tokens=16)
+    out = {"ttft_s": [], "warm": []}
+    for p in spec.get("warm", []):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        out["warm"].append(time.perf_counter() - t0)
+    for p in spec["measure"]:
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        out["ttft_s"].append(time.perf_counter() - t0)
+        out.setdefault("cached", []).append(res[0].num_cached_tokens)
+    if spec.get("throughput"):
+        batch = [{"prompt_token_ids": p} for p in spec["throughput"]]
+        t0 = time.perf_counter()
+        llm.generate(batch, many, use_tqdm=False)
+        out["throughput_rps"] = len(batch) / (time.perf_counter() - t0)
+    if spec["connector"] == "kvpool":
+        from kvpool import vllm as kv
+
+        for w in list(kv.WORKERS):
+            w.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def run_engine(spec, scratch, name):
+    spec_path = os.path.join(scratch, f"{name}.spec.json")
+    out_path = os.path.join(scratch, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    with open(os.path.join(scratch, f"{name}.log"), "w") as log:
+        subprocess.run([sys.executable, __file__, "--engine", spec_path, out_path],
+                       stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prefix", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scratch", default=None)
+    a = ap.parse_args()
+    from make_model import make_model
+
+    scratch = a.scratch or tempfile.mkdtemp(prefix="kvpool-bench-vllm-")
+    model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
+                       kv_heads=4, intermediate=1408, seed=0)
+    r = random.Random(0)
+    prefix = [r.randrange(3, 999) for _ in range(a.prefix)]
+    suffix = lambda: [r.randrange(3, 999) for _ in range(64)]  # noqa: E731
+    warm = prefix + suffix()
+    other = [prefix + suffix() for _ in range(a.repeats)]
+    batch = [prefix + suffix() for _ in range(8)]
+    max_len = a.prefix + 256
+    base = {"model": model, "max_model_len": max_len}
+    l1 = {"local_cpu": {"max_size": "4GiB"}}
+    disk_dir = os.path.join(scratch, "disk")
+    disk = {"local_cpu": {"max_size": "512MiB"}, "tier": [{"url": f"file://{disk_dir}"}]}
+    rows = {}
+    # Recompute: every request pays the whole prefill.
+    rows["recompute (no connector)"] = run_engine(
+        {**base, "connector": None, "measure": [warm] * a.repeats, "throughput": batch},
+        scratch, "recompute")
+    # kvpool L1: one request stores the prefix, the same prompt again loads it.
+    rows["kvpool L1, same prompt"] = run_engine(
+        {**base, "connector": "kvpool", "kvpool": l1, "warm": [warm],
+         "measure": [warm] * a.repeats, "throughput": batch}, scratch, "kvpool-l1")
+    rows["kvpool L1, other suffix"] = run_engine(
+        {**base, "connector": "kvpool", "kvpool": l1, "warm": [warm], "measure": other},
+        scratch, "kvpool-l1-suffix")
+    # kvpool disk: a first process stores, a fresh one loads from disk (its L1 starts empty).
+    run_engine({**base, "connector": "kvpool", "kvpool": disk, "measure": [warm]}, scratch,
+               "kvpool-disk-store")
+    rows["kvpool disk only, fresh process"] = run_engine(
+        {**base, "connector": "kvpool", "kvpool": disk, "measure": [warm] * 1}, scratch,
+        "kvpool-disk")
+    # vLLM's ExampleConnector (safetensors files): exact prompt repeats only.
+    ex_dir = os.path.join(scratch, "example")
+    os.makedirs(ex_dir, exist_ok=True)
+    rows["vLLM ExampleConnector, same prompt"] = run_engine(
+        {**base, "connector": "example", "example_path": ex_dir, "warm": [warm],
+         "measure": [warm] * a.repeats, "throughput": batch}, scratch, "example")
+    summary = {}
+    rec = statistics.median(rows["recompute (no connector)"]["ttft_s"])
+    print(f"\n{'configuration':40} {'TTFT median':>12} {'vs recompute':>13} {'req/s (8)':>10}")
+    for name, r in rows.items():
+        med = statistics.median(r["ttft_s"])
+        summary[name] = {"ttft_median_s": med, "ttft_s": r["ttft_s"],
+                         "speedup": rec / med, "throughput_rps": r.get("throughput_rps"),
+                         "cached_tokens": r.get("cached")}
+        tp = r.get("throughput_rps")
+        print(f"{name:40} {med:11.3f}s {rec / med:12.1f}x {tp if tp is None else round(tp, 2)!s:>10}")
+    with open(a.out, "w") as f:
+        json.dump({"prefix_tokens": a.prefix, "rows": summary}, f, indent=2)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine":
+        engine_main(sys.argv[2], sys.argv[3])
+    else:
+        main()
