@@ -4,6 +4,7 @@ mod bench;
 mod replay;
 mod report;
 mod trace;
+mod vllm_sim;
 mod workload;
 
 use std::fs::File;
@@ -33,8 +34,9 @@ enum Command {
     Replay(ReplayArgs),
     /// Write a synthetic trace in the Mooncake format.
     GenTrace(GenTraceArgs),
-    /// Simulate an engine (scheduler + worker over serialized connector metadata) on the pool,
-    /// checking every loaded KV byte against recomputation.
+    /// Drive the connector the way vLLM does (several requests a step, shared prefix blocks,
+    /// preemption, reused ids, loads failing at random) and check every KV row of every request
+    /// against recomputation.
     Sim(SimArgs),
     /// Show or check configuration.
     Config(ConfigArgs),
@@ -42,40 +44,37 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct SimArgs {
-    /// Requests.
-    #[arg(long, default_value_t = 200)]
+    /// Requests to run to completion.
+    #[arg(long, default_value_t = 2000)]
     requests: usize,
+    /// Most requests running at once (vLLM's max_num_seqs).
+    #[arg(long, default_value_t = 16)]
+    max_running: usize,
     /// Distinct shared prefixes.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     prefixes: usize,
     /// Longest shared prefix, in tokens.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 1024)]
     max_prefix_tokens: usize,
     /// Longest unique suffix, in tokens.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 256)]
     max_suffix_tokens: usize,
-    /// GPU KV blocks (16 tokens each); small enough that the GPU prefix cache loses prefixes.
-    #[arg(long, default_value_t = 64)]
+    /// Most tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    max_decode_tokens: usize,
+    /// GPU KV blocks (16 tokens each); small enough to evict prefixes and preempt requests.
+    #[arg(long, default_value_t = 384)]
     gpu_blocks: usize,
     /// L1 CPU pool size.
-    #[arg(long, default_value = "64MiB")]
+    #[arg(long, default_value = "16MiB")]
     cpu_size: ByteSize,
-    /// Add a memory:// tier below L1.
-    #[arg(long)]
-    lower_tier: bool,
-    /// With --lower-tier: fail every 3rd batch get and corrupt every 4th stored value.
-    #[arg(long)]
-    inject_failures: bool,
-    /// Lazy offload: save chunks only when the GPU is about to reuse their blocks.
-    #[arg(long)]
-    lazy: bool,
+    /// Fraction of the chunks a step loads that vanish between lookup and load.
+    #[arg(long, default_value_t = 0.05)]
+    load_failure_rate: f64,
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Print one line per request.
-    #[arg(long)]
-    timeline: bool,
-    /// Print JSON instead of tables.
+    /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
 }
@@ -240,58 +239,34 @@ fn print_report<R: serde::Serialize>(
     Ok(())
 }
 
-/// The `kvpool sim` summary and, optionally, its per-request timeline.
-fn render_sim(r: &kvpool_connector::simulator::SimReport, timeline: bool) -> String {
+/// The `kvpool sim` summary.
+fn render_sim(r: &vllm_sim::SimReport) -> String {
     let mut t = report::Table::new(&["simulation", "value"]);
     for (k, v) in [
-        ("requests", r.requests.to_string()),
-        ("prompt tokens", r.prompt_tokens.to_string()),
-        ("GPU prefix-cache hit tokens", r.gpu_hit_tokens.to_string()),
+        ("requests", r.requests),
+        ("engine steps", r.steps),
+        ("most requests in one step", r.max_requests_per_step),
         (
-            "prefill tokens saved (loaded from kvpool)",
-            r.prefill_tokens_saved.to_string(),
+            "admissions sharing blocks computed in the same step",
+            r.same_step_shared_admissions,
         ),
-        ("tokens computed", r.computed_tokens.to_string()),
-        ("tokens stored to kvpool", r.stored_tokens.to_string()),
+        ("prompt tokens", r.prompt_tokens),
+        ("GPU prefix-cache hit tokens", r.gpu_hit_tokens),
+        ("tokens loaded from kvpool", r.pool_hit_tokens),
+        ("preemptions", r.preemptions),
+        ("request ids reused", r.reused_ids),
+        ("chunks lost between lookup and load", r.injected_failures),
+        ("blocks reported as failed loads", r.reported_failed_blocks),
         (
-            "failed-load blocks (recomputed)",
-            r.failed_blocks.to_string(),
+            "lost blocks not reported (must be 0)",
+            r.unreported_failed_blocks,
         ),
-        (
-            "KV rows differing from recomputation",
-            r.mismatched_rows.to_string(),
-        ),
-        (
-            "leaks (GPU blocks, requests, CPU regions)",
-            format!("{:?}", r.leaks),
-        ),
+        ("wrong tokens (must be 0)", r.wrong_tokens),
+        ("leaked request states (must be 0)", r.leaked_request_states),
     ] {
-        t.row(vec![k.into(), v]);
+        t.row(vec![k.into(), v.to_string()]);
     }
-    let mut out = t.render();
-    if timeline {
-        let mut steps = report::Table::new(&[
-            "request",
-            "prompt",
-            "GPU hit",
-            "pool hit",
-            "computed",
-            "failed blocks",
-        ]);
-        for o in &r.timeline {
-            steps.row(vec![
-                o.req_id.clone(),
-                o.prompt_tokens.to_string(),
-                o.gpu_hit_tokens.to_string(),
-                o.pool_hit_tokens.to_string(),
-                o.computed_tokens.to_string(),
-                o.failed_blocks.to_string(),
-            ]);
-        }
-        out.push_str("\n\n");
-        out.push_str(&steps.render());
-    }
-    out
+    t.render()
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -372,45 +347,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Sim(a) => {
-            let layout = kvpool_core::KvLayout::new(
-                4,
-                4,
-                64,
-                Dtype::F16,
-                kvpool_core::KvKind::KeyValue,
-                16,
-            )?;
-            let config = kvpool_connector::simulator::SimConfig {
-                layout,
-                chunk_size: 64,
-                gpu_blocks: a.gpu_blocks,
-                cpu_pool_bytes: a.cpu_size.as_usize(),
-                lower_tier: a.lower_tier || a.inject_failures,
-                inject_failures: a.inject_failures.then_some((3, 4)),
-                offload: if a.lazy {
-                    kvpool_connector::OffloadMode::Lazy
-                } else {
-                    kvpool_connector::OffloadMode::Eager
-                },
-            };
-            let workload = kvpool_connector::simulator::Workload {
+            let layout =
+                kvpool_core::KvLayout::new(2, 2, 8, Dtype::F16, kvpool_core::KvKind::KeyValue, 16)?;
+            let settings = vllm_sim::SimSettings {
                 requests: a.requests,
+                max_running: a.max_running,
                 prefixes: a.prefixes,
                 max_prefix_tokens: a.max_prefix_tokens,
                 max_suffix_tokens: a.max_suffix_tokens,
+                max_decode_tokens: a.max_decode_tokens,
+                gpu_blocks: a.gpu_blocks,
+                cpu_size: a.cpu_size,
+                load_failure_rate: a.load_failure_rate.clamp(0.0, 1.0),
                 seed: a.seed,
             };
-            let report = kvpool_connector::simulator::run(&config, &workload)?;
-            print_report(&report, a.json, |r| render_sim(r, a.timeline))?;
+            let report = vllm_sim::run(&settings, layout, 64)?;
+            print_report(&report, a.json, render_sim)?;
             anyhow::ensure!(
-                report.mismatched_rows == 0,
-                "{} KV rows differ from recomputation",
-                report.mismatched_rows
+                report.wrong_tokens == 0,
+                "{} wrong tokens",
+                report.wrong_tokens
             );
             anyhow::ensure!(
-                report.leaks == (0, 0, 0),
-                "leaks at the end: {:?}",
-                report.leaks
+                report.leaked_request_states == 0 && report.unreported_failed_blocks == 0,
+                "{} leaked request states, {} unreported failed blocks",
+                report.leaked_request_states,
+                report.unreported_failed_blocks
             );
         }
         Command::Config(a) => {

@@ -154,6 +154,13 @@ impl HostPagedKvCache {
         &self.layers[layer][at..at + row]
     }
 
+    /// One token row, writable (for engines and simulators that compute KV in place).
+    pub fn row_mut(&mut self, layer: usize, plane: usize, slot: usize) -> &mut [u8] {
+        let row = self.layout.bytes_per_token_per_plane();
+        let at = (plane * self.num_slots() + slot) * row;
+        &mut self.layers[layer][at..at + row]
+    }
+
     fn slot_index(&self, slot: i64) -> Result<usize, TransferError> {
         let num_slots = self.num_slots();
         usize::try_from(slot)
