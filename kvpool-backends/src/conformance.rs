@@ -34,6 +34,9 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 /// Overwrites the stored bytes of a key with garbage (for backends that store bytes).
 pub type Corruptor = Arc<dyn Fn(CacheKey) -> BoxFuture<()> + Send + Sync>;
 
+/// Copies the stored bytes of one key under another (for backends that store bytes).
+pub type RawCopier = Arc<dyn Fn(CacheKey, CacheKey) -> BoxFuture<()> + Send + Sync>;
+
 /// A backend under test and what the kit needs to know about it.
 #[derive(Clone)]
 pub struct Subject {
@@ -43,6 +46,8 @@ pub struct Subject {
     pub corrupt: Option<Corruptor>,
     /// Largest chunk the backend is set up to hold; larger round trips are skipped.
     pub max_chunk_bytes: usize,
+    /// Copies a stored value under another key; `None` skips the wrong-key check.
+    pub copy_raw: Option<RawCopier>,
 }
 
 impl Subject {
@@ -52,7 +57,14 @@ impl Subject {
             backend,
             corrupt: None,
             max_chunk_bytes,
+            copy_raw: None,
         }
+    }
+
+    /// Adds the raw copy hook (for `value_under_wrong_key_rejected`).
+    pub fn with_raw_copier(mut self, copy: RawCopier) -> Self {
+        self.copy_raw = Some(copy);
+        self
     }
 
     /// Adds the corruption hook.
@@ -391,6 +403,33 @@ pub fn corrupted_value_rejected(s: Subject) -> BoxFuture<Outcome> {
     })
 }
 
+/// A value copied under another key (a misrouted write, a copy, a collision in a shared
+/// store) passes every checksum, yet it is a miss: values are bound to their keys.
+pub fn value_under_wrong_key_rejected(s: Subject) -> BoxFuture<Outcome> {
+    Box::pin(async move {
+        let Some(copy) = s.copy_raw.clone() else {
+            return Outcome::Skipped("values live in process memory, owned by their keys".into());
+        };
+        let keys = fresh_keys(2);
+        let value = chunk(4096, 11);
+        ok!(
+            s.backend.put(vec![(keys[0].clone(), value.clone())]).await,
+            "put"
+        );
+        copy(keys[0].clone(), keys[1].clone()).await;
+        let got = ok!(s.backend.get(&keys).await, "get");
+        ensure!(
+            got[0].as_ref().is_some_and(|c| same(c, &value)),
+            "the original value was lost"
+        );
+        ensure!(
+            got[1].is_none(),
+            "a value copied under another key was returned as data"
+        );
+        Outcome::Passed
+    })
+}
+
 /// After `close`, every operation returns an error.
 pub fn close_then_use_errors(s: Subject) -> BoxFuture<Outcome> {
     Box::pin(async move {
@@ -433,6 +472,10 @@ pub const CHECKS: &[(&str, CheckFn)] = &[
     ("concurrent_access", concurrent_access),
     ("large_batch", large_batch),
     ("corrupted_value_rejected", corrupted_value_rejected),
+    (
+        "value_under_wrong_key_rejected",
+        value_under_wrong_key_rejected,
+    ),
     ("close_then_use_errors", close_then_use_errors),
 ];
 

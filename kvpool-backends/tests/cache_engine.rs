@@ -554,7 +554,8 @@ async fn well_formed_chunks_of_the_wrong_shape_are_rejected_by_the_engine() {
             dtype,
             token_count,
         };
-        let value = ChunkCodec::default().encode(&meta, &vec![7u8; len]);
+        let binding = kvpool_core::chunk_format::KeyBinding::of(&key);
+        let value = ChunkCodec::default().encode(&meta, &binding, &vec![7u8; len]);
         s.remote
             .map
             .lock()

@@ -1,5 +1,6 @@
 //! Every backend in this crate that needs no server runs the whole conformance kit.
 
+use kvpool_core::RemoteConnector;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -22,8 +23,8 @@ async fn cpu_tier_passes_the_kit() {
         .collect();
     assert_eq!(
         skipped,
-        ["corrupted_value_rejected"],
-        "only corruption is skipped for memory"
+        ["corrupted_value_rejected", "value_under_wrong_key_rejected"],
+        "only the checks of stored bytes are skipped for memory"
     );
 }
 
@@ -33,15 +34,24 @@ async fn memory_connector_through_the_chunk_format_passes_the_kit() {
         let store = InMemoryConnector::new();
         let bounded = TimeoutConnector::new(store.clone(), std::time::Duration::from_secs(5));
         let backend = RemoteBackend::new(bounded, ChunkCodec::default(), 64 << 20);
-        Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
-            let store = store.clone();
-            Box::pin(async move {
-                assert!(store.overwrite_raw(
-                    &key.to_string(),
-                    Bytes::from_static(b"garbage, not a chunk")
-                ));
-            })
-        }))
+        let copier = store.clone();
+        Subject::new(Arc::new(backend), 32 << 20)
+            .with_corruptor(Arc::new(move |key| {
+                let store = store.clone();
+                Box::pin(async move {
+                    assert!(store.overwrite_raw(
+                        &key.to_string(),
+                        Bytes::from_static(b"garbage, not a chunk")
+                    ));
+                })
+            }))
+            .with_raw_copier(Arc::new(move |from, to| {
+                let store = copier.clone();
+                Box::pin(async move {
+                    let bytes = store.get(&from.to_string()).await.unwrap().expect("stored");
+                    store.put(&to.to_string(), bytes).await.unwrap();
+                })
+            }))
     })
     .await;
     conformance::assert_all_passed("memory", &results);
@@ -67,7 +77,8 @@ async fn the_kit_fails_a_backend_that_hands_out_corrupt_bytes() {
                     dtype: kvpool_core::Dtype::Bf16,
                     token_count: 1,
                 };
-                let forged = ChunkCodec::default().encode(&meta, &[1, 2, 3]);
+                let binding = kvpool_core::chunk_format::KeyBinding::of(&key);
+                let forged = ChunkCodec::default().encode(&meta, &binding, &[1, 2, 3]);
                 store.overwrite_raw(&key.to_string(), Bytes::from(forged));
             })
         }))

@@ -10,6 +10,7 @@ use common::{assert_rows_equal, filled_cache};
 use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::conformance::{self, Outcome, Subject};
 use kvpool_backends::disk::{DiskConfig, DiskConnector};
+use kvpool_core::RemoteConnector;
 use kvpool_core::storage_manager::StorageManagerConfig;
 use kvpool_core::{
     CacheEngine, CacheKey, Chunk, ChunkCodec, ChunkHash, ChunkMeta, ChunkedTokenDatabase,
@@ -53,13 +54,22 @@ async fn disk_tier_passes_the_kit() {
         async move {
             let disk = DiskConnector::open(DiskConfig::new(path)).unwrap();
             let raw = disk.clone();
-            Subject::new(Arc::new(backend(disk)), 32 << 20).with_corruptor(Arc::new(move |key| {
-                let raw = raw.clone();
-                Box::pin(async move {
-                    raw.overwrite_raw(&key.to_string(), b"\x00garbage on disk")
-                        .unwrap()
-                })
-            }))
+            let copier = disk.clone();
+            Subject::new(Arc::new(backend(disk)), 32 << 20)
+                .with_corruptor(Arc::new(move |key| {
+                    let raw = raw.clone();
+                    Box::pin(async move {
+                        raw.overwrite_raw(&key.to_string(), b"\x00garbage on disk")
+                            .unwrap()
+                    })
+                }))
+                .with_raw_copier(Arc::new(move |from, to| {
+                    let raw = copier.clone();
+                    Box::pin(async move {
+                        let bytes = raw.get(&from.to_string()).await.unwrap().expect("stored");
+                        raw.overwrite_raw(&to.to_string(), &bytes).unwrap()
+                    })
+                }))
         }
     })
     .await;

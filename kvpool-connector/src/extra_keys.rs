@@ -20,6 +20,9 @@ pub struct ExtraKeys {
 const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
 const TAG_MM: u8 = 3;
+/// Tag of the random salt a scheduler adds after `reset_cache` (see
+/// `ConnectorScheduler::reset`).
+pub(crate) const TAG_RESET: u8 = 4;
 
 fn push(out: &mut Vec<u8>, tag: u8, value: &str) {
     out.push(tag);

@@ -137,6 +137,9 @@ pub struct ConnectorScheduler {
     max_tracked: usize,
     trackers_dropped: u64,
     broken_promises: u64,
+    /// Set by [`ConnectorScheduler::reset`]: a random salt chained into every request's root,
+    /// so nothing stored before the reset is ever found again.
+    reset_salt: Option<[u8; 16]>,
 }
 
 /// Requests tracked at most (vLLM tells the connector of every finish, so this bounds state
@@ -179,6 +182,21 @@ impl ConnectorScheduler {
             max_tracked: DEFAULT_MAX_TRACKED_REQUESTS,
             trackers_dropped: 0,
             broken_promises: 0,
+            reset_salt: None,
+        }
+    }
+
+    /// The root of a request's chain: its extra keys, and the reset salt if any.
+    fn request_root(&self, extra_keys: &[u8]) -> ChunkHash {
+        match &self.reset_salt {
+            None => self.hash_algorithm.request_root(extra_keys),
+            Some(salt) => {
+                let mut salted = extra_keys.to_vec();
+                salted.push(crate::extra_keys::TAG_RESET);
+                salted.extend_from_slice(&(salt.len() as u32).to_le_bytes());
+                salted.extend_from_slice(salt);
+                self.hash_algorithm.request_root(&salted)
+            }
         }
     }
 
@@ -252,7 +270,7 @@ impl ConnectorScheduler {
             let mut hasher = ChunkHasher::new(
                 self.hash_algorithm,
                 self.chunk_size,
-                self.hash_algorithm.request_root(&req.extra_keys),
+                self.request_root(&req.extra_keys),
             );
             hasher.extend(&req.prompt_token_ids);
             self.trackers.insert(
@@ -483,10 +501,22 @@ impl ConnectorScheduler {
         }
     }
 
-    /// vLLM `reset_cache` / `shutdown`: forgets every request.
+    /// vLLM `reset_cache` (called after a weight update, among others): forgets every
+    /// request, and salts every later key with a fresh random value, so nothing stored before
+    /// the reset (in any tier, by any process) is ever loaded by this engine again. Old chunks
+    /// age out of the tiers by eviction.
     pub fn reset(&mut self) {
         self.trackers.clear();
         self.pending_evictions.clear();
+        // Unique, not secret: the clock, the process, and the previous salt.
+        let mut seed = Vec::with_capacity(44);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        seed.extend_from_slice(&now.to_le_bytes());
+        seed.extend_from_slice(&std::process::id().to_le_bytes());
+        seed.extend_from_slice(&self.reset_salt.unwrap_or_default());
+        self.reset_salt = Some(xxhash_rust::xxh3::xxh3_128(&seed).to_le_bytes());
     }
 }
 

@@ -385,3 +385,22 @@ fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
     assert!(s.worker.get_block_ids_with_load_errors().is_empty());
     assert_eq!(s.pool_hit(&p[..n]), n, "the second half was saved");
 }
+
+/// `reset_cache` (vLLM calls it after a weight update): nothing stored before is found again.
+#[test]
+fn after_a_reset_nothing_stored_before_is_found() {
+    let mut s = setup();
+    let p = prompt(2 * CHUNK + 1, 9);
+    s.seed_pool(&p[..2 * CHUNK]);
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("a", &p), 0),
+        (2 * CHUNK, false)
+    );
+    s.sched.reset();
+    assert_eq!(s.sched.tracked_requests(), 0);
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("a", &p), 0),
+        (0, false),
+        "the old chunks are unreachable"
+    );
+}

@@ -2,7 +2,7 @@
 //! and chunk encode/decode with each checksum.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvpool_core::chunk_format::{ChunkCodec, DecodeExpectation, decode_to_vec};
+use kvpool_core::chunk_format::{ChunkCodec, DecodeExpectation, KeyBinding, decode_to_vec};
 use kvpool_core::{
     ChecksumAlgorithm, ChunkMeta, ChunkedTokenDatabase, ChunkingConfig, Dtype, HashAlgorithm,
     KeyScope,
@@ -46,6 +46,7 @@ fn chunk_format(c: &mut Criterion) {
         max_raw_len: 1 << 30,
         layout_fingerprint: Some(1),
         bytes_per_token: None,
+        key: Some(KeyBinding::default()),
     };
     let mut g = c.benchmark_group("chunk_format_8MiB");
     g.throughput(Throughput::Bytes(payload.len() as u64));
@@ -55,9 +56,9 @@ fn chunk_format(c: &mut Criterion) {
             checksum,
             ..Default::default()
         };
-        let encoded = codec.encode(&meta, &payload);
+        let encoded = codec.encode(&meta, &KeyBinding::default(), &payload);
         g.bench_function(BenchmarkId::new("encode", format!("{checksum:?}")), |b| {
-            b.iter(|| black_box(codec.encode(&meta, black_box(&payload))))
+            b.iter(|| black_box(codec.encode(&meta, &KeyBinding::default(), black_box(&payload))))
         });
         g.bench_function(BenchmarkId::new("decode", format!("{checksum:?}")), |b| {
             b.iter(|| black_box(decode_to_vec(black_box(&encoded), &expect).unwrap()))

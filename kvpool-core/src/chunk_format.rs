@@ -3,7 +3,7 @@
 //! ```text
 //! offset size field
 //!  0      4   magic "KVPC"
-//!  4      2   format version (u16 LE), currently 1
+//!  4      2   format version (u16 LE), currently 2
 //!  6      1   checksum algorithm (1 = xxh3-64, 2 = crc32c)
 //!  7      1   compression (0 = none, 1 = zstd)
 //!  8      8   KV layout fingerprint (u64 LE)
@@ -12,11 +12,15 @@
 //! 21      3   reserved, zero
 //! 24      8   payload length as stored (u64 LE)
 //! 32      8   raw (decoded) payload length (u64 LE)
-//! 40      8   checksum over bytes 0..40 and the stored payload (u64 LE)
-//! 48      …   payload
+//! 40     16   the chunk hash of the key it was stored under
+//! 56      8   the digest of that key's scope (model, ranks, layout; `KeyScope::digest`)
+//! 64      8   checksum over bytes 0..64 and the stored payload (u64 LE)
+//! 72      …   payload
 //! ```
 //! Decoding checks every field, the length and the checksum before it allocates or hands out a
-//! byte, so a truncated, oversized or corrupt value is a typed [`FormatError`], never data.
+//! byte, so a truncated, oversized or corrupt value is a typed [`FormatError`], never data. The
+//! value is bound to its key: read under any other key, it is [`FormatError::KeyMismatch`].
+//! Version 1 values (without the binding) are [`FormatError::UnsupportedVersion`]: misses.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
@@ -27,10 +31,29 @@ use crate::layout::Dtype;
 /// Magic bytes opening every chunk.
 pub const MAGIC: [u8; 4] = *b"KVPC";
 /// Format version written by this build.
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 /// Header size in bytes.
-pub const HEADER_LEN: usize = 48;
-const CHECKED_HEADER_LEN: usize = 40;
+pub const HEADER_LEN: usize = 72;
+const CHECKED_HEADER_LEN: usize = 64;
+
+/// The key a value is stored under, as recorded in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct KeyBinding {
+    /// The key's chunk hash.
+    pub chunk_hash: [u8; 16],
+    /// The digest of the key's scope.
+    pub scope_digest: u64,
+}
+
+impl KeyBinding {
+    /// The binding of `key`.
+    pub fn of(key: &crate::key::CacheKey) -> Self {
+        KeyBinding {
+            chunk_hash: key.hash.0,
+            scope_digest: key.scope.digest(),
+        }
+    }
+}
 
 /// Checksum used for stored chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -123,6 +146,8 @@ pub struct DecodeExpectation {
     pub layout_fingerprint: Option<u64>,
     /// Bytes per token of that layout, if known; raw length must be tokens x this.
     pub bytes_per_token: Option<u64>,
+    /// The key the value is read under, if known: the header must name it.
+    pub key: Option<KeyBinding>,
 }
 
 /// Encodes chunks with a chosen checksum and compression.
@@ -137,8 +162,8 @@ pub struct ChunkCodec {
 }
 
 impl ChunkCodec {
-    /// Encodes `payload` with its metadata into one stored value.
-    pub fn encode(&self, meta: &ChunkMeta, payload: &[u8]) -> Vec<u8> {
+    /// Encodes `payload` with its metadata into one stored value, bound to `key`.
+    pub fn encode(&self, meta: &ChunkMeta, key: &KeyBinding, payload: &[u8]) -> Vec<u8> {
         let compressed;
         let (stored, code): (&[u8], u8) = match self.compression {
             Compression::None => (payload, 0),
@@ -162,6 +187,8 @@ impl ChunkCodec {
         out.extend_from_slice(&[0, 0, 0]);
         out.extend_from_slice(&(stored.len() as u64).to_le_bytes());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(&key.chunk_hash);
+        out.extend_from_slice(&key.scope_digest.to_le_bytes());
         let sum = self.checksum.compute(&out[..CHECKED_HEADER_LEN], stored);
         out.extend_from_slice(&sum.to_le_bytes());
         out.extend_from_slice(stored);
@@ -233,12 +260,27 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
             actual: payload_len,
         });
     }
-    let stored = u64_at(bytes, 40);
+    let stored = u64_at(bytes, 64);
     let computed = checksum_algorithm.compute(&bytes[..CHECKED_HEADER_LEN], &bytes[HEADER_LEN..]);
     if stored != computed {
         return Err(FormatError::Checksum { stored, computed });
     }
     // The checksum vouches for the header from here on; remaining checks are semantic.
+    let found = KeyBinding {
+        chunk_hash: bytes[40..56].try_into().expect("16 bytes"),
+        scope_digest: u64_at(bytes, 56),
+    };
+    if let Some(expected) = expect.key
+        && expected != found
+    {
+        let hex = |h: &[u8; 16]| h.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        return Err(FormatError::KeyMismatch {
+            expected_hash: hex(&expected.chunk_hash),
+            expected_scope: expected.scope_digest,
+            found_hash: hex(&found.chunk_hash),
+            found_scope: found.scope_digest,
+        });
+    }
     let layout_fingerprint = u64_at(bytes, 8);
     if let Some(expected) = expect.layout_fingerprint
         && expected != layout_fingerprint
@@ -340,7 +382,44 @@ mod tests {
             max_raw_len: max,
             layout_fingerprint: None,
             bytes_per_token: None,
+            key: None,
         }
+    }
+
+    #[test]
+    fn a_value_read_under_another_key_is_rejected() {
+        let codec = ChunkCodec::default();
+        let bound = KeyBinding {
+            chunk_hash: [7; 16],
+            scope_digest: 42,
+        };
+        let encoded = codec.encode(&meta(3), &bound, &[1, 2, 3]);
+        let mut expect = open(1 << 20);
+        expect.key = Some(bound);
+        assert!(decode_to_vec(&encoded, &expect).is_ok());
+        for other in [
+            KeyBinding {
+                chunk_hash: [8; 16],
+                ..bound
+            },
+            KeyBinding {
+                scope_digest: 43,
+                ..bound
+            },
+        ] {
+            expect.key = Some(other);
+            assert!(matches!(
+                decode_to_vec(&encoded, &expect),
+                Err(FormatError::KeyMismatch { .. })
+            ));
+        }
+        // A version-1 value (no binding) is a typed error: a miss, never data.
+        let mut v1 = encoded.clone();
+        v1[4] = 1;
+        assert!(matches!(
+            decode_to_vec(&v1, &open(1 << 20)),
+            Err(FormatError::UnsupportedVersion(1, 2))
+        ));
     }
 
     fn codecs() -> impl Strategy<Value = ChunkCodec> {
@@ -371,7 +450,7 @@ mod tests {
     proptest! {
         #[test]
         fn round_trip_is_exact(codec in codecs(), payload in payloads(), tokens in 0u32..1000) {
-            let encoded = codec.encode(&meta(tokens), &payload);
+            let encoded = codec.encode(&meta(tokens), &KeyBinding::default(), &payload);
             let (m, decoded) = decode_to_vec(&encoded, &open(1 << 20)).unwrap();
             prop_assert_eq!(m, meta(tokens));
             prop_assert_eq!(decoded, payload);
@@ -381,7 +460,7 @@ mod tests {
         fn any_single_byte_corruption_is_rejected(
             codec in codecs(), payload in payloads(), pos in any::<prop::sample::Index>(), flip in 1u8..=255
         ) {
-            let mut encoded = codec.encode(&meta(3), &payload);
+            let mut encoded = codec.encode(&meta(3), &KeyBinding::default(), &payload);
             let i = pos.index(encoded.len());
             encoded[i] ^= flip;
             prop_assert!(decode_to_vec(&encoded, &open(1 << 20)).is_err());
@@ -389,7 +468,7 @@ mod tests {
 
         #[test]
         fn truncation_and_extension_are_rejected(codec in codecs(), payload in payloads(), cut in any::<prop::sample::Index>()) {
-            let encoded = codec.encode(&meta(3), &payload);
+            let encoded = codec.encode(&meta(3), &KeyBinding::default(), &payload);
             let n = cut.index(encoded.len());
             prop_assert!(decode_to_vec(&encoded[..n], &open(1 << 20)).is_err());
             let mut longer = encoded.clone();
@@ -406,7 +485,7 @@ mod tests {
     #[test]
     fn oversized_chunk_is_rejected_before_allocation() {
         let codec = ChunkCodec::default();
-        let encoded = codec.encode(&meta(1), &[7u8; 1000]);
+        let encoded = codec.encode(&meta(1), &KeyBinding::default(), &[7u8; 1000]);
         assert!(matches!(
             decode_header(&encoded, &open(999)),
             Err(FormatError::TooLarge {
@@ -427,7 +506,7 @@ mod tests {
     #[test]
     fn layout_and_size_expectations_are_enforced() {
         let codec = ChunkCodec::default();
-        let encoded = codec.encode(&meta(4), &[1u8; 64]);
+        let encoded = codec.encode(&meta(4), &KeyBinding::default(), &[1u8; 64]);
         let mut expect = open(1 << 20);
         expect.layout_fingerprint = Some(0x9999);
         assert!(matches!(
@@ -446,7 +525,7 @@ mod tests {
 
     #[test]
     fn wrong_destination_size_is_rejected() {
-        let encoded = ChunkCodec::default().encode(&meta(1), &[5u8; 10]);
+        let encoded = ChunkCodec::default().encode(&meta(1), &KeyBinding::default(), &[5u8; 10]);
         let header = decode_header(&encoded, &open(100)).unwrap();
         let mut small = [0u8; 9];
         assert!(decode_payload_into(&encoded, &header, &mut small).is_err());

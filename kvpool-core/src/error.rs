@@ -142,6 +142,21 @@ pub enum FormatError {
         /// Found fingerprint.
         found: u64,
     },
+    /// The value was stored under another key (a misrouted write, a copy, a hash collision in
+    /// a shared store): never data.
+    #[error(
+        "chunk was written for key {found_hash}/{found_scope:016x}, not {expected_hash}/{expected_scope:016x}"
+    )]
+    KeyMismatch {
+        /// The chunk hash asked for (hex).
+        expected_hash: String,
+        /// The scope digest asked for.
+        expected_scope: u64,
+        /// The chunk hash in the header (hex).
+        found_hash: String,
+        /// The scope digest in the header.
+        found_scope: u64,
+    },
     /// The chunk's element type differs from the layout's.
     #[error("chunk dtype {found} differs from the layout's {expected}")]
     DtypeMismatch {

@@ -23,6 +23,23 @@ pub struct KeyScope {
 }
 
 impl KeyScope {
+    /// A stable 64-bit digest of the whole scope (recorded in stored chunk headers, so a value
+    /// read under another model, rank or layout is rejected): xxh3-64 of
+    /// `b"kvpool.scope.v1" ‖ u32 LE model length ‖ model ‖ world, rank, pp (u32 LE) ‖
+    /// fingerprint (u64 LE)`.
+    pub fn digest(&self) -> u64 {
+        let model = self.model.as_bytes();
+        let mut buf = Vec::with_capacity(15 + 4 + model.len() + 12 + 8);
+        buf.extend_from_slice(b"kvpool.scope.v1");
+        buf.extend_from_slice(&(model.len() as u32).to_le_bytes());
+        buf.extend_from_slice(model);
+        buf.extend_from_slice(&self.world_size.to_le_bytes());
+        buf.extend_from_slice(&self.rank.to_le_bytes());
+        buf.extend_from_slice(&self.pp_rank.to_le_bytes());
+        buf.extend_from_slice(&self.layout_fingerprint.to_le_bytes());
+        xxhash_rust::xxh3::xxh3_64(&buf)
+    }
+
     /// Builds a scope, checking `rank < world_size`.
     pub fn new(
         model: impl Into<String>,

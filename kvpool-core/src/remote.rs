@@ -11,7 +11,9 @@ use crate::backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
-use crate::chunk_format::{ChunkCodec, DecodeExpectation, decode_header, decode_payload_into};
+use crate::chunk_format::{
+    ChunkCodec, DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
+};
 use crate::error::{BackendError, FormatError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
@@ -119,6 +121,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
             max_raw_len: self.max_chunk_bytes,
             layout_fingerprint: Some(key.scope.layout_fingerprint),
             bytes_per_token: None,
+            key: Some(KeyBinding::of(key)),
         };
         let header = decode_header(bytes, &expect)?;
         let len = header.raw_len as usize;
@@ -206,7 +209,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
                 bytes_in += c.data.len() as u64;
                 (
                     k.to_string(),
-                    Bytes::from(self.codec.encode(&c.meta, c.data.as_slice())),
+                    Bytes::from(
+                        self.codec
+                            .encode(&c.meta, &KeyBinding::of(&k), c.data.as_slice()),
+                    ),
                 )
             })
             .collect();

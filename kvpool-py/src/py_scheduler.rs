@@ -184,7 +184,8 @@ impl PyScheduler {
         Ok(guard(self)?.request_finished(req_id, &[]).0)
     }
 
-    /// vLLM `reset_cache` / `shutdown`: forgets every request.
+    /// vLLM `reset_cache`: forgets every request and makes everything stored so far
+    /// unreachable (a fresh random salt in every later key).
     fn reset(&self) -> PyResult<()> {
         guard(self)?.reset();
         Ok(())

@@ -144,6 +144,7 @@ def test_preemption_with_32_concurrent_requests(runner, model_dir):
     base = runner.baseline(model_dir, prompts, **kw)
     got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
     assert_same_outputs(base, got)
+    assert got["preempted_requests"] > 0, "the KV cache was meant to force preemption"
     assert got["stats"]["stored_tokens"] > 0
 
 

@@ -40,6 +40,17 @@ def main(spec_path, out_path):
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     blocks_of = {}
+    preempted = set()
+    if use_kvpool and not spec.get("multiprocess"):
+        from kvpool.vllm import KvpoolConnector
+
+        build = KvpoolConnector.build_connector_meta
+
+        def counting(self, scheduler_output):
+            preempted.update(scheduler_output.preempted_req_ids or ())
+            return build(self, scheduler_output)
+
+        KvpoolConnector.build_connector_meta = counting
     if use_kvpool and spec.get("check_blocks"):
         from kvpool.vllm import KvpoolConnector
 
@@ -92,7 +103,8 @@ def main(spec_path, out_path):
             out_blocks.update(zip(batch, reports))
         if b in kill_after:
             os.kill(kill_after[b], signal.SIGKILL)
-    out = {"results": results, "startup_s": startup, "batch_s": batch_s}
+    out = {"results": results, "startup_s": startup, "batch_s": batch_s,
+           "preempted_requests": len(preempted)}
     if use_kvpool and not spec.get("multiprocess"):
         from kvpool import vllm as kv
 

@@ -19,15 +19,24 @@ use parking_lot::Mutex;
 /// chunk.
 pub fn chunk_format_subject<C: RemoteConnector + Clone>(connector: C) -> Subject {
     let raw = connector.clone();
+    let copier = connector.clone();
     let backend = RemoteBackend::new(connector, ChunkCodec::default(), 64 << 20);
-    Subject::new(Arc::new(backend), 32 << 20).with_corruptor(Arc::new(move |key| {
-        let raw = raw.clone();
-        Box::pin(async move {
-            raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
-                .await
-                .unwrap()
-        })
-    }))
+    Subject::new(Arc::new(backend), 32 << 20)
+        .with_corruptor(Arc::new(move |key| {
+            let raw = raw.clone();
+            Box::pin(async move {
+                raw.put(&key.to_string(), Bytes::from_static(b"not a chunk"))
+                    .await
+                    .unwrap()
+            })
+        }))
+        .with_raw_copier(Arc::new(move |from, to| {
+            let raw = copier.clone();
+            Box::pin(async move {
+                let bytes = raw.get(&from.to_string()).await.unwrap().expect("stored");
+                raw.put(&to.to_string(), bytes).await.unwrap()
+            })
+        }))
 }
 
 /// A HashMap behind the RemoteConnector interface, with switches to simulate a dead server,

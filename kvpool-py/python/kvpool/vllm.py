@@ -172,8 +172,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         if prompt is None or getattr(request, "prompt_embeds", None) is not None:
             # KV computed from embeddings is not determined by token ids: never cached.
             return 0, False
-        self._requests[request.request_id] = request
-        self._sent_tokens[request.request_id] = len(prompt)
+        if self._requests.get(request.request_id) is not request:
+            # A new request (or a new one under a reused id): Rust knows its prompt only.
+            # A resumed request keeps its count, so no token is ever sent twice.
+            self._requests[request.request_id] = request
+            self._sent_tokens[request.request_id] = len(prompt)
         hit = self._scheduler.get_num_new_matched_tokens(
             request.request_id, prompt, extra_keys_of(request), num_computed_tokens)
         return hit, False
@@ -232,7 +235,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         return False, None
 
     def reset_cache(self) -> bool | None:
-        # Forgets in-flight request state; the pool's stored chunks stay (they are valid KV).
+        # vLLM resets caches after a weight update: every later key is salted anew, so no
+        # chunk stored before (in any tier) is loaded again; old chunks age out by eviction.
         if self._scheduler is not None:
             self._scheduler.reset()
         return True
