@@ -212,6 +212,18 @@ mod tests {
     const BLOCK: usize = 4;
     const BLOCK_BYTES: usize = BLOCK * 2 * 2 * 4;
 
+    fn spec_for_rank(
+        layers: &mut [Vec<u8>],
+        socket: PathBuf,
+        tp_size: u32,
+        tp_rank: u32,
+    ) -> WorkerSpec {
+        let mut s = spec(layers, socket);
+        s.facts.tp_size = tp_size;
+        s.facts.tp_rank = tp_rank;
+        s
+    }
+
     fn spec(layers: &mut [Vec<u8>], socket: PathBuf) -> WorkerSpec {
         WorkerSpec {
             config_text: "[chunking]\nchunk_size = 8\n[local_cpu]\nmax_size = \"1MiB\"\n".into(),
@@ -305,5 +317,63 @@ mod tests {
             }
             assert_ne!(block(&layers, layer, 13), block(&layers, layer, 5));
         }
+    }
+
+    /// Tensor parallelism: the scheduler offers only what every rank can load.
+    #[test]
+    fn with_two_ranks_only_what_both_hold_is_offered() {
+        let dir = tempfile::tempdir().unwrap();
+        let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
+        let mut layers: Vec<Vec<Vec<u8>>> = (0..2)
+            .map(|_| (0..2).map(|_| vec![3u8; 16 * BLOCK_BYTES]).collect())
+            .collect();
+        let mut workers: Vec<WorkerCore> = layers
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, l)| {
+                let s = spec_for_rank(l, sockets[rank].clone(), 2, rank as u32);
+                // SAFETY: `layers` outlives the workers (dropped first, below).
+                unsafe { WorkerCore::new(&s) }.unwrap()
+            })
+            .collect();
+        let mut sched = connect_scheduler(
+            &sockets,
+            BLOCK,
+            false,
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..17).collect();
+        let request = |id: &str| EngineRequest {
+            req_id: id.into(),
+            prompt_token_ids: prompt.clone(),
+            skip_save: false,
+            extra_keys: Vec::new(),
+        };
+        sched.get_num_new_matched_tokens(&request("a"), 0);
+        sched.update_state_after_alloc("a", &[1, 2, 3, 4, 5], 0);
+        let meta = sched
+            .build_connector_meta(
+                &scheduled_requests(vec![("a".into(), vec![], 2, vec![1, 2, 3, 4, 5], 17)])
+                    .unwrap(),
+            )
+            .encode();
+        // Only rank 0 saves (rank 1 missed the step, e.g. its store failed).
+        workers[0].start_load(&meta).unwrap();
+        workers[0].save().unwrap();
+        sched.request_finished("a", &[]);
+        assert_eq!(
+            sched.get_num_new_matched_tokens(&request("b"), 0),
+            (0, false)
+        );
+        workers[1].start_load(&meta).unwrap();
+        workers[1].save().unwrap();
+        sched.request_finished("b", &[]);
+        assert_eq!(
+            sched.get_num_new_matched_tokens(&request("c"), 0),
+            (16, false)
+        );
+        drop(workers);
     }
 }

@@ -322,7 +322,14 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._bound = True
         self._worker.save()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        # Nothing to rescue: saves complete inside the step that computes the KV, so a
+        # preempted request's blocks hold nothing unsaved. The scheduler side forgets the
+        # request's blocks (SchedulerOutput.preempted_req_ids) in build_connector_meta.
+        return
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Nothing is ever asynchronous: request_finished never delays a free.
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
