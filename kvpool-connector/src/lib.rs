@@ -29,14 +29,23 @@
 //!   instead aligns the GPU count down to a chunk and re-writes those tokens with identical bytes.
 //! - Saves skip what was saved before. They cover complete chunks unless `save_unfull_chunk`,
 //!   and decode tokens only with `save_decode_tokens`. A request can opt out (`skip_save`).
-//!   Offload is eager (each newly computed chunk is saved in the step that computes it) or lazy
-//!   (a chunk is saved when the engine is about to reuse one of its GPU blocks; the worker saves
-//!   it at the start of the step, before anything overwrites those blocks).
+//!   Offload is eager: each newly computed chunk is saved in the step that computes it. (Lazy
+//!   offload, through `on_blocks_evicting`, has no vLLM hook and is not offered to users; the
+//!   connector's own tests keep it.)
 //! - A chunk that fails to load (missing, corrupt, backend down) is reported by exact GPU block
-//!   id. The worker saves nothing from it on in that step, and the scheduler rewinds the save
-//!   point, so the recomputed KV is saved later and nothing unverified is ever reported as
-//!   loaded or stored.
-//! - `request_finished` delays freeing blocks while a save from them is in flight.
+//!   id. In that step no request saves a chunk touching a failed block (requests share blocks
+//!   through vLLM's prefix cache), and the scheduler rewinds the save point of every request
+//!   holding one, so the recomputed KV is saved later and nothing unverified is ever stored.
+//!   One request's failure never hides another's result.
+//! - Saves finish inside the step, so `request_finished` never delays a free and `get_finished`
+//!   reports nothing. The request's state is dropped at `request_finished`; a request id that
+//!   comes back with another prompt starts over.
+//! - Block lists follow vLLM: the whole list for new and resumed requests, only the newly
+//!   allocated blocks for running ones ([`BlockUpdate`]). A promised load the blocks cannot hold
+//!   is reported as failed, never dropped.
+//! - Each request's tokens are hashed once, in the scheduler, as they arrive; lookups and the
+//!   metadata carry chunk hashes, and keys include the request's extra keys (LoRA adapter,
+//!   cache salt, multimodal inputs).
 //! - A preempted request (`request_preempted`) forgets its GPU blocks and save progress; when it
 //!   resumes, its next lookup finds what earlier steps saved, and it loads instead of recomputing.
 //! - Every step's metadata carries the scheduler's [`probe_hash`]; a worker deriving another
@@ -46,8 +55,8 @@
 //! - The worker's KV events list exactly the chunks the pool stored (by chained hash).
 //!
 //! - The scheduler asks the pool through [`PoolLookup`]: in-process ([`EngineLookup`]) or
-//!   across processes (the `two_process` test runs the worker in another OS process and
-//!   answers lookups over a Unix socket).
+//!   across processes ([`SocketLookup`] to each worker rank's [`LookupServer`], the minimum over
+//!   ranks wins), as the Python package does inside vLLM.
 //!
 //! Loads are synchronous: `get_num_new_matched_tokens` always answers `is_async = false`, and
 //! loaded KV is in place once `wait_for_layer_load` returns.

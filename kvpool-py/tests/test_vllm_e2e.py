@@ -137,10 +137,12 @@ def test_redis_killed_mid_run(runner, model_dir, redis_server):
 def test_preemption_with_32_concurrent_requests(runner, model_dir):
     """Done-when 6: a KV cache small enough to preempt; 32 concurrent requests over four shared
     prefixes; outputs identical to the run without kvpool."""
+    # 543-token prompts fill 17 blocks and cross into an 18th while decoding; without vLLM's
+    # prefix cache 32 of them need 576 blocks, and there are 160.
     prompts = []
     for seed in range(4):
-        prompts += shared_prefix_prompts(8, prefix_len=512, suffix_len=45, seed=20 + seed)
-    kw = {"num_gpu_blocks": 160, "max_tokens": 16}
+        prompts += shared_prefix_prompts(8, prefix_len=512, suffix_len=31, seed=20 + seed)
+    kw = {"num_gpu_blocks": 160, "max_tokens": 24, "prefix_caching": False}
     base = runner.baseline(model_dir, prompts, **kw)
     got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
     assert_same_outputs(base, got)
