@@ -32,6 +32,16 @@ pub fn parse_pool_config(text: &str, format: &str) -> Result<kvpool_core::PoolCo
     }
 }
 
+/// Locks the state behind a Python object; a lock poisoned by an earlier panic is a clear
+/// Python error, not another panic.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| {
+        pyo3::exceptions::PyRuntimeError::new_err(
+            "a previous kvpool call panicked; restart the engine",
+        )
+    })
+}
+
 /// Logs from Rust go to stderr through `tracing`, filtered by `KVPOOL_LOG` (default `warn`;
 /// e.g. `KVPOOL_LOG=kvpool_connector=debug`).
 fn init_logging() {

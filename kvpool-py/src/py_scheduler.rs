@@ -75,9 +75,7 @@ pub struct PyScheduler {
 }
 
 fn guard(s: &PyScheduler) -> PyResult<std::sync::MutexGuard<'_, ConnectorScheduler>> {
-    s.inner
-        .lock()
-        .map_err(|_| PyRuntimeError::new_err("a previous kvpool call panicked; restart the engine"))
+    crate::lock(&s.inner)
 }
 
 #[pymethods]

@@ -169,9 +169,7 @@ fn runtime_err(e: String) -> PyErr {
 }
 
 fn core_guard(w: &PyWorker) -> PyResult<std::sync::MutexGuard<'_, WorkerCore>> {
-    w.core
-        .lock()
-        .map_err(|_| PyRuntimeError::new_err("a previous kvpool call panicked; restart the engine"))
+    crate::lock(&w.core)
 }
 
 #[pymethods]
