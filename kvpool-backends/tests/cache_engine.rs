@@ -200,6 +200,40 @@ async fn masked_prefix_is_neither_reported_nor_written() {
 }
 
 #[tokio::test]
+async fn a_skip_beyond_whole_spans_writes_nothing_before_it_and_does_not_panic() {
+    let s = setup();
+    let n = 3 * CHUNK;
+    let stored = s.store_and_flush(n, 8).await;
+    let spans = s
+        .engine
+        .token_database()
+        .process_tokens(&stored.toks, None)
+        .unwrap();
+    // Skip past the whole first span and into the second.
+    let skip = CHUNK + 3;
+    let mut plan = s
+        .engine
+        .begin_retrieve_spans(&spans, skip, n, &stored.dst_slots)
+        .await
+        .unwrap();
+    let mut dst = HostPagedKvCache::new(layout(), 100);
+    plan.load_all(&mut dst).unwrap();
+    let mask = plan.into_mask();
+    let expect: Vec<bool> = (0..n).map(|i| i >= skip).collect();
+    assert_eq!(mask, expect);
+    assert_rows_equal(
+        &stored.src,
+        &stored.src_slots,
+        &dst,
+        &stored.dst_slots,
+        &mask,
+    );
+    for &slot in &stored.dst_slots[..skip] {
+        assert!(row_is_zero(&dst, slot));
+    }
+}
+
+#[tokio::test]
 async fn lookup_and_retrieve_stop_at_the_first_missing_chunk() {
     let s = setup_with(Some(64), false, StorageManagerConfig::default());
     let n = 4 * CHUNK;

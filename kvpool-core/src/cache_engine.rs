@@ -319,7 +319,9 @@ impl CacheEngine {
                 self.manager.remove(std::slice::from_ref(&span.key)).await;
                 break;
             }
-            let offset = skip.saturating_sub(span.start);
+            // Tokens of this span before `skip` are not written (a span wholly inside the
+            // skipped prefix writes nothing).
+            let offset = skip.clamp(span.start, span.end) - span.start;
             mask[span.start + offset..span.end]
                 .iter_mut()
                 .for_each(|m| *m = true);

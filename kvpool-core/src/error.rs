@@ -22,6 +22,16 @@ pub enum LayoutError {
         /// The world size given.
         world_size: u32,
     },
+    /// The model name is too long to be part of a key.
+    #[error(
+        "model name of {len} bytes is too long for a key (at most {max}); use a shorter `[model] name`"
+    )]
+    ModelNameTooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// A cache key string or binary form could not be parsed.

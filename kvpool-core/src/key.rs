@@ -7,6 +7,10 @@ use std::sync::Arc;
 use crate::chunk_hash::ChunkHash;
 use crate::error::{KeyParseError, LayoutError};
 
+/// Longest model name a key can hold (the binary key form stores its length in 16 bits, and two
+/// names must never share a key by being cut to the same prefix).
+pub const MAX_MODEL_NAME_BYTES: usize = 4096;
+
 /// Everything about *who* wrote a chunk: two scopes never share bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KeyScope {
@@ -51,8 +55,15 @@ impl KeyScope {
         if world_size == 0 || rank >= world_size {
             return Err(LayoutError::RankOutOfRange { rank, world_size });
         }
+        let model = model.into();
+        if model.len() > MAX_MODEL_NAME_BYTES {
+            return Err(LayoutError::ModelNameTooLong {
+                len: model.len(),
+                max: MAX_MODEL_NAME_BYTES,
+            });
+        }
         Ok(KeyScope {
-            model: model.into(),
+            model,
             world_size,
             rank,
             pp_rank,
@@ -238,6 +249,21 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert!(CacheKey::from_bytes(&long).is_err());
+    }
+
+    #[test]
+    fn model_names_too_long_for_a_key_are_refused_not_truncated() {
+        let long = "m".repeat(MAX_MODEL_NAME_BYTES + 1);
+        assert!(matches!(
+            KeyScope::new(long, 1, 0, 0, 1),
+            Err(LayoutError::ModelNameTooLong { .. })
+        ));
+        let longest = "m".repeat(MAX_MODEL_NAME_BYTES);
+        let key = CacheKey::new(
+            KeyScope::new(longest, 1, 0, 0, 1).unwrap().into(),
+            ChunkHash([1; 16]),
+        );
+        assert_eq!(CacheKey::from_bytes(&key.to_bytes()).unwrap(), key);
     }
 
     #[test]

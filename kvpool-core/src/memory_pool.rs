@@ -165,8 +165,9 @@ impl fmt::Debug for MemoryPool {
     }
 }
 
-fn round_up(len: usize) -> usize {
-    len.div_ceil(REGION_ALIGN) * REGION_ALIGN
+/// `len` rounded up to the region alignment; `None` when that does not fit a `usize`.
+fn round_up(len: usize) -> Option<usize> {
+    len.checked_next_multiple_of(REGION_ALIGN)
 }
 
 impl MemoryPool {
@@ -232,7 +233,7 @@ impl MemoryPool {
         if len == 0 {
             return Err(PoolError::ZeroSize);
         }
-        let alloc_len = round_up(len);
+        let alloc_len = round_up(len).unwrap_or(usize::MAX);
         if alloc_len > self.inner.capacity {
             return Err(PoolError::LargerThanPool {
                 requested: len,
@@ -481,5 +482,12 @@ mod tests {
             pool.allocate(2048),
             Err(PoolError::LargerThanPool { .. })
         ));
+        // Rounding these up to the region alignment overflows a usize.
+        for len in [usize::MAX, usize::MAX - 1, usize::MAX - REGION_ALIGN + 2] {
+            assert!(matches!(
+                pool.allocate(len),
+                Err(PoolError::LargerThanPool { .. })
+            ));
+        }
     }
 }
