@@ -233,6 +233,38 @@ async fn a_skip_beyond_whole_spans_writes_nothing_before_it_and_does_not_panic()
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_write_behind_neither_hangs_flush_nor_sticks_its_keys() {
+    let s = setup();
+    s.remote.panic_on_put.store(true, Ordering::SeqCst);
+    let key = s
+        .engine
+        .token_database()
+        .process_tokens(&tokens(CHUNK, 9), None)
+        .unwrap()[0]
+        .key
+        .clone();
+    let chunk = || kvpool_core::Chunk {
+        meta: kvpool_core::ChunkMeta {
+            layout_fingerprint: layout().fingerprint(),
+            dtype: layout().dtype,
+            token_count: CHUNK as u32,
+        },
+        data: kvpool_core::MemoryObjMut::heap(layout().chunk_bytes(CHUNK)).freeze(),
+    };
+    let storage = s.engine.storage();
+    storage.put(vec![(key.clone(), chunk())]).await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), storage.flush())
+        .await
+        .expect("flush returns although the write-behind task panicked")
+        .unwrap();
+    // The key is not left "in flight": once the backend behaves, it is written.
+    s.remote.panic_on_put.store(false, Ordering::SeqCst);
+    storage.put(vec![(key.clone(), chunk())]).await.unwrap();
+    storage.flush().await.unwrap();
+    assert_eq!(s.remote.len(), 1);
+}
+
 #[tokio::test]
 async fn lookup_and_retrieve_stop_at_the_first_missing_chunk() {
     let s = setup_with(Some(64), false, StorageManagerConfig::default());

@@ -126,6 +126,29 @@ struct Pending {
     idle: Notify,
 }
 
+/// One write-behind batch in flight. Dropping it (when the write ends, or when a panicking
+/// backend unwinds the task) returns the keys, the quota and the pending count, so `flush` and
+/// `close` never wait for ever and the keys can be written again.
+struct WriteBehindGuard {
+    tier: Arc<Tier>,
+    keys: Vec<CacheKey>,
+    permits: u32,
+    pending: Arc<Pending>,
+}
+
+impl Drop for WriteBehindGuard {
+    fn drop(&mut self) {
+        {
+            let mut in_flight = self.tier.in_flight.lock();
+            for k in &self.keys {
+                in_flight.remove(k);
+            }
+        }
+        self.tier.quota.add_permits(self.permits as usize);
+        self.pending.finish();
+    }
+}
+
 impl Pending {
     fn start(&self) {
         self.count.fetch_add(1, Ordering::SeqCst);
@@ -499,11 +522,15 @@ impl StorageManager {
         if batch.is_empty() {
             return;
         }
-        let tier = tier.clone();
-        let pending = self.pending.clone();
-        pending.start();
+        self.pending.start();
+        let guard = WriteBehindGuard {
+            tier: tier.clone(),
+            keys: batch.iter().map(|(k, _)| k.clone()).collect(),
+            permits,
+            pending: self.pending.clone(),
+        };
         self.runtime.spawn(async move {
-            let keys: Vec<CacheKey> = batch.iter().map(|(k, _)| k.clone()).collect();
+            let tier = guard.tier.clone();
             let bytes: u64 = batch.iter().map(|(_, c)| c.data.len() as u64).sum();
             let t0 = Instant::now();
             let result = tier.backend.put(batch).await;
@@ -512,20 +539,13 @@ impl StorageManager {
                 Ok(_) => add(&tier.counters.bytes_written, bytes),
                 Err(e) => {
                     add(&tier.counters.errors, 1);
-                    add(&tier.counters.failed_writes, keys.len() as u64);
+                    add(&tier.counters.failed_writes, guard.keys.len() as u64);
                     metrics::counter!("kvpool_write_behind_failed_total", "tier" => tier.backend.name().to_string())
-                        .increment(keys.len() as u64);
+                        .increment(guard.keys.len() as u64);
                     warn!(tier = tier.backend.name(), error = %e, "write-behind failed; chunks not stored in this tier");
                 }
             }
-            {
-                let mut in_flight = tier.in_flight.lock();
-                for k in &keys {
-                    in_flight.remove(k);
-                }
-            }
-            tier.quota.add_permits(permits as usize);
-            pending.finish();
+            drop(guard);
         });
     }
 

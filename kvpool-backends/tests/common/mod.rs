@@ -47,6 +47,8 @@ pub struct MapConnector {
     pub down: Arc<AtomicBool>,
     pub put_delay_ms: Arc<AtomicU64>,
     pub puts: Arc<AtomicU64>,
+    /// Panic inside `put` (a buggy third-party backend).
+    pub panic_on_put: Arc<AtomicBool>,
 }
 
 impl MapConnector {
@@ -99,6 +101,10 @@ impl RemoteConnector for MapConnector {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
         self.check()?;
+        assert!(
+            !self.panic_on_put.load(Ordering::SeqCst),
+            "MapConnector told to panic in put"
+        );
         self.puts.fetch_add(1, Ordering::SeqCst);
         self.map.lock().insert(key.to_string(), value);
         Ok(())
