@@ -14,8 +14,8 @@ use redis::{Cmd, FromRedisValue, Pipeline, RedisError};
 
 use kvpool_core::{BackendError, RemoteConnector};
 
-/// Settings of a Redis tier.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of a Redis tier. Its `Debug` output hides the URL's password.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     /// `redis://[user:pass@]host:port[/db]`, `rediss://…` for TLS (append `#insecure` to accept
     /// a self-signed certificate; a private CA is trusted through OpenSSL's `SSL_CERT_FILE`),
@@ -25,6 +25,16 @@ pub struct RedisConfig {
     pub ttl: Option<Duration>,
     /// Bound on connecting and on every command.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &redact(&self.url))
+            .field("ttl", &self.ttl)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl RedisConfig {
@@ -213,13 +223,7 @@ impl RedisConnector {
     }
 }
 
-/// The URL with any password replaced, for error messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***@{}", &url[..s + 3], &url[at + 1..]),
-        _ => url.to_string(),
-    }
-}
+use kvpool_core::redact_url as redact;
 
 #[async_trait]
 impl RemoteConnector for RedisConnector {

@@ -18,7 +18,7 @@ use kvpool_core::{BackendError, RemoteConnector};
 /// Settings of an S3 tier. Credentials and anything not set here come from the standard
 /// environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
 /// `AWS_REGION`, `AWS_ENDPOINT_URL`, …).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct S3Config {
     /// `s3://bucket/optional/prefix`.
     pub url: String,
@@ -35,6 +35,27 @@ pub struct S3Config {
     pub concurrency: usize,
     /// Values above this size are uploaded in parts of this size.
     pub multipart_part_bytes: usize,
+}
+
+/// The secret access key prints as `***`.
+impl std::fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Config")
+            .field("url", &self.url)
+            .field(
+                "endpoint",
+                &self.endpoint.as_deref().map(kvpool_core::redact_url),
+            )
+            .field("region", &self.region)
+            .field(
+                "credentials",
+                &self.credentials.as_ref().map(|(id, _)| (id, "***")),
+            )
+            .field("timeout", &self.timeout)
+            .field("concurrency", &self.concurrency)
+            .field("multipart_part_bytes", &self.multipart_part_bytes)
+            .finish()
+    }
 }
 
 impl S3Config {
@@ -76,7 +97,7 @@ impl S3Connector {
     pub async fn connect(config: &S3Config) -> Result<Self, BackendError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
             backend: "s3".into(),
-            reason: format!("{what} `{}`: {e}", config.url),
+            reason: format!("{what} `{}`: {e}", kvpool_core::redact_url(&config.url)),
         };
         let rest = config
             .url

@@ -33,7 +33,8 @@ fn invalid(reason: String) -> ConfigError {
 pub fn scheme_of(url: &str) -> Result<&str, ConfigError> {
     url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
         invalid(format!(
-            "`{url}` is not a URL: use e.g. file:///var/cache/kvpool or redis://host:6379"
+            "`{}` is not a URL: use e.g. file:///var/cache/kvpool or redis://host:6379",
+            kvpool_core::redact_url(url)
         ))
     })
 }

@@ -225,7 +225,7 @@ impl Default for WriteBehindConfig {
 /// | `redis://`, `rediss://`, `redis+cluster://h1,h2` | Redis (feature `redis`) |
 /// | `s3://bucket/prefix` | S3 or an S3-compatible server (feature `s3`) |
 /// | `memory://` | process memory (tests) |
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TierConfig {
     /// Where the tier lives.
@@ -254,6 +254,36 @@ pub struct TierConfig {
     /// Bound on connecting and on every call, in milliseconds.
     #[serde(default = "TierConfig::default_timeout_ms")]
     pub timeout_ms: u64,
+}
+
+/// `url` with any password (`scheme://user:password@host`) replaced by `***`, for logs, `Debug`
+/// output and error messages.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***@{}", &url[..s + 3], &url[at + 1..]),
+        (None, Some(at)) => format!("***@{}", &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+/// Secrets (the URL's password, the S3 secret key) print as `***`.
+impl fmt::Debug for TierConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierConfig")
+            .field("url", &redact_url(&self.url))
+            .field("capacity", &self.capacity)
+            .field("admit_on_second_put", &self.admit_on_second_put)
+            .field("ttl_seconds", &self.ttl_seconds)
+            .field("endpoint", &self.endpoint.as_deref().map(redact_url))
+            .field("region", &self.region)
+            .field("access_key_id", &self.access_key_id)
+            .field(
+                "secret_access_key",
+                &self.secret_access_key.as_ref().map(|_| "***"),
+            )
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
 }
 
 impl TierConfig {

@@ -40,7 +40,7 @@ pub use block_transfer::BlockKvCache;
 pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
-pub use config::{ByteSize, PoolConfig, TierConfig};
+pub use config::{ByteSize, PoolConfig, TierConfig, redact_url};
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,

@@ -1,0 +1,58 @@
+//! No secret (a URL's password, an S3 secret key) appears in `Debug` output or error messages.
+
+use kvpool_core::{PoolConfig, TierConfig};
+
+const SECRET: &str = "hunter2-secret";
+
+fn assert_hidden(what: &str, text: &str) {
+    assert!(!text.contains(SECRET), "{what} shows the secret: {text}");
+}
+
+#[test]
+fn configs_hide_secrets_in_debug_output() {
+    let mut tier = TierConfig::new(format!("redis://user:{SECRET}@127.0.0.1:6379"));
+    tier.access_key_id = Some("AKIDEXAMPLE".into());
+    tier.secret_access_key = Some(SECRET.into());
+    tier.endpoint = Some(format!("http://admin:{SECRET}@127.0.0.1:9000"));
+    assert_hidden("TierConfig", &format!("{tier:?}"));
+    assert!(
+        format!("{tier:?}").contains("AKIDEXAMPLE"),
+        "the key id is not a secret"
+    );
+    let mut pool = PoolConfig::default();
+    pool.tiers.push(tier);
+    assert_hidden("PoolConfig", &format!("{pool:?}"));
+    assert_hidden("PoolConfig (pretty)", &format!("{pool:#?}"));
+    #[cfg(feature = "redis")]
+    {
+        let redis = kvpool_backends::redis::RedisConfig::new(format!(
+            "redis+cluster://user:{SECRET}@127.0.0.1:7000,127.0.0.1:7001"
+        ));
+        assert_hidden("RedisConfig", &format!("{redis:?}"));
+    }
+    #[cfg(feature = "s3")]
+    {
+        let mut s3 = kvpool_backends::s3::S3Config::new("s3://bucket/prefix");
+        s3.credentials = Some(("AKIDEXAMPLE".into(), SECRET.into()));
+        assert_hidden("S3Config", &format!("{s3:?}"));
+    }
+}
+
+#[tokio::test]
+async fn errors_do_not_echo_passwords() {
+    let err = kvpool_backends::tier_url::scheme_of(&format!("user:{SECRET}@host:6379"))
+        .unwrap_err()
+        .to_string();
+    assert_hidden("a non-URL's error", &err);
+    #[cfg(feature = "redis")]
+    {
+        // Nothing listens on port 1: connecting fails, and the error names the URL.
+        let mut config = PoolConfig::default();
+        let mut tier = TierConfig::new(format!("redis://user:{SECRET}@127.0.0.1:1"));
+        tier.timeout_ms = 500;
+        config.tiers.push(tier);
+        let err = kvpool_backends::build_pool(&config).await.unwrap_err();
+        assert_hidden("a Redis connection error", &err.to_string());
+        assert_hidden("a Redis connection error (Debug)", &format!("{err:?}"));
+    }
+}
