@@ -303,10 +303,13 @@ impl ConnectorWorker {
             let Some(save) = r.save else { continue };
             let from = save.save_from as usize;
             let mut until = save.save_until as usize;
-            if let Some(bad) = (0..until).find(|&i| {
-                self.failed_blocks
-                    .contains(&((r.slot_mapping[i] as usize / self.block_size) as u32))
-            }) {
+            // Only steps with a failed load pay for the scan.
+            if !self.failed_blocks.is_empty()
+                && let Some(bad) = (0..until).find(|&i| {
+                    self.failed_blocks
+                        .contains(&((r.slot_mapping[i] as usize / self.block_size) as u32))
+                })
+            {
                 let cut = (bad / chunk * chunk).max(from).min(until);
                 if cut < until {
                     self.stats.saves_cut_by_failed_loads += 1;

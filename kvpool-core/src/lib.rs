@@ -31,6 +31,7 @@ pub mod remote;
 pub mod storage_manager;
 pub mod token_database;
 pub mod transfer;
+mod write_behind;
 
 pub use backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,

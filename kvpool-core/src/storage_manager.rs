@@ -2,12 +2,12 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use crate::backend::{
@@ -16,6 +16,7 @@ use crate::backend::{
 use crate::error::{BackendError, ConfigError, PoolError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
+use crate::write_behind::Pending;
 
 /// Per-tier counters kept by the manager.
 #[derive(Debug, Default)]
@@ -119,13 +120,6 @@ impl PrefixLookup {
     }
 }
 
-/// Tracks spawned write-behind tasks so `flush` can wait for them.
-#[derive(Default)]
-struct Pending {
-    count: AtomicUsize,
-    idle: Notify,
-}
-
 /// One write-behind batch in flight. Dropping it (when the write ends, or when a panicking
 /// backend unwinds the task) returns the keys, the quota and the pending count, so `flush` and
 /// `close` never wait for ever and the keys can be written again.
@@ -146,28 +140,6 @@ impl Drop for WriteBehindGuard {
         }
         self.tier.quota.add_permits(self.permits as usize);
         self.pending.finish();
-    }
-}
-
-impl Pending {
-    fn start(&self) {
-        self.count.fetch_add(1, Ordering::SeqCst);
-    }
-    fn finish(&self) {
-        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.idle.notify_waiters();
-        }
-    }
-    async fn wait_idle(&self) {
-        loop {
-            let notified = self.idle.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.count.load(Ordering::SeqCst) == 0 {
-                return;
-            }
-            notified.await;
-        }
     }
 }
 
