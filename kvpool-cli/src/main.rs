@@ -4,7 +4,6 @@ mod bench;
 mod replay;
 mod report;
 mod trace;
-mod vllm_sim;
 mod workload;
 
 use std::fs::File;
@@ -240,7 +239,7 @@ fn print_report<R: serde::Serialize>(
 }
 
 /// The `kvpool sim` summary.
-fn render_sim(r: &vllm_sim::SimReport) -> String {
+fn render_sim(r: &kvpool_sim::vllm_shaped::SimReport) -> String {
     let mut t = report::Table::new(&["simulation", "value"]);
     for (k, v) in [
         ("requests", r.requests),
@@ -349,7 +348,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Sim(a) => {
             let layout =
                 kvpool_core::KvLayout::new(2, 2, 8, Dtype::F16, kvpool_core::KvKind::KeyValue, 16)?;
-            let settings = vllm_sim::SimSettings {
+            let settings = kvpool_sim::vllm_shaped::SimSettings {
                 requests: a.requests,
                 max_running: a.max_running,
                 prefixes: a.prefixes,
@@ -361,7 +360,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 load_failure_rate: a.load_failure_rate.clamp(0.0, 1.0),
                 seed: a.seed,
             };
-            let report = vllm_sim::run(&settings, layout, 64)?;
+            let report = kvpool_sim::vllm_shaped::run(&settings, layout, 64)?;
             print_report(&report, a.json, render_sim)?;
             anyhow::ensure!(
                 report.wrong_tokens == 0,

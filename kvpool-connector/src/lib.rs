@@ -1,4 +1,5 @@
-//! kvpool-connector: the vLLM KVConnector V1 protocol in Rust, and an engine simulator.
+//! kvpool-connector: the vLLM KVConnector V1 protocol in Rust (its engine simulators live in
+//! kvpool-sim).
 //!
 //! The protocol has two roles in different processes. The scheduler decides, per step, what
 //! to load from the pool and what to save; the worker moves the bytes. They talk only through
@@ -31,7 +32,7 @@
 //!   and decode tokens only with `save_decode_tokens`. A request can opt out (`skip_save`).
 //!   Offload is eager: each newly computed chunk is saved in the step that computes it. (Lazy
 //!   offload, through `on_blocks_evicting`, has no vLLM hook and is not offered to users; the
-//!   connector's own tests keep it.)
+//!   connector keeps it for engines with an eviction hook.)
 //! - A chunk that fails to load (missing, corrupt, backend down) is reported by exact GPU block
 //!   id. In that step no request saves a chunk touching a failed block (requests share blocks
 //!   through vLLM's prefix cache), and the scheduler rewinds the save point of every request
@@ -58,22 +59,29 @@
 //!   across processes ([`SocketLookup`] to each worker rank's [`LookupServer`], the minimum over
 //!   ranks wins), as the Python package does inside vLLM.
 //!
-//! Loads are synchronous: `get_num_new_matched_tokens` always answers `is_async = false`, and
-//! loaded KV is in place once `wait_for_layer_load` returns.
+//! Loads never outlive the step: `get_num_new_matched_tokens` always answers `is_async =
+//! false`, and loaded KV is in place (or, on a GPU, the compute stream waits for it) once
+//! `wait_for_layer_load` returns. The worker moves bytes through kvpool-core's
+//! [`kvpool_core::LayerwiseTransfer`]: host caches (vLLM's CPU build) copy at submit; with the
+//! `cuda` feature, [`cuda`] registers CUDA KV tensors with kvpool-cuda's `GpuTransferEngine`,
+//! which loads layer by layer on its copy stream and fences stores after the compute stream.
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod engine_kv;
 pub mod extra_keys;
 pub mod lookup_service;
 pub mod metadata;
 pub mod scheduler;
-pub mod simulator;
 pub mod vllm;
 pub mod worker;
 
 use kvpool_core::CacheEngine;
 use thiserror::Error;
 
+pub use engine_kv::{EngineKvCaches, EngineKvTensor, KvDevice};
 pub use lookup_service::{LookupServer, SocketLookup, WorkerInfo};
 pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
 pub use scheduler::{

@@ -3,7 +3,9 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use kvpool_core::{CacheEngine, ChunkHash, ChunkSpan, KvLayout, KvTransfer, LayerwiseRetrieve};
+use kvpool_core::{
+    CacheEngine, ChunkHash, ChunkSpan, KvLayout, KvTransfer, LayerLoad, LayerwiseTransfer,
+};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
@@ -18,7 +20,8 @@ pub struct ConnectorWorker {
     probe_hash: [u8; 16],
     registered: bool,
     meta: Option<ConnectorMetadata>,
-    loads: Vec<LayerwiseRetrieve>,
+    /// This step's loads in flight, each with the slots it writes (to report them if it fails).
+    loads: Vec<(Box<dyn LayerLoad>, Vec<i64>)>,
     /// GPU blocks whose load failed in this step, whichever request loaded them: no request
     /// saves a chunk that touches one (they hold neither loaded nor computed KV, and KV
     /// computed after them attended to them).
@@ -168,31 +171,37 @@ impl ConnectorWorker {
     /// Marks the blocks of tokens `from..until` of `r` as failed loads.
     fn fail_tokens(&mut self, r: &ReqMeta, from: usize, until: usize) {
         for i in from..until {
-            let block = (r.slot_mapping[i] as usize / self.block_size) as u32;
-            if self.load_errors.insert(block) {
-                self.stats.failed_load_blocks += 1;
-            }
-            self.failed_blocks.insert(block);
+            self.fail_block((r.slot_mapping[i] as usize / self.block_size) as u32);
         }
     }
 
-    /// vLLM `start_load_kv`: fetches and verifies every chunk to load this step. Tokens that
-    /// will not arrive are recorded now, by GPU block, for
+    /// vLLM `start_load_kv`: fetches and verifies every chunk to load this step and submits
+    /// each request's load to `kv` ([`LayerwiseTransfer::submit_load`]: a host cache is
+    /// written now, a GPU cache layer by layer on its copy stream). Tokens that will not
+    /// arrive are recorded now, by GPU block, for
     /// [`ConnectorWorker::get_block_ids_with_load_errors`]; one request's failure never stops
     /// another's load.
     ///
     /// Lazy-offload evictions are saved first, from `kv`, before any load writes their blocks.
-    pub fn start_load_kv(&mut self, kv: &dyn KvTransfer) -> Result<(), ConnectorError> {
+    pub fn start_load_kv(&mut self, kv: &mut dyn LayerwiseTransfer) -> Result<(), ConnectorError> {
         let meta = self.meta()?.clone();
         for &block in &meta.unloadable_blocks {
-            if self.load_errors.insert(block) {
-                self.stats.failed_load_blocks += 1;
-            }
-            self.failed_blocks.insert(block);
+            self.fail_block(block);
         }
-        for r in &meta.evictions {
-            if let Some(save) = r.save {
-                self.save_best_effort(r, save.save_from as usize, save.save_until as usize, kv);
+        if meta.evictions.iter().any(|r| r.save.is_some()) {
+            match kv.fence_before_store() {
+                Ok(()) => {
+                    for r in &meta.evictions {
+                        if let Some(save) = r.save {
+                            let (from, until) = (save.save_from as usize, save.save_until as usize);
+                            self.save_best_effort(r, from, until, kv);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.stats.save_errors += 1;
+                    warn!(error = %e, "waiting for the engine's writes failed; evictions not saved");
+                }
             }
         }
         for r in &meta.requests {
@@ -220,50 +229,60 @@ impl ConnectorWorker {
                 warn!(req = %r.req_id, expected = until - from, loaded = plan.loaded_tokens(), "load incomplete; reporting failed blocks");
                 self.fail_tokens(r, first, until);
             }
-            self.loads.push(plan);
+            let slots = plan.slot_mapping_of_loaded();
+            match kv.submit_load(plan) {
+                Ok(load) => self.loads.push((load, slots)),
+                Err(e) => {
+                    warn!(req = %r.req_id, error = %e, "writing the load failed; reporting its blocks");
+                    self.fail_slots(&slots);
+                }
+            }
         }
         Ok(())
     }
 
-    /// vLLM `wait_for_layer_load`: writes layer `layer` of every fetched chunk into `kv`. A
-    /// load whose write fails is reported (all its blocks) and dropped; the others go on.
-    pub fn wait_for_layer_load(
-        &mut self,
-        layer: usize,
-        kv: &mut dyn KvTransfer,
-    ) -> Result<(), ConnectorError> {
+    fn fail_block(&mut self, block: u32) {
+        if self.load_errors.insert(block) {
+            self.stats.failed_load_blocks += 1;
+        }
+        self.failed_blocks.insert(block);
+    }
+
+    fn fail_slots(&mut self, slots: &[i64]) {
+        for &s in slots {
+            self.fail_block((s as usize / self.block_size) as u32);
+        }
+    }
+
+    /// vLLM `wait_for_layer_load`: layer `layer` of every submitted load is in the paged cache
+    /// before the engine reads it (a GPU load makes the compute stream wait). A load whose
+    /// layer fails is reported (all its blocks) and dropped; the others go on.
+    pub fn wait_for_layer_load(&mut self, layer: usize) -> Result<(), ConnectorError> {
         let mut failed = Vec::new();
-        for (i, plan) in self.loads.iter_mut().enumerate() {
-            if let Err(e) = plan.load_layer(layer, kv) {
-                warn!(layer, error = %e, "writing a loaded layer failed; reporting the load's blocks");
+        for (i, (load, _)) in self.loads.iter().enumerate() {
+            if let Err(e) = load.wait_layer(layer) {
+                warn!(layer, error = %e, "a loaded layer failed; reporting the load's blocks");
                 failed.push(i);
             }
         }
         for i in failed.into_iter().rev() {
-            let plan = self.loads.remove(i);
-            let slots: Vec<i64> = plan.slot_mapping_of_loaded();
-            for s in slots {
-                let block = (s as usize / self.block_size) as u32;
-                if self.load_errors.insert(block) {
-                    self.stats.failed_load_blocks += 1;
-                }
-                self.failed_blocks.insert(block);
-            }
+            let (_, slots) = self.loads.remove(i);
+            self.fail_slots(&slots);
         }
         // After the last layer, release the fetched chunks so L1 can evict them again.
         if layer + 1 == self.engine.layout().num_layers {
-            for plan in self.loads.drain(..) {
-                self.stats.loaded_tokens += plan.loaded_tokens() as u64;
+            for (load, _) in self.loads.drain(..) {
+                self.stats.loaded_tokens += load.loaded_tokens() as u64;
             }
         }
         Ok(())
     }
 
-    /// Writes every layer of every fetched chunk (for engines that load before the forward
-    /// pass rather than layer by layer, such as vLLM on CPU).
-    pub fn finish_loads(&mut self, kv: &mut dyn KvTransfer) -> Result<(), ConnectorError> {
+    /// Waits for every layer of every submitted load (for engines that load before the
+    /// forward pass rather than layer by layer, such as vLLM on CPU).
+    pub fn finish_loads(&mut self) -> Result<(), ConnectorError> {
         for layer in 0..self.engine.layout().num_layers {
-            self.wait_for_layer_load(layer, kv)?;
+            self.wait_for_layer_load(layer)?;
         }
         Ok(())
     }
@@ -286,10 +305,11 @@ impl ConnectorWorker {
     }
 
     /// vLLM `wait_for_save`: stores every request's new chunks, all layers, from `kv`; call it
-    /// once the step's forward pass is complete. A chunk touching a block whose load failed
+    /// once the step's forward pass is queued. The gathers wait for the engine's writes first
+    /// ([`LayerwiseTransfer::fence_before_store`]). A chunk touching a block whose load failed
     /// in this step (whichever request loaded it) is not saved, nor anything after it. A
     /// failing save is logged and counted; it never stops the others.
-    pub fn wait_for_save(&mut self, kv: &dyn KvTransfer) -> Result<(), ConnectorError> {
+    pub fn wait_for_save(&mut self, kv: &dyn LayerwiseTransfer) -> Result<(), ConnectorError> {
         let meta = self.meta()?.clone();
         let wanted_layers = self.engine.layout().num_layers;
         if self.saved_layers != 0 && self.saved_layers != wanted_layers {
@@ -297,6 +317,15 @@ impl ConnectorWorker {
                 "wait_for_save after {} of {wanted_layers} save_kv_layer calls",
                 self.saved_layers
             )));
+        }
+        if !meta.requests.iter().any(|r| r.save.is_some()) {
+            return Ok(());
+        }
+        if let Err(e) = kv.fence_before_store() {
+            // Nothing is stored from a cache whose writes may be unfinished.
+            self.stats.save_errors += 1;
+            warn!(error = %e, "waiting for the engine's writes failed; this step saves nothing");
+            return Ok(());
         }
         let chunk = self.engine.token_database().chunk_size();
         for r in &meta.requests {

@@ -12,6 +12,7 @@
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
 //! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
+//! - [`layerwise`]: the one load/store path (submit, wait per layer, fence) for host and GPU;
 //! - [`config`]: the TOML configuration.
 
 #![warn(missing_docs)]
@@ -25,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod eviction;
 pub mod key;
+pub mod layerwise;
 pub mod layout;
 pub mod memory_pool;
 pub mod remote;
@@ -48,6 +50,9 @@ pub use error::{
 };
 pub use eviction::{EvictionKind, EvictionPolicy};
 pub use key::{CacheKey, KeyScope};
+pub use layerwise::{
+    ChunkWindows, CompletedLoad, LayerLoad, LayerwiseTransfer, OwnedChunkWindow, load_now,
+};
 pub use layout::{Dtype, KvKind, KvLayout};
 pub use memory_pool::{
     HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool,

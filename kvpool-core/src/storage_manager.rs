@@ -352,19 +352,25 @@ impl StorageManager {
     /// Loads the longest available prefix of `keys`. Returns the chunks of that prefix, in
     /// order; it is shorter than `keys` from the first key that could not be loaded.
     /// Chunks found below L1 are promoted into L1.
+    ///
+    /// Tiers are asked in order with `get` itself, never `contains` first: a tier is asked
+    /// only for keys no faster tier returned, from the end of the prefix found so far, so each
+    /// tier is asked at most once per chunk and a remote hit costs one round trip.
     pub async fn get(&self, keys: &[CacheKey]) -> Vec<Chunk> {
         if self.ensure_open().is_err() || keys.is_empty() {
             return Vec::new();
         }
         let started = Instant::now();
-        let found = self.lookup(keys).await;
-        let mut chunks: Vec<Option<Chunk>> = vec![None; found.len()];
-        let mut promote = Vec::new();
+        let mut chunks: Vec<Option<(usize, Chunk)>> = vec![None; keys.len()];
+        let mut prefix = 0;
         for (t, tier) in self.tiers.iter().enumerate() {
-            let idx: Vec<usize> = (0..found.len()).filter(|&i| found.tiers[i] == t).collect();
-            if idx.is_empty() {
-                continue;
+            if prefix == keys.len() {
+                break;
             }
+            // Only keys from the current prefix end onward can extend it.
+            let idx: Vec<usize> = (prefix..keys.len())
+                .filter(|&i| chunks[i].is_none())
+                .collect();
             let batch: Vec<CacheKey> = idx.iter().map(|&i| keys[i].clone()).collect();
             let t0 = Instant::now();
             let result = tier.backend.get(&batch).await;
@@ -372,19 +378,7 @@ impl StorageManager {
             match result {
                 Ok(values) => {
                     for (&i, v) in idx.iter().zip(values) {
-                        if let Some(c) = v {
-                            add(&tier.counters.hit_chunks, 1);
-                            add(&tier.counters.hit_tokens, u64::from(c.meta.token_count));
-                            add(&tier.counters.bytes_read, c.data.len() as u64);
-                            metrics::counter!("kvpool_hit_chunks_total", "tier" => tier.backend.name().to_string()).increment(1);
-                            if Some(t) != self.primary
-                                && self.primary.is_some()
-                                && self.config.promote_on_hit
-                            {
-                                promote.push((i, c.clone()));
-                            }
-                            chunks[i] = Some(c);
-                        }
+                        chunks[i] = v.map(|c| (t, c));
                     }
                 }
                 Err(e) => {
@@ -392,14 +386,27 @@ impl StorageManager {
                     warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
                 }
             }
+            while prefix < keys.len() && chunks[prefix].is_some() {
+                prefix += 1;
+            }
         }
-        let loaded = chunks.iter().take_while(|c| c.is_some()).count();
-        // Only chunks inside the loaded prefix are worth promoting.
-        let promote: Vec<(CacheKey, Chunk)> = promote
-            .into_iter()
-            .filter(|(i, _)| *i < loaded)
-            .map(|(i, c)| (keys[i].clone(), c))
-            .collect();
+        let loaded = prefix;
+        let mut promote = Vec::new();
+        for (i, (t, c)) in chunks[..loaded]
+            .iter()
+            .map(|c| c.as_ref().expect("in prefix"))
+            .enumerate()
+        {
+            let tier = &self.tiers[*t];
+            add(&tier.counters.hit_chunks, 1);
+            add(&tier.counters.hit_tokens, u64::from(c.meta.token_count));
+            add(&tier.counters.bytes_read, c.data.len() as u64);
+            metrics::counter!("kvpool_hit_chunks_total", "tier" => tier.backend.name().to_string())
+                .increment(1);
+            if Some(*t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
+                promote.push((keys[i].clone(), c.clone()));
+            }
+        }
         if let (Some(p), false) = (self.primary, promote.is_empty()) {
             let n = promote.len() as u64;
             let tier = &self.tiers[p];
@@ -417,7 +424,7 @@ impl StorageManager {
         chunks
             .into_iter()
             .take(loaded)
-            .map(|c| c.expect("in prefix"))
+            .map(|c| c.expect("in prefix").1)
             .collect()
     }
 

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
 use cudarc::nvrtc::Ptx;
-use kvpool_core::{ChunkWindow, Dtype, KvKind, KvLayout, KvTransfer, MemoryObjMut, MemoryPool};
+use kvpool_core::{
+    Dtype, KvKind, KvLayout, KvTransfer, MemoryObj, MemoryObjMut, MemoryPool, OwnedChunkWindow,
+};
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::kernels::compile_cubin;
 use kvpool_cuda::{
@@ -42,6 +44,8 @@ struct Setup {
     _tensors: Vec<u64>,
     contiguous: u64,
     host: Vec<MemoryObjMut>,
+    /// The same chunk bytes, shared and read-only, for layer-wise loads (which own theirs).
+    frozen: Vec<MemoryObj>,
     slots: Vec<Vec<i64>>,
     staged: GpuTransferEngine,
     mapped: GpuTransferEngine,
@@ -93,6 +97,13 @@ fn setup() -> Option<Setup> {
     let host: Vec<MemoryObjMut> = (0..CHUNKS)
         .map(|_| pool.allocate(chunk_bytes).unwrap())
         .collect();
+    let frozen: Vec<MemoryObj> = (0..CHUNKS)
+        .map(|_| {
+            let mut m = pool.allocate(chunk_bytes).unwrap();
+            rng.fill(m.as_mut_slice());
+            m.freeze()
+        })
+        .collect();
     let mut all: Vec<i64> = (0..(BLOCKS * 16) as i64).collect();
     all.shuffle(&mut rng);
     let slots = (0..CHUNKS)
@@ -114,6 +125,7 @@ fn setup() -> Option<Setup> {
         layout,
         _tensors: tensors,
         host,
+        frozen,
         slots,
         spin,
     })
@@ -174,15 +186,15 @@ impl Setup {
         }
     }
 
-    fn loads(&self) -> Vec<ChunkWindow<'_>> {
-        self.host
+    fn loads(&self) -> Vec<OwnedChunkWindow<MemoryObj>> {
+        self.frozen
             .iter()
             .zip(&self.slots)
-            .map(|(h, s)| ChunkWindow {
-                data: h.as_slice(),
+            .map(|(h, s)| OwnedChunkWindow {
+                data: h.clone(),
                 chunk_tokens: CHUNK_TOKENS,
                 token_offset: 0,
-                slots: s,
+                slots: s.clone(),
             })
             .collect()
     }
@@ -248,7 +260,7 @@ fn bench(c: &mut Criterion) {
     // Layer-wise: calibrate the spin kernel to about one layer's load time.
     let compute = s.ctx.new_stream().unwrap();
     let load_only = median(|| {
-        let load = s.staged.retrieve_layerwise(&s.loads()).unwrap();
+        let load = s.staged.retrieve_layerwise(s.loads()).unwrap();
         load.synchronize().unwrap();
     });
     let per_layer = load_only / s.layout.num_layers as u32;
@@ -263,13 +275,13 @@ fn bench(c: &mut Criterion) {
         compute.synchronize().unwrap();
     });
     let sequential = median(|| {
-        let load = s.staged.retrieve_layerwise(&s.loads()).unwrap();
+        let load = s.staged.retrieve_layerwise(s.loads()).unwrap();
         load.synchronize().unwrap();
         s.compute_layers(&compute, cycles, None);
         compute.synchronize().unwrap();
     });
     let overlapped = median(|| {
-        let load = s.staged.retrieve_layerwise(&s.loads()).unwrap();
+        let load = s.staged.retrieve_layerwise(s.loads()).unwrap();
         s.compute_layers(&compute, cycles, Some(&load));
         compute.synchronize().unwrap();
     });

@@ -13,7 +13,8 @@
 //! | [`pinned`] | [`PinnedAllocator`]: the pool's arena, mmap'd and registered with the driver |
 //! | [`kv_caches`] | registering an engine's per-layer KV tensors (flash-attention, FlashInfer, MLA), validated against a layout |
 //! | [`kernels`] | the gather/scatter kernels (`kernels.cu`), NVRTC compilation, access widths |
-//! | [`transfer_engine`] | [`GpuTransferEngine`]: `KvTransfer` on the GPU, events, layer-wise loads |
+//! | [`transfer_engine`] | [`GpuTransferEngine`]: `KvTransfer` on the GPU, its copy stream and device buffers |
+//! | [`layerwise_load`] | layer-wise loads that own their chunks, per-layer events, `LayerwiseTransfer` (submit, wait, fence) |
 //!
 //! ```no_run
 //! use kvpool_core::{Dtype, KvKind, KvLayout, KvTransfer};
@@ -40,11 +41,13 @@ pub mod driver;
 pub mod error;
 pub mod kernels;
 pub mod kv_caches;
+pub mod layerwise_load;
 pub mod pinned;
 pub mod transfer_engine;
 
 pub use error::CudaError;
 pub use kernels::{AccessWidth, Direction, LaunchPlan};
 pub use kv_caches::{DeviceLayer, PagedGeometry, PagedOrder, RegisteredKvCaches};
+pub use layerwise_load::LayerwiseLoad;
 pub use pinned::{PinnedAllocator, pinned_or_heap_allocator};
-pub use transfer_engine::{GpuTransferEngine, HostPath, LayerwiseLoad};
+pub use transfer_engine::{GpuTransferEngine, HostPath};

@@ -1,11 +1,10 @@
 //! `GpuTransferEngine`: moves KV between an engine's paged GPU caches and kvpool's host chunks,
 //! on a copy stream of its own, whole or layer by layer.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, LaunchConfig, PushKernelArg, sys};
-use kvpool_core::{ChunkWindow, KvLayout, KvTransfer, TransferError, transfer::check_chunk_window};
+use kvpool_core::{KvLayout, KvTransfer, TransferError, transfer::check_chunk_window};
 use parking_lot::Mutex;
 
 use crate::driver::open_context;
@@ -24,8 +23,8 @@ pub enum HostPath {
 }
 
 /// Device memory owned by the engine, freed on drop.
-struct DeviceBuffer {
-    ptr: sys::CUdeviceptr,
+pub(crate) struct DeviceBuffer {
+    pub(crate) ptr: sys::CUdeviceptr,
     len: usize,
     ctx: Arc<CudaContext>,
 }
@@ -58,7 +57,7 @@ impl Drop for DeviceBuffer {
 /// Device buffers of finished layer-wise loads, kept for the next ones: in steady state a load
 /// neither allocates nor frees (`cuMemFree` synchronises the whole device, so freeing after
 /// every load would stall the engine's compute stream).
-struct BufferCache {
+pub(crate) struct BufferCache {
     free: Mutex<Vec<DeviceBuffer>>,
 }
 
@@ -68,7 +67,11 @@ const CACHED_BUFFERS: usize = 4;
 
 impl BufferCache {
     /// The smallest cached buffer of at least `len` bytes, or a new one.
-    fn take(&self, ctx: &Arc<CudaContext>, len: usize) -> Result<DeviceBuffer, CudaError> {
+    pub(crate) fn take(
+        &self,
+        ctx: &Arc<CudaContext>,
+        len: usize,
+    ) -> Result<DeviceBuffer, CudaError> {
         let mut free = self.free.lock();
         let best = free
             .iter()
@@ -86,7 +89,7 @@ impl BufferCache {
     }
 
     /// Returns `buffers` (no work may still use them), keeping the largest.
-    fn give(&self, buffers: impl IntoIterator<Item = DeviceBuffer>) {
+    pub(crate) fn give(&self, buffers: impl IntoIterator<Item = DeviceBuffer>) {
         let mut free = self.free.lock();
         free.extend(buffers);
         if free.len() > CACHED_BUFFERS {
@@ -127,15 +130,15 @@ fn ensure(
 }
 
 /// One kernel launch's worth of rows.
-struct RowCopy {
-    direction: Direction,
-    first_layer: usize,
-    layers: usize,
-    slots: sys::CUdeviceptr,
-    tokens: usize,
-    chunk: sys::CUdeviceptr,
-    chunk_tokens: usize,
-    token_offset: usize,
+pub(crate) struct RowCopy {
+    pub(crate) direction: Direction,
+    pub(crate) first_layer: usize,
+    pub(crate) layers: usize,
+    pub(crate) slots: sys::CUdeviceptr,
+    pub(crate) tokens: usize,
+    pub(crate) chunk: sys::CUdeviceptr,
+    pub(crate) chunk_tokens: usize,
+    pub(crate) token_offset: usize,
 }
 
 /// Moves KV between registered paged device caches and host chunk buffers. Implements
@@ -158,8 +161,21 @@ pub struct GpuTransferEngine {
     caches: RegisteredKvCaches,
     layer_ptrs: DeviceBuffer,
     scratch: Mutex<Scratch>,
-    layerwise_buffers: Arc<BufferCache>,
+    pub(crate) layerwise_buffers: Arc<BufferCache>,
     path: HostPath,
+    /// The engine's compute stream, when the caller named one (see `set_compute_stream`).
+    pub(crate) compute: Mutex<Option<Arc<CudaStream>>>,
+}
+
+impl std::fmt::Debug for GpuTransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTransferEngine")
+            .field("device", &self.ctx.ordinal())
+            .field("order", &self.caches.order())
+            .field("layout", self.caches.layout())
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 fn driver<T>(
@@ -262,6 +278,7 @@ impl GpuTransferEngine {
                 free: Mutex::new(Vec::new()),
             }),
             path,
+            compute: Mutex::new(None),
         })
     }
 
@@ -296,7 +313,7 @@ impl GpuTransferEngine {
         driver("cuStreamWaitEvent", self.stream.wait(event))
     }
 
-    fn check_slots(&self, slots: &[i64]) -> Result<(), TransferError> {
+    pub(crate) fn check_slots(&self, slots: &[i64]) -> Result<(), TransferError> {
         let num_slots = self.caches.geometry().num_slots();
         for &slot in slots {
             if slot < 0 || slot as usize >= num_slots {
@@ -324,7 +341,11 @@ impl GpuTransferEngine {
     /// # Safety
     /// `dst` must hold `src.len()` bytes, and `src` must stay alive and unchanged until the
     /// stream has been synchronised past this copy.
-    unsafe fn copy_to_device(&self, dst: sys::CUdeviceptr, src: &[u8]) -> Result<(), CudaError> {
+    pub(crate) unsafe fn copy_to_device(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: &[u8],
+    ) -> Result<(), CudaError> {
         // SAFETY: as the caller promised.
         driver("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream.cu_stream())
@@ -335,7 +356,7 @@ impl GpuTransferEngine {
     /// Makes the engine's context current on the calling thread. Every entry point calls it
     /// first: callers (the cache engine's tasks, the connector) may run on any thread, and a
     /// raw driver call on a thread without a current context fails.
-    fn bind(&self) -> Result<(), CudaError> {
+    pub(crate) fn bind(&self) -> Result<(), CudaError> {
         driver("cuCtxSetCurrent", self.ctx.bind_to_thread())
     }
 
@@ -360,7 +381,7 @@ impl GpuTransferEngine {
         Some(first)
     }
 
-    fn launch(&self, copy: &RowCopy) -> Result<(), CudaError> {
+    pub(crate) fn launch(&self, copy: &RowCopy) -> Result<(), CudaError> {
         let Some(plan) = LaunchPlan::new(
             self.caches.geometry(),
             copy.direction,
@@ -513,148 +534,6 @@ impl GpuTransferEngine {
         }
         self.launch(&copy)?;
         self.synchronize()
-    }
-
-    /// Starts loading `chunks` into the paged cache layer by layer on the copy stream and
-    /// returns at once. Layer `l` of every chunk is copied host-to-device and scattered, then
-    /// event `l` is recorded: the compute stream waits on it ([`LayerwiseLoad::wait_layer`])
-    /// right before layer `l`'s attention, so loading overlaps compute. For real overlap the
-    /// chunk buffers must be pinned (a pool on [`crate::PinnedAllocator`]).
-    ///
-    /// The chunks usually come from the cache engine:
-    ///
-    /// ```no_run
-    /// # async fn demo(
-    /// #     engine: &kvpool_core::CacheEngine,
-    /// #     gpu: &kvpool_cuda::GpuTransferEngine,
-    /// #     compute: &cudarc::driver::CudaStream,
-    /// #     tokens: &[u32],
-    /// #     slots: &[i64],
-    /// # ) -> Result<(), Box<dyn std::error::Error>> {
-    /// let plan = engine.begin_retrieve_layerwise(tokens, None, slots).await?;
-    /// let load = gpu.retrieve_layerwise(&plan.windows())?;
-    /// for layer in 0..engine.layout().num_layers {
-    ///     load.wait_layer(layer, compute)?; // then queue layer `layer`'s attention
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn retrieve_layerwise<'a>(
-        &self,
-        chunks: &[ChunkWindow<'a>],
-    ) -> Result<LayerwiseLoad<'a>, CudaError> {
-        self.bind()?;
-        let layout = *self.caches.layout();
-        let per_token_layer = layout.bytes_per_token_per_layer();
-        let mut all_slots = Vec::new();
-        let mut offsets = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            check_chunk_window(
-                &layout,
-                0,
-                c.data.len(),
-                c.chunk_tokens,
-                c.token_offset,
-                c.slots.len(),
-            )?;
-            self.check_slots(c.slots)?;
-            offsets.push(all_slots.len());
-            all_slots.extend_from_slice(c.slots);
-        }
-        // Staging for every layer of every chunk, so no layer's bytes wait for another's.
-        let per_layer: usize = chunks
-            .iter()
-            .map(|c| c.chunk_tokens * per_token_layer)
-            .sum();
-        let slot_bytes = std::mem::size_of_val(all_slots.as_slice());
-        // From here on the load owns what it enqueues: if anything below fails, dropping it
-        // waits for the work already queued before the buffers are reused.
-        let mut load = LayerwiseLoad {
-            events: Vec::with_capacity(layout.num_layers),
-            stream: self.stream.clone(),
-            buffers: Vec::with_capacity(2),
-            cache: self.layerwise_buffers.clone(),
-            host_slots: all_slots,
-            _chunks: PhantomData,
-        };
-        load.buffers
-            .push(self.layerwise_buffers.take(&self.ctx, slot_bytes)?);
-        load.buffers.push(
-            self.layerwise_buffers
-                .take(&self.ctx, per_layer * layout.num_layers)?,
-        );
-        let (slots, staging) = (load.buffers[0].ptr, load.buffers[1].ptr);
-        // On the copy stream, not a synchronous copy: that would run on the legacy default
-        // stream and wait for the engine's queued compute. The host slots live in `load`.
-        // SAFETY: `slots` holds `slot_bytes`; `load` keeps the source until it synchronises.
-        unsafe { self.copy_to_device(slots, bytemuck::cast_slice(&load.host_slots))? };
-        for layer in 0..layout.num_layers {
-            let mut at = staging + (layer * per_layer) as u64;
-            for (c, &offset) in chunks.iter().zip(&offsets) {
-                let region_len = c.chunk_tokens * per_token_layer;
-                let region = &c.data[layer * region_len..(layer + 1) * region_len];
-                // SAFETY: staging holds `region_len` bytes at `at`; `region` lives for 'a, and
-                // the returned load keeps that borrow and synchronises on drop.
-                unsafe { self.copy_to_device(at, region)? };
-                self.launch(&RowCopy {
-                    direction: Direction::Scatter,
-                    first_layer: layer,
-                    layers: 1,
-                    slots: slots + (offset * std::mem::size_of::<i64>()) as u64,
-                    tokens: c.slots.len(),
-                    chunk: at,
-                    chunk_tokens: c.chunk_tokens,
-                    token_offset: c.token_offset,
-                })?;
-                at += region_len as u64;
-            }
-            load.events
-                .push(driver("cuEventRecord", self.stream.record_event(None))?);
-        }
-        Ok(load)
-    }
-}
-
-/// A layer-wise load in flight. Dropping it waits for the whole load, so the chunk memory it
-/// borrows outlives every copy, and then hands its device buffers back to the engine for the
-/// next load.
-pub struct LayerwiseLoad<'a> {
-    events: Vec<CudaEvent>,
-    stream: Arc<CudaStream>,
-    /// The device slot table and the staging for every layer.
-    buffers: Vec<DeviceBuffer>,
-    cache: Arc<BufferCache>,
-    /// The slots the device table is copied from, kept until the copy is done.
-    host_slots: Vec<i64>,
-    _chunks: PhantomData<&'a [u8]>,
-}
-
-impl LayerwiseLoad<'_> {
-    /// Makes `compute` wait until layer `layer` is in the paged cache (no host blocking).
-    ///
-    /// `compute` is the stream the engine runs attention on; one owned by another library
-    /// (PyTorch's `torch.cuda.current_stream().cuda_stream`) can be wrapped with
-    /// [`CudaContext::wrap_borrowed_stream`] on [`GpuTransferEngine::context`].
-    pub fn wait_layer(&self, layer: usize, compute: &CudaStream) -> Result<(), CudaError> {
-        driver("cuStreamWaitEvent", compute.wait(&self.events[layer]))
-    }
-
-    /// The event recorded after layer `layer` was scattered.
-    pub fn layer_event(&self, layer: usize) -> &CudaEvent {
-        &self.events[layer]
-    }
-
-    /// Blocks until every layer is loaded.
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        driver("cuStreamSynchronize", self.stream.synchronize())
-    }
-}
-
-impl Drop for LayerwiseLoad<'_> {
-    fn drop(&mut self) {
-        if self.stream.synchronize().is_ok() {
-            self.cache.give(self.buffers.drain(..));
-        }
-        // Otherwise the context is broken; the buffers are simply freed.
     }
 }
 

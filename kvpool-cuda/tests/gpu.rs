@@ -10,7 +10,8 @@ use cudarc::driver::{CudaContext, sys};
 use kvpool_backends::build_pool_with_allocator;
 use kvpool_core::config::LayoutConfig;
 use kvpool_core::{
-    ByteSize, ChunkWindow, Dtype, HostPagedKvCache, KvKind, KvTransfer, MemoryPool, PoolConfig,
+    ByteSize, Dtype, HostPagedKvCache, KvKind, KvTransfer, LayerwiseTransfer, MemoryObj,
+    MemoryPool, OwnedChunkWindow, PoolConfig,
 };
 use kvpool_cuda::driver::{device_count, open_context};
 use kvpool_cuda::{
@@ -261,23 +262,23 @@ fn layerwise_loads_equal_a_whole_scatter_and_signal_every_layer() {
     let slots: Vec<Vec<i64>> = (0..3)
         .map(|i| all.by_ref().take(if i == 2 { 20 } else { 32 }).collect())
         .collect();
-    let loads: Vec<ChunkWindow> = chunks
+    let loads: Vec<OwnedChunkWindow<MemoryObj>> = chunks
         .iter()
         .zip(&slots)
         .enumerate()
-        .map(|(i, (c, s))| ChunkWindow {
-            data: c.as_slice(),
+        .map(|(i, (c, s))| OwnedChunkWindow {
+            data: c.clone(),
             chunk_tokens: 32,
             token_offset: if i == 2 { 12 } else { 0 },
-            slots: s,
+            slots: s.clone(),
         })
         .collect();
     for load in &loads {
-        host.scatter(load.data, 32, load.token_offset, load.slots)
+        host.scatter(load.data.as_slice(), 32, load.token_offset, &load.slots)
             .unwrap();
     }
     let compute = ctx.new_stream().unwrap();
-    let inflight = engine.retrieve_layerwise(&loads).unwrap();
+    let inflight = engine.retrieve_layerwise(loads).unwrap();
     for layer in 0..layout.num_layers {
         inflight.wait_layer(layer, &compute).unwrap();
     }
@@ -353,18 +354,18 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
         let slots: Vec<Vec<i64>> = (0..chunks)
             .map(|_| all.by_ref().take(tokens).collect())
             .collect();
-        let loads: Vec<ChunkWindow> = data
+        let loads: Vec<OwnedChunkWindow> = data
             .iter()
             .zip(&slots)
-            .map(|(d, s)| ChunkWindow {
-                data: d,
+            .map(|(d, s)| OwnedChunkWindow {
+                data: d.clone(),
                 chunk_tokens: tokens,
                 token_offset: 0,
-                slots: s,
+                slots: s.clone(),
             })
             .collect();
         for load in &loads {
-            host.scatter(load.data, tokens, 0, load.slots).unwrap();
+            host.scatter(&load.data, tokens, 0, &load.slots).unwrap();
         }
         if round == 2 {
             // Freed between loads: the next one allocates afresh.
@@ -372,7 +373,7 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
         }
         std::thread::scope(|scope| {
             scope.spawn(|| {
-                let inflight = engine.retrieve_layerwise(&loads).unwrap();
+                let inflight = engine.retrieve_layerwise(loads).unwrap();
                 for layer in 0..layout.num_layers {
                     inflight.wait_layer(layer, &compute).unwrap();
                 }
@@ -461,7 +462,7 @@ fn the_cache_engine_stores_and_loads_through_the_gpu_with_a_pinned_pool() {
             .unwrap();
         assert_eq!(plan.loaded_mask(), mask.as_slice());
         let compute = ctx.new_stream().unwrap();
-        let load = engine.retrieve_layerwise(&plan.windows()).unwrap();
+        let load = engine.retrieve_layerwise(plan).unwrap();
         for layer in 0..layout.num_layers {
             load.wait_layer(layer, &compute).unwrap();
         }
@@ -487,4 +488,88 @@ fn a_large_pinned_pool_is_registered() {
     let mut a = pool.allocate(1 << 30).unwrap();
     a.as_mut_slice()[..4096].fill(9);
     assert_eq!(a.as_slice()[4095], 9);
+}
+
+/// kvpool-core's `LayerwiseTransfer` on the GPU, as the connector's worker drives it: a store
+/// fenced after a write queued on the compute stream sees that write, and a submitted load
+/// makes the compute stream wait per layer, landing the same bytes as the host oracle.
+#[test]
+fn the_layerwise_trait_fences_stores_and_loads_on_the_compute_stream() {
+    let Some(ctx) = gpu() else { return };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut config = PoolConfig {
+        layout: LayoutConfig {
+            num_layers: 4,
+            num_kv_heads: 8,
+            head_size: 128,
+            dtype: Dtype::Bf16,
+            kind: KvKind::KeyValue,
+            block_size: 16,
+        },
+        ..PoolConfig::default()
+    };
+    config.chunking.chunk_size = 32;
+    config.local_cpu.max_size = ByteSize::mib(64);
+    let pinned = PinnedAllocator::new(0).unwrap();
+    let pool = runtime
+        .block_on(build_pool_with_allocator(&config, &pinned))
+        .unwrap();
+    let layout = *pool.engine.layout();
+    let blocks = 64;
+    let order = PagedOrder::FlashAttention;
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut host = random_cache(layout, blocks, &mut rng);
+    let (tensors, mut engine) = device_copy(&ctx, &host, order, blocks, HostPath::Staged);
+    let compute = ctx.new_stream().unwrap();
+    engine.set_compute_stream(compute.clone());
+
+    // The "forward pass" rewrites layer 0 on the compute stream; the store must see it.
+    let newer = random_cache(layout, blocks, &mut rng);
+    let fresh = DeviceTensor::upload(&ctx, &layer_in_order(&newer, 0, order, blocks));
+    unsafe {
+        sys::cuMemcpyDtoDAsync_v2(tensors[0].ptr, fresh.ptr, fresh.len, compute.cu_stream())
+            .result()
+            .unwrap();
+    }
+    host.layer_mut(0).copy_from_slice(newer.layer(0));
+    LayerwiseTransfer::fence_before_store(&engine).unwrap();
+    let n = 96;
+    let mut all = random_slots(2 * n, blocks * 16, &mut rng).into_iter();
+    let src: Vec<i64> = all.by_ref().take(n).collect();
+    let dst: Vec<i64> = all.by_ref().take(n).collect();
+    let mut stored = vec![0u8; layout.chunk_bytes(n)];
+    engine.gather(&src, &mut stored).unwrap();
+    let mut expected = vec![0u8; layout.chunk_bytes(n)];
+    host.gather(&src, &mut expected).unwrap();
+    assert!(
+        stored == expected,
+        "the store did not wait for the compute stream's write"
+    );
+
+    // Store through the cache engine, then load through the trait into other slots.
+    let tokens: Vec<u32> = (0..n as u32).map(|t| t * 13 + 5).collect();
+    let report = runtime
+        .block_on(pool.engine.store(&tokens, None, &engine, &src))
+        .unwrap();
+    assert_eq!(report.stored_tokens, n);
+    let plan = runtime
+        .block_on(pool.engine.begin_retrieve_layerwise(&tokens, None, &dst))
+        .unwrap();
+    let load = LayerwiseTransfer::submit_load(&mut engine, plan).unwrap();
+    assert_eq!(load.loaded_tokens(), n);
+    for layer in 0..layout.num_layers {
+        load.wait_layer(layer).unwrap();
+    }
+    compute.synchronize().unwrap();
+    drop(load);
+    host.scatter(&expected, n, 0, &dst).unwrap();
+    for (l, tensor) in tensors.iter().enumerate() {
+        assert!(
+            tensor.download() == layer_in_order(&host, l, order, blocks),
+            "layer {l} differs from the host oracle after a trait load"
+        );
+    }
 }

@@ -31,9 +31,8 @@ fn without_a_driver_every_constructor_says_cuda_unavailable() {
         })
         .collect();
     let caches = RegisteredKvCaches::new(layout, PagedOrder::FlashAttention, &layers).unwrap();
-    let err = GpuTransferEngine::new(0, caches, HostPath::Staged)
-        .err()
-        .expect("no engine without CUDA");
+    let err =
+        GpuTransferEngine::new(0, caches, HostPath::Staged).expect_err("no engine without CUDA");
     assert!(matches!(err, CudaError::CudaUnavailable(_)), "{err}");
     assert!(err.to_string().contains("CUDA is unavailable"), "{err}");
 

@@ -122,11 +122,9 @@ impl WorkerCore {
             .bind_connector_metadata(meta)
             .map_err(|e| e.to_string())?;
         self.worker
-            .start_load_kv(&self.kv)
+            .start_load_kv(&mut self.kv)
             .map_err(|e| e.to_string())?;
-        self.worker
-            .finish_loads(&mut self.kv)
-            .map_err(|e| e.to_string())
+        self.worker.finish_loads().map_err(|e| e.to_string())
     }
 
     /// Saves the step's computed chunks and clears the metadata.

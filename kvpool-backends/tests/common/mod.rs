@@ -47,6 +47,8 @@ pub struct MapConnector {
     pub down: Arc<AtomicBool>,
     pub put_delay_ms: Arc<AtomicU64>,
     pub puts: Arc<AtomicU64>,
+    /// Keys asked about (`exists` or `get`), to count round trips per chunk.
+    pub asks: Arc<AtomicU64>,
     /// Panic inside `put` (a buggy third-party backend).
     pub panic_on_put: Arc<AtomicBool>,
 }
@@ -88,10 +90,12 @@ impl RemoteConnector for MapConnector {
         "map"
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
         self.check()?;
         Ok(self.map.lock().contains_key(key))
     }
     async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
         self.check()?;
         Ok(self.map.lock().get(key).cloned())
     }

@@ -1,4 +1,5 @@
-//! An engine simulator that drives both connector roles, to prove the protocol end to end.
+//! A one-request-at-a-time engine simulator that drives both connector roles, and the
+//! deterministic KV model the protocol regression tests share.
 //!
 //! It plays vLLM:
 //! - a scheduler with a GPU block pool and prefix caching (blocks of cached prefixes stay
@@ -6,7 +7,7 @@
 //! - a worker with a host paged KV cache, whose "model" writes a deterministic function of
 //!   (token id, position, layer, plane) into every slot it computes.
 //!
-//! Scheduler and worker meet only through encoded [`crate::ConnectorMetadata`] bytes. After
+//! Scheduler and worker meet only through encoded [`kvpool_connector::ConnectorMetadata`] bytes. After
 //! every request, each of its slots is compared with what the model would have written.
 
 use std::collections::{HashMap, VecDeque};
@@ -24,7 +25,7 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::runtime::Runtime;
 
-use crate::{
+use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler,
     ConnectorWorker, EngineRequest, EvictingChunk, OffloadMode, ScheduledRequest,
 };
@@ -321,7 +322,7 @@ pub struct Simulator {
     kv: HostPagedKvCache,
     layout: KvLayout,
     next_id: u64,
-    kv_events: Vec<crate::KvEvent>,
+    kv_events: Vec<kvpool_connector::KvEvent>,
 }
 
 impl Simulator {
@@ -388,7 +389,7 @@ impl Simulator {
     }
 
     /// The worker's KV events so far.
-    pub fn kv_events(&self) -> &[crate::KvEvent] {
+    pub fn kv_events(&self) -> &[kvpool_connector::KvEvent] {
         &self.kv_events
     }
 
@@ -440,9 +441,9 @@ impl Simulator {
             num_computed_tokens_after_step: computed_after_step,
         }]);
         self.worker.bind_connector_metadata(&meta.encode())?;
-        self.worker.start_load_kv(&self.kv)?;
+        self.worker.start_load_kv(&mut self.kv)?;
         for layer in 0..self.layout.num_layers {
-            self.worker.wait_for_layer_load(layer, &mut self.kv)?;
+            self.worker.wait_for_layer_load(layer)?;
             self.compute(layer, tokens, blocks, compute.iter().copied());
             self.worker.save_kv_layer(layer, &self.kv)?;
         }
@@ -677,7 +678,7 @@ pub fn run(config: &SimConfig, workload: &Workload) -> Result<SimReport, SimErro
         .kv_events()
         .iter()
         .map(|e| match e {
-            crate::KvEvent::ChunksStored { chunk_hashes, .. } => chunk_hashes.len(),
+            kvpool_connector::KvEvent::ChunksStored { chunk_hashes, .. } => chunk_hashes.len(),
         })
         .sum();
     Ok(report)

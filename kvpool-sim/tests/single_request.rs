@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use kvpool_connector::simulator::{self, SimConfig, Simulator, Workload};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorScheduler, ConnectorWorker, EngineRequest,
     ScheduledRequest,
 };
 use kvpool_core::{Dtype, KvKind, KvLayout};
+use kvpool_sim::single_request::{self as simulator, SimConfig, Simulator, Workload};
 
 /// The SimpleCPUOffloadConnector walk-through: A = "Hello, world!" (3 tokens) is computed and
 /// its full chunk offloaded; the GPU cache is then evicted; B shares the prefix, loads it from

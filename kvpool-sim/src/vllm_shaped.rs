@@ -410,8 +410,8 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
             }
         }
         worker.bind_connector_metadata(&meta.encode())?;
-        worker.start_load_kv(&kv)?;
-        worker.finish_loads(&mut kv)?;
+        worker.start_load_kv(&mut kv)?;
+        worker.finish_loads()?;
         // The forward pass: every scheduled request computes its new positions.
         for &(i, from) in &scheduled {
             let q = &running[i];

@@ -10,7 +10,6 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpool_connector::simulator::{model_compute, model_mismatches};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
     EngineRequest, PoolLookup, ScheduledRequest, probe_hash_of,
@@ -19,6 +18,7 @@ use kvpool_core::{
     CacheEngine, ChunkHash, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind,
     HashAlgorithm, HostPagedKvCache, KeyScope, KvKind, KvLayout, StorageManager,
 };
+use kvpool_sim::single_request::{model_compute, model_mismatches};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -119,9 +119,9 @@ fn worker_process() {
                 compute_from,
             } => {
                 worker.bind_connector_metadata(&meta).unwrap();
-                worker.start_load_kv(&kv).unwrap();
+                worker.start_load_kv(&mut kv).unwrap();
                 for layer in 0..layout().num_layers {
-                    worker.wait_for_layer_load(layer, &mut kv).unwrap();
+                    worker.wait_for_layer_load(layer).unwrap();
                     model_compute(
                         &mut kv,
                         layer,

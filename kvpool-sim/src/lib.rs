@@ -1,0 +1,12 @@
+//! kvpool-sim: engine simulators that drive kvpool's vLLM connector (both roles) end to end
+//! and compare every KV row they end up with against recomputation.
+//!
+//! | file | owns |
+//! |---|---|
+//! | [`vllm_shaped`] | `kvpool sim`: vLLM 0.32's scheduling (several requests a step, incremental block ids, shared prefix blocks, preemption, reused ids, injected load failures) over a pool from `build_pool` |
+//! | [`single_request`] | a one-request-at-a-time harness with a deterministic KV model, used by the protocol regression tests (and the only driver of lazy offload) |
+
+#![warn(missing_docs)]
+
+pub mod single_request;
+pub mod vllm_shaped;
