@@ -4,9 +4,12 @@
 //! | file | owns |
 //! |---|---|
 //! | [`vllm_shaped`] | `kvpool sim`: vLLM 0.32's scheduling (several requests a step, incremental block ids, shared prefix blocks, preemption, reused ids, injected load failures) over a pool from `build_pool` |
+//! | [`kv_model`] | the deterministic KV model (`model_compute`, `model_mismatches`) the protocol tests check rows against |
 //! | [`single_request`] | a one-request-at-a-time harness with a deterministic KV model, used by the protocol regression tests (and the only driver of lazy offload) |
 
 #![warn(missing_docs)]
 
+mod gpu_blocks;
+pub mod kv_model;
 pub mod single_request;
 pub mod vllm_shaped;

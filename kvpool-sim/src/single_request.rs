@@ -10,14 +10,12 @@
 //! Scheduler and worker meet only through encoded [`kvpool_connector::ConnectorMetadata`] bytes. After
 //! every request, each of its slots is compared with what the model would have written.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvpool_backends::{FaultInjector, InMemoryConnector, LocalCpuBackend};
 use kvpool_core::{
-    CacheEngine, ChunkCodec, ChunkHash, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind,
-    HashAlgorithm, HostPagedKvCache, KeyScope, KvKind, KvLayout, RemoteBackend, StorageBackend,
-    StorageManager,
+    CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Dtype, EvictionKind,
+    HostPagedKvCache, KeyScope, KvKind, KvLayout, RemoteBackend, StorageBackend, StorageManager,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -25,9 +23,11 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::runtime::Runtime;
 
+use crate::gpu_blocks::GpuBlocks;
+pub use crate::kv_model::{model_compute, model_mismatches};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler,
-    ConnectorWorker, EngineRequest, EvictingChunk, OffloadMode, ScheduledRequest,
+    ConnectorWorker, EngineRequest, OffloadMode, ScheduledRequest,
 };
 
 /// Simulator settings.
@@ -101,214 +101,6 @@ pub struct RequestOutcome {
     pub block_ids: Vec<u32>,
     /// Slots (token x layer x plane) whose bytes differ from the model's: must be 0.
     pub mismatched_rows: usize,
-}
-
-/// A cached prefix: its tokens (whole blocks), blocks and block hashes.
-struct CachedPrefix {
-    tokens: Vec<u32>,
-    blocks: Vec<u32>,
-    hashes: Vec<ChunkHash>,
-}
-
-/// A prefix-caching GPU block pool.
-struct GpuBlocks {
-    free: VecDeque<u32>,
-    refs: Vec<u32>,
-    cached: HashMap<ChunkHash, u32>,
-    hash_of: Vec<Option<ChunkHash>>,
-    /// For a cached block: the prefix it was cached with, and its position in it.
-    prefix_of: Vec<Option<(Arc<CachedPrefix>, usize)>>,
-    block_size: usize,
-    blocks_per_chunk: usize,
-}
-
-impl GpuBlocks {
-    fn new(n: usize, block_size: usize, chunk_size: usize) -> Self {
-        GpuBlocks {
-            free: (0..n as u32).collect(),
-            refs: vec![0; n],
-            cached: HashMap::new(),
-            hash_of: vec![None; n],
-            prefix_of: vec![None; n],
-            block_size,
-            blocks_per_chunk: (chunk_size / block_size).max(1),
-        }
-    }
-
-    /// The chunk holding cached block `b`, if every block of that chunk still holds it.
-    fn intact_chunk(&self, b: u32) -> Option<(Arc<CachedPrefix>, usize)> {
-        let (prefix, pos) = self.prefix_of[b as usize].clone()?;
-        let chunk = pos / self.blocks_per_chunk;
-        let end = (chunk + 1) * self.blocks_per_chunk;
-        if prefix.blocks.len() < end {
-            return None; // a partial chunk is never saved
-        }
-        let intact = (chunk * self.blocks_per_chunk..end)
-            .all(|j| self.hash_of[prefix.blocks[j] as usize] == Some(prefix.hashes[j]));
-        intact.then_some((prefix, chunk))
-    }
-
-    fn block_hashes(&self, tokens: &[u32]) -> Vec<ChunkHash> {
-        let algo = HashAlgorithm::Xxh3_128;
-        let mut prev = algo.root();
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|b| {
-                prev = algo.chain_tokens(&prev, b);
-                prev
-            })
-            .collect()
-    }
-
-    /// Cached blocks of the longest prefix of full blocks, leaving at least one token to compute.
-    fn lookup_and_pin(&mut self, tokens: &[u32]) -> Vec<u32> {
-        let mut hit = Vec::new();
-        for h in self.block_hashes(&tokens[..tokens.len() - 1]) {
-            let Some(&b) = self.cached.get(&h) else { break };
-            if self.refs[b as usize] == 0 {
-                self.free.retain(|&f| f != b);
-            }
-            self.refs[b as usize] += 1;
-            hit.push(b);
-        }
-        hit
-    }
-
-    /// Takes `n` free blocks, least recently freed first. Cached blocks among them leave the
-    /// prefix cache; their intact chunks are returned so a lazy connector can save them first.
-    fn allocate(&mut self, n: usize) -> Result<(Vec<u32>, Vec<EvictingChunk>), SimError> {
-        if self.free.len() < n {
-            return Err(SimError::GpuFull {
-                needed: n,
-                free: self.free.len(),
-            });
-        }
-        let blocks: Vec<u32> = self.free.drain(..n).collect();
-        // Check every chunk before any hash is cleared, so two blocks of one chunk evicted
-        // together still find it intact (and it is saved once).
-        let mut evicting = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        for &b in &blocks {
-            if let Some((prefix, chunk)) = self.intact_chunk(b)
-                && seen.insert((Arc::as_ptr(&prefix), chunk))
-            {
-                let end = (chunk + 1) * self.blocks_per_chunk;
-                evicting.push(EvictingChunk {
-                    token_ids: prefix.tokens[..end * self.block_size].to_vec(),
-                    block_ids: prefix.blocks[..end].to_vec(),
-                });
-            }
-        }
-        for &b in &blocks {
-            if let Some(h) = self.hash_of[b as usize].take() {
-                self.cached.remove(&h); // evicted from the GPU prefix cache
-            }
-            self.prefix_of[b as usize] = None;
-            self.refs[b as usize] = 1;
-        }
-        Ok((blocks, evicting))
-    }
-
-    fn cache_full_blocks(&mut self, tokens: &[u32], blocks: &[u32]) {
-        let hashes = self.block_hashes(tokens);
-        let full = hashes.len();
-        let prefix = Arc::new(CachedPrefix {
-            tokens: tokens[..full * self.block_size].to_vec(),
-            blocks: blocks[..full].to_vec(),
-            hashes: hashes.clone(),
-        });
-        for (pos, (h, &b)) in hashes.into_iter().zip(blocks).enumerate() {
-            if self.hash_of[b as usize].is_none() && !self.cached.contains_key(&h) {
-                self.cached.insert(h, b);
-                self.hash_of[b as usize] = Some(h);
-                self.prefix_of[b as usize] = Some((prefix.clone(), pos));
-            }
-        }
-    }
-
-    fn release(&mut self, blocks: &[u32]) {
-        for &b in blocks {
-            self.refs[b as usize] -= 1;
-            if self.refs[b as usize] == 0 {
-                self.free.push_back(b);
-            }
-        }
-    }
-
-    fn evict_all(&mut self) {
-        self.cached.clear();
-        self.hash_of.iter_mut().for_each(|h| *h = None);
-        self.prefix_of.iter_mut().for_each(|p| *p = None);
-    }
-}
-
-/// The bytes the model writes for one row.
-fn model_row(token: u32, pos: usize, layer: usize, plane: usize, row: &mut [u8]) {
-    let mut x = xxhash_rust::xxh3::xxh3_64(
-        &[
-            token.to_le_bytes(),
-            (pos as u32).to_le_bytes(),
-            (layer as u32).to_le_bytes(),
-            (plane as u32).to_le_bytes(),
-        ]
-        .concat(),
-    ) | 1;
-    for b in row.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-}
-
-fn slot_of(layout: &KvLayout, blocks: &[u32], i: usize) -> usize {
-    let bs = layout.block_size;
-    blocks[i / bs] as usize * bs + i % bs
-}
-
-/// The model's forward pass for one layer: writes the KV of `positions` of `tokens` into their
-/// slots (`blocks[i / block_size] * block_size + i % block_size`).
-pub fn model_compute(
-    kv: &mut HostPagedKvCache,
-    layer: usize,
-    tokens: &[u32],
-    blocks: &[u32],
-    positions: impl Iterator<Item = usize>,
-) {
-    let layout = *kvpool_core::KvTransfer::layout(kv);
-    let row = layout.bytes_per_token_per_plane();
-    let num_slots = kv.num_slots();
-    for i in positions {
-        let slot = slot_of(&layout, blocks, i);
-        for plane in 0..layout.kind.planes() {
-            let at = (plane * num_slots + slot) * row;
-            model_row(
-                tokens[i],
-                i,
-                layer,
-                plane,
-                &mut kv.layer_mut(layer)[at..at + row],
-            );
-        }
-    }
-}
-
-/// Rows (token x layer x plane) of `tokens` whose bytes in `kv` differ from the model's.
-pub fn model_mismatches(kv: &HostPagedKvCache, tokens: &[u32], blocks: &[u32]) -> usize {
-    let layout = *kvpool_core::KvTransfer::layout(kv);
-    let mut expected = vec![0u8; layout.bytes_per_token_per_plane()];
-    let mut bad = 0;
-    for layer in 0..layout.num_layers {
-        for (i, &t) in tokens.iter().enumerate() {
-            for plane in 0..layout.kind.planes() {
-                model_row(t, i, layer, plane, &mut expected);
-                if kv.row(layer, plane, slot_of(&layout, blocks, i)) != expected.as_slice() {
-                    bad += 1;
-                }
-            }
-        }
-    }
-    bad
 }
 
 /// The simulated engine: scheduler, worker, GPU blocks and a host KV cache, over one pool.
@@ -595,7 +387,7 @@ impl Simulator {
     /// After all requests: GPU blocks not returned, requests still tracked, and CPU pool
     /// regions not owned by a stored chunk. All must be 0.
     pub fn leaks(&self) -> (usize, usize, usize) {
-        let gpu = self.gpu.refs.iter().filter(|&&r| r > 0).count();
+        let gpu = self.gpu.blocks_in_use();
         let tracked = self.scheduler.tracked_requests();
         let l1 = self.runtime.block_on(async { self.l1.stats() });
         let regions = self.l1.pool().stats().regions;
@@ -682,38 +474,4 @@ pub fn run(config: &SimConfig, workload: &Workload) -> Result<SimReport, SimErro
         })
         .sum();
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_intact_chunks_are_handed_over_at_eviction() {
-        // 4-token blocks, 8-token chunks: a chunk is two blocks.
-        let mut gpu = GpuBlocks::new(8, 4, 8);
-        let tokens: Vec<u32> = (0..16).collect();
-        let (blocks, none) = gpu.allocate(4).unwrap();
-        assert!(none.is_empty());
-        gpu.cache_full_blocks(&tokens, &blocks);
-        gpu.release(&blocks);
-        // Free order: the 4 unused blocks, then the prefix's blocks [0, 1, 2, 3].
-        let (_, none) = gpu.allocate(4).unwrap();
-        assert!(none.is_empty(), "never-cached blocks evict nothing");
-        // Block 0 goes: chunk 0 (blocks 0 and 1) is still intact, so it is handed over.
-        let (_, evicting) = gpu.allocate(1).unwrap();
-        assert_eq!(evicting.len(), 1);
-        assert_eq!(evicting[0].token_ids, (0..8).collect::<Vec<u32>>());
-        assert_eq!(evicting[0].block_ids, vec![0, 1]);
-        // Block 1 goes next: chunk 0 lost block 0 already, so it is not handed over again.
-        let (_, evicting) = gpu.allocate(1).unwrap();
-        assert!(
-            evicting.is_empty(),
-            "a chunk with a reused block must not be saved: {evicting:?}"
-        );
-        // Blocks 2 and 3 go together: chunk 1 is intact and handed over once.
-        let (_, evicting) = gpu.allocate(2).unwrap();
-        assert_eq!(evicting.len(), 1);
-        assert_eq!(evicting[0].token_ids.len(), 16);
-    }
 }
