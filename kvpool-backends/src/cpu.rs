@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 use tracing::debug;
 
 use kvpool_core::backend::BackendCounters;
+use kvpool_core::telemetry;
 use kvpool_core::{
     BackendError, BackendStats, CacheKey, Chunk, ChunkAllocator, EvictionKind, EvictionPolicy,
     HostAllocator, MemoryObjMut, MemoryPool, PoolError, PutOutcome, StorageBackend,
@@ -33,6 +34,8 @@ pub struct LocalCpuBackend {
     state: Mutex<CpuState>,
     counters: BackendCounters,
     closed: AtomicBool,
+    /// `kvpool_l1_used_bytes`, set after every change.
+    used_bytes: metrics::Gauge,
 }
 
 impl std::fmt::Debug for LocalCpuBackend {
@@ -63,6 +66,7 @@ impl LocalCpuBackend {
 
     /// An L1 over an existing pool.
     pub fn with_pool(pool: MemoryPool, eviction: EvictionKind) -> Self {
+        metrics::gauge!(telemetry::L1_CAPACITY_BYTES).set(pool.capacity() as f64);
         LocalCpuBackend {
             state: Mutex::new(CpuState {
                 entries: HashMap::new(),
@@ -72,6 +76,7 @@ impl LocalCpuBackend {
             pool,
             counters: BackendCounters::default(),
             closed: AtomicBool::new(false),
+            used_bytes: metrics::gauge!(telemetry::L1_USED_BYTES),
         }
     }
 
@@ -98,7 +103,7 @@ impl LocalCpuBackend {
             Some((key, chunk)) => {
                 st.bytes -= chunk.data.len() as u64;
                 BackendCounters::add(&self.counters.evictions, 1);
-                metrics::counter!("kvpool_evictions_total", "tier" => "cpu").increment(1);
+                metrics::counter!(telemetry::EVICTIONS, "tier" => "cpu").increment(1);
                 debug!(key = %key, bytes = chunk.data.len(), "evicted from L1");
                 true
             }
@@ -192,6 +197,7 @@ impl StorageBackend for LocalCpuBackend {
             outcome.stored += 1;
             BackendCounters::add(&self.counters.bytes_written, len as u64);
         }
+        self.used_bytes.set(st.bytes as f64);
         drop(st);
         BackendCounters::add(&self.counters.puts, outcome.stored as u64);
         BackendCounters::add(&self.counters.skipped_puts, outcome.skipped as u64);
@@ -209,6 +215,7 @@ impl StorageBackend for LocalCpuBackend {
                 n += 1;
             }
         }
+        self.used_bytes.set(st.bytes as f64);
         Ok(n)
     }
 
@@ -221,6 +228,7 @@ impl StorageBackend for LocalCpuBackend {
         }
         st.entries.clear();
         st.bytes = 0;
+        self.used_bytes.set(0.0);
         Ok(())
     }
 

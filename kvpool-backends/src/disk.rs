@@ -255,7 +255,7 @@ impl DiskInner {
             batch.delete(k.as_bytes());
             batch.delete_cf(meta, k.as_bytes());
         }
-        metrics::counter!("kvpool_evictions_total", "tier" => "disk")
+        metrics::counter!(kvpool_core::telemetry::EVICTIONS, "tier" => "disk")
             .increment(victims.len() as u64);
         debug!(evicted = victims.len(), "disk tier over capacity");
         self.db.write(batch).map_err(db_error)
@@ -291,7 +291,7 @@ impl DiskInner {
             source,
         })?;
         if free < bytes.saturating_add(self.config.min_free_bytes) {
-            metrics::counter!("kvpool_disk_writes_refused_total").increment(1);
+            metrics::counter!(kvpool_core::telemetry::DISK_WRITES_REFUSED).increment(1);
             return Err(BackendError::Io {
                 backend: "disk".into(),
                 source: std::io::Error::new(

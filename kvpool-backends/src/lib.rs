@@ -11,7 +11,8 @@
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
 //! Cross-cutting concerns are wrappers implementing the same trait: [`timeout`] bounds every
-//! call of any `RemoteConnector`.
+//! call of any `RemoteConnector`. [`metrics_endpoint`] serves every metric kvpool records to
+//! Prometheus (`[metrics] listen`).
 
 #![warn(missing_docs)]
 
@@ -23,6 +24,7 @@ pub mod cpu;
 pub mod disk;
 pub mod faults;
 pub mod memory;
+pub mod metrics_endpoint;
 #[cfg(feature = "mooncake")]
 pub mod mooncake;
 #[cfg(feature = "mooncake")]
@@ -39,5 +41,6 @@ pub mod timeout;
 pub use cpu::LocalCpuBackend;
 pub use faults::FaultInjector;
 pub use memory::InMemoryConnector;
+pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
 pub use timeout::TimeoutConnector;

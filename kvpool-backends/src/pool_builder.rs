@@ -44,6 +44,9 @@ pub async fn build_pool_with_allocator(
     allocator: &dyn HostAllocator,
 ) -> Result<Pool, ConfigError> {
     config.validate()?;
+    if let Some(addr) = config.metrics.listen_addr()? {
+        crate::metrics_endpoint::serve_metrics(addr)?;
+    }
     let layout = config.layout.layout()?;
     let db = ChunkedTokenDatabase::new(config.chunking, config.key_scope()?)?;
     let mut builder = StorageManager::builder().config(StorageManagerConfig {

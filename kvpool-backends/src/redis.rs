@@ -179,10 +179,14 @@ impl RedisConnector {
     ) -> Result<T, BackendError> {
         match tokio::time::timeout(self.timeout, fut).await {
             Ok(r) => r.map_err(unavailable),
-            Err(_) => Err(BackendError::Timeout {
-                backend: "redis".into(),
-                op,
-                millis: self.timeout.as_millis() as u64,
+            Err(_) => Err({
+                metrics::counter!(kvpool_core::telemetry::TIMEOUTS, "tier" => "redis".to_string())
+                    .increment(1);
+                BackendError::Timeout {
+                    backend: "redis".into(),
+                    op,
+                    millis: self.timeout.as_millis() as u64,
+                }
             }),
         }
     }

@@ -34,10 +34,14 @@ impl<C: RemoteConnector> TimeoutConnector<C> {
     ) -> Result<T, BackendError> {
         match tokio::time::timeout(self.limit, fut).await {
             Ok(r) => r,
-            Err(_) => Err(BackendError::Timeout {
-                backend: self.inner.name().to_string(),
-                op,
-                millis: self.limit.as_millis() as u64,
+            Err(_) => Err({
+                metrics::counter!(kvpool_core::telemetry::TIMEOUTS, "tier" => self.inner.name().to_string())
+                    .increment(1);
+                BackendError::Timeout {
+                    backend: self.inner.name().to_string(),
+                    op,
+                    millis: self.limit.as_millis() as u64,
+                }
             }),
         }
     }

@@ -120,10 +120,44 @@ impl PoolArgs {
     }
 }
 
+/// Serving metrics while a command runs.
+#[derive(Args, Debug)]
+struct MetricsArgs {
+    /// Serve Prometheus metrics on this address while the command runs (e.g. 127.0.0.1:9464).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Keep serving metrics this many seconds after the command finished (for a last scrape).
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "SECS",
+        requires = "metrics_listen"
+    )]
+    metrics_linger: u64,
+}
+
+impl MetricsArgs {
+    fn start(&self) -> anyhow::Result<()> {
+        if let Some(addr) = self.metrics_listen {
+            kvpool_backends::serve_metrics(addr)?;
+            eprintln!("serving Prometheus metrics on http://{addr}/metrics");
+        }
+        Ok(())
+    }
+
+    fn linger(&self) {
+        if self.metrics_listen.is_some() && self.metrics_linger > 0 {
+            std::thread::sleep(std::time::Duration::from_secs(self.metrics_linger));
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 struct BenchArgs {
     #[command(flatten)]
     pool: PoolArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Distinct system prompts.
     #[arg(long, default_value_t = 8)]
     system_prompts: usize,
@@ -155,6 +189,8 @@ struct ReplayArgs {
     /// Trace file (JSONL: timestamp, input_length, output_length, hash_ids).
     #[arg(long)]
     trace: PathBuf,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Pool capacity in tokens.
     #[arg(long, default_value_t = 4_000_000)]
     capacity_tokens: u64,
@@ -289,8 +325,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 spec.requests() > 0,
                 "--sessions and --turns must be at least 1"
             );
+            a.metrics.start()?;
             let report = rt.block_on(bench::run(&cfg, spec, progress && !a.json))?;
             print_report(&report, a.json, |r| r.render())?;
+            a.metrics.linger();
         }
         Command::Replay(a) => {
             let file = File::open(&a.trace)
@@ -326,8 +364,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 progress: progress && !a.json,
             };
+            a.metrics.start()?;
             let report = rt.block_on(replay::run(&requests, bad.len(), &opts))?;
             print_report(&report, a.json, |r| r.render())?;
+            a.metrics.linger();
         }
         Command::GenTrace(a) => {
             let file = File::create(&a.out)

@@ -35,11 +35,7 @@ impl PoolLookup for EngineLookup {
 
 /// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier).
 pub fn lookup_chunks(engine: &CacheEngine, runtime: &Runtime, chunk_hashes: &[ChunkHash]) -> usize {
-    let keys: Vec<_> = chunk_hashes
-        .iter()
-        .map(|h| kvpool_core::CacheKey::new(engine.token_database().scope().clone(), *h))
-        .collect();
-    runtime.block_on(engine.storage().lookup(&keys)).len()
+    runtime.block_on(engine.lookup_chunk_hashes(chunk_hashes))
 }
 
 /// A request as the engine's scheduler sees it.

@@ -37,7 +37,8 @@ const DEFAULT_MODEL_NAME: &str = "default-model";
 
 /// The pool config for a vLLM worker: `base` (the user's TOML or JSON) with its `[model]` and
 /// `[layout]` taken from the engine. The key scope's model is `<name>|kv=<digest of
-/// kv_format>`, so chunks written under another block format are never found.
+/// kv_format>`, so chunks written under another block format are never found. With
+/// `[metrics] listen`, TP rank `r` serves on the configured port plus `r`.
 pub fn pool_config_for_vllm(
     base: &PoolConfig,
     facts: &VllmEngineFacts,
@@ -73,6 +74,19 @@ pub fn pool_config_for_vllm(
             "chunking.save_unfull_chunk is ignored with vLLM: chunks are moved as whole blocks"
         );
         config.chunking.save_unfull_chunk = false;
+    }
+    // Each worker process serves its own metrics: TP rank r on the configured port + r.
+    if let Some(mut addr) = base.metrics.listen_addr()? {
+        let port = u32::from(addr.port()) + facts.tp_rank;
+        addr.set_port(u16::try_from(port).map_err(|_| ConfigError::Invalid {
+            field: "metrics.listen",
+            reason: format!(
+                "port {} + TP rank {} is past 65535",
+                addr.port(),
+                facts.tp_rank
+            ),
+        })?);
+        config.metrics.listen = Some(addr.to_string());
     }
     config.validate()?;
     Ok(config)
@@ -145,6 +159,22 @@ mod tests {
         base.chunking.chunk_size = 48;
         let err = pool_config_for_vllm(&base, &facts()).unwrap_err();
         assert!(err.to_string().contains("multiple of vLLM's block size 32"));
+    }
+
+    #[test]
+    fn each_tp_rank_serves_metrics_on_its_own_port() {
+        let mut base = PoolConfig::default();
+        base.metrics.listen = Some("127.0.0.1:9464".into());
+        let c = pool_config_for_vllm(&base, &facts()).unwrap();
+        assert_eq!(
+            c.metrics.listen.as_deref(),
+            Some("127.0.0.1:9465"),
+            "rank 1"
+        );
+        base.metrics.listen = Some("127.0.0.1:65535".into());
+        assert!(pool_config_for_vllm(&base, &facts()).is_err());
+        let c = pool_config_for_vllm(&PoolConfig::default(), &facts()).unwrap();
+        assert_eq!(c.metrics.listen, None, "off unless asked for");
     }
 
     #[test]

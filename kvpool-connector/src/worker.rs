@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use kvpool_core::telemetry;
 use kvpool_core::{
     CacheEngine, ChunkHash, ChunkSpan, KvLayout, KvTransfer, LayerLoad, LayerwiseTransfer,
 };
@@ -244,6 +245,7 @@ impl ConnectorWorker {
     fn fail_block(&mut self, block: u32) {
         if self.load_errors.insert(block) {
             self.stats.failed_load_blocks += 1;
+            metrics::counter!(telemetry::LOAD_ERROR_BLOCKS).increment(1);
         }
         self.failed_blocks.insert(block);
     }
@@ -273,6 +275,8 @@ impl ConnectorWorker {
         if layer + 1 == self.engine.layout().num_layers {
             for (load, _) in self.loads.drain(..) {
                 self.stats.loaded_tokens += load.loaded_tokens() as u64;
+                metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
+                    .increment(load.loaded_tokens() as u64);
             }
         }
         Ok(())
@@ -380,6 +384,8 @@ impl ConnectorWorker {
             store.finish().await
         })?;
         self.stats.stored_tokens += report.stored_tokens as u64;
+        metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS)
+            .increment(report.stored_tokens as u64);
         if !report.stored_keys.is_empty() {
             self.kv_events.push(KvEvent::ChunksStored {
                 req_id: r.req_id.clone(),

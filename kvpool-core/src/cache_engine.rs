@@ -7,10 +7,13 @@ use tracing::warn;
 
 use crate::backend::Chunk;
 use crate::chunk_format::ChunkMeta;
+use crate::chunk_hash::ChunkHash;
 use crate::error::{ConfigError, EngineError, FormatError, TransferError};
+use crate::key::CacheKey;
 use crate::layout::KvLayout;
 use crate::memory_pool::MemoryObjMut;
 use crate::storage_manager::StorageManager;
+use crate::telemetry;
 use crate::token_database::{ChunkSpan, ChunkedTokenDatabase};
 use crate::transfer::{ChunkWindow, KvTransfer};
 
@@ -176,7 +179,23 @@ impl CacheEngine {
     pub async fn lookup_spans(&self, spans: &[ChunkSpan]) -> usize {
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
         let found = self.manager.lookup(&keys).await;
-        found.len().checked_sub(1).map_or(0, |last| spans[last].end)
+        let hit = found.len().checked_sub(1).map_or(0, |last| spans[last].end);
+        record_lookup(spans.last().map_or(0, |s| s.end), hit);
+        hit
+    }
+
+    /// How many leading chunks of `chunk_hashes` (whole chunks of this engine's scope, e.g.
+    /// shipped by a connector's scheduler) the pool holds in any tier.
+    pub async fn lookup_chunk_hashes(&self, chunk_hashes: &[ChunkHash]) -> usize {
+        let scope = self.db.scope();
+        let keys: Vec<_> = chunk_hashes
+            .iter()
+            .map(|h| CacheKey::new(scope.clone(), *h))
+            .collect();
+        let found = self.manager.lookup(&keys).await.len();
+        let chunk = self.db.chunk_size();
+        record_lookup(chunk_hashes.len() * chunk, found * chunk);
+        found
     }
 
     fn check_transfer(&self, kv: &dyn KvTransfer) -> Result<(), EngineError> {
@@ -331,8 +350,8 @@ impl CacheEngine {
         let hit = mask.iter().filter(|m| **m).count();
         add(&self.counters.retrieve_tokens, wanted as u64);
         add(&self.counters.retrieve_hit_tokens, hit as u64);
-        metrics::counter!("kvpool_retrieve_tokens_total").increment(wanted as u64);
-        metrics::counter!("kvpool_retrieve_hit_tokens_total").increment(hit as u64);
+        metrics::counter!(telemetry::RETRIEVE_TOKENS).increment(wanted as u64);
+        metrics::counter!(telemetry::RETRIEVE_HIT_TOKENS).increment(hit as u64);
         Ok(LayerwiseRetrieve {
             layers: self.layout.num_layers,
             fingerprint: self.fingerprint,
@@ -367,6 +386,13 @@ impl CacheEngine {
         }
         Ok(())
     }
+}
+
+/// Counts one lookup of `asked` tokens that found `hit` of them.
+fn record_lookup(asked: usize, hit: usize) {
+    metrics::counter!(telemetry::LOOKUPS).increment(1);
+    metrics::counter!(telemetry::LOOKUP_TOKENS).increment(asked as u64);
+    metrics::counter!(telemetry::HIT_TOKENS).increment(hit as u64);
 }
 
 /// A store in progress, filled one layer at a time.
@@ -446,7 +472,7 @@ impl LayerwiseStore<'_> {
             &self.engine.counters.stored_tokens,
             report.stored_tokens as u64,
         );
-        metrics::counter!("kvpool_stored_tokens_total").increment(report.stored_tokens as u64);
+        metrics::counter!(telemetry::STORED_TOKENS).increment(report.stored_tokens as u64);
         Ok(report)
     }
 }

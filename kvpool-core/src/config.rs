@@ -216,6 +216,32 @@ impl Default for WriteBehindConfig {
     }
 }
 
+/// The Prometheus endpoint (`[metrics]`); off unless `listen` is set.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address to serve Prometheus metrics on, e.g. `"127.0.0.1:9464"` (every path answers
+    /// with the text exposition format). One per process: a second pool in the same process
+    /// may name the same address or none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
+impl MetricsConfig {
+    /// The listen address, parsed.
+    pub fn listen_addr(&self) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+        self.listen
+            .as_deref()
+            .map(|a| {
+                a.parse().map_err(|e| ConfigError::Invalid {
+                    field: "metrics.listen",
+                    reason: format!("`{a}` is not an address like 127.0.0.1:9464: {e}"),
+                })
+            })
+            .transpose()
+    }
+}
+
 /// A lower tier (disk, Redis, …), chosen by URL scheme; options a scheme does not use are
 /// ignored.
 ///
@@ -337,6 +363,8 @@ pub struct PoolConfig {
     pub write_behind: WriteBehindConfig,
     /// Stored chunk encoding for lower tiers.
     pub codec: ChunkCodec,
+    /// The Prometheus endpoint.
+    pub metrics: MetricsConfig,
     /// Lower tiers, looked up in this order after L1 (`[[tier]]` tables).
     #[serde(rename = "tier", default, skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<TierConfig>,
@@ -375,7 +403,10 @@ impl PoolConfig {
              #   url = \"redis://127.0.0.1:6379\"     # or rediss://, redis+cluster://h1:p1,h2:p2 (feature redis); ttl_seconds = 3600\n\
              #   timeout_ms = 2000\n\
              #   [[tier]]\n\
-             #   url = \"s3://bucket/prefix\"          # feature s3; endpoint = \"http://127.0.0.1:9000\", region = \"us-east-1\"\n\n{body}"
+             #   url = \"s3://bucket/prefix\"          # feature s3; endpoint = \"http://127.0.0.1:9000\", region = \"us-east-1\"\n\
+             # Prometheus metrics (off by default; see docs/metrics.md):\n\
+             #   [metrics]\n\
+             #   listen = \"127.0.0.1:9464\"\n\n{body}"
         )
     }
 
@@ -399,6 +430,7 @@ impl PoolConfig {
     /// Checks values and their combinations, with messages that say what to change.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.key_scope()?;
+        self.metrics.listen_addr()?;
         if self.chunking.chunk_size == 0 {
             return Err(ConfigError::Invalid {
                 field: "chunking.chunk_size",

@@ -8,7 +8,9 @@
 //! - [`chunk_format`]: the checksummed, versioned stored-chunk encoding;
 //! - [`memory_pool`]: the bounded host memory pool and ref-counted chunk memory;
 //! - [`eviction`]: LRU, FIFO and S3-FIFO;
-//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind;
+//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind (its
+//!   counters in `tier_stats.rs`);
+//! - [`telemetry`]: every Prometheus metric kvpool records, with help texts;
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
 //! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
@@ -31,6 +33,8 @@ pub mod layout;
 pub mod memory_pool;
 pub mod remote;
 pub mod storage_manager;
+pub mod telemetry;
+mod tier_stats;
 pub mod token_database;
 pub mod transfer;
 mod write_behind;
@@ -43,7 +47,7 @@ pub use block_transfer::BlockKvCache;
 pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
-pub use config::{ByteSize, PoolConfig, TierConfig, redact_url};
+pub use config::{ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,

@@ -183,6 +183,8 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
                     warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
                     BackendCounters::add(&self.counters.corrupt, 1);
                     BackendCounters::add(&self.counters.misses, 1);
+                    metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
+                        .increment(1);
                     corrupt.push(name.clone());
                     out.push(None);
                 }

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -10,68 +10,13 @@ use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-use crate::backend::{
-    BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend,
-};
+use crate::backend::{Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend};
 use crate::error::{BackendError, ConfigError, PoolError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
+use crate::tier_stats::{ManagerCounters, TierCounters, TierOp};
+pub use crate::tier_stats::{ManagerStats, TierStats};
 use crate::write_behind::Pending;
-
-/// Per-tier counters kept by the manager.
-#[derive(Debug, Default)]
-struct TierCounters {
-    hit_chunks: AtomicU64,
-    hit_tokens: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    read_nanos: AtomicU64,
-    write_nanos: AtomicU64,
-    dropped_writes: AtomicU64,
-    failed_writes: AtomicU64,
-    deduplicated_writes: AtomicU64,
-    errors: AtomicU64,
-}
-
-/// A snapshot of one tier as seen by the manager, plus the backend's own stats.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TierStats {
-    /// Backend name.
-    pub name: String,
-    /// Chunks served by this tier in `get`.
-    pub hit_chunks: u64,
-    /// Tokens in those chunks.
-    pub hit_tokens: u64,
-    /// Bytes read from the tier.
-    pub bytes_read: u64,
-    /// Bytes written to the tier.
-    pub bytes_written: u64,
-    /// Time spent in the tier's `get` calls (seconds).
-    pub read_seconds: f64,
-    /// Time spent in the tier's `put` calls (seconds).
-    pub write_seconds: f64,
-    /// Write-behind entries dropped because the in-flight quota was full.
-    pub dropped_writes: u64,
-    /// Write-behind entries lost because the tier's put failed (server down, disk full).
-    pub failed_writes: u64,
-    /// Write-behind entries skipped because the same key was already in flight.
-    pub deduplicated_writes: u64,
-    /// Tier errors turned into misses or skipped writes.
-    pub errors: u64,
-    /// The backend's own counters.
-    pub backend: BackendStats,
-}
-
-/// Manager-wide counters.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ManagerStats {
-    /// Tiers in lookup order (L1 first).
-    pub tiers: Vec<TierStats>,
-    /// Keys asked for in `get` that were not served by any tier (or cut by an earlier miss).
-    pub miss_chunks: u64,
-    /// Chunks copied from a lower tier into L1.
-    pub promotions: u64,
-}
 
 /// Knobs of the storage manager.
 #[derive(Debug, Clone, Copy)]
@@ -155,8 +100,7 @@ pub struct StorageManager {
     config: StorageManagerConfig,
     runtime: Handle,
     pending: Arc<Pending>,
-    miss_chunks: AtomicU64,
-    promotions: AtomicU64,
+    counters: ManagerCounters,
     closed: AtomicBool,
 }
 
@@ -216,10 +160,10 @@ impl StorageManagerBuilder {
             .config
             .write_behind_quota_bytes
             .min(Semaphore::MAX_PERMITS);
-        let mk = |backend| {
+        let mk = |backend: Arc<dyn StorageBackend>| {
             Arc::new(Tier {
+                counters: TierCounters::new(backend.name()),
                 backend,
-                counters: TierCounters::default(),
                 in_flight: Mutex::new(HashSet::new()),
                 quota: Arc::new(Semaphore::new(quota)),
             })
@@ -240,15 +184,10 @@ impl StorageManagerBuilder {
             config: self.config,
             runtime,
             pending: Arc::new(Pending::default()),
-            miss_chunks: AtomicU64::new(0),
-            promotions: AtomicU64::new(0),
+            counters: ManagerCounters::default(),
             closed: AtomicBool::new(false),
         })
     }
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
 }
 
 impl StorageManager {
@@ -306,7 +245,10 @@ impl StorageManager {
                 .filter(|&i| location[i].is_none())
                 .collect();
             let batch: Vec<CacheKey> = unknown.iter().map(|&i| keys[i].clone()).collect();
-            match tier.backend.contains(&batch).await {
+            let t0 = Instant::now();
+            let result = tier.backend.contains(&batch).await;
+            tier.counters.call(TierOp::Contains, t0.elapsed());
+            match result {
                 Ok(present) => {
                     for (&i, p) in unknown.iter().zip(present) {
                         if p {
@@ -315,7 +257,7 @@ impl StorageManager {
                     }
                 }
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
+                    tier.counters.error();
                     warn!(tier = tier.backend.name(), error = %e, "lookup failed; treating tier as empty");
                 }
             }
@@ -327,8 +269,6 @@ impl StorageManager {
             .iter()
             .map(|l| l.expect("in prefix"))
             .collect();
-        metrics::counter!("kvpool_lookup_keys_total").increment(keys.len() as u64);
-        metrics::counter!("kvpool_lookup_hit_keys_total").increment(prefix as u64);
         PrefixLookup { tiers }
     }
 
@@ -342,7 +282,7 @@ impl StorageManager {
         match tier.backend.contains(keys).await {
             Ok(present) => present.iter().take_while(|p| **p).count(),
             Err(e) => {
-                add(&tier.counters.errors, 1);
+                tier.counters.error();
                 warn!(tier = tier.backend.name(), error = %e, "lookup failed; treating tier as empty");
                 0
             }
@@ -374,7 +314,7 @@ impl StorageManager {
             let batch: Vec<CacheKey> = idx.iter().map(|&i| keys[i].clone()).collect();
             let t0 = Instant::now();
             let result = tier.backend.get(&batch).await;
-            add(&tier.counters.read_nanos, t0.elapsed().as_nanos() as u64);
+            tier.counters.call(TierOp::Get, t0.elapsed());
             match result {
                 Ok(values) => {
                     for (&i, v) in idx.iter().zip(values) {
@@ -382,7 +322,7 @@ impl StorageManager {
                     }
                 }
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
+                    tier.counters.error();
                     warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
                 }
             }
@@ -398,11 +338,8 @@ impl StorageManager {
             .enumerate()
         {
             let tier = &self.tiers[*t];
-            add(&tier.counters.hit_chunks, 1);
-            add(&tier.counters.hit_tokens, u64::from(c.meta.token_count));
-            add(&tier.counters.bytes_read, c.data.len() as u64);
-            metrics::counter!("kvpool_hit_chunks_total", "tier" => tier.backend.name().to_string())
-                .increment(1);
+            tier.counters
+                .hit(u64::from(c.meta.token_count), c.data.len() as u64);
             if Some(*t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
                 promote.push((keys[i].clone(), c.clone()));
             }
@@ -411,16 +348,15 @@ impl StorageManager {
             let n = promote.len() as u64;
             let tier = &self.tiers[p];
             match tier.backend.put(promote).await {
-                Ok(out) => add(&self.promotions, out.stored as u64),
+                Ok(out) => self.counters.promoted(out.stored as u64),
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
+                    tier.counters.error();
                     warn!(error = %e, chunks = n, "promotion into L1 failed");
                 }
             }
         }
-        add(&self.miss_chunks, (keys.len() - loaded) as u64);
-        metrics::counter!("kvpool_miss_chunks_total").increment((keys.len() - loaded) as u64);
-        metrics::histogram!("kvpool_get_seconds").record(started.elapsed().as_secs_f64());
+        self.counters.missed((keys.len() - loaded) as u64);
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
         chunks
             .into_iter()
             .take(loaded)
@@ -447,14 +383,14 @@ impl StorageManager {
             let bytes: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
             let t0 = Instant::now();
             let result = tier.backend.put(entries.clone()).await;
-            add(&tier.counters.write_nanos, t0.elapsed().as_nanos() as u64);
+            tier.counters.call(TierOp::Put, t0.elapsed());
             match result {
                 Ok(out) => {
-                    add(&tier.counters.bytes_written, bytes);
+                    tier.counters.written(bytes);
                     outcome = out;
                 }
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
+                    tier.counters.error();
                     warn!(tier = tier.backend.name(), error = %e, "L1 put failed");
                     outcome = PutOutcome {
                         stored: 0,
@@ -468,7 +404,7 @@ impl StorageManager {
                 self.schedule_write_behind(tier, &entries);
             }
         }
-        metrics::histogram!("kvpool_put_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!(crate::telemetry::PUT_SECONDS).record(started.elapsed().as_secs_f64());
         Ok(outcome)
     }
 
@@ -479,7 +415,7 @@ impl StorageManager {
             let mut in_flight = tier.in_flight.lock();
             for (key, chunk) in entries {
                 if in_flight.contains(key) {
-                    add(&tier.counters.deduplicated_writes, 1);
+                    tier.counters.deduplicated_write();
                     continue;
                 }
                 let need = u32::try_from(chunk.data.len().max(1)).unwrap_or(u32::MAX);
@@ -491,8 +427,7 @@ impl StorageManager {
                         batch.push((key.clone(), chunk.clone()));
                     }
                     Err(_) => {
-                        add(&tier.counters.dropped_writes, 1);
-                        metrics::counter!("kvpool_write_behind_dropped_total", "tier" => tier.backend.name().to_string()).increment(1);
+                        tier.counters.dropped_write();
                         debug!(tier = tier.backend.name(), key = %key, "write-behind quota full; dropping write");
                     }
                 }
@@ -513,14 +448,12 @@ impl StorageManager {
             let bytes: u64 = batch.iter().map(|(_, c)| c.data.len() as u64).sum();
             let t0 = Instant::now();
             let result = tier.backend.put(batch).await;
-            add(&tier.counters.write_nanos, t0.elapsed().as_nanos() as u64);
+            tier.counters.call(TierOp::Put, t0.elapsed());
             match result {
-                Ok(_) => add(&tier.counters.bytes_written, bytes),
+                Ok(_) => tier.counters.written(bytes),
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
-                    add(&tier.counters.failed_writes, guard.keys.len() as u64);
-                    metrics::counter!("kvpool_write_behind_failed_total", "tier" => tier.backend.name().to_string())
-                        .increment(guard.keys.len() as u64);
+                    tier.counters.error();
+                    tier.counters.failed_writes(guard.keys.len() as u64);
                     warn!(tier = tier.backend.name(), error = %e, "write-behind failed; chunks not stored in this tier");
                 }
             }
@@ -535,7 +468,7 @@ impl StorageManager {
             match tier.backend.remove(keys).await {
                 Ok(k) => n += k,
                 Err(e) => {
-                    add(&tier.counters.errors, 1);
+                    tier.counters.error();
                     warn!(tier = tier.backend.name(), error = %e, "remove failed");
                 }
             }
@@ -570,28 +503,11 @@ impl StorageManager {
 
     /// Counters of every tier.
     pub fn stats(&self) -> ManagerStats {
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        ManagerStats {
-            tiers: self
-                .tiers
+        self.counters.snapshot(
+            self.tiers
                 .iter()
-                .map(|t| TierStats {
-                    name: t.backend.name().to_string(),
-                    hit_chunks: l(&t.counters.hit_chunks),
-                    hit_tokens: l(&t.counters.hit_tokens),
-                    bytes_read: l(&t.counters.bytes_read),
-                    bytes_written: l(&t.counters.bytes_written),
-                    read_seconds: l(&t.counters.read_nanos) as f64 * 1e-9,
-                    write_seconds: l(&t.counters.write_nanos) as f64 * 1e-9,
-                    dropped_writes: l(&t.counters.dropped_writes),
-                    failed_writes: l(&t.counters.failed_writes),
-                    deduplicated_writes: l(&t.counters.deduplicated_writes),
-                    errors: l(&t.counters.errors),
-                    backend: t.backend.stats(),
-                })
+                .map(|t| t.counters.snapshot(t.backend.as_ref()))
                 .collect(),
-            miss_chunks: l(&self.miss_chunks),
-            promotions: l(&self.promotions),
-        }
+        )
     }
 }

@@ -16,9 +16,11 @@ impl Pending {
     /// A batch was spawned.
     pub(crate) fn start(&self) {
         self.count.fetch_add(1, Ordering::SeqCst);
+        metrics::gauge!(crate::telemetry::WRITE_BEHIND_PENDING).increment(1.0);
     }
     /// A batch ended (written, failed or unwound by a panic).
     pub(crate) fn finish(&self) {
+        metrics::gauge!(crate::telemetry::WRITE_BEHIND_PENDING).decrement(1.0);
         if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.idle.notify_waiters();
         }

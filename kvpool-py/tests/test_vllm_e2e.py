@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from conftest import shared_prefix_prompts
+from conftest import free_port, shared_prefix_prompts
 
 TOL = 1e-4
 PREFIX = 1024
@@ -28,18 +28,34 @@ def l1(size="256MiB", **extra):
     return {"config": {"local_cpu": {"max_size": size}, **extra}}
 
 
+def metric(page, name):
+    """The value of an unlabelled series in a Prometheus text page."""
+    for line in page.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in the scraped metrics")
+
+
 def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
-    """Done-when 1: a batch sharing a 1K prefix; later requests load the prefix from kvpool."""
+    """Done-when 1: a batch sharing a 1K prefix; later requests load the prefix from kvpool.
+    The worker serves Prometheus metrics that count the same loads."""
     prompts = shared_prefix_prompts(6)
     kw = {"batches": [[0], [1, 2, 3, 4, 5]], "prefix_caching": False}
     base = runner.baseline(model_dir, prompts, **kw)
-    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
+    port = free_port()
+    got = runner.run({"model": model_dir, "prompts": prompts, "scrape_metrics": port,
+                      "kvpool": l1(metrics={"listen": f"127.0.0.1:{port}"}), **kw})
     assert_same_outputs(base, got)
     assert got["results"][0]["num_cached_tokens"] == 0
     for r in got["results"][1:]:
         assert r["num_cached_tokens"] >= PREFIX, r
     assert got["stats"]["loaded_tokens"] >= 5 * PREFIX
     assert got["stats"]["failed_load_blocks"] == 0
+    page = got["metrics"]
+    assert metric(page, "kvpool_connector_loaded_tokens_total") == got["stats"]["loaded_tokens"]
+    assert metric(page, "kvpool_hit_tokens_total") >= 5 * PREFIX
+    assert metric(page, "kvpool_lookup_tokens_total") >= metric(page, "kvpool_hit_tokens_total")
+    assert 'kvpool_tier_op_seconds_bucket{tier="cpu",op="get"' in page
 
 
 def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):

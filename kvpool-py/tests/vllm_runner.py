@@ -6,7 +6,8 @@ SPEC keys: model, prompts (lists of token ids), max_tokens, kvpool (null, or the
 kv_connector_extra_config dict), multiprocess, num_gpu_blocks (forces a small KV cache),
 max_num_seqs, prefix_caching, batches (lists of prompt indexes, one generate() each),
 kill_after_batch ({batch index: pid to SIGKILL after it}), check_blocks (compare what
-kvpool stored with vLLM's own KV blocks; single process only).
+kvpool stored with vLLM's own KV blocks; single process only), scrape_metrics (a port: fetch
+kvpool's Prometheus endpoint after the last batch).
 """
 
 import json
@@ -105,6 +106,12 @@ def main(spec_path, out_path):
             os.kill(kill_after[b], signal.SIGKILL)
     out = {"results": results, "startup_s": startup, "batch_s": batch_s,
            "preempted_requests": len(preempted)}
+    if spec.get("scrape_metrics"):
+        import urllib.request
+
+        url = f"http://127.0.0.1:{spec['scrape_metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as page:
+            out["metrics"] = page.read().decode()
     if use_kvpool and not spec.get("multiprocess"):
         from kvpool import vllm as kv
 

@@ -65,9 +65,16 @@ pub(crate) fn run_with_env(
     }
 }
 
-/// Debian packages the full build needs: RocksDB to link the `disk` feature against, libclang
-/// for its bindings, and OpenSSL for the `redis` feature's TLS.
-const SYSTEM_PACKAGES: &[&str] = &["librocksdb-dev", "libclang-dev", "libssl-dev", "pkg-config"];
+/// Debian packages the full build and its tests need: RocksDB to link the `disk` feature
+/// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, and Prometheus,
+/// which a test runs to scrape kvpool's metrics endpoint.
+const SYSTEM_PACKAGES: &[&str] = &[
+    "librocksdb-dev",
+    "libclang-dev",
+    "libssl-dev",
+    "pkg-config",
+    "prometheus",
+];
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")
@@ -130,8 +137,10 @@ fn ci() -> Result<(), String> {
     )?;
     // Doc tests first, so the run closes on a real test runner's summary.
     run(&cargo, &["test", "--workspace", "--all-features", "--doc"])?;
+    // The Prometheus test must run here, not skip: the package was installed above.
+    let require = [("KVPOOL_REQUIRE_PROMETHEUS", "1")];
     if has_nextest() {
-        run(
+        run_with_env(
             &cargo,
             &[
                 "nextest",
@@ -140,10 +149,11 @@ fn ci() -> Result<(), String> {
                 "--all-features",
                 "--no-fail-fast",
             ],
+            &require,
         )?;
     } else {
         eprintln!("cargo-nextest not found; using cargo test");
-        run(
+        run_with_env(
             &cargo,
             &[
                 "test",
@@ -153,6 +163,7 @@ fn ci() -> Result<(), String> {
                 "--bins",
                 "--tests",
             ],
+            &require,
         )?;
     }
     // Then every backend against real servers, and last kvpool inside real vLLM.

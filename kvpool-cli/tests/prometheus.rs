@@ -1,0 +1,174 @@
+//! A real Prometheus server (Debian's `prometheus`) scrapes `kvpool bench --metrics-listen`
+//! while the benchmark runs and is then asked, through its HTTP API, for kvpool's hit tokens
+//! and a per-tier latency histogram.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Kills and reaps a child process when dropped (the test never leaves a server behind).
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET path` on 127.0.0.1:`port`; the body, or `None` if the server does not answer 200.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    s.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200")
+        .then(|| body.to_string())
+        .or_else(|| head.starts_with("HTTP/1.0 200").then(|| body.to_string()))
+}
+
+/// The result vector of an instant query.
+fn query(port: u16, promql: &str) -> Vec<serde_json::Value> {
+    let encoded: String = promql
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let Some(body) = http_get(port, &format!("/api/v1/query?query={encoded}")) else {
+        return Vec::new();
+    };
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    v["data"]["result"].as_array().cloned().unwrap_or_default()
+}
+
+fn prometheus_binary() -> Option<&'static str> {
+    Command::new("prometheus")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+        .then_some("prometheus")
+}
+
+#[test]
+fn prometheus_scrapes_hit_tokens_and_tier_latency_histograms_during_a_bench() {
+    let Some(prometheus) = prometheus_binary() else {
+        let required = ["CI", "KVPOOL_MATRIX", "KVPOOL_REQUIRE_PROMETHEUS"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some());
+        assert!(
+            !required,
+            "the `prometheus` binary is missing (`cargo xtask ci` installs Debian's package)"
+        );
+        println!("SKIP: no `prometheus` binary; `apt-get install prometheus` to run this test");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (kvpool_port, prom_port) = (free_port(), free_port());
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvpool\n    \
+             static_configs:\n      - targets: ['127.0.0.1:{kvpool_port}']\n"
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+    let _server = Reaped(
+        Command::new(prometheus)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("prometheus starts"),
+    );
+    let started = Instant::now();
+    while http_get(prom_port, "/-/ready").is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "prometheus not ready: {}",
+            std::fs::read_to_string(dir.path().join("prometheus.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let bench_log = std::fs::File::create(dir.path().join("bench.log")).unwrap();
+    let mut bench = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args([
+                "bench",
+                "--cpu-size",
+                "256MiB",
+                "--sessions",
+                "8",
+                "--turns",
+                "3",
+            ])
+            .args(["--system-prompts", "2", "--system-prompt-tokens", "1024"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{kvpool_port}")])
+            .args(["--metrics-linger", "60"])
+            .stdout(Stdio::null())
+            .stderr(bench_log)
+            .spawn()
+            .expect("kvpool bench runs"),
+    );
+
+    // Ask while the bench runs and lingers; a range selector, because a scrape that finds
+    // the endpoint gone marks the series stale for instant queries.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (hits, buckets) = loop {
+        let hits = query(prom_port, "max_over_time(kvpool_hit_tokens_total[5m])");
+        let buckets = query(
+            prom_port,
+            r#"max_over_time(kvpool_tier_op_seconds_bucket{tier="cpu",op="get"}[5m])"#,
+        );
+        let done = !hits.is_empty() && !buckets.is_empty();
+        if done || Instant::now() > deadline {
+            break (hits, buckets);
+        }
+        if let Ok(Some(status)) = bench.0.try_wait() {
+            assert!(
+                status.success(),
+                "kvpool bench failed: {}",
+                std::fs::read_to_string(dir.path().join("bench.log")).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let hit_tokens: f64 = hits
+        .first()
+        .and_then(|r| r["value"][1].as_str())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(hit_tokens > 0.0, "kvpool_hit_tokens_total: {hits:?}");
+    assert!(
+        buckets.len() > 5,
+        "a per-tier latency histogram (buckets by le): {buckets:?}"
+    );
+    let quantile = query(
+        prom_port,
+        r#"histogram_quantile(0.5, sum by (le) (max_over_time(kvpool_tier_op_seconds_bucket{tier="cpu",op="get"}[5m])))"#,
+    );
+    assert!(
+        !quantile.is_empty(),
+        "Prometheus computes a median tier latency"
+    );
+}

@@ -1,0 +1,294 @@
+//! Every Prometheus metric kvpool records: its name, kind, labels and help text in one catalogue
+//! ([`METRICS`], which docs/metrics.md lists and a test keeps in step), and [`describe`], which
+//! hands the help texts to whichever `metrics` recorder is installed.
+//!
+//! Metrics are recorded through the `metrics` facade: with no recorder installed (the default)
+//! every call is a no-op. kvpool-backends' `build_pool` installs the Prometheus exporter when
+//! the config asks for one (`[metrics] listen = "127.0.0.1:9464"`).
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only goes up (`_total`).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution (`_seconds`), exported as a Prometheus histogram.
+    Histogram,
+}
+
+/// One metric kvpool records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricInfo {
+    /// The Prometheus name.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// Label names, if any.
+    pub labels: &'static [&'static str],
+    /// What it counts.
+    pub help: &'static str,
+}
+
+const fn counter(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricInfo {
+    MetricInfo {
+        name,
+        kind: MetricKind::Counter,
+        labels,
+        help,
+    }
+}
+
+const fn gauge(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricInfo {
+    MetricInfo {
+        name,
+        kind: MetricKind::Gauge,
+        labels,
+        help,
+    }
+}
+
+const fn histogram(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricInfo {
+    MetricInfo {
+        name,
+        kind: MetricKind::Histogram,
+        labels,
+        help,
+    }
+}
+
+/// Tokens the engine was asked to look up (the hit-rate denominator).
+pub const LOOKUP_TOKENS: &str = "kvpool_lookup_tokens_total";
+/// Tokens a lookup found (a whole-chunk prefix).
+pub const HIT_TOKENS: &str = "kvpool_hit_tokens_total";
+/// Lookups.
+pub const LOOKUPS: &str = "kvpool_lookups_total";
+/// Tokens a retrieve was asked to write.
+pub const RETRIEVE_TOKENS: &str = "kvpool_retrieve_tokens_total";
+/// Tokens a retrieve wrote.
+pub const RETRIEVE_HIT_TOKENS: &str = "kvpool_retrieve_hit_tokens_total";
+/// Tokens stored.
+pub const STORED_TOKENS: &str = "kvpool_stored_tokens_total";
+/// Chunks a tier served.
+pub const TIER_HIT_CHUNKS: &str = "kvpool_tier_hit_chunks_total";
+/// Tokens in the chunks a tier served.
+pub const TIER_HIT_TOKENS: &str = "kvpool_tier_hit_tokens_total";
+/// Chunks no tier served (or cut by an earlier miss).
+pub const MISS_CHUNKS: &str = "kvpool_miss_chunks_total";
+/// Bytes read from a tier.
+pub const TIER_READ_BYTES: &str = "kvpool_tier_read_bytes_total";
+/// Bytes written to a tier.
+pub const TIER_WRITTEN_BYTES: &str = "kvpool_tier_written_bytes_total";
+/// Tier errors turned into misses or skipped writes.
+pub const TIER_ERRORS: &str = "kvpool_tier_errors_total";
+/// Latency of one tier call.
+pub const TIER_OP_SECONDS: &str = "kvpool_tier_op_seconds";
+/// Chunks copied into L1 from a lower tier.
+pub const PROMOTIONS: &str = "kvpool_promotions_total";
+/// Write-behind entries dropped because the tier's in-flight quota was full.
+pub const WRITE_BEHIND_DROPPED: &str = "kvpool_write_behind_dropped_total";
+/// Write-behind entries lost because the tier's put failed.
+pub const WRITE_BEHIND_FAILED: &str = "kvpool_write_behind_failed_total";
+/// Write-behind entries skipped because the key was already in flight.
+pub const WRITE_BEHIND_DEDUPLICATED: &str = "kvpool_write_behind_deduplicated_total";
+/// Write-behind batches in flight.
+pub const WRITE_BEHIND_PENDING: &str = "kvpool_write_behind_pending_batches";
+/// Latency of a whole `get` across tiers.
+pub const GET_SECONDS: &str = "kvpool_get_seconds";
+/// Latency of a whole `put` (L1 plus scheduling write-behind).
+pub const PUT_SECONDS: &str = "kvpool_put_seconds";
+/// Stored values rejected by a check (checksum, layout, key binding, size).
+pub const CORRUPT_VALUES: &str = "kvpool_corrupt_values_total";
+/// Tier calls that hit their deadline.
+pub const TIMEOUTS: &str = "kvpool_timeouts_total";
+/// Entries evicted from a tier.
+pub const EVICTIONS: &str = "kvpool_evictions_total";
+/// Bytes of L1 memory holding chunks.
+pub const L1_USED_BYTES: &str = "kvpool_l1_used_bytes";
+/// Bytes of L1 memory in all.
+pub const L1_CAPACITY_BYTES: &str = "kvpool_l1_capacity_bytes";
+/// Engine blocks reported to the engine as failed loads.
+pub const LOAD_ERROR_BLOCKS: &str = "kvpool_load_error_blocks_total";
+/// Tokens the connector loaded into the engine's cache.
+pub const CONNECTOR_LOADED_TOKENS: &str = "kvpool_connector_loaded_tokens_total";
+/// Tokens the connector stored from the engine's cache.
+pub const CONNECTOR_STORED_TOKENS: &str = "kvpool_connector_stored_tokens_total";
+/// Disk writes refused (disk full or over capacity).
+pub const DISK_WRITES_REFUSED: &str = "kvpool_disk_writes_refused_total";
+/// Mooncake calls failed fast after a cluster failure.
+pub const MOONCAKE_FAST_FAILURES: &str = "kvpool_mooncake_fast_failures_total";
+
+/// Every metric kvpool records.
+pub const METRICS: &[MetricInfo] = &[
+    counter(LOOKUPS, &[], "Prefix lookups by the cache engine."),
+    counter(
+        LOOKUP_TOKENS,
+        &[],
+        "Tokens asked about in lookups: the hit-rate denominator.",
+    ),
+    counter(
+        HIT_TOKENS,
+        &[],
+        "Tokens lookups found in the pool (whole chunks, a prefix).",
+    ),
+    counter(
+        RETRIEVE_TOKENS,
+        &[],
+        "Tokens retrieves were asked to write.",
+    ),
+    counter(RETRIEVE_HIT_TOKENS, &[], "Tokens retrieves wrote."),
+    counter(STORED_TOKENS, &[], "Tokens stored into the pool."),
+    counter(TIER_HIT_CHUNKS, &["tier"], "Chunks a tier served to a get."),
+    counter(
+        TIER_HIT_TOKENS,
+        &["tier"],
+        "Tokens in the chunks a tier served.",
+    ),
+    counter(
+        MISS_CHUNKS,
+        &[],
+        "Chunks a get wanted that no tier served (or that an earlier miss cut off).",
+    ),
+    counter(TIER_READ_BYTES, &["tier"], "Bytes read from a tier."),
+    counter(TIER_WRITTEN_BYTES, &["tier"], "Bytes written to a tier."),
+    counter(
+        TIER_ERRORS,
+        &["tier"],
+        "Tier errors, each turned into misses or a skipped write.",
+    ),
+    histogram(
+        TIER_OP_SECONDS,
+        &["tier", "op"],
+        "Latency of one tier call (op: get, put, contains).",
+    ),
+    counter(PROMOTIONS, &[], "Chunks copied into L1 from a lower tier."),
+    counter(
+        WRITE_BEHIND_DROPPED,
+        &["tier"],
+        "Write-behind entries dropped because the tier's in-flight quota was full.",
+    ),
+    counter(
+        WRITE_BEHIND_FAILED,
+        &["tier"],
+        "Write-behind entries lost because the tier's put failed.",
+    ),
+    counter(
+        WRITE_BEHIND_DEDUPLICATED,
+        &["tier"],
+        "Write-behind entries skipped because the same key was already in flight.",
+    ),
+    gauge(
+        WRITE_BEHIND_PENDING,
+        &[],
+        "Write-behind batches in flight (the queue depth).",
+    ),
+    histogram(GET_SECONDS, &[], "Latency of a whole get across the tiers."),
+    histogram(
+        PUT_SECONDS,
+        &[],
+        "Latency of a whole put (L1, and scheduling write-behind).",
+    ),
+    counter(
+        CORRUPT_VALUES,
+        &["tier"],
+        "Stored values rejected by a check (checksum, layout, key binding, size): misses, and deleted.",
+    ),
+    counter(TIMEOUTS, &["tier"], "Tier calls that hit their deadline."),
+    counter(EVICTIONS, &["tier"], "Entries evicted from a tier."),
+    gauge(L1_USED_BYTES, &[], "Bytes of L1 memory holding chunks."),
+    gauge(L1_CAPACITY_BYTES, &[], "Bytes of L1 memory in all."),
+    counter(
+        LOAD_ERROR_BLOCKS,
+        &[],
+        "Engine blocks the connector reported as failed loads (recomputed by the engine).",
+    ),
+    counter(
+        CONNECTOR_LOADED_TOKENS,
+        &[],
+        "Tokens the connector loaded into the engine's KV cache.",
+    ),
+    counter(
+        CONNECTOR_STORED_TOKENS,
+        &[],
+        "Tokens the connector stored from the engine's KV cache.",
+    ),
+    counter(
+        DISK_WRITES_REFUSED,
+        &[],
+        "Disk-tier writes refused because the disk or the tier's capacity is full.",
+    ),
+    counter(
+        MOONCAKE_FAST_FAILURES,
+        &[],
+        "Mooncake calls failed fast after a cluster failure.",
+    ),
+];
+
+/// Hands every metric's help text to the installed recorder (call once, after installing it).
+pub fn describe() {
+    for m in METRICS {
+        match m.kind {
+            MetricKind::Counter => metrics::describe_counter!(m.name, m.help),
+            MetricKind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            MetricKind::Histogram => {
+                metrics::describe_histogram!(m.name, metrics::Unit::Seconds, m.help)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for m in METRICS {
+            assert!(seen.insert(m.name), "{} listed twice", m.name);
+            assert!(m.name.starts_with("kvpool_"), "{}", m.name);
+            match m.kind {
+                MetricKind::Counter => assert!(m.name.ends_with("_total"), "{}", m.name),
+                MetricKind::Histogram => assert!(m.name.ends_with("_seconds"), "{}", m.name),
+                MetricKind::Gauge => assert!(!m.name.ends_with("_total"), "{}", m.name),
+            }
+        }
+    }
+
+    /// docs/metrics.md lists every metric, and nothing that is not one.
+    #[test]
+    fn docs_list_every_metric() {
+        let doc = include_str!("../../docs/metrics.md");
+        for m in METRICS {
+            assert!(
+                doc.contains(&format!("`{}`", m.name)),
+                "docs/metrics.md does not list {}",
+                m.name
+            );
+        }
+        for word in doc.split('`').skip(1).step_by(2) {
+            if word.starts_with("kvpool_") && !word.contains('{') && !word.contains(' ') {
+                let base = word
+                    .trim_end_matches("_bucket")
+                    .trim_end_matches("_count")
+                    .trim_end_matches("_sum");
+                assert!(
+                    METRICS.iter().any(|m| m.name == word || m.name == base),
+                    "docs/metrics.md lists {word}, which kvpool does not record"
+                );
+            }
+        }
+    }
+}

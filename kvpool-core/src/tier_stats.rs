@@ -1,0 +1,256 @@
+//! What the storage manager counts per tier and in all: atomic counters for `stats()`
+//! snapshots, mirrored into the Prometheus metrics of [`crate::telemetry`] through handles
+//! registered once per tier.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use metrics::{Counter, Histogram};
+
+use crate::backend::{BackendStats, StorageBackend};
+use crate::telemetry as t;
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn load(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+/// A tier call, for its latency histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TierOp {
+    Get,
+    Put,
+    Contains,
+}
+
+/// The Prometheus series of one tier, registered when the manager is built (with no
+/// recorder installed they are no-ops).
+#[derive(Debug)]
+struct TierMetrics {
+    hit_chunks: Counter,
+    hit_tokens: Counter,
+    read_bytes: Counter,
+    written_bytes: Counter,
+    errors: Counter,
+    dropped: Counter,
+    failed: Counter,
+    deduplicated: Counter,
+    get_seconds: Histogram,
+    put_seconds: Histogram,
+    contains_seconds: Histogram,
+}
+
+impl TierMetrics {
+    fn new(tier: &str) -> Self {
+        let tier = tier.to_string();
+        let op = |op: &'static str| metrics::histogram!(t::TIER_OP_SECONDS, "tier" => tier.clone(), "op" => op);
+        TierMetrics {
+            hit_chunks: metrics::counter!(t::TIER_HIT_CHUNKS, "tier" => tier.clone()),
+            hit_tokens: metrics::counter!(t::TIER_HIT_TOKENS, "tier" => tier.clone()),
+            read_bytes: metrics::counter!(t::TIER_READ_BYTES, "tier" => tier.clone()),
+            written_bytes: metrics::counter!(t::TIER_WRITTEN_BYTES, "tier" => tier.clone()),
+            errors: metrics::counter!(t::TIER_ERRORS, "tier" => tier.clone()),
+            dropped: metrics::counter!(t::WRITE_BEHIND_DROPPED, "tier" => tier.clone()),
+            failed: metrics::counter!(t::WRITE_BEHIND_FAILED, "tier" => tier.clone()),
+            deduplicated: metrics::counter!(t::WRITE_BEHIND_DEDUPLICATED, "tier" => tier.clone()),
+            get_seconds: op("get"),
+            put_seconds: op("put"),
+            contains_seconds: op("contains"),
+        }
+    }
+}
+
+/// Per-tier counters kept by the manager.
+#[derive(Debug)]
+pub(crate) struct TierCounters {
+    hit_chunks: AtomicU64,
+    hit_tokens: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    read_nanos: AtomicU64,
+    write_nanos: AtomicU64,
+    dropped_writes: AtomicU64,
+    failed_writes: AtomicU64,
+    deduplicated_writes: AtomicU64,
+    errors: AtomicU64,
+    metrics: TierMetrics,
+}
+
+impl TierCounters {
+    /// Counters for the tier named `tier`.
+    pub(crate) fn new(tier: &str) -> Self {
+        TierCounters {
+            hit_chunks: AtomicU64::new(0),
+            hit_tokens: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+            read_nanos: AtomicU64::new(0),
+            write_nanos: AtomicU64::new(0),
+            dropped_writes: AtomicU64::new(0),
+            failed_writes: AtomicU64::new(0),
+            deduplicated_writes: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            metrics: TierMetrics::new(tier),
+        }
+    }
+
+    /// A call to the tier took `elapsed`.
+    pub(crate) fn call(&self, op: TierOp, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        match op {
+            TierOp::Get => {
+                add(&self.read_nanos, elapsed.as_nanos() as u64);
+                self.metrics.get_seconds.record(secs);
+            }
+            TierOp::Put => {
+                add(&self.write_nanos, elapsed.as_nanos() as u64);
+                self.metrics.put_seconds.record(secs);
+            }
+            TierOp::Contains => self.metrics.contains_seconds.record(secs),
+        }
+    }
+
+    /// The tier served a chunk of `tokens` tokens and `bytes` bytes.
+    pub(crate) fn hit(&self, tokens: u64, bytes: u64) {
+        add(&self.hit_chunks, 1);
+        add(&self.hit_tokens, tokens);
+        add(&self.bytes_read, bytes);
+        self.metrics.hit_chunks.increment(1);
+        self.metrics.hit_tokens.increment(tokens);
+        self.metrics.read_bytes.increment(bytes);
+    }
+
+    /// `bytes` were written to the tier.
+    pub(crate) fn written(&self, bytes: u64) {
+        add(&self.bytes_written, bytes);
+        self.metrics.written_bytes.increment(bytes);
+    }
+
+    /// A tier call failed (turned into misses or a skipped write).
+    pub(crate) fn error(&self) {
+        add(&self.errors, 1);
+        self.metrics.errors.increment(1);
+    }
+
+    /// A write-behind entry was dropped: the in-flight quota was full.
+    pub(crate) fn dropped_write(&self) {
+        add(&self.dropped_writes, 1);
+        self.metrics.dropped.increment(1);
+    }
+
+    /// `n` write-behind entries were lost to a failed put.
+    pub(crate) fn failed_writes(&self, n: u64) {
+        add(&self.failed_writes, n);
+        self.metrics.failed.increment(n);
+    }
+
+    /// A write-behind entry was skipped: the same key was already in flight.
+    pub(crate) fn deduplicated_write(&self) {
+        add(&self.deduplicated_writes, 1);
+        self.metrics.deduplicated.increment(1);
+    }
+
+    /// A snapshot, with the backend's own counters.
+    pub(crate) fn snapshot(&self, backend: &dyn StorageBackend) -> TierStats {
+        TierStats {
+            name: backend.name().to_string(),
+            hit_chunks: load(&self.hit_chunks),
+            hit_tokens: load(&self.hit_tokens),
+            bytes_read: load(&self.bytes_read),
+            bytes_written: load(&self.bytes_written),
+            read_seconds: load(&self.read_nanos) as f64 * 1e-9,
+            write_seconds: load(&self.write_nanos) as f64 * 1e-9,
+            dropped_writes: load(&self.dropped_writes),
+            failed_writes: load(&self.failed_writes),
+            deduplicated_writes: load(&self.deduplicated_writes),
+            errors: load(&self.errors),
+            backend: backend.stats(),
+        }
+    }
+}
+
+/// Manager-wide counters (misses, promotions) with their Prometheus series.
+#[derive(Debug)]
+pub(crate) struct ManagerCounters {
+    miss_chunks: AtomicU64,
+    promotions: AtomicU64,
+    miss_metric: Counter,
+    promotion_metric: Counter,
+}
+
+impl Default for ManagerCounters {
+    fn default() -> Self {
+        ManagerCounters {
+            miss_chunks: AtomicU64::new(0),
+            promotions: AtomicU64::new(0),
+            miss_metric: metrics::counter!(t::MISS_CHUNKS),
+            promotion_metric: metrics::counter!(t::PROMOTIONS),
+        }
+    }
+}
+
+impl ManagerCounters {
+    /// `n` chunks a get wanted were not served.
+    pub(crate) fn missed(&self, n: u64) {
+        add(&self.miss_chunks, n);
+        self.miss_metric.increment(n);
+    }
+
+    /// `n` chunks were promoted into L1.
+    pub(crate) fn promoted(&self, n: u64) {
+        add(&self.promotions, n);
+        self.promotion_metric.increment(n);
+    }
+
+    /// A snapshot with the tiers'.
+    pub(crate) fn snapshot(&self, tiers: Vec<TierStats>) -> ManagerStats {
+        ManagerStats {
+            tiers,
+            miss_chunks: load(&self.miss_chunks),
+            promotions: load(&self.promotions),
+        }
+    }
+}
+
+/// A snapshot of one tier as seen by the manager, plus the backend's own stats.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TierStats {
+    /// Backend name.
+    pub name: String,
+    /// Chunks served by this tier in `get`.
+    pub hit_chunks: u64,
+    /// Tokens in those chunks.
+    pub hit_tokens: u64,
+    /// Bytes read from the tier.
+    pub bytes_read: u64,
+    /// Bytes written to the tier.
+    pub bytes_written: u64,
+    /// Time spent in the tier's `get` calls (seconds).
+    pub read_seconds: f64,
+    /// Time spent in the tier's `put` calls (seconds).
+    pub write_seconds: f64,
+    /// Write-behind entries dropped because the in-flight quota was full.
+    pub dropped_writes: u64,
+    /// Write-behind entries lost because the tier's put failed (server down, disk full).
+    pub failed_writes: u64,
+    /// Write-behind entries skipped because the same key was already in flight.
+    pub deduplicated_writes: u64,
+    /// Tier errors turned into misses or skipped writes.
+    pub errors: u64,
+    /// The backend's own counters.
+    pub backend: BackendStats,
+}
+
+/// Manager-wide counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ManagerStats {
+    /// Tiers in lookup order (L1 first).
+    pub tiers: Vec<TierStats>,
+    /// Keys asked for in `get` that were not served by any tier (or cut by an earlier miss).
+    pub miss_chunks: u64,
+    /// Chunks copied from a lower tier into L1.
+    pub promotions: u64,
+}
