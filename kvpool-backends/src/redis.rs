@@ -11,6 +11,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisError};
+use tracing::warn;
 
 use kvpool_core::{BackendError, RemoteConnector};
 
@@ -25,6 +26,10 @@ pub struct RedisConfig {
     pub ttl: Option<Duration>,
     /// Bound on connecting and on every command.
     pub timeout: Duration,
+    /// Largest value a read accepts: a longer one is never transferred (its length is asked
+    /// first, in the same pipeline) and comes back as an empty value, which the chunk format
+    /// rejects as corrupt. `None`: no bound.
+    pub max_value_bytes: Option<u64>,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -33,6 +38,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("url", &redact(&self.url))
             .field("ttl", &self.ttl)
             .field("timeout", &self.timeout)
+            .field("max_value_bytes", &self.max_value_bytes)
             .finish()
     }
 }
@@ -44,6 +50,7 @@ impl RedisConfig {
             url: url.into(),
             ttl: None,
             timeout: Duration::from_secs(2),
+            max_value_bytes: None,
         }
     }
 }
@@ -64,6 +71,7 @@ pub struct RedisConnector {
     connection: Connection,
     ttl_ms: Option<u64>,
     timeout: Duration,
+    max_value_bytes: Option<u64>,
     closed: Arc<AtomicBool>,
 }
 
@@ -153,6 +161,7 @@ impl RedisConnector {
             connection,
             ttl_ms: config.ttl.map(|d| d.as_millis().max(1) as u64),
             timeout: t,
+            max_value_bytes: config.max_value_bytes,
             closed: Arc::new(AtomicBool::new(false)),
         };
         let pong: String = connector
@@ -266,12 +275,45 @@ impl RemoteConnector for RedisConnector {
     }
 
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let Some(limit) = self.max_value_bytes else {
+            let cmds = keys
+                .iter()
+                .map(|k| redis::cmd("GET").arg(k).clone())
+                .collect();
+            let values: Vec<Option<Vec<u8>>> = self.per_key(cmds).await?;
+            return Ok(values.into_iter().map(|v| v.map(Bytes::from)).collect());
+        };
+        // Per key, in one round trip: its length, and at most `limit` bytes of it.
+        let last = limit.saturating_sub(1).min(i64::MAX as u64) as i64;
         let cmds = keys
             .iter()
-            .map(|k| redis::cmd("GET").arg(k).clone())
+            .flat_map(|k| {
+                [
+                    redis::cmd("STRLEN").arg(k).clone(),
+                    redis::cmd("GETRANGE").arg(k).arg(0).arg(last).clone(),
+                ]
+            })
             .collect();
-        let values: Vec<Option<Vec<u8>>> = self.per_key(cmds).await?;
-        Ok(values.into_iter().map(|v| v.map(Bytes::from)).collect())
+        let mut values = self.per_key::<redis::Value>(cmds).await?.into_iter();
+        let mut replies: Vec<(u64, Vec<u8>)> = Vec::with_capacity(keys.len());
+        while let (Some(len), Some(bytes)) = (values.next(), values.next()) {
+            replies.push((
+                redis::from_redis_value::<u64>(len).unwrap_or(0),
+                redis::from_redis_value::<Vec<u8>>(bytes).unwrap_or_default(),
+            ));
+        }
+        Ok(keys
+            .iter()
+            .zip(replies)
+            .map(|(key, (len, bytes))| match len {
+                0 => None,
+                n if n > limit => {
+                    warn!(key = %key, bytes = n, limit, "redis value larger than any chunk; not read, rejected");
+                    Some(Bytes::new())
+                }
+                _ => Some(Bytes::from(bytes)),
+            })
+            .collect())
     }
 
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {

@@ -14,6 +14,7 @@ use object_store::{
 };
 
 use kvpool_core::{BackendError, RemoteConnector};
+use tracing::warn;
 
 /// Settings of an S3 tier. Credentials and anything not set here come from the standard
 /// environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
@@ -35,6 +36,10 @@ pub struct S3Config {
     pub concurrency: usize,
     /// Values above this size are uploaded in parts of this size.
     pub multipart_part_bytes: usize,
+    /// Largest object a read accepts: a larger one's body is never read (its size is in the
+    /// response head) and it comes back as an empty value, which the chunk format rejects as
+    /// corrupt. `None`: no bound.
+    pub max_value_bytes: Option<u64>,
 }
 
 /// The secret access key prints as `***`.
@@ -54,6 +59,7 @@ impl std::fmt::Debug for S3Config {
             .field("timeout", &self.timeout)
             .field("concurrency", &self.concurrency)
             .field("multipart_part_bytes", &self.multipart_part_bytes)
+            .field("max_value_bytes", &self.max_value_bytes)
             .finish()
     }
 }
@@ -69,6 +75,7 @@ impl S3Config {
             timeout: Duration::from_secs(10),
             concurrency: 8,
             multipart_part_bytes: 8 << 20,
+            max_value_bytes: None,
         }
     }
 }
@@ -81,6 +88,7 @@ pub struct S3Connector {
     prefix: Path,
     concurrency: usize,
     part_bytes: usize,
+    max_value_bytes: Option<u64>,
     closed: Arc<AtomicBool>,
 }
 
@@ -141,6 +149,7 @@ impl S3Connector {
             prefix: Path::from(prefix.trim_matches('/')),
             concurrency: config.concurrency.max(1),
             part_bytes: config.multipart_part_bytes.max(5 << 20),
+            max_value_bytes: config.max_value_bytes,
             closed: Arc::new(AtomicBool::new(false)),
         };
         let probe = tokio::time::timeout(
@@ -188,6 +197,19 @@ impl RemoteConnector for S3Connector {
     async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
         self.check()?;
         match self.store.get(&self.path(key)).await {
+            Ok(r)
+                if self
+                    .max_value_bytes
+                    .is_some_and(|limit| r.meta.size > limit) =>
+            {
+                // The body is never read: dropping the response closes the stream.
+                warn!(
+                    key,
+                    bytes = r.meta.size,
+                    "S3 object larger than any chunk; not read, rejected"
+                );
+                Ok(Some(Bytes::new()))
+            }
             Ok(r) => Ok(Some(r.bytes().await.map_err(unavailable)?)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(unavailable(e)),

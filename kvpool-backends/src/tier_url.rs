@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(any(feature = "redis", feature = "s3"))]
+use kvpool_core::chunk_format::max_stored_len;
 use kvpool_core::{
     ChunkAllocator, ChunkCodec, ConfigError, RemoteBackend, RemoteConnector, StorageBackend,
     TierConfig,
@@ -116,6 +118,7 @@ pub async fn open_tier_with_allocator(
                 let mut config = crate::redis::RedisConfig::new(tier.url.clone());
                 config.ttl = tier.ttl_seconds.map(Duration::from_secs);
                 config.timeout = Duration::from_millis(tier.timeout_ms);
+                config.max_value_bytes = Some(max_stored_len(max_chunk_bytes));
                 let redis = crate::redis::RedisConnector::connect(&config)
                     .await
                     .map_err(|e| invalid(e.to_string()))?;
@@ -134,6 +137,7 @@ pub async fn open_tier_with_allocator(
                     config.credentials = Some((key.clone(), secret.clone()));
                 }
                 config.timeout = Duration::from_millis(tier.timeout_ms);
+                config.max_value_bytes = Some(max_stored_len(max_chunk_bytes));
                 let s3 = crate::s3::S3Connector::connect(&config)
                     .await
                     .map_err(|e| invalid(e.to_string()))?;

@@ -213,3 +213,19 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
         "no recovery after the node came back"
     );
 }
+
+/// A value larger than any chunk is never transferred: its length is asked in the same
+/// pipeline, and only then at most the bound is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_value_is_not_read_and_is_a_miss() {
+    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
+        return;
+    };
+    let raw = RedisConnector::connect(&RedisConfig::new(&url))
+        .await
+        .unwrap();
+    let mut limited = RedisConfig::new(&url);
+    limited.max_value_bytes = Some(1 << 20);
+    let bounded = RedisConnector::connect(&limited).await.unwrap();
+    common::assert_oversized_values_are_not_read(raw, bounded).await;
+}

@@ -132,3 +132,21 @@ async fn pool_config_selects_s3_by_url_and_fails_fast_on_a_missing_bucket() {
         "{err}"
     );
 }
+
+/// An object larger than any chunk is never downloaded (its size is in the response head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_object_is_not_read_and_is_a_miss() {
+    let (Some(url), Some(endpoint)) = (
+        server_url("KVPOOL_TEST_S3_URL"),
+        server_url("KVPOOL_TEST_S3_ENDPOINT"),
+    ) else {
+        return;
+    };
+    let raw = S3Connector::connect(&config(&url, &endpoint))
+        .await
+        .unwrap();
+    let mut limited = config(&url, &endpoint);
+    limited.max_value_bytes = Some(1 << 20);
+    let bounded = S3Connector::connect(&limited).await.unwrap();
+    common::assert_oversized_values_are_not_read(raw, bounded).await;
+}

@@ -103,6 +103,7 @@ mod tests {
             dtype: Dtype::Bf16,
             device: crate::engine_kv::KvDevice::Cuda(0),
         };
+        // SAFETY: registration fails before any access: there is no driver to open.
         let err = unsafe { EngineKvCaches::register(&layout, &[t.clone(), t], None) }.unwrap_err();
         assert!(err.to_string().contains("CUDA"), "{err}");
     }

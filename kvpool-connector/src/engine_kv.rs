@@ -196,6 +196,7 @@ mod tests {
             .iter_mut()
             .map(|b| tensor(b.as_mut_ptr() as usize, &shape, KvDevice::Cpu))
             .collect();
+        // SAFETY: each tensor is a live Vec of exactly its shape's size, outliving `caches`.
         let mut caches = unsafe { EngineKvCaches::register(&l, &tensors, None) }.unwrap();
         assert!(matches!(caches, EngineKvCaches::Host(_)));
         let slots: Vec<i64> = (4..8).collect();
@@ -214,6 +215,7 @@ mod tests {
         let p = buf.as_mut_ptr() as usize;
         let ok = tensor(p, &[3, 2, 2, 4, 4], KvDevice::Cpu);
         let err = |tensors: &[EngineKvTensor]| {
+            // SAFETY: every call below is refused before it touches memory.
             unsafe { EngineKvCaches::register(&l, tensors, None) }
                 .unwrap_err()
                 .to_string()

@@ -196,6 +196,15 @@ impl ChunkCodec {
     }
 }
 
+/// The longest stored value a chunk of at most `max_raw_len` decoded bytes can be: the header
+/// plus the payload, compressed or not (zstd's worst case). Stores use it to refuse reading a
+/// value that cannot be a chunk before transferring it.
+pub fn max_stored_len(max_raw_len: u64) -> u64 {
+    let raw = usize::try_from(max_raw_len).unwrap_or(usize::MAX);
+    let compressed = zstd::zstd_safe::compress_bound(raw) as u64;
+    HEADER_LEN as u64 + max_raw_len.max(compressed)
+}
+
 fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }

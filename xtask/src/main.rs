@@ -3,6 +3,9 @@
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
 //!   `cargo test`), all with every feature, then `matrix` and `vllm`: exactly what CI runs.
+//! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
+//!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
+//! - `cargo xtask sanitize`: kvpool-core's unit tests under AddressSanitizer (nightly).
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
 //! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
@@ -15,7 +18,9 @@
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
 
+mod fuzz;
 mod matrix;
+mod sanitize;
 mod servers;
 mod vllm;
 
@@ -166,7 +171,10 @@ fn ci() -> Result<(), String> {
             &require,
         )?;
     }
-    // Then every backend against real servers, and last kvpool inside real vLLM.
+    // A bounded fuzzing pass and the sanitizer run, then every backend against real
+    // servers, and last kvpool inside real vLLM.
+    fuzz::fuzz(&["--seconds".into(), "30".into()])?;
+    sanitize::sanitize()?;
     nvrtc_check()?;
     matrix::matrix()?;
     vllm::vllm(&[])
@@ -603,12 +611,14 @@ fn main() -> ExitCode {
             bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
         Some("gpu-bundle") => gpu_bundle(),
+        Some("sanitize") => sanitize::sanitize(),
+        Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | matrix | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -288,3 +288,40 @@ pub async fn assert_outage_is_misses(
         "writes during the outage are counted as failed: {tier:?}"
     );
 }
+
+/// `bounded` (a connector with `max_value_bytes = 1 MiB`) over the same store as `raw` (no
+/// bound): an 8 MiB value comes back empty without being transferred, and through the chunk
+/// format it is a miss that deletes it; values within the bound and missing keys are as usual.
+pub async fn assert_oversized_values_are_not_read<C: RemoteConnector + Clone>(raw: C, bounded: C) {
+    let big = Bytes::from(vec![7u8; 8 << 20]);
+    raw.put("kvpool-oversized", big).await.unwrap();
+    assert_eq!(
+        bounded.get("kvpool-oversized").await.unwrap(),
+        Some(Bytes::new()),
+        "an oversized value is not read"
+    );
+    let small = Bytes::from(vec![1u8; 1000]);
+    raw.put("kvpool-small", small.clone()).await.unwrap();
+    assert_eq!(bounded.get("kvpool-small").await.unwrap(), Some(small));
+    assert_eq!(bounded.get("kvpool-never-stored").await.unwrap(), None);
+
+    let key = kvpool_core::CacheKey::new(
+        Arc::new(kvpool_core::KeyScope::new("oversized", 1, 0, 0, 1).unwrap()),
+        kvpool_core::ChunkHash([5; 16]),
+    );
+    raw.put(&key.to_string(), Bytes::from(vec![9u8; 8 << 20]))
+        .await
+        .unwrap();
+    let backend = RemoteBackend::new(bounded, ChunkCodec::default(), 1 << 20);
+    let got = kvpool_core::StorageBackend::get(&backend, std::slice::from_ref(&key))
+        .await
+        .unwrap();
+    assert!(got[0].is_none(), "an oversized value is a miss");
+    assert_eq!(
+        raw.get(&key.to_string()).await.unwrap(),
+        None,
+        "and is deleted"
+    );
+    raw.delete("kvpool-oversized").await.unwrap();
+    raw.delete("kvpool-small").await.unwrap();
+}
