@@ -48,3 +48,69 @@ async fn a_retrieve_asks_the_remote_tier_once_per_chunk() {
     assert_eq!(mask.iter().filter(|&&m| m).count(), 64);
     assert_eq!(remote.asks.load(Ordering::SeqCst), 5);
 }
+
+/// A connector whose calls never return (a hung server without a timeout).
+struct Hung;
+
+#[async_trait::async_trait]
+impl kvpool_core::RemoteConnector for Hung {
+    fn name(&self) -> &str {
+        "hung"
+    }
+    async fn exists(&self, _: &str) -> Result<bool, kvpool_core::BackendError> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: &str) -> Result<Option<bytes::Bytes>, kvpool_core::BackendError> {
+        std::future::pending().await
+    }
+    async fn put(&self, _: &str, _: bytes::Bytes) -> Result<(), kvpool_core::BackendError> {
+        std::future::pending().await
+    }
+    async fn delete(&self, _: &str) -> Result<bool, kvpool_core::BackendError> {
+        std::future::pending().await
+    }
+    async fn close(&self) -> Result<(), kvpool_core::BackendError> {
+        Ok(())
+    }
+}
+
+/// Lower tiers are asked at the same time: when one of them holds the whole prefix, a hung
+/// tier listed before it does not hold the lookup up.
+#[tokio::test]
+async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
+    let remote = MapConnector::default();
+    let lower: Arc<dyn kvpool_core::StorageBackend> = Arc::new(RemoteBackend::new(
+        remote.clone(),
+        ChunkCodec::default(),
+        1 << 20,
+    ));
+    let stored = store_prompt(&engine_over(lower.clone(), "hung"), 64, 4).await;
+
+    let layout = small_layout();
+    let cpu = Arc::new(
+        kvpool_backends::LocalCpuBackend::new(1 << 20, kvpool_core::EvictionKind::Lru).unwrap(),
+    );
+    let manager = kvpool_core::StorageManager::builder()
+        .primary(cpu.clone(), cpu)
+        .lower(Arc::new(RemoteBackend::new(Hung, ChunkCodec::default(), 1 << 20)))
+        .lower(lower)
+        .build()
+        .unwrap();
+    let db = kvpool_core::ChunkedTokenDatabase::new(
+        kvpool_core::ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        kvpool_core::KeyScope::new("hung", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let hit = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        engine.lookup(&stored.tokens),
+    )
+    .await
+    .expect("the lookup finished without the hung tier")
+    .unwrap();
+    assert_eq!(hit, 64);
+}
