@@ -92,7 +92,11 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
     );
     let manager = kvpool_core::StorageManager::builder()
         .primary(cpu.clone(), cpu)
-        .lower(Arc::new(RemoteBackend::new(Hung, ChunkCodec::default(), 1 << 20)))
+        .lower(Arc::new(RemoteBackend::new(
+            Hung,
+            ChunkCodec::default(),
+            1 << 20,
+        )))
         .lower(lower)
         .build()
         .unwrap();

@@ -195,7 +195,12 @@ pub async fn run(
     let mut tier_retrieve_secs = vec![0.0f64; tier_count];
     let mut tier_tokens_before: Vec<u64> = vec![0; tier_count];
     let started = Instant::now();
-    for tokens in Workload::new(spec) {
+    for (i, tokens) in Workload::new(spec).enumerate() {
+        // A new round of turns: users read and type between turns, so the previous round's
+        // write-behind has landed in the lower tiers before the next begins.
+        if i > 0 && i % spec.sessions == 0 {
+            engine.storage().flush().await?;
+        }
         let slots = slot_mapping(tokens.len(), layout.block_size, num_blocks, &mut rng);
         prompt_tokens += tokens.len() as u64;
 

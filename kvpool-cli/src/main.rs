@@ -28,6 +28,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run a synthetic serving workload (shared system prompts, multi-turn chats) through the pool.
+    ///
+    /// Sessions take turns round-robin; between rounds, write-behind to lower tiers is drained
+    /// (users think between turns), so lower tiers hold what a later round asks for.
     Bench(BenchArgs),
     /// Replay a Mooncake-format trace (JSONL) against a pool of a given capacity and policy.
     Replay(ReplayArgs),

@@ -74,6 +74,7 @@ pub mod engine_kv;
 pub mod extra_keys;
 pub mod lookup_service;
 pub mod metadata;
+pub mod request_trace;
 pub mod scheduler;
 pub mod vllm;
 pub mod worker;
@@ -84,6 +85,7 @@ use thiserror::Error;
 pub use engine_kv::{EngineKvCaches, EngineKvTensor, KvDevice};
 pub use lookup_service::{LookupServer, SocketLookup, WorkerInfo};
 pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
+pub use request_trace::RequestTrace;
 pub use scheduler::{
     BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, EvictingChunk,
     PoolLookup, RequestTracker, ScheduledRequest,

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvpool_core::telemetry;
 use kvpool_core::{
@@ -12,6 +13,7 @@ use tracing::warn;
 
 use crate::ConnectorError;
 use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta};
+use crate::request_trace::{RequestTrace, RequestTraces};
 
 /// The worker side of the connector (one per GPU worker / TP rank).
 pub struct ConnectorWorker {
@@ -21,8 +23,10 @@ pub struct ConnectorWorker {
     probe_hash: [u8; 16],
     registered: bool,
     meta: Option<ConnectorMetadata>,
-    /// This step's loads in flight, each with the slots it writes (to report them if it fails).
-    loads: Vec<(Box<dyn LayerLoad>, Vec<i64>)>,
+    /// This step's loads in flight, each with the slots it writes (to report them if it
+    /// fails) and its request.
+    loads: Vec<(Box<dyn LayerLoad>, Vec<i64>, String)>,
+    traces: RequestTraces,
     /// GPU blocks whose load failed in this step, whichever request loaded them: no request
     /// saves a chunk that touches one (they hold neither loaded nor computed KV, and KV
     /// computed after them attended to them).
@@ -81,6 +85,7 @@ impl ConnectorWorker {
             load_errors: BTreeSet::new(),
             kv_events: Vec::new(),
             stats: WorkerStats::default(),
+            traces: RequestTraces::default(),
         }
     }
 
@@ -171,6 +176,9 @@ impl ConnectorWorker {
 
     /// Marks the blocks of tokens `from..until` of `r` as failed loads.
     fn fail_tokens(&mut self, r: &ReqMeta, from: usize, until: usize) {
+        if let Some(t) = self.traces.of(&r.req_id) {
+            t.failed_tokens += (until - from) as u64;
+        }
         for i in from..until {
             self.fail_block((r.slot_mapping[i] as usize / self.block_size) as u32);
         }
@@ -209,6 +217,10 @@ impl ConnectorWorker {
             let Some(load) = r.load else { continue };
             let (from, until) = (load.gpu_cached_tokens as usize, load.load_until as usize);
             self.stats.load_requested_tokens += (until - from) as u64;
+            let started = Instant::now();
+            if let Some(t) = self.traces.of(&r.req_id) {
+                t.load_requested_tokens += (until - from) as u64;
+            }
             let plan = self.spans(r, from, until).and_then(|spans| {
                 Ok(self.runtime.block_on(self.engine.begin_retrieve_spans(
                     &spans,
@@ -231,11 +243,18 @@ impl ConnectorWorker {
                 self.fail_tokens(r, first, until);
             }
             let slots = plan.slot_mapping_of_loaded();
-            match kv.submit_load(plan) {
-                Ok(load) => self.loads.push((load, slots)),
+            let submitted = kv.submit_load(plan);
+            if let Some(t) = self.traces.of(&r.req_id) {
+                t.load_time += started.elapsed();
+            }
+            match submitted {
+                Ok(load) => self.loads.push((load, slots, r.req_id.clone())),
                 Err(e) => {
                     warn!(req = %r.req_id, error = %e, "writing the load failed; reporting its blocks");
                     self.fail_slots(&slots);
+                    if let Some(t) = self.traces.of(&r.req_id) {
+                        t.failed_tokens += slots.len() as u64;
+                    }
                 }
             }
         }
@@ -261,20 +280,26 @@ impl ConnectorWorker {
     /// layer fails is reported (all its blocks) and dropped; the others go on.
     pub fn wait_for_layer_load(&mut self, layer: usize) -> Result<(), ConnectorError> {
         let mut failed = Vec::new();
-        for (i, (load, _)) in self.loads.iter().enumerate() {
+        for (i, (load, _, _)) in self.loads.iter().enumerate() {
             if let Err(e) = load.wait_layer(layer) {
                 warn!(layer, error = %e, "a loaded layer failed; reporting the load's blocks");
                 failed.push(i);
             }
         }
         for i in failed.into_iter().rev() {
-            let (_, slots) = self.loads.remove(i);
+            let (_, slots, req) = self.loads.remove(i);
             self.fail_slots(&slots);
+            if let Some(t) = self.traces.of(&req) {
+                t.failed_tokens += slots.len() as u64;
+            }
         }
         // After the last layer, release the fetched chunks so L1 can evict them again.
         if layer + 1 == self.engine.layout().num_layers {
-            for (load, _) in self.loads.drain(..) {
+            for (load, _, req) in std::mem::take(&mut self.loads) {
                 self.stats.loaded_tokens += load.loaded_tokens() as u64;
+                if let Some(t) = self.traces.of(&req) {
+                    t.loaded_tokens += load.loaded_tokens() as u64;
+                }
                 metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
                     .increment(load.loaded_tokens() as u64);
             }
@@ -357,6 +382,9 @@ impl ConnectorWorker {
     fn save_best_effort(&mut self, r: &ReqMeta, from: usize, until: usize, kv: &dyn KvTransfer) {
         if let Err(e) = self.store_range(r, from, until, kv) {
             self.stats.save_errors += 1;
+            if let Some(t) = self.traces.of(&r.req_id) {
+                t.save_errors += 1;
+            }
             warn!(req = %r.req_id, error = %e, "save failed (the chunks will be missing from the pool)");
         }
     }
@@ -373,6 +401,7 @@ impl ConnectorWorker {
             return Ok(());
         }
         let spans = self.spans(r, from, until)?;
+        let started = Instant::now();
         let report = self.runtime.block_on(async {
             let mut store = self
                 .engine
@@ -384,6 +413,10 @@ impl ConnectorWorker {
             store.finish().await
         })?;
         self.stats.stored_tokens += report.stored_tokens as u64;
+        if let Some(t) = self.traces.of(&r.req_id) {
+            t.stored_tokens += report.stored_tokens as u64;
+            t.store_time += started.elapsed();
+        }
         metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS)
             .increment(report.stored_tokens as u64);
         if !report.stored_keys.is_empty() {
@@ -399,8 +432,24 @@ impl ConnectorWorker {
     /// synchronous here (done when `wait_for_save` / `start_load_kv` return), and
     /// `request_finished` never delays a free, so there is never anything to report: a
     /// request id vLLM did not hand over as finished is never returned.
-    pub fn get_finished(&mut self, _finished_req_ids: &[String]) -> (Vec<String>, Vec<String>) {
+    ///
+    /// Each of `finished_req_ids` gets its trace logged (`debug`, target `kvpool::request`)
+    /// and forgotten.
+    pub fn get_finished(&mut self, finished_req_ids: &[String]) -> (Vec<String>, Vec<String>) {
+        for req in finished_req_ids {
+            self.traces.finish(req);
+        }
         (Vec::new(), Vec::new())
+    }
+
+    /// What this worker did for a request still live (see [`RequestTrace`]).
+    pub fn request_trace(&self, req: &str) -> Option<&RequestTrace> {
+        self.traces.get(req)
+    }
+
+    /// Requests being traced, and requests not traced because too many were live.
+    pub fn traced_requests(&self) -> (usize, u64) {
+        (self.traces.len(), self.traces.untraced())
     }
 
     /// vLLM `get_kv_connector_kv_cache_events`: what the pool stored since the last call.

@@ -43,12 +43,15 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> PyResult<std::sync::MutexGuard
 }
 
 /// Logs from Rust go to stderr through `tracing`, filtered by `KVPOOL_LOG` (default `warn`;
-/// e.g. `KVPOOL_LOG=kvpool_connector=debug`).
+/// e.g. `KVPOOL_LOG=kvpool_connector=debug`, or `KVPOOL_LOG=kvpool::request=debug` for one
+/// line per finished request), colored only on a terminal.
 fn init_logging() {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVPOOL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .try_init();
 }

@@ -142,6 +142,11 @@ impl WorkerCore {
         self.worker.get_block_ids_with_load_errors()
     }
 
+    /// vLLM says these requests finished: their traces are logged and forgotten.
+    pub fn finished(&mut self, req_ids: &[String]) {
+        self.worker.get_finished(req_ids);
+    }
+
     /// The chunk payloads the pool holds for `tokens` (whole chunks, in order, stopping at
     /// the first missing one): an inspection helper, not the data path.
     pub fn stored_chunks(&self, tokens: &[u32], extra_keys: &[u8]) -> Result<Vec<Vec<u8>>, String> {
@@ -245,6 +250,13 @@ impl PyWorker {
     /// GPU block ids whose load failed since the last call.
     fn failed_blocks(&self) -> PyResult<Vec<u32>> {
         Ok(core_guard(self)?.failed_blocks())
+    }
+
+    /// vLLM's `finished_req_ids` of a step: each request's trace is logged (at debug level,
+    /// target `kvpool::request`) and forgotten.
+    fn finished(&self, req_ids: Vec<String>) -> PyResult<()> {
+        core_guard(self)?.finished(&req_ids);
+        Ok(())
     }
 
     /// Chunks stored since the last call: a list of `(request id, [chunk hash bytes])`.

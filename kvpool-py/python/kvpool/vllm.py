@@ -329,7 +329,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Nothing is ever asynchronous: request_finished never delays a free.
+        # Nothing is ever asynchronous: request_finished never delays a free. The finished
+        # requests' traces are logged (KVPOOL_LOG=kvpool::request=debug) and forgotten.
+        if self._worker is not None and finished_req_ids:
+            self._worker.finished(list(finished_req_ids))
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
