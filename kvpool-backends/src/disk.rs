@@ -4,10 +4,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use rocksdb::{
     ColumnFamilyDescriptor, DB, DBPinnableSlice, ErrorKind, IteratorMode, Options, ReadOptions,
     WriteBatch,
@@ -97,7 +98,17 @@ impl AsRef<[u8]> for PinnedValue {
 
 /// The shared state behind a [`DiskConnector`].
 struct DiskInner {
-    db: Arc<DB>,
+    /// The open database. `None` only while it is being reopened: after a write fails inside
+    /// RocksDB (a full disk puts it into an error state it never leaves by itself), the next
+    /// call closes it and opens it again, at most once a second, once no call still holds it.
+    db: RwLock<Option<Arc<DB>>>,
+    /// When the last write failed inside RocksDB (or the last reopen was tried); `None` while
+    /// the database is healthy.
+    broken_since: Mutex<Option<Instant>>,
+    /// Held across every RocksDB write and the index change that goes with it, so that the
+    /// index and the database never disagree (an eviction racing a put of the same key), and
+    /// no write follows a failed one before the database is reopened.
+    write_lock: Mutex<()>,
     /// Reads skip RocksDB's own block checksums: every value carries the chunk format's
     /// checksum, which `RemoteBackend` verifies end to end, so checking twice only costs time.
     read_options: ReadOptions,
@@ -138,6 +149,68 @@ fn join_error(e: tokio::task::JoinError) -> BackendError {
     }
 }
 
+/// Opens (or creates) the RocksDB database of `config`.
+fn open_database(config: &DiskConfig) -> Result<DB, BackendError> {
+    let mut opts = Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    // RocksDB's own info log lives beside the data: on a full disk an append to it fails, and
+    // the next append aborts the process in builds with assertions (Debian's librocksdb).
+    // Only fatal messages are written; kvpool reports errors through tracing instead.
+    opts.set_log_level(rocksdb::LogLevel::Fatal);
+    opts.set_keep_log_file_num(2);
+    let mut values = Options::default();
+    // Values are already compressed (or not) by the chunk codec.
+    values.set_compression_type(rocksdb::DBCompressionType::None);
+    let block_cache = rocksdb::Cache::new_lru_cache(config.block_cache_bytes).map_err(db_error)?;
+    let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_block_cache(&block_cache);
+    values.set_block_based_table_factory(&table);
+    values.set_write_buffer_size(config.write_buffer_bytes);
+    let cfs = vec![
+        ColumnFamilyDescriptor::new(rocksdb::DEFAULT_COLUMN_FAMILY_NAME, values),
+        ColumnFamilyDescriptor::new(META_CF, Options::default()),
+    ];
+    let db = DB::open_cf_descriptors(&opts, &config.path, cfs).map_err(|e| {
+        BackendError::Unavailable {
+            backend: "disk".into(),
+            reason: format!(
+                "cannot open RocksDB at {}: {}",
+                config.path.display(),
+                e.into_string()
+            ),
+        }
+    })?;
+    Ok(db)
+}
+
+/// The capacity index, rebuilt from the `meta` column family without reading any value.
+fn load_index(db: &DB, config: &DiskConfig) -> Result<Index, BackendError> {
+    let mut index = Index {
+        sizes: HashMap::new(),
+        order: OrderedPolicy::lru(),
+        bytes: 0,
+        seen: VecDeque::new(),
+        seen_set: HashSet::new(),
+    };
+    {
+        let meta = db.cf_handle(META_CF).expect("meta column family exists");
+        for item in db.iterator_cf(meta, IteratorMode::Start) {
+            let (k, v) = item.map_err(db_error)?;
+            let (Ok(key), Ok(size)) = (String::from_utf8(k.to_vec()), <[u8; 8]>::try_from(&*v))
+            else {
+                warn!(path = %config.path.display(), "skipping malformed index entry");
+                continue;
+            };
+            let size = u64::from_le_bytes(size);
+            index.bytes += size;
+            index.order.on_insert(key.clone(), size as usize);
+            index.sizes.insert(key, size);
+        }
+    }
+    Ok(index)
+}
+
 impl DiskInner {
     fn open(config: DiskConfig) -> Result<Self, BackendError> {
         if config.capacity_bytes == 0 {
@@ -150,66 +223,95 @@ impl DiskInner {
             backend: format!("disk ({})", config.path.display()),
             source,
         })?;
-        let mut opts = Options::default();
-        opts.create_if_missing(true);
-        opts.create_missing_column_families(true);
-        let mut values = Options::default();
-        // Values are already compressed (or not) by the chunk codec.
-        values.set_compression_type(rocksdb::DBCompressionType::None);
-        let block_cache =
-            rocksdb::Cache::new_lru_cache(config.block_cache_bytes).map_err(db_error)?;
-        let mut table = rocksdb::BlockBasedOptions::default();
-        table.set_block_cache(&block_cache);
-        values.set_block_based_table_factory(&table);
-        values.set_write_buffer_size(config.write_buffer_bytes);
-        let cfs = vec![
-            ColumnFamilyDescriptor::new(rocksdb::DEFAULT_COLUMN_FAMILY_NAME, values),
-            ColumnFamilyDescriptor::new(META_CF, Options::default()),
-        ];
-        let db = DB::open_cf_descriptors(&opts, &config.path, cfs).map_err(|e| {
-            BackendError::Unavailable {
-                backend: "disk".into(),
-                reason: format!(
-                    "cannot open RocksDB at {}: {}",
-                    config.path.display(),
-                    e.into_string()
-                ),
-            }
-        })?;
-        let mut index = Index {
-            sizes: HashMap::new(),
-            order: OrderedPolicy::lru(),
-            bytes: 0,
-            seen: VecDeque::new(),
-            seen_set: HashSet::new(),
-        };
-        {
-            let meta = db.cf_handle(META_CF).expect("meta column family exists");
-            for item in db.iterator_cf(meta, IteratorMode::Start) {
-                let (k, v) = item.map_err(db_error)?;
-                let (Ok(key), Ok(size)) = (String::from_utf8(k.to_vec()), <[u8; 8]>::try_from(&*v))
-                else {
-                    warn!(path = %config.path.display(), "skipping malformed index entry");
-                    continue;
-                };
-                let size = u64::from_le_bytes(size);
-                index.bytes += size;
-                index.order.on_insert(key.clone(), size as usize);
-                index.sizes.insert(key, size);
-            }
-        }
+        let db = open_database(&config)?;
+        let index = load_index(&db, &config)?;
         info!(path = %config.path.display(), entries = index.sizes.len(), bytes = index.bytes, "opened disk tier");
         let mut read_options = ReadOptions::default();
         read_options.set_verify_checksums(false);
         let connector = DiskInner {
-            db: Arc::new(db),
+            db: RwLock::new(Some(Arc::new(db))),
+            broken_since: Mutex::new(None),
+            write_lock: Mutex::new(()),
             read_options,
             config,
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
         };
-        connector.evict_to(connector.config.capacity_bytes)?;
+        connector.serialized(|db| connector.evict_to(db, connector.config.capacity_bytes))?;
         Ok(connector)
+    }
+
+    /// The open database, or an error while it is being reopened.
+    fn db(&self) -> Result<Arc<DB>, BackendError> {
+        self.db
+            .read()
+            .clone()
+            .ok_or_else(|| BackendError::Unavailable {
+                backend: "disk".into(),
+                reason: "reopening RocksDB after a failed write".into(),
+            })
+    }
+
+    /// Runs `op` (RocksDB writes and their index changes) alone, unless an earlier write
+    /// failed: RocksDB must not be written again before it is reopened (Debian's build aborts
+    /// the process on the next append to a log whose last append failed).
+    fn serialized<T>(
+        &self,
+        op: impl FnOnce(&DB) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        let _alone = self.write_lock.lock();
+        if self.broken_since.lock().is_some() {
+            return Err(BackendError::Unavailable {
+                backend: "disk".into(),
+                reason: "RocksDB failed a write (full disk?); it is reopened once that works"
+                    .into(),
+            });
+        }
+        op(&*self.db()?)
+    }
+
+    /// Marks the database for reopening after RocksDB failed a write.
+    fn write_failed(&self, e: rocksdb::Error) -> BackendError {
+        warn!(path = %self.config.path.display(), error = %e, "RocksDB failed a write; the disk tier reopens it");
+        self.broken_since.lock().get_or_insert_with(Instant::now);
+        db_error(e)
+    }
+
+    /// Reopens the database if a write failed at least a second ago and no call holds it.
+    fn recover_if_broken(&self) {
+        // A cheap check first: healthy calls must not queue behind the write lock.
+        if !self
+            .broken_since
+            .lock()
+            .is_some_and(|since| since.elapsed() >= Duration::from_secs(1))
+        {
+            return;
+        }
+        // Same order as writers: the write lock, then the flag.
+        let _alone = self.write_lock.lock();
+        let mut broken = self.broken_since.lock();
+        if !broken.is_some_and(|since| since.elapsed() >= Duration::from_secs(1)) {
+            return; // another call reopened it meanwhile, or tried a moment ago
+        }
+        *broken = Some(Instant::now());
+        let mut slot = self.db.write();
+        if slot.as_ref().is_some_and(|db| Arc::strong_count(db) > 1) {
+            return; // a call in flight (or a value handed out) still uses it: try later
+        }
+        drop(slot.take()); // closes RocksDB and releases its lock file
+        let reopened = open_database(&self.config)
+            .and_then(|db| load_index(&db, &self.config).map(|index| (db, index)));
+        match reopened {
+            Ok((db, index)) => {
+                info!(path = %self.config.path.display(), entries = index.sizes.len(), "reopened the disk tier");
+                *self.index.lock() = index;
+                *slot = Some(Arc::new(db));
+                *broken = None;
+            }
+            Err(e) => {
+                warn!(path = %self.config.path.display(), error = %e, "reopening the disk tier failed; trying again later")
+            }
+        }
     }
 
     fn usage(&self) -> (usize, u64) {
@@ -218,7 +320,10 @@ impl DiskInner {
     }
 
     fn overwrite_raw(&self, key: &str, value: &[u8]) -> Result<(), BackendError> {
-        self.db.put(key.as_bytes(), value).map_err(db_error)
+        self.serialized(|db| {
+            db.put(key.as_bytes(), value)
+                .map_err(|e| self.write_failed(e))
+        })
     }
 
     fn check(&self) -> Result<(), BackendError> {
@@ -228,8 +333,9 @@ impl DiskInner {
         Ok(())
     }
 
-    /// Evicts least recently used entries until at most `limit` bytes remain.
-    fn evict_to(&self, limit: u64) -> Result<(), BackendError> {
+    /// Evicts least recently used entries until at most `limit` bytes remain (inside
+    /// [`DiskInner::serialized`]).
+    fn evict_to(&self, db: &DB, limit: u64) -> Result<(), BackendError> {
         let mut victims = Vec::new();
         {
             let mut idx = self.index.lock();
@@ -246,10 +352,7 @@ impl DiskInner {
         if victims.is_empty() {
             return Ok(());
         }
-        let meta = self
-            .db
-            .cf_handle(META_CF)
-            .expect("meta column family exists");
+        let meta = db.cf_handle(META_CF).expect("meta column family exists");
         let mut batch = WriteBatch::default();
         for k in &victims {
             batch.delete(k.as_bytes());
@@ -258,7 +361,7 @@ impl DiskInner {
         metrics::counter!(kvpool_core::telemetry::EVICTIONS, "tier" => "disk")
             .increment(victims.len() as u64);
         debug!(evicted = victims.len(), "disk tier over capacity");
-        self.db.write(batch).map_err(db_error)
+        db.write(batch).map_err(|e| self.write_failed(e))
     }
 
     /// Applies the admission filter: the entries to write now.
@@ -309,54 +412,53 @@ impl DiskInner {
 
     fn write_entries(&self, entries: &[(String, Bytes)]) -> Result<(), BackendError> {
         self.check_free_space(entries.iter().map(|(_, v)| v.len() as u64).sum())?;
-        let meta = self
-            .db
-            .cf_handle(META_CF)
-            .expect("meta column family exists");
-        let mut batch = WriteBatch::default();
-        for (k, v) in entries {
-            batch.put(k.as_bytes(), v);
-            batch.put_cf(meta, k.as_bytes(), (v.len() as u64).to_le_bytes());
-        }
-        self.db.write(batch).map_err(db_error)?;
-        {
-            let mut idx = self.index.lock();
+        self.serialized(|db| {
+            let meta = db.cf_handle(META_CF).expect("meta column family exists");
+            let mut batch = WriteBatch::default();
             for (k, v) in entries {
-                let size = v.len() as u64;
-                if let Some(old) = idx.sizes.insert(k.clone(), size) {
-                    idx.bytes -= old;
-                }
-                idx.bytes += size;
-                idx.order.on_insert(k.clone(), size as usize);
+                batch.put(k.as_bytes(), v);
+                batch.put_cf(meta, k.as_bytes(), (v.len() as u64).to_le_bytes());
             }
-        }
-        self.evict_to(self.config.capacity_bytes)
+            db.write(batch).map_err(|e| self.write_failed(e))?;
+            {
+                let mut idx = self.index.lock();
+                for (k, v) in entries {
+                    let size = v.len() as u64;
+                    if let Some(old) = idx.sizes.insert(k.clone(), size) {
+                        idx.bytes -= old;
+                    }
+                    idx.bytes += size;
+                    idx.order.on_insert(k.clone(), size as usize);
+                }
+            }
+            self.evict_to(db, self.config.capacity_bytes)
+        })
     }
 
     fn delete_entries(&self, keys: &[String]) -> Result<usize, BackendError> {
-        let meta = self
-            .db
-            .cf_handle(META_CF)
-            .expect("meta column family exists");
-        let mut batch = WriteBatch::default();
-        let mut existed = 0;
-        {
-            let mut idx = self.index.lock();
-            for k in keys {
-                if let Some(size) = idx.sizes.remove(k) {
-                    idx.bytes -= size;
-                    idx.order.on_remove(k);
-                    existed += 1;
+        self.serialized(|db| {
+            let meta = db.cf_handle(META_CF).expect("meta column family exists");
+            let mut batch = WriteBatch::default();
+            let mut existed = 0;
+            {
+                let mut idx = self.index.lock();
+                for k in keys {
+                    if let Some(size) = idx.sizes.remove(k) {
+                        idx.bytes -= size;
+                        idx.order.on_remove(k);
+                        existed += 1;
+                    }
+                    batch.delete(k.as_bytes());
+                    batch.delete_cf(meta, k.as_bytes());
                 }
-                batch.delete(k.as_bytes());
-                batch.delete_cf(meta, k.as_bytes());
             }
-        }
-        self.db.write(batch).map_err(db_error)?;
-        Ok(existed)
+            db.write(batch).map_err(|e| self.write_failed(e))?;
+            Ok(existed)
+        })
     }
 
     fn read_entries(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let db = self.db()?;
         let mut out = Vec::with_capacity(keys.len());
         let mut unreadable = Vec::new();
         for k in keys {
@@ -364,10 +466,10 @@ impl DiskInner {
                 out.push(None);
                 continue;
             }
-            match self.db.get_pinned_opt(k.as_bytes(), &self.read_options) {
+            match db.get_pinned_opt(k.as_bytes(), &self.read_options) {
                 Ok(Some(v)) => {
                     self.index.lock().order.on_access(k);
-                    out.push(Some(Bytes::from_owner(PinnedValue::new(v, &self.db))));
+                    out.push(Some(Bytes::from_owner(PinnedValue::new(v, &db))));
                 }
                 Ok(None) => out.push(None),
                 Err(e) if e.kind() == ErrorKind::Corruption => {
@@ -391,19 +493,16 @@ impl DiskInner {
         f: impl FnOnce(&DiskInner) -> Result<T, BackendError> + Send + 'static,
     ) -> Result<T, BackendError> {
         self.check()?;
-        // On a multi-threaded runtime, run RocksDB on this thread and let tokio move the
-        // worker's other tasks elsewhere: hot reads take microseconds, and a hand-off to the
-        // blocking pool would cost more than the read. A current-thread runtime cannot do
-        // that, so it uses the blocking pool.
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if multi_thread {
-            return tokio::task::block_in_place(|| f(self));
-        }
+        // Always on the blocking pool, never `block_in_place`: a call that blocks this task's
+        // thread cannot be cut short, and every tier call must be bounded by its timeout. When
+        // the timeout fires, the call finishes in the background and its result is dropped.
         let this = self.clone();
-        tokio::task::spawn_blocking(move || f(&this))
-            .await
-            .map_err(join_error)?
+        tokio::task::spawn_blocking(move || {
+            this.recover_if_broken();
+            f(&this)
+        })
+        .await
+        .map_err(join_error)?
     }
 }
 
@@ -417,8 +516,8 @@ impl DiskInner {
 /// times are not persisted. Writes that would leave less than `min_free_bytes` free on the
 /// filesystem are refused.
 ///
-/// Clones share the same database. RocksDB calls run under `block_in_place` on a
-/// multi-threaded runtime and on the blocking pool otherwise.
+/// Clones share the same database. RocksDB calls run on tokio's blocking pool, so that a tier
+/// timeout can fire while one of them is stuck.
 #[derive(Clone)]
 pub struct DiskConnector {
     inner: Arc<DiskInner>,
@@ -449,7 +548,8 @@ impl DiskConnector {
 
     /// Flushes RocksDB's memtables, so every value so far lives in files on disk.
     pub fn persist(&self) -> Result<(), BackendError> {
-        self.inner.db.flush().map_err(db_error)
+        self.inner
+            .serialized(|db| db.flush().map_err(|e| self.inner.write_failed(e)))
     }
 }
 
@@ -475,10 +575,13 @@ impl RemoteConnector for DiskConnector {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let db = self.inner.db.clone();
-        tokio::task::spawn_blocking(move || db.flush().map_err(db_error))
-            .await
-            .map_err(join_error)?
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            inner.recover_if_broken();
+            inner.serialized(|db| db.flush().map_err(|e| inner.write_failed(e)))
+        })
+        .await
+        .map_err(join_error)?
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.inner.check()?;
@@ -501,5 +604,24 @@ impl RemoteConnector for DiskConnector {
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         let keys = keys.to_vec();
         self.inner.blocking(move |d| d.delete_entries(&keys)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defect: under `block_in_place` a stuck RocksDB call held the task, so the tier's
+    /// timeout could not fire (the timeout here returned the call's own result after 2 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stuck_disk_call_does_not_hold_its_caller_past_a_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+        let stuck = disk.inner.blocking(|_| {
+            std::thread::sleep(Duration::from_secs(2));
+            Ok(())
+        });
+        let outcome = tokio::time::timeout(Duration::from_millis(50), stuck).await;
+        assert!(outcome.is_err(), "the timeout did not fire: {outcome:?}");
     }
 }

@@ -250,3 +250,55 @@ async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
     let first: Vec<u32> = (0..1024).collect();
     assert_eq!(engine.lookup(&first).await.unwrap(), 1024);
 }
+
+/// RocksDB that ran out of space mid-write (another program filled the disk, past the
+/// reserve) refuses every later write until it is reopened; the tier reopens it once space
+/// returns, and keeps what it held. Before the fix, writes failed for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rocksdb_out_of_space_heals_when_space_returns() {
+    let Some(fs) = servers::TmpfsMount::new("48m") else {
+        return;
+    };
+    let mut config = DiskConfig::new(fs.path.join("db"));
+    config.capacity_bytes = 8 << 20;
+    config.min_free_bytes = 0; // let RocksDB itself hit the full disk
+    config.write_buffer_bytes = 4 << 20;
+    let disk = DiskConnector::open(config).unwrap();
+    let value = |i: u8| bytes::Bytes::from(vec![i; 256 << 10]);
+    for i in 0..8u8 {
+        disk.put(&format!("before-{i}"), value(i)).await.unwrap();
+    }
+    disk.persist().unwrap();
+    // Another program fills the filesystem to the last byte.
+    let filler = fs.path.join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![0u8; 1 << 20];
+        while f.write_all(&block).is_ok() {}
+    }
+    // A removal needs no room in the tier's eyes, but RocksDB's log append hits the full disk.
+    assert!(
+        disk.delete("before-0").await.is_err(),
+        "a full disk must fail RocksDB's write"
+    );
+    assert!(disk.put("during", value(1)).await.is_err());
+    std::fs::remove_file(&filler).unwrap();
+    let mut healed = false;
+    for _ in 0..100 {
+        if disk.put("after", value(99)).await.is_ok() {
+            healed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(healed, "writes still fail after space returned");
+    assert_eq!(disk.get("after").await.unwrap(), Some(value(99)));
+    for i in 1..8u8 {
+        assert_eq!(
+            disk.get(&format!("before-{i}")).await.unwrap(),
+            Some(value(i)),
+            "before-{i} lost"
+        );
+    }
+}
