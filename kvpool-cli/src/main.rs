@@ -76,6 +76,24 @@ struct SimArgs {
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// TOML configuration of the pool (lower tiers, timeouts); --cpu-size still sets L1.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Adds a lower tier by URL (repeatable), after those in the config.
+    #[arg(long = "tier", value_name = "URL")]
+    tiers: Vec<String>,
+    /// Soak: run for this many minutes instead of --requests, then check that writes
+    /// acknowledged afterwards come back intact from every lower tier, and that resident
+    /// memory at the end is within --max-rss-growth of memory after the warm-up.
+    #[arg(long, value_name = "MINUTES")]
+    soak_minutes: Option<f64>,
+    /// Soak: seconds to wait before the acknowledged-writes check (time for a fault injector
+    /// to stop and for servers to come back).
+    #[arg(long, default_value_t = 5, requires = "soak_minutes")]
+    calm_wait_secs: u64,
+    /// Soak: largest allowed growth of resident memory from the warm-up to the end.
+    #[arg(long, default_value_t = 0.05, requires = "soak_minutes")]
+    max_rss_growth: f64,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -307,6 +325,128 @@ fn render_sim(r: &kvpool_sim::vllm_shaped::SimReport) -> String {
     t.render()
 }
 
+/// `kvpool sim`, and with --soak-minutes the soak's checks after it.
+fn run_sim(a: SimArgs) -> anyhow::Result<()> {
+    let layout =
+        kvpool_core::KvLayout::new(2, 2, 8, Dtype::F16, kvpool_core::KvKind::KeyValue, 16)?;
+    let mut pool = match &a.config {
+        Some(path) => PoolConfig::from_file(path)?,
+        None => PoolConfig::default(),
+    };
+    pool.tiers
+        .extend(a.tiers.iter().map(kvpool_core::TierConfig::new));
+    let duration = a
+        .soak_minutes
+        .map(|m| std::time::Duration::from_secs_f64(m.max(0.0) * 60.0));
+    let settings = kvpool_sim::vllm_shaped::SimSettings {
+        requests: if duration.is_some() {
+            usize::MAX
+        } else {
+            a.requests
+        },
+        max_running: a.max_running,
+        prefixes: a.prefixes,
+        max_prefix_tokens: a.max_prefix_tokens,
+        max_suffix_tokens: a.max_suffix_tokens,
+        max_decode_tokens: a.max_decode_tokens,
+        gpu_blocks: a.gpu_blocks,
+        cpu_size: a.cpu_size,
+        load_failure_rate: a.load_failure_rate.clamp(0.0, 1.0),
+        seed: a.seed,
+        pool,
+        duration,
+    };
+    const CHUNK_TOKENS: usize = 64;
+    settings
+        .pool_config(layout, CHUNK_TOKENS)
+        .validate()
+        .map_err(anyhow::Error::from)?;
+    let report = kvpool_sim::vllm_shaped::run(&settings, layout, CHUNK_TOKENS)?;
+    let durability = match duration {
+        Some(_) => {
+            std::thread::sleep(std::time::Duration::from_secs(a.calm_wait_secs));
+            kvpool_sim::soak::check_acknowledged_writes(
+                &settings.pool_config(layout, CHUNK_TOKENS),
+                layout,
+                32,
+                4,
+                a.seed,
+            )?
+        }
+        None => Vec::new(),
+    };
+    if a.json {
+        let mut json = serde_json::to_value(&report)?;
+        json["acknowledged_writes"] = serde_json::to_value(&durability)?;
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    } else {
+        println!("{}", render_sim(&report));
+        if duration.is_some() {
+            println!("{}", render_durability(&report, &durability));
+        }
+    }
+    anyhow::ensure!(
+        report.wrong_tokens == 0,
+        "{} wrong tokens",
+        report.wrong_tokens
+    );
+    anyhow::ensure!(
+        report.leaked_request_states == 0 && report.unreported_failed_blocks == 0,
+        "{} leaked request states, {} unreported failed blocks",
+        report.leaked_request_states,
+        report.unreported_failed_blocks
+    );
+    for t in &durability {
+        anyhow::ensure!(
+            t.lost_chunks == 0 && t.wrong_rows == 0,
+            "{}: {} of {} acknowledged chunks lost, {} wrong rows",
+            t.tier,
+            t.lost_chunks,
+            t.acknowledged_chunks,
+            t.wrong_rows
+        );
+    }
+    if let (Some(warm), Some(end)) = (report.rss_after_warm_up_bytes, report.rss_end_bytes) {
+        let limit = warm as f64 * (1.0 + a.max_rss_growth);
+        anyhow::ensure!(
+            end as f64 <= limit,
+            "resident memory grew from {} after the warm-up to {} at the end (limit {})",
+            ByteSize(warm),
+            ByteSize(end),
+            ByteSize(limit as u64)
+        );
+    }
+    Ok(())
+}
+
+fn render_durability(
+    r: &kvpool_sim::vllm_shaped::SimReport,
+    tiers: &[kvpool_sim::soak::TierDurability],
+) -> String {
+    let mut t = report::Table::new(&["soak", "value"]);
+    let bytes = |b: Option<u64>| b.map_or("n/a".to_string(), |b| ByteSize(b).to_string());
+    t.row(vec![
+        "elapsed".into(),
+        format!("{:.0} s", r.elapsed_seconds),
+    ]);
+    t.row(vec![
+        "RSS after warm-up".into(),
+        bytes(r.rss_after_warm_up_bytes),
+    ]);
+    t.row(vec!["RSS at the end".into(), bytes(r.rss_end_bytes)]);
+    for d in tiers {
+        t.row(vec![
+            format!("{}: acknowledged chunks lost (must be 0)", d.tier),
+            format!("{} of {}", d.lost_chunks, d.acknowledged_chunks),
+        ]);
+        t.row(vec![
+            format!("{}: wrong rows read back (must be 0)", d.tier),
+            d.wrong_rows.to_string(),
+        ]);
+    }
+    t.render()
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -388,35 +528,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 a.out.display()
             );
         }
-        Command::Sim(a) => {
-            let layout =
-                kvpool_core::KvLayout::new(2, 2, 8, Dtype::F16, kvpool_core::KvKind::KeyValue, 16)?;
-            let settings = kvpool_sim::vllm_shaped::SimSettings {
-                requests: a.requests,
-                max_running: a.max_running,
-                prefixes: a.prefixes,
-                max_prefix_tokens: a.max_prefix_tokens,
-                max_suffix_tokens: a.max_suffix_tokens,
-                max_decode_tokens: a.max_decode_tokens,
-                gpu_blocks: a.gpu_blocks,
-                cpu_size: a.cpu_size,
-                load_failure_rate: a.load_failure_rate.clamp(0.0, 1.0),
-                seed: a.seed,
-            };
-            let report = kvpool_sim::vllm_shaped::run(&settings, layout, 64)?;
-            print_report(&report, a.json, render_sim)?;
-            anyhow::ensure!(
-                report.wrong_tokens == 0,
-                "{} wrong tokens",
-                report.wrong_tokens
-            );
-            anyhow::ensure!(
-                report.leaked_request_states == 0 && report.unreported_failed_blocks == 0,
-                "{} leaked request states, {} unreported failed blocks",
-                report.leaked_request_states,
-                report.unreported_failed_blocks
-            );
-        }
+        Command::Sim(a) => run_sim(a)?,
         Command::Config(a) => {
             if a.print_default {
                 print!("{}", PoolConfig::default_toml());

@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, ConnectorWorker,
@@ -26,6 +27,8 @@ use kvpool_core::{ByteSize, CacheEngine, HostPagedKvCache, KvLayout, PoolConfig}
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
+
+use crate::soak::{RssSampler, resident_bytes};
 
 /// Simulation settings.
 #[derive(Debug, Clone)]
@@ -50,6 +53,46 @@ pub struct SimSettings {
     pub load_failure_rate: f64,
     /// Random seed.
     pub seed: u64,
+    /// The pool's configuration (lower tiers, timeouts, write-behind); L1 size, chunk size
+    /// and layout are set from these settings and `run`'s arguments.
+    pub pool: PoolConfig,
+    /// Run until this much time has passed (then let the running requests finish) instead of
+    /// stopping after `requests`; RSS is sampled after a warm-up and at the end.
+    pub duration: Option<Duration>,
+}
+
+impl Default for SimSettings {
+    fn default() -> Self {
+        Self {
+            requests: 2000,
+            max_running: 16,
+            prefixes: 8,
+            max_prefix_tokens: 1024,
+            max_suffix_tokens: 256,
+            max_decode_tokens: 32,
+            gpu_blocks: 384,
+            cpu_size: ByteSize(16 << 20),
+            load_failure_rate: 0.05,
+            seed: 1,
+            pool: PoolConfig::default(),
+            duration: None,
+        }
+    }
+}
+
+impl SimSettings {
+    /// The pool configuration a run uses: `pool` with L1 size, chunk size and layout set.
+    pub fn pool_config(&self, layout: KvLayout, chunk_size: usize) -> PoolConfig {
+        let mut config = self.pool.clone();
+        config.local_cpu.max_size = self.cpu_size;
+        config.chunking.chunk_size = chunk_size;
+        config.layout.num_layers = layout.num_layers;
+        config.layout.num_kv_heads = layout.num_kv_heads;
+        config.layout.head_size = layout.head_size;
+        config.layout.dtype = layout.dtype;
+        config.layout.block_size = layout.block_size;
+        config
+    }
 }
 
 /// What the simulation saw.
@@ -86,6 +129,12 @@ pub struct SimReport {
     pub wrong_tokens: usize,
     /// Request states the scheduler still held at the end: must be 0.
     pub leaked_request_states: usize,
+    /// Seconds the run took.
+    pub elapsed_seconds: f64,
+    /// Resident memory after the warm-up of a timed run (bytes).
+    pub rss_after_warm_up_bytes: Option<u64>,
+    /// Resident memory when a timed run ended (bytes).
+    pub rss_end_bytes: Option<u64>,
 }
 
 /// The model: a token's KV row depends on the whole prefix up to it.
@@ -216,14 +265,7 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
             .enable_all()
             .build()?,
     );
-    let mut config = PoolConfig::default();
-    config.local_cpu.max_size = s.cpu_size;
-    config.chunking.chunk_size = chunk_size;
-    config.layout.num_layers = layout.num_layers;
-    config.layout.num_kv_heads = layout.num_kv_heads;
-    config.layout.head_size = layout.head_size;
-    config.layout.dtype = layout.dtype;
-    config.layout.block_size = layout.block_size;
+    let config = s.pool_config(layout, chunk_size);
     let engine: Arc<CacheEngine> = runtime
         .block_on(kvpool_backends::build_pool(&config))?
         .engine;
@@ -264,9 +306,21 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
     let mut row = vec![0u8; layout.bytes_per_token_per_plane()];
     let mut got = vec![0u8; layout.bytes_per_token_per_plane()];
 
-    while r.requests < s.requests {
+    let started = Instant::now();
+    let mut rss = RssSampler::new(s.duration);
+    loop {
+        rss.tick(started.elapsed());
+        // A timed run stops creating requests when its time is up and ends when the running
+        // ones have finished.
+        let out_of_time = s.duration.is_some_and(|d| started.elapsed() >= d);
+        if r.requests >= if out_of_time { created } else { s.requests } {
+            break;
+        }
         // New arrivals keep the queue full.
-        while created < s.requests && waiting.len() + running.len() < s.max_running * 2 {
+        while !out_of_time
+            && created < s.requests
+            && waiting.len() + running.len() < s.max_running * 2
+        {
             let Some(id) = free_ids.pop() else { break };
             if !used_ids.insert(id.clone()) {
                 r.reused_ids += 1;
@@ -491,5 +545,14 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
         }
     }
     r.leaked_request_states = sched.tracked_requests();
+    r.elapsed_seconds = started.elapsed().as_secs_f64();
+    if s.duration.is_some() {
+        r.rss_after_warm_up_bytes = rss.after_warm_up;
+        r.rss_end_bytes = resident_bytes();
+    }
+    drop((sched, worker));
+    runtime
+        .block_on(engine.storage().close())
+        .map_err(|e| anyhow::anyhow!("closing the pool: {e}"))?;
     Ok(r)
 }

@@ -5,6 +5,8 @@
 //!   `cargo test`), all with every feature, then `matrix` and `vllm`: exactly what CI runs.
 //! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
 //!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
+//! - `cargo xtask soak [--minutes N]`: a chaos soak: `kvpool sim` through L1 + disk + Redis +
+//!   S3 while servers are killed, the disk fills and values are corrupted (CI: 2 minutes).
 //! - `cargo xtask sanitize`: kvpool-core's unit tests under AddressSanitizer (nightly).
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
@@ -22,6 +24,7 @@ mod fuzz;
 mod matrix;
 mod sanitize;
 mod servers;
+mod soak;
 mod vllm;
 
 use std::env;
@@ -73,7 +76,7 @@ pub(crate) fn run_with_env(
 /// Debian packages the full build and its tests need: RocksDB to link the `disk` feature
 /// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, and Prometheus,
 /// which a test runs to scrape kvpool's metrics endpoint.
-const SYSTEM_PACKAGES: &[&str] = &[
+pub(crate) const SYSTEM_PACKAGES: &[&str] = &[
     "librocksdb-dev",
     "libclang-dev",
     "libssl-dev",
@@ -175,6 +178,7 @@ fn ci() -> Result<(), String> {
     // servers, and last kvpool inside real vLLM.
     fuzz::fuzz(&["--seconds".into(), "30".into()])?;
     sanitize::sanitize()?;
+    soak::soak(&["--minutes".into(), "2".into()])?;
     nvrtc_check()?;
     matrix::matrix()?;
     vllm::vllm(&[])
@@ -612,13 +616,14 @@ fn main() -> ExitCode {
         }
         Some("gpu-bundle") => gpu_bundle(),
         Some("sanitize") => sanitize::sanitize(),
+        Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -40,7 +40,7 @@ impl Drop for Server {
     }
 }
 
-fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
     Ok(listener.local_addr().map_err(|e| e.to_string())?.port())
 }
@@ -56,7 +56,7 @@ fn wait_for_port(port: u16, name: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn start(
+pub(crate) fn start(
     name: &str,
     program: &str,
     args: &[String],
@@ -85,7 +85,7 @@ fn start(
     Ok(server)
 }
 
-fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
+pub(crate) fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [
         "--port",
         &port.to_string(),
@@ -362,7 +362,7 @@ pub(crate) fn ensure_mooncake(target_dir: &Path) -> Result<PathBuf, String> {
 }
 
 /// Creates a bucket on the local S3-compatible server with a plain (unsigned) HTTP PUT.
-fn create_bucket(port: u16, bucket: &str) -> Result<(), String> {
+pub(crate) fn create_bucket(port: u16, bucket: &str) -> Result<(), String> {
     use std::io::{Read, Write};
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
     write!(s, "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")

@@ -1,0 +1,203 @@
+//! What a chaos soak measures besides wrong rows: resident memory over time, and whether writes
+//! acknowledged after the faults stop reach every lower tier intact.
+//!
+//! `cargo xtask soak` runs `kvpool sim --soak-minutes N` against L1 + disk + Redis + S3 while
+//! it kills servers, fills the disk and corrupts values; this module is the simulator's side.
+
+use std::time::Duration;
+
+use kvpool_core::{HostPagedKvCache, KvLayout, PoolConfig};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::kv_model::{model_compute, model_mismatches};
+
+/// Resident set size of this process, in bytes (Linux: `VmRSS` in `/proc/self/status`);
+/// `None` elsewhere.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Samples RSS once after a warm-up and again at the end of a timed run.
+#[derive(Debug, Clone, Default)]
+pub struct RssSampler {
+    warm_up: Option<Duration>,
+    /// RSS when the warm-up ended.
+    pub after_warm_up: Option<u64>,
+}
+
+impl RssSampler {
+    /// A sampler for a run of `duration` (none: no sampling); the warm-up is a quarter of the
+    /// run, at most 30 s.
+    pub fn new(duration: Option<Duration>) -> Self {
+        Self {
+            warm_up: duration.map(|d| (d / 4).min(Duration::from_secs(30))),
+            after_warm_up: None,
+        }
+    }
+
+    /// Records RSS the first time `elapsed` passes the warm-up.
+    pub fn tick(&mut self, elapsed: Duration) {
+        if self.after_warm_up.is_none() && self.warm_up.is_some_and(|w| elapsed >= w) {
+            self.after_warm_up = resident_bytes();
+        }
+    }
+}
+
+/// One lower tier's share of the acknowledged-writes check.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TierDurability {
+    /// The tier's URL, password redacted.
+    pub tier: String,
+    /// Chunks acknowledged (stored, and the flush that followed succeeded).
+    pub acknowledged_chunks: usize,
+    /// Of those, chunks this tier did not return.
+    pub lost_chunks: usize,
+    /// Rows (token x layer x plane) the tier returned with wrong bytes.
+    pub wrong_rows: usize,
+}
+
+/// Stores `prompts` fresh prompts of `chunks_per_prompt` chunks through a pool built from
+/// `config` (all its tiers), flushes, closes it; then opens a pool on each lower tier alone and
+/// reads every prompt back, comparing each row with the model.
+///
+/// Run it after the faults stopped: it proves that every tier accepts writes again and keeps
+/// what it acknowledged. A flush that fails is an error (the writes were never acknowledged).
+pub fn check_acknowledged_writes(
+    config: &PoolConfig,
+    layout: KvLayout,
+    prompts: usize,
+    chunks_per_prompt: usize,
+    seed: u64,
+) -> anyhow::Result<Vec<TierDurability>> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let chunk = config.chunking.chunk_size;
+    let n = chunk * chunks_per_prompt;
+    let blocks: Vec<u32> = (0..n.div_ceil(layout.block_size) as u32).collect();
+    let slots: Vec<i64> = (0..n as i64).collect();
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x6361_6c6d);
+    let prompts: Vec<Vec<u32>> = (0..prompts)
+        .map(|_| (0..n).map(|_| rng.random_range(0..50_000)).collect())
+        .collect();
+
+    let mut acknowledged = 0;
+    {
+        let pool = runtime.block_on(kvpool_backends::build_pool(config))?;
+        let mut kv = HostPagedKvCache::new(layout, blocks.len());
+        for tokens in &prompts {
+            for layer in 0..layout.num_layers {
+                model_compute(&mut kv, layer, tokens, &blocks, 0..n);
+            }
+            let report = runtime.block_on(pool.engine.store(tokens, None, &kv, &slots))?;
+            acknowledged += report.stored_chunks;
+        }
+        runtime
+            .block_on(pool.engine.storage().close())
+            .map_err(|e| anyhow::anyhow!("flushing the acknowledged writes failed: {e}"))?;
+    }
+
+    let mut out = Vec::new();
+    for tier in &config.tiers {
+        let mut alone = config.clone();
+        alone.tiers = vec![tier.clone()];
+        let pool = runtime.block_on(kvpool_backends::build_pool(&alone))?;
+        let mut result = TierDurability {
+            tier: kvpool_core::redact_url(&tier.url),
+            acknowledged_chunks: acknowledged,
+            ..Default::default()
+        };
+        for tokens in &prompts {
+            let mut kv = HostPagedKvCache::new(layout, blocks.len());
+            let mask = runtime.block_on(pool.engine.retrieve(tokens, None, &mut kv, &slots))?;
+            let loaded = mask.iter().take_while(|&&m| m).count();
+            result.lost_chunks += chunks_per_prompt - loaded / chunk;
+            result.wrong_rows += model_mismatches(&kv, &tokens[..loaded], &blocks);
+        }
+        runtime.block_on(pool.engine.storage().close())?;
+        out.push(result);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_memory_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            let rss = resident_bytes().expect("statm is readable");
+            assert!(rss > 1 << 20, "{rss}");
+        }
+    }
+
+    #[test]
+    fn the_warm_up_sample_is_taken_once_after_the_warm_up() {
+        let mut s = RssSampler::new(Some(Duration::from_secs(8)));
+        s.tick(Duration::from_secs(1));
+        assert_eq!(s.after_warm_up, None);
+        s.tick(Duration::from_secs(2));
+        let first = s.after_warm_up;
+        assert!(first.is_some() || !cfg!(target_os = "linux"));
+        s.tick(Duration::from_secs(5));
+        assert_eq!(s.after_warm_up, first);
+        let mut none = RssSampler::new(None);
+        none.tick(Duration::from_secs(100));
+        assert_eq!(none.after_warm_up, None);
+    }
+
+    fn soak_layout() -> (KvLayout, PoolConfig) {
+        let layout = KvLayout::new(
+            2,
+            2,
+            8,
+            kvpool_core::Dtype::F16,
+            kvpool_core::KvKind::KeyValue,
+            16,
+        )
+        .unwrap();
+        let mut config = PoolConfig::default();
+        config.local_cpu.max_size = kvpool_core::ByteSize(1 << 20);
+        config.chunking.chunk_size = 64;
+        config.layout.num_layers = 2;
+        config.layout.num_kv_heads = 2;
+        config.layout.head_size = 8;
+        config.layout.block_size = 16;
+        config.layout.dtype = kvpool_core::Dtype::F16;
+        (layout, config)
+    }
+
+    #[test]
+    fn acknowledged_writes_come_back_intact_from_a_disk_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let (layout, mut config) = soak_layout();
+        config.tiers = vec![kvpool_core::TierConfig::new(format!(
+            "file://{}",
+            dir.path().display()
+        ))];
+        let got = check_acknowledged_writes(&config, layout, 3, 2, 1).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].acknowledged_chunks, 6);
+        assert_eq!((got[0].lost_chunks, got[0].wrong_rows), (0, 0), "{got:?}");
+    }
+
+    #[test]
+    fn acknowledged_writes_come_back_from_a_lower_tier_and_a_missing_tier_loses_them() {
+        let (layout, mut config) = soak_layout();
+        // memory:// is per pool: a fresh pool on it has lost everything, which the check must
+        // report as lost (this is what makes it able to fail).
+        config.tiers = vec![kvpool_core::TierConfig::new("memory://")];
+        let got = check_acknowledged_writes(&config, layout, 3, 2, 1).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].acknowledged_chunks, 6);
+        assert_eq!(got[0].lost_chunks, 6);
+        assert_eq!(got[0].wrong_rows, 0);
+    }
+}

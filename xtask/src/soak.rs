@@ -1,0 +1,478 @@
+//! `cargo xtask soak --minutes N`: a chaos soak. `kvpool sim` drives the connector the way
+//! vLLM does through L1 + disk (RocksDB on a small tmpfs) + Redis + S3 (moto) and checks every
+//! KV row it gets against recomputation, while this process kills and restarts Redis and moto,
+//! fills the disk, corrupts stored values and copies values under other keys. When the faults
+//! stop, the simulator checks that writes acknowledged after them come back intact from every
+//! tier and that its resident memory did not grow; this process prints the faults it injected.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::servers::{self, Server};
+use crate::{SYSTEM_PACKAGES, ensure_system_packages, run, workspace_root};
+
+const REDIS_PASSWORD: &str = "kvpool-soak";
+const BUCKET: &str = "kvpool-soak";
+/// Size of the tmpfs the disk tier lives on (the tier keeps 64 MiB of it free), and the
+/// tier's own capacity inside it.
+const DISK_FS_MIB: u64 = 256;
+const DISK_TIER_MIB: u64 = 16;
+/// Seconds before the simulator's end at which the faults stop (the servers must be back by
+/// the time it checks acknowledged writes).
+const CALM_SECS: u64 = 10;
+
+/// A tiny xorshift generator: the fault schedule only needs to be varied and reproducible.
+struct Dice(u64);
+
+impl Dice {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to - from))
+    }
+}
+
+/// Faults injected, by kind.
+#[derive(Default, Debug)]
+struct Faults {
+    redis_kills: u32,
+    moto_kills: u32,
+    disk_fills: u32,
+    redis_values_corrupted: u32,
+    s3_values_corrupted: u32,
+    values_copied_under_other_keys: u32,
+}
+
+impl Faults {
+    fn total(&self) -> u32 {
+        self.redis_kills
+            + self.moto_kills
+            + self.disk_fills
+            + self.redis_values_corrupted
+            + self.s3_values_corrupted
+            + self.values_copied_under_other_keys
+    }
+}
+
+/// The servers under test, restartable on the same ports.
+struct Chaos {
+    dir: PathBuf,
+    moto_server: PathBuf,
+    redis_port: u16,
+    moto_port: u16,
+    redis: Option<Server>,
+    moto: Option<Server>,
+    disk: PathBuf,
+    disk_is_small_fs: bool,
+    dice: Dice,
+    faults: Faults,
+}
+
+impl Chaos {
+    fn start_redis(&mut self) -> Result<(), String> {
+        self.redis = Some(servers::start(
+            "redis (soak)",
+            "redis-server",
+            &servers::redis_args(self.redis_port, &["--requirepass", REDIS_PASSWORD]),
+            &self.dir.join("redis.log"),
+            self.redis_port,
+        )?);
+        Ok(())
+    }
+
+    fn start_moto(&mut self) -> Result<(), String> {
+        let moto = self.moto_server.display().to_string();
+        self.moto = Some(servers::start(
+            "moto (soak)",
+            &moto,
+            &[
+                "-H".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                self.moto_port.to_string(),
+            ],
+            &self.dir.join("moto.log"),
+            self.moto_port,
+        )?);
+        servers::create_bucket(self.moto_port, BUCKET)
+    }
+
+    fn redis_cli(&self, args: &[&str]) -> Result<String, String> {
+        let port = self.redis_port.to_string();
+        let out = Command::new("redis-cli")
+            .args(["-p", &port, "--no-auth-warning", "-a", REDIS_PASSWORD])
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run redis-cli: {e}"))?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn redis_keys(&self) -> Result<Vec<String>, String> {
+        // One SCAN page (the first line of the reply is the next cursor).
+        Ok(self
+            .redis_cli(&["SCAN", "0", "COUNT", "200"])?
+            .lines()
+            .skip(1)
+            .map(str::to_string)
+            .filter(|k| !k.is_empty())
+            .collect())
+    }
+
+    fn pick<'a>(&mut self, keys: &'a [String]) -> Option<&'a String> {
+        (!keys.is_empty()).then(|| &keys[self.dice.below(keys.len() as u64) as usize])
+    }
+
+    /// One fault, chosen at random; servers killed here are back when it returns. Returns
+    /// what it did, for the log.
+    fn inject(&mut self) -> Result<String, String> {
+        let before = self.faults.total();
+        let what = match self.dice.below(6) {
+            0 => {
+                self.redis = None; // SIGKILL
+                std::thread::sleep(self.dice.millis(500, 3000));
+                self.start_redis()?;
+                self.faults.redis_kills += 1;
+                "killed and restarted Redis"
+            }
+            1 => {
+                self.moto = None;
+                std::thread::sleep(self.dice.millis(500, 3000));
+                self.start_moto()?;
+                self.faults.moto_kills += 1;
+                "killed and restarted moto"
+            }
+            2 if self.disk_is_small_fs => {
+                let filler = self.disk.join("filler");
+                fill(&filler);
+                std::thread::sleep(self.dice.millis(1000, 4000));
+                let _ = std::fs::remove_file(&filler);
+                self.faults.disk_fills += 1;
+                "filled the disk"
+            }
+            3 => {
+                let keys = self.redis_keys()?;
+                for _ in 0..3 {
+                    let Some(key) = self.pick(&keys) else { break };
+                    let len: u64 = self
+                        .redis_cli(&["STRLEN", key])?
+                        .trim()
+                        .parse()
+                        .unwrap_or(0);
+                    if len > 16 {
+                        let at = (self.dice.below(len - 8)).to_string();
+                        self.redis_cli(&["SETRANGE", key, &at, "CHAOS!!!"])?;
+                        self.faults.redis_values_corrupted += 1;
+                    }
+                }
+                "corrupted Redis values"
+            }
+            4 => {
+                let keys = self.redis_keys()?;
+                if let (Some(from), Some(to)) = (self.pick(&keys), self.pick(&keys))
+                    && from != to
+                    && self.redis_cli(&["COPY", from, to, "REPLACE"])?.trim() == "1"
+                {
+                    self.faults.values_copied_under_other_keys += 1;
+                }
+                "copied a Redis value under another key"
+            }
+            _ => {
+                let keys = s3_keys(self.moto_port).unwrap_or_default();
+                for _ in 0..3 {
+                    let Some(key) = self.pick(&keys) else { break };
+                    let garbage: Vec<u8> = (0..64 + self.dice.below(8192))
+                        .map(|_| self.dice.next() as u8)
+                        .collect();
+                    if http(self.moto_port, "PUT", &format!("/{BUCKET}/{key}"), &garbage)
+                        .is_ok_and(|(status, _)| status.contains(" 200"))
+                    {
+                        self.faults.s3_values_corrupted += 1;
+                    }
+                }
+                "overwrote S3 values with garbage"
+            }
+        };
+        let done = self.faults.total() - before;
+        Ok(if done == 0 {
+            format!("{what}: nothing to act on yet")
+        } else {
+            format!("{what} ({done})")
+        })
+    }
+}
+
+/// Writes zeros to `path` until the filesystem is full.
+fn fill(path: &Path) {
+    let Ok(mut file) = std::fs::File::create(path) else {
+        return;
+    };
+    let block = vec![0u8; 1 << 20];
+    while file.write_all(&block).is_ok() {}
+    let _ = file.sync_all();
+}
+
+/// A plain HTTP/1.1 request to 127.0.0.1:`port` (moto accepts unsigned requests); returns the
+/// status line and the rest of the response.
+fn http(port: u16, method: &str, path: &str, body: &[u8]) -> Result<(String, String), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .and_then(|()| s.write_all(body))
+    .map_err(|e| e.to_string())?;
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).map_err(|e| e.to_string())?;
+    let reply = String::from_utf8_lossy(&reply).into_owned();
+    let (status, rest) = reply.split_once("\r\n").unwrap_or((&reply, ""));
+    Ok((status.to_string(), rest.to_string()))
+}
+
+/// Up to 100 object keys in the soak bucket, percent-encoded for a request path.
+fn s3_keys(port: u16) -> Result<Vec<String>, String> {
+    let (_, body) = http(
+        port,
+        "GET",
+        &format!("/{BUCKET}?list-type=2&max-keys=100"),
+        &[],
+    )?;
+    Ok(body
+        .split("<Key>")
+        .skip(1)
+        .filter_map(|rest| rest.split_once("</Key>").map(|(k, _)| k))
+        .map(|k| {
+            k.bytes()
+                .map(|b| match b {
+                    b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                        (b as char).to_string()
+                    }
+                    _ => format!("%{b:02X}"),
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// Mounts a tmpfs of `mib` MiB at `dir` (root only); false when that is not possible.
+fn mount_small_fs(dir: &Path, mib: u64) -> bool {
+    Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+        .arg(dir)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn parse_args(args: &[String]) -> Result<(f64, u64), String> {
+    let (mut minutes, mut seed) = (2.0, 1);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let value = it.next().ok_or(format!("{a} needs a value"))?;
+        match a.as_str() {
+            "--minutes" => minutes = value.parse().map_err(|e| format!("--minutes: {e}"))?,
+            "--seed" => seed = value.parse().map_err(|e| format!("--seed: {e}"))?,
+            _ => return Err(format!("unknown argument {a}; use --minutes N [--seed S]")),
+        }
+    }
+    if minutes * 60.0 < 2.0 * CALM_SECS as f64 {
+        return Err(format!(
+            "--minutes must leave room for {CALM_SECS} s without faults"
+        ));
+    }
+    Ok((minutes, seed))
+}
+
+/// `cargo xtask soak [--minutes N] [--seed S]`.
+pub(crate) fn soak(args: &[String]) -> Result<(), String> {
+    let (minutes, seed) = parse_args(args)?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    ensure_system_packages(SYSTEM_PACKAGES)?;
+    ensure_system_packages(servers::SERVER_PACKAGES)?;
+    let target_dir = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"));
+    let moto_server = servers::ensure_moto(&target_dir)?;
+    run(
+        &cargo,
+        &["build", "-p", "kvpool-cli", "--features", "disk,redis,s3"],
+    )?;
+    let kvpool = target_dir.join("debug/kvpool");
+
+    let dir = servers::scratch_dir("soak")?;
+    let disk = dir.join("disk");
+    std::fs::create_dir_all(&disk).map_err(|e| e.to_string())?;
+    let disk_is_small_fs = mount_small_fs(&disk, DISK_FS_MIB);
+    if !disk_is_small_fs {
+        eprintln!(
+            "warning: cannot mount a tmpfs (needs root): the disk tier uses {} and no disk-full faults are injected",
+            disk.display()
+        );
+    }
+    let mut chaos = Chaos {
+        dir: dir.clone(),
+        moto_server,
+        redis_port: servers::free_port()?,
+        moto_port: servers::free_port()?,
+        redis: None,
+        moto: None,
+        disk: disk.clone(),
+        disk_is_small_fs,
+        dice: Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+        faults: Faults::default(),
+    };
+    let result = run_soak(&mut chaos, &kvpool, minutes, seed);
+    chaos.redis = None;
+    chaos.moto = None;
+    if disk_is_small_fs {
+        let _ = Command::new("umount").arg(&disk).status();
+    }
+    if result.is_ok() {
+        let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        eprintln!("soak files kept in {}", dir.display());
+    }
+    result
+}
+
+fn run_soak(chaos: &mut Chaos, kvpool: &Path, minutes: f64, seed: u64) -> Result<(), String> {
+    chaos.start_redis()?;
+    chaos.start_moto()?;
+    let config = chaos.dir.join("soak.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"# kvpool soak: L1, then disk, Redis and S3; short timeouts so dead servers are misses.
+[[tier]]
+url = "file://{disk}"
+capacity = "{DISK_TIER_MIB}MiB"
+timeout_ms = 1000
+
+[[tier]]
+url = "redis://:{REDIS_PASSWORD}@127.0.0.1:{redis}"
+timeout_ms = 500
+
+[[tier]]
+url = "s3://{BUCKET}/soak"
+endpoint = "http://127.0.0.1:{moto}"
+region = "us-east-1"
+access_key_id = "kvpool-soak"
+secret_access_key = "kvpool-soak"
+timeout_ms = 1000
+"#,
+            disk = chaos.disk.display(),
+            redis = chaos.redis_port,
+            moto = chaos.moto_port,
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let out_path = chaos.dir.join("sim.json");
+    let log_path = chaos.dir.join("sim.log");
+    let mut sim = Command::new(kvpool)
+        .arg("sim")
+        .arg("--config")
+        .arg(&config)
+        .args(["--soak-minutes", &minutes.to_string()])
+        .args(["--calm-wait-secs", &CALM_SECS.to_string()])
+        .args([
+            "--cpu-size",
+            "2MiB",
+            "--prefixes",
+            "64",
+            "--gpu-blocks",
+            "512",
+        ])
+        .args(["--seed", &seed.to_string(), "--json"])
+        .env("RUST_LOG", "kvpool=error")
+        .stdout(std::fs::File::create(&out_path).map_err(|e| e.to_string())?)
+        .stderr(std::fs::File::create(&log_path).map_err(|e| e.to_string())?)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", kvpool.display()))?;
+    eprintln!(
+        "==> soak: {minutes} min of `kvpool sim` against L1 + disk + Redis + S3, faults until {CALM_SECS} s before the end"
+    );
+    let started = Instant::now();
+    let faults_until = Duration::from_secs_f64(minutes * 60.0 - CALM_SECS as f64);
+    while started.elapsed() < faults_until {
+        std::thread::sleep(chaos.dice.millis(1000, 4000));
+        if sim.try_wait().map_err(|e| e.to_string())?.is_some() {
+            break;
+        }
+        let what = chaos.inject()?;
+        eprintln!("    {:>5.1} s: {what}", started.elapsed().as_secs_f64());
+    }
+    let status = sim.wait().map_err(|e| e.to_string())?;
+    let report = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let f = &chaos.faults;
+    println!("\n== chaos soak: {minutes} min, seed {seed} ==");
+    for (what, n) in [
+        ("Redis killed and restarted", f.redis_kills),
+        ("moto (S3) killed and restarted", f.moto_kills),
+        ("disk filled to the last byte", f.disk_fills),
+        ("Redis values corrupted", f.redis_values_corrupted),
+        ("S3 values overwritten with garbage", f.s3_values_corrupted),
+        (
+            "Redis values copied under another key",
+            f.values_copied_under_other_keys,
+        ),
+    ] {
+        println!("{what:<40} {n:>8}");
+    }
+    let field = |name: &str| {
+        report
+            .split(&format!("\"{name}\":"))
+            .nth(1)
+            .and_then(|rest| rest.split([',', '\n', '}']).next())
+            .map(|v| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    for (what, name) in [
+        ("requests served", "requests"),
+        ("tokens loaded from kvpool", "pool_hit_tokens"),
+        ("blocks reported as failed loads", "reported_failed_blocks"),
+        ("wrong tokens (must be 0)", "wrong_tokens"),
+        (
+            "lost blocks not reported (must be 0)",
+            "unreported_failed_blocks",
+        ),
+        ("RSS after warm-up (bytes)", "rss_after_warm_up_bytes"),
+        ("RSS at the end (bytes)", "rss_end_bytes"),
+    ] {
+        println!("{what:<40} {:>8}", field(name));
+    }
+    let lost: Vec<String> = report
+        .split("\"lost_chunks\":")
+        .skip(1)
+        .filter_map(|rest| rest.split([',', '\n', '}']).next())
+        .map(|v| v.trim().to_string())
+        .collect();
+    println!(
+        "{:<40} {:>8}",
+        "lost acknowledged writes per tier",
+        lost.join(" / ")
+    );
+    if status.success() {
+        Ok(())
+    } else {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        for line in tail.iter().rev() {
+            eprintln!("    {line}");
+        }
+        Err(format!("the soak failed ({status}); report: {report}"))
+    }
+}
