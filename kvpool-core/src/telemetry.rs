@@ -129,6 +129,8 @@ pub const CONNECTOR_STORED_TOKENS: &str = "kvpool_connector_stored_tokens_total"
 pub const DISK_WRITES_REFUSED: &str = "kvpool_disk_writes_refused_total";
 /// Mooncake calls failed fast after a cluster failure.
 pub const MOONCAKE_FAST_FAILURES: &str = "kvpool_mooncake_fast_failures_total";
+/// KV events dropped because the engine did not drain them in time.
+pub const TIER_EVENTS_DROPPED: &str = "kvpool_tier_events_dropped_total";
 
 /// Every metric kvpool records.
 pub const METRICS: &[MetricInfo] = &[
@@ -234,6 +236,11 @@ pub const METRICS: &[MetricInfo] = &[
         &[],
         "Mooncake calls failed fast after a cluster failure.",
     ),
+    counter(
+        TIER_EVENTS_DROPPED,
+        &[],
+        "KV events (chunks entering or leaving a tier) dropped: the engine did not drain them in time.",
+    ),
 ];
 
 /// Hands every metric's help text to the installed recorder (call once, after installing it).
@@ -265,6 +272,43 @@ mod tests {
                 MetricKind::Gauge => assert!(!m.name.ends_with("_total"), "{}", m.name),
             }
         }
+    }
+
+    /// The Grafana dashboard (docs/grafana/kvpool-dashboard.json) queries only metrics kvpool
+    /// records, and groups by `tier` only those that carry it.
+    #[test]
+    fn the_dashboard_queries_only_recorded_metrics() {
+        let dashboard = include_str!("../../docs/grafana/kvpool-dashboard.json");
+        let mut used = 0;
+        for (at, _) in dashboard.match_indices("kvpool_") {
+            let name: String = dashboard[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            let base = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_count")
+                .trim_end_matches("_sum");
+            let metric = METRICS
+                .iter()
+                .find(|m| m.name == name || m.name == base)
+                .unwrap_or_else(|| {
+                    panic!("the dashboard queries {name}, which kvpool does not record")
+                });
+            // The query around the name: does it group by tier?
+            let line_end = dashboard[at..]
+                .find('\n')
+                .map_or(dashboard.len(), |e| at + e);
+            let line_start = dashboard[..at].rfind('\n').map_or(0, |s| s + 1);
+            if dashboard[line_start..line_end].contains("by (tier") {
+                assert!(
+                    metric.labels.contains(&"tier"),
+                    "the dashboard groups {name} by tier, which it does not carry"
+                );
+            }
+            used += 1;
+        }
+        assert!(used >= 15, "the dashboard queries {used} metrics");
     }
 
     /// docs/metrics.md lists every metric, and nothing that is not one.
