@@ -1,6 +1,7 @@
 //! The local CPU backend (L1): chunks in a bounded host memory pool, evicted by policy.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
@@ -9,6 +10,7 @@ use tracing::debug;
 
 use kvpool_core::backend::BackendCounters;
 use kvpool_core::telemetry;
+use kvpool_core::tier_events::{TierEventKind, TierEventLog};
 use kvpool_core::{
     BackendError, BackendStats, CacheKey, Chunk, ChunkAllocator, EvictionKind, EvictionPolicy,
     HostAllocator, MemoryObjMut, MemoryPool, PoolError, PutOutcome, StorageBackend,
@@ -36,6 +38,8 @@ pub struct LocalCpuBackend {
     closed: AtomicBool,
     /// `kvpool_l1_used_bytes`, set after every change.
     used_bytes: metrics::Gauge,
+    /// Where evictions are reported as KV events (set by the storage manager).
+    events: std::sync::OnceLock<Arc<TierEventLog>>,
 }
 
 impl std::fmt::Debug for LocalCpuBackend {
@@ -77,6 +81,7 @@ impl LocalCpuBackend {
             counters: BackendCounters::default(),
             closed: AtomicBool::new(false),
             used_bytes: metrics::gauge!(telemetry::L1_USED_BYTES),
+            events: std::sync::OnceLock::new(),
         }
     }
 
@@ -104,6 +109,9 @@ impl LocalCpuBackend {
                 st.bytes -= chunk.data.len() as u64;
                 BackendCounters::add(&self.counters.evictions, 1);
                 metrics::counter!(telemetry::EVICTIONS, "tier" => "cpu").increment(1);
+                if let Some(events) = self.events.get() {
+                    events.record("cpu", TierEventKind::Removed, [&key]);
+                }
                 debug!(key = %key, bytes = chunk.data.len(), "evicted from L1");
                 true
             }
@@ -230,6 +238,10 @@ impl StorageBackend for LocalCpuBackend {
         st.bytes = 0;
         self.used_bytes.set(0.0);
         Ok(())
+    }
+
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        let _ = self.events.set(events);
     }
 
     fn stats(&self) -> BackendStats {

@@ -118,3 +118,90 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
     .unwrap();
     assert_eq!(hit, 64);
 }
+
+/// KV events: chunks written to L1 and (after write-behind) to a lower tier are reported as
+/// stored in each, evicted from L1 as removed from it, and removed from every tier as removed
+/// from each; nothing is recorded before the log is enabled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
+    use kvpool_core::tier_events::TierEventKind::{Removed, Stored};
+
+    let layout = small_layout();
+    let chunk_bytes = layout.chunk_bytes(16);
+    let l1 = Arc::new(
+        kvpool_backends::LocalCpuBackend::new(4 * chunk_bytes, kvpool_core::EvictionKind::Lru)
+            .unwrap(),
+    );
+    let lower = Arc::new(RemoteBackend::new(
+        MapConnector::default(),
+        ChunkCodec::default(),
+        1 << 20,
+    ));
+    let manager = kvpool_core::StorageManager::builder()
+        .primary(l1.clone(), l1)
+        .lower(lower)
+        .build()
+        .unwrap();
+    let db = kvpool_core::ChunkedTokenDatabase::new(
+        kvpool_core::ChunkingConfig {
+            chunk_size: 16,
+            ..Default::default()
+        },
+        kvpool_core::KeyScope::new("events", 1, 0, 0, layout.fingerprint()).unwrap(),
+    )
+    .unwrap();
+    let engine = kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let log = engine.storage().tier_events().clone();
+    let kv = common::filled_cache(layout, 32, 1);
+    let slots: Vec<i64> = (0..64).collect();
+    let first: Vec<u32> = (0..64).collect();
+    engine.store(&first, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert!(log.drain().is_empty(), "recorded while disabled");
+
+    log.enable();
+    let second: Vec<u32> = (1000..1064).collect();
+    let report = engine.store(&second, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    let keys: Vec<_> = report.stored_keys.iter().map(|k| k.hash).collect();
+    assert_eq!(keys.len(), 4);
+    let events = log.drain();
+    let of = |tier: &str, kind| -> Vec<_> {
+        events
+            .iter()
+            .filter(|e| e.tier == tier && e.kind == kind)
+            .flat_map(|e| e.chunk_hashes.clone())
+            .collect()
+    };
+    assert_eq!(of("cpu", Stored), keys);
+    assert_eq!(of("map", Stored), keys);
+    // L1 holds 4 chunks: the first prompt's 4 were evicted to make room.
+    let first_keys: Vec<_> = engine
+        .token_database()
+        .process_tokens(&first, None)
+        .unwrap()
+        .iter()
+        .map(|s| s.key.hash)
+        .collect();
+    let mut evicted = of("cpu", Removed);
+    evicted.sort_by_key(|h| h.0);
+    let mut want = first_keys.clone();
+    want.sort_by_key(|h| h.0);
+    assert_eq!(evicted, want);
+
+    let spans = engine
+        .token_database()
+        .process_tokens(&second, None)
+        .unwrap();
+    let second_keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
+    engine.storage().remove(&second_keys).await;
+    let events = log.drain();
+    for tier in ["cpu", "map"] {
+        let removed: Vec<_> = events
+            .iter()
+            .filter(|e| e.tier == tier && e.kind == Removed)
+            .flat_map(|e| e.chunk_hashes.clone())
+            .collect();
+        assert_eq!(removed, keys, "{tier}");
+    }
+}

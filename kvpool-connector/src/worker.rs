@@ -1,6 +1,6 @@
 //! The worker side: binds each step's metadata, loads layer by layer, saves, reports failures.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,9 +33,14 @@ pub struct ConnectorWorker {
     failed_blocks: BTreeSet<u32>,
     saved_layers: usize,
     load_errors: BTreeSet<u32>,
-    kv_events: Vec<KvEvent>,
+    /// Saves recorded for [`ConnectorWorker::take_kv_events`]; `None` until enabled, and
+    /// bounded: an engine that never drains it must not grow it for ever.
+    kv_events: Option<VecDeque<KvEvent>>,
     stats: WorkerStats,
 }
+
+/// Most [`KvEvent`]s kept between two drains; older ones are dropped.
+pub const MAX_PENDING_KV_EVENTS: usize = 4096;
 
 /// Counters of a worker since it started (vLLM's connector stats read them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -83,7 +88,7 @@ impl ConnectorWorker {
             failed_blocks: BTreeSet::new(),
             saved_layers: 0,
             load_errors: BTreeSet::new(),
-            kv_events: Vec::new(),
+            kv_events: None,
             stats: WorkerStats::default(),
             traces: RequestTraces::default(),
         }
@@ -419,8 +424,13 @@ impl ConnectorWorker {
         }
         metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS)
             .increment(report.stored_tokens as u64);
-        if !report.stored_keys.is_empty() {
-            self.kv_events.push(KvEvent::ChunksStored {
+        if let Some(events) = self.kv_events.as_mut()
+            && !report.stored_keys.is_empty()
+        {
+            if events.len() == MAX_PENDING_KV_EVENTS {
+                events.pop_front();
+            }
+            events.push_back(KvEvent::ChunksStored {
                 req_id: r.req_id.clone(),
                 chunk_hashes: report.stored_keys.iter().map(|k| k.hash.0).collect(),
             });
@@ -454,7 +464,17 @@ impl ConnectorWorker {
 
     /// vLLM `get_kv_connector_kv_cache_events`: what the pool stored since the last call.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.kv_events)
+        self.kv_events
+            .as_mut()
+            .map(|events| events.drain(..).collect())
+            .unwrap_or_default()
+    }
+
+    /// Starts recording saves for [`ConnectorWorker::take_kv_events`] (off by default: the
+    /// soak found that an engine that never drains them grew this list by one event per
+    /// save, for ever).
+    pub fn enable_kv_events(&mut self) {
+        self.kv_events.get_or_insert_with(VecDeque::new);
     }
 
     /// vLLM `get_block_ids_with_load_errors`: GPU blocks whose load failed since the last call.

@@ -125,6 +125,10 @@ pub trait StorageBackend: Send + Sync + 'static {
     async fn close(&self) -> Result<(), BackendError>;
     /// Counters and occupancy.
     fn stats(&self) -> BackendStats;
+    /// The manager's KV-event log, for chunks that leave this tier on its own initiative
+    /// (evictions). The default ignores it: writes and removals the manager makes are recorded
+    /// by the manager.
+    fn set_event_log(&self, _events: std::sync::Arc<crate::tier_events::TierEventLog>) {}
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -11,6 +11,7 @@
 //! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind (its
 //!   counters in `tier_stats.rs`);
 //! - [`telemetry`]: every Prometheus metric kvpool records, with help texts;
+//! - [`tier_events`]: chunks entering and leaving each tier, for an engine's KV-event stream;
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
 //! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
@@ -34,6 +35,7 @@ pub mod memory_pool;
 pub mod remote;
 pub mod storage_manager;
 pub mod telemetry;
+pub mod tier_events;
 mod tier_stats;
 pub mod token_database;
 pub mod transfer;

@@ -15,6 +15,7 @@ use crate::backend::{Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, Stor
 use crate::error::{BackendError, ConfigError, PoolError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
+use crate::tier_events::{TierEventKind, TierEventLog};
 use crate::tier_stats::{ManagerCounters, TierCounters, TierOp};
 pub use crate::tier_stats::{ManagerStats, TierStats};
 use crate::write_behind::Pending;
@@ -104,6 +105,7 @@ pub struct StorageManager {
     pending: Arc<Pending>,
     counters: ManagerCounters,
     closed: AtomicBool,
+    events: Arc<TierEventLog>,
 }
 
 impl std::fmt::Debug for StorageManager {
@@ -179,6 +181,10 @@ impl StorageManagerBuilder {
             None => (None, Arc::new(HeapChunkAllocator)),
         };
         tiers.extend(self.lower.into_iter().map(mk));
+        let events = Arc::new(TierEventLog::default());
+        for tier in &tiers {
+            tier.backend.set_event_log(events.clone());
+        }
         Ok(StorageManager {
             primary,
             tiers,
@@ -188,6 +194,7 @@ impl StorageManagerBuilder {
             pending: Arc::new(Pending::default()),
             counters: ManagerCounters::default(),
             closed: AtomicBool::new(false),
+            events,
         })
     }
 }
@@ -422,6 +429,15 @@ impl StorageManager {
             match result {
                 Ok(out) => {
                     tier.counters.written(bytes);
+                    if out.skipped == 0 {
+                        // Which ones were skipped is unknown otherwise: no event beats a
+                        // false one.
+                        self.events.record(
+                            tier.backend.name(),
+                            TierEventKind::Stored,
+                            entries.iter().map(|(k, _)| k),
+                        );
+                    }
                     outcome = out;
                 }
                 Err(e) => {
@@ -478,6 +494,7 @@ impl StorageManager {
             permits,
             pending: self.pending.clone(),
         };
+        let events = self.events.clone();
         self.runtime.spawn(async move {
             let tier = guard.tier.clone();
             let bytes: u64 = batch.iter().map(|(_, c)| c.data.len() as u64).sum();
@@ -485,7 +502,10 @@ impl StorageManager {
             let result = tier.backend.put(batch).await;
             tier.counters.call(TierOp::Put, t0.elapsed());
             match result {
-                Ok(_) => tier.counters.written(bytes),
+                Ok(_) => {
+                    tier.counters.written(bytes);
+                    events.record(tier.backend.name(), TierEventKind::Stored, &guard.keys);
+                }
                 Err(e) => {
                     tier.counters.error();
                     tier.counters.failed_writes(guard.keys.len() as u64);
@@ -501,7 +521,13 @@ impl StorageManager {
         let mut n = 0;
         for tier in &self.tiers {
             match tier.backend.remove(keys).await {
-                Ok(k) => n += k,
+                Ok(k) => {
+                    if k > 0 {
+                        self.events
+                            .record(tier.backend.name(), TierEventKind::Removed, keys);
+                    }
+                    n += k;
+                }
                 Err(e) => {
                     tier.counters.error();
                     warn!(tier = tier.backend.name(), error = %e, "remove failed");
@@ -534,6 +560,12 @@ impl StorageManager {
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Chunks entering and leaving each tier, for an engine's KV-event stream (disabled until
+    /// [`TierEventLog::enable`]).
+    pub fn tier_events(&self) -> &Arc<TierEventLog> {
+        &self.events
     }
 
     /// Counters of every tier.

@@ -168,6 +168,25 @@ impl PyScheduler {
         Ok(PyBytes::new(py, &bytes))
     }
 
+    /// The chained hashes of the request's full chunks so far (the keys its KV is stored
+    /// under), one 16-byte string per chunk; empty for an unknown request.
+    fn chunk_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: &str,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let s = guard(self)?;
+        Ok(s.tracker(req_id)
+            .map(|t| {
+                t.hasher
+                    .hashes()
+                    .iter()
+                    .map(|h| PyBytes::new(py, &h.0))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
     /// vLLM `update_connector_output`: blocks the workers failed to load.
     fn update_connector_output(&self, failed_block_ids: Vec<u32>) -> PyResult<()> {
         guard(self)?.update_connector_output(&ConnectorOutput {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpool_connector::vllm::{VllmEngineFacts, pool_config_for_vllm};
-use kvpool_connector::{ConnectorWorker, KvEvent, LookupServer};
+use kvpool_connector::{ConnectorWorker, LookupServer};
 use kvpool_core::{BlockKvCache, Dtype, KvKind, KvLayout};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -161,6 +161,9 @@ impl WorkerCore {
     }
 }
 
+/// A tier event for Python: (tier, stored (else removed), chunk hashes).
+type PyTierEvent<'py> = (String, bool, Vec<Bound<'py, PyBytes>>);
+
 /// The worker half of the vLLM connector (one per vLLM worker process / TP rank).
 #[pyclass(name = "Worker", module = "kvpool._native")]
 pub struct PyWorker {
@@ -259,22 +262,37 @@ impl PyWorker {
         Ok(())
     }
 
-    /// Chunks stored since the last call: a list of `(request id, [chunk hash bytes])`.
-    fn take_events<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<Vec<(String, Vec<Bound<'py, PyBytes>>)>> {
-        let events = core_guard(self)?.worker.take_kv_events();
+    /// Starts recording chunks entering and leaving each tier (vLLM's KV events are on).
+    fn enable_tier_events(&self) -> PyResult<()> {
+        core_guard(self)?
+            .worker
+            .engine()
+            .storage()
+            .tier_events()
+            .enable();
+        Ok(())
+    }
+
+    /// Chunks that entered or left a tier since the last call: a list of
+    /// `(tier, stored, [chunk hash bytes])`, `stored` false for a removal or eviction.
+    fn take_tier_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyTierEvent<'py>>> {
+        let events = core_guard(self)?
+            .worker
+            .engine()
+            .storage()
+            .tier_events()
+            .drain();
         Ok(events
             .into_iter()
-            .map(|e| match e {
-                KvEvent::ChunksStored {
-                    req_id,
-                    chunk_hashes,
-                } => (
-                    req_id,
-                    chunk_hashes.iter().map(|h| PyBytes::new(py, h)).collect(),
-                ),
+            .map(|e| {
+                (
+                    e.tier,
+                    e.kind == kvpool_core::tier_events::TierEventKind::Stored,
+                    e.chunk_hashes
+                        .iter()
+                        .map(|h| PyBytes::new(py, &h.0))
+                        .collect(),
+                )
             })
             .collect())
     }

@@ -58,6 +58,28 @@ def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
     assert 'kvpool_tier_op_seconds_bucket{tier="cpu",op="get"' in page
 
 
+def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_dir, scratch):
+    """Chunks entering kvpool's tiers arrive through vLLM's own KV-event publisher (ZMQ) as
+    BlockStored events tagged with the tier, carrying the same block hashes as vLLM's own
+    events for those blocks."""
+    disk = os.path.join(scratch, "disk-events")
+    prompts = shared_prefix_prompts(2, seed=11)
+    got = runner.run({"model": model_dir, "prompts": prompts, "batches": [[0], [1]],
+                      "kvpool": l1(tier=[{"url": f"file://{disk}"}]),
+                      "kv_events_port": free_port()})
+    events = got["kv_events"]
+    engine = {h for e in events if e["type"] == "BlockStored" and e["medium"] in ("GPU", None)
+              for h in e["block_hashes"]}
+    ours = {m: [e for e in events if e["type"] == "BlockStored" and e["medium"] == m]
+            for m in ("CPU", "DISK")}
+    assert engine, events[:5]
+    for medium, stored in ours.items():
+        hashes = [h for e in stored for h in e["block_hashes"]]
+        assert len(hashes) >= PREFIX // 32, (medium, len(hashes), events[:5])
+        assert set(hashes) <= engine, f"{medium}: block hashes vLLM never announced"
+        assert all(e["tokens"] == 256 for e in stored), stored[:2]
+
+
 def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
     """Done-when 2: every stored chunk equals vLLM's KV blocks for its tokens, block by block,
     both for the request that computed them and for the ones that loaded them."""
@@ -167,12 +189,16 @@ def test_preemption_with_32_concurrent_requests(runner, model_dir):
 
 
 def test_default_multiprocess_mode(runner, model_dir):
-    """Done-when 7: vLLM's default mode (scheduler in EngineCore, worker in its own process)."""
+    """Done-when 7: vLLM's default mode (scheduler in EngineCore, worker in its own process),
+    with KV events on."""
     prompts = shared_prefix_prompts(4, seed=10)
     kw = {"batches": [[0], [1, 2, 3]], "prefix_caching": False}
     base = runner.baseline(model_dir, prompts, **kw)
     got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(),
-                      "multiprocess": True, **kw})
+                      "multiprocess": True, "kv_events_port": free_port(), **kw})
     assert_same_outputs(base, got)
     for r in got["results"][1:]:
         assert r["num_cached_tokens"] >= PREFIX, r
+    # KV events cross from the worker process to EngineCore's publisher.
+    stored = [e for e in got["kv_events"] if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    assert sum(len(e["block_hashes"]) for e in stored) >= PREFIX // 32, got["kv_events"][:5]

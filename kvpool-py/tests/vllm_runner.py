@@ -7,7 +7,9 @@ kv_connector_extra_config dict), multiprocess, num_gpu_blocks (forces a small KV
 max_num_seqs, prefix_caching, batches (lists of prompt indexes, one generate() each),
 kill_after_batch ({batch index: pid to SIGKILL after it}), check_blocks (compare what
 kvpool stored with vLLM's own KV blocks; single process only), scrape_metrics (a port: fetch
-kvpool's Prometheus endpoint after the last batch).
+kvpool's Prometheus endpoint after the last batch), kv_events_port (turn on vLLM's KV events,
+published over ZMQ to a subscriber this process binds on 127.0.0.1:port; the events received
+are returned).
 """
 
 import json
@@ -62,6 +64,15 @@ def main(spec_path, out_path):
             return original(self, request, blocks, num_external_tokens)
 
         KvpoolConnector.update_state_after_alloc = recording
+    subscriber = None
+    if spec.get("kv_events_port"):
+        from vllm.config import KVEventsConfig
+
+        subscriber = EventSubscriber(spec["kv_events_port"])
+        # An endpoint without a wildcard makes vLLM's publisher connect to our socket.
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq",
+            endpoint=f"tcp://127.0.0.1:{spec['kv_events_port']}", topic="kv")
     started = time.time()
     llm = LLM(
         model=spec["model"],
@@ -106,6 +117,8 @@ def main(spec_path, out_path):
             os.kill(kill_after[b], signal.SIGKILL)
     out = {"results": results, "startup_s": startup, "batch_s": batch_s,
            "preempted_requests": len(preempted)}
+    if subscriber is not None:
+        out["kv_events"] = subscriber.stop()
     if spec.get("scrape_metrics"):
         import urllib.request
 
@@ -123,6 +136,56 @@ def main(spec_path, out_path):
         out["stats"] = dict(worker._worker.stats())
     with open(out_path, "w") as f:
         json.dump(out, f)
+
+
+class EventSubscriber:
+    """Receives vLLM's KV event batches (ZMQ SUB, bound on loopback) in a thread."""
+
+    def __init__(self, port):
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._payloads = []
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import zmq
+
+        while self._running:
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self._payloads.append(payload)
+
+    def stop(self):
+        """Waits for late batches, then returns every event as a dict."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        time.sleep(2)
+        self._running = False
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events = []
+        for payload in self._payloads:
+            for e in decoder.decode(payload).events:
+                hashes = [h.hex() if isinstance(h, bytes) else str(h)
+                          for h in getattr(e, "block_hashes", [])]
+                events.append({"type": type(e).__name__, "medium": getattr(e, "medium", None),
+                               "block_hashes": hashes,
+                               "tokens": len(getattr(e, "token_ids", []) or [])})
+        return events
 
 
 def compare_blocks(worker, prompts, blocks_of):

@@ -166,6 +166,7 @@ impl Simulator {
         let scheduler = ConnectorScheduler::new(engine.clone(), runtime.clone(), connector_config);
         let mut worker = ConnectorWorker::new(engine.clone(), runtime.clone(), layout.block_size);
         worker.register_kv_caches(&layout)?;
+        worker.enable_kv_events();
         Ok(Simulator {
             kv: HostPagedKvCache::new(layout, config.gpu_blocks),
             gpu: GpuBlocks::new(config.gpu_blocks, layout.block_size, config.chunk_size),

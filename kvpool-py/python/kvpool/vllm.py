@@ -18,6 +18,13 @@ Options (``kv_connector_extra_config``):
 - ``socket_dir``: where the worker ranks' lookup sockets live (default: the temp dir).
 - ``lookup_timeout_ms`` (default 5000): a lookup slower than this is a miss.
 
+KV events: with vLLM's ``--kv-events-config`` (``enable_kv_cache_events``), chunks entering
+and leaving each kvpool tier are published through vLLM's own event publisher as
+``BlockStored`` / ``BlockRemoved`` with vLLM's block hashes and ``medium`` set to the tier
+(``CPU`` for kvpool's memory tier, ``DISK``, ``REDIS``, ``S3``, ``MOONCAKESTORE`` below it).
+Chunks the scheduler no longer knows the vLLM blocks of (older than its last 65,536 chunks)
+are left out: no event beats one with the wrong hashes.
+
 Loads and saves are synchronous within the step, so ``request_finished`` never delays a
 free and ``get_finished`` reports nothing. A chunk that cannot be loaded (missing, corrupt,
 tier down) is reported through ``get_block_ids_with_load_errors``; set
@@ -30,6 +37,7 @@ import json
 import logging
 import os
 import tempfile
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +46,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVConnectorKVEvents,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -87,6 +100,40 @@ class KvpoolConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+#: A tier event from a worker: (tier name, stored (else removed), chunk hashes).
+TierEvent = tuple[str, bool, tuple[bytes, ...]]
+
+
+class KvpoolKVEvents(KVConnectorKVEvents):
+    """Tier events of one step from the worker ranks; only what every rank reported is kept
+    (each rank stores its own shard of the same chunks)."""
+
+    def __init__(self, events: list[TierEvent] | None = None, num_workers: int = 1):
+        self._counts: Counter[TierEvent] = Counter(events or [])
+        self._workers = num_workers
+
+    def add_events(self, events: list[TierEvent]) -> None:
+        self._counts.update(events)
+
+    def aggregate(self) -> "KvpoolKVEvents":
+        self._counts = Counter({e: 1 for e, n in self._counts.items() if n >= self._workers})
+        self._workers = 1
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[TierEvent]:  # type: ignore[override]
+        return list(self._counts)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._counts.clear()
+        self._workers = 1
 
 
 def resolve_config(extra: dict[str, Any]) -> tuple[str, str]:
@@ -151,6 +198,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._sent_tokens: dict[str, int] = {}
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._bound = False
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
+        # Scheduler side: tier events from the workers, and the vLLM blocks of recent chunks.
+        self._pending_events: KvpoolKVEvents | None = None
+        self._chunk_blocks: OrderedDict[bytes, tuple[list, Any, list[int], str | None]] = OrderedDict()
         if role == KVConnectorRole.SCHEDULER:
             paths = [_native.lookup_socket_path(self._socket_dir, self._engine_id, r)
                      for r in range(self._tp_size)]
@@ -187,6 +239,33 @@ class KvpoolConnector(KVConnectorBase_V1):
         block_ids = blocks.get_block_ids()
         self._scheduler.update_state_after_alloc(
             request.request_id, list(block_ids[0]) if block_ids else [], num_external_tokens)
+        if self._kv_events:
+            self._remember_chunk_blocks(request)
+
+    def _remember_chunk_blocks(self, request: "Request") -> None:
+        """Maps each full chunk of the request to vLLM's block hashes and token ids, for the
+        KV events of the tiers (bounded: the last 65,536 chunks)."""
+        hashes = self._scheduler.chunk_hashes(request.request_id)
+        block_hashes = list(getattr(request, "block_hashes", None) or [])
+        chunk = self._scheduler.chunk_size()
+        if not hashes or chunk % self._block_size:
+            return
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        per_chunk = chunk // self._block_size
+        block_hashes = [maybe_convert_block_hash(b) for b in block_hashes]
+        prompt = request.prompt_token_ids or []
+        lora = getattr(request, "lora_request", None)
+        for i, h in enumerate(hashes):
+            blocks = block_hashes[i * per_chunk:(i + 1) * per_chunk]
+            if len(blocks) < per_chunk:
+                break
+            parent = block_hashes[i * per_chunk - 1] if i else None
+            self._chunk_blocks[h] = (blocks, parent, list(prompt[i * chunk:(i + 1) * chunk]),
+                                     lora.lora_name if lora is not None else None)
+            self._chunk_blocks.move_to_end(h)
+        while len(self._chunk_blocks) > 65536:
+            self._chunk_blocks.popitem(last=False)
 
     def _new_tokens(self, req_id: str) -> list[int]:
         if not self._save_decode_tokens:
@@ -225,6 +304,32 @@ class KvpoolConnector(KVConnectorBase_V1):
         failed = connector_output.invalid_block_ids
         if failed:
             self._scheduler.update_connector_output(sorted(failed))
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, KvpoolKVEvents):
+            if self._pending_events is None:
+                self._pending_events = events
+            else:
+                self._pending_events.add_events(events.get_all_events())
+                self._pending_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self):
+        """The workers' tier events as vLLM KV events (see the module docs)."""
+        pending, self._pending_events = self._pending_events, None
+        if pending is None:
+            return
+        for tier, stored, hashes in pending.aggregate().get_all_events():
+            medium = "CPU" if tier == "cpu" else tier.upper()
+            for h in hashes:
+                known = self._chunk_blocks.get(h)
+                if known is None:
+                    continue
+                blocks, parent, tokens, lora_name = known
+                if stored:
+                    yield BlockStored(block_hashes=blocks, parent_block_hash=parent,
+                                      token_ids=tokens, block_size=self._block_size,
+                                      lora_id=None, medium=medium, lora_name=lora_name)
+                else:
+                    yield BlockRemoved(block_hashes=blocks, medium=medium)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -286,6 +391,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             block_stride_bytes=int(first.stride(0)) * elem,
             socket_path=_native.lookup_socket_path(self._socket_dir, self._engine_id, tp_rank),
         )
+        if self._kv_events:
+            self._worker.enable_tier_events()
         WORKERS.append(self)
         logger.info("kvpool worker rank %d: %d layers, %d blocks, format %s",
                     tp_rank, len(tensors), num_blocks, kv_format)
@@ -339,6 +446,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         if self._worker is None:
             return set()
         return set(self._worker.failed_blocks())
+
+    def get_kv_connector_kv_cache_events(self) -> KvpoolKVEvents | None:
+        if self._worker is None or not self._kv_events:
+            return None
+        events = [(tier, stored, tuple(hashes))
+                  for tier, stored, hashes in self._worker.take_tier_events()]
+        return KvpoolKVEvents(events) if events else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
