@@ -152,13 +152,15 @@ impl S3Connector {
             max_value_bytes: config.max_value_bytes,
             closed: Arc::new(AtomicBool::new(false)),
         };
-        let probe = tokio::time::timeout(
-            config.timeout * 2,
-            connector.store.list_with_delimiter(Some(&connector.prefix)),
-        );
+        // One list request (the first page, at most one key read): it proves the endpoint,
+        // the credentials and the bucket. Listing everything under the prefix, as
+        // `list_with_delimiter` does, grows with the bucket: a full one timed out here.
+        let probe = tokio::time::timeout(config.timeout * 2, async {
+            connector.store.list(Some(&connector.prefix)).next().await
+        });
         match probe.await {
-            Ok(Ok(_)) => Ok(connector),
-            Ok(Err(e)) => Err(fail("cannot list", &e)),
+            Ok(None | Some(Ok(_))) => Ok(connector),
+            Ok(Some(Err(e))) => Err(fail("cannot list", &e)),
             Err(_) => Err(BackendError::Timeout {
                 backend: "s3".into(),
                 op: "connect",

@@ -105,6 +105,12 @@ pub async fn open_tier_with_allocator(
                     config.capacity_bytes = c.0;
                 }
                 config.admit_on_second_put = tier.admit_on_second_put;
+                if let Some(b) = tier.block_cache {
+                    config.block_cache_bytes = usize::try_from(b.0).unwrap_or(usize::MAX);
+                }
+                if let Some(b) = tier.write_buffer {
+                    config.write_buffer_bytes = usize::try_from(b.0).unwrap_or(usize::MAX);
+                }
                 let disk =
                     crate::disk::DiskConnector::open(config).map_err(|e| invalid(e.to_string()))?;
                 Ok(wrap(disk, tier, codec, max_chunk_bytes, allocator))

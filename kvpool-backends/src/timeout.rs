@@ -8,8 +8,18 @@ use bytes::Bytes;
 
 use kvpool_core::{BackendError, RemoteConnector};
 
+/// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
+pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
+
+/// How many times the call limit `close` may take (it flushes what is buffered).
+pub const CLOSE_LIMIT_FACTOR: u32 = 10;
+
 /// Wraps a connector so every call, single or batch, fails with [`BackendError::Timeout`]
 /// once `limit` has passed, instead of hanging on a dead server.
+///
+/// Writes get `limit` plus the time their bytes take at [`SLOWEST_WRITE_BYTES_PER_SEC`] (a
+/// batch of large chunks to a busy disk is slow, not dead), and `close`, which flushes, gets
+/// [`CLOSE_LIMIT_FACTOR`] times `limit`.
 #[derive(Debug, Clone)]
 pub struct TimeoutConnector<C> {
     inner: C,
@@ -32,7 +42,21 @@ impl<C: RemoteConnector> TimeoutConnector<C> {
         op: &'static str,
         fut: impl Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        match tokio::time::timeout(self.limit, fut).await {
+        self.bounded_by(op, self.limit, fut).await
+    }
+
+    /// The limit of a write of `bytes`.
+    fn write_limit(&self, bytes: usize) -> Duration {
+        self.limit + Duration::from_secs_f64(bytes as f64 / SLOWEST_WRITE_BYTES_PER_SEC)
+    }
+
+    async fn bounded_by<T>(
+        &self,
+        op: &'static str,
+        limit: Duration,
+        fut: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(limit, fut).await {
             Ok(r) => r,
             Err(_) => Err({
                 metrics::counter!(kvpool_core::telemetry::TIMEOUTS, "tier" => self.inner.name().to_string())
@@ -40,7 +64,7 @@ impl<C: RemoteConnector> TimeoutConnector<C> {
                 BackendError::Timeout {
                     backend: self.inner.name().to_string(),
                     op,
-                    millis: self.limit.as_millis() as u64,
+                    millis: limit.as_millis() as u64,
                 }
             }),
         }
@@ -59,13 +83,16 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         self.bounded("get", self.inner.get(key)).await
     }
     async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        self.bounded("put", self.inner.put(key, value)).await
+        let limit = self.write_limit(value.len());
+        self.bounded_by("put", limit, self.inner.put(key, value))
+            .await
     }
     async fn delete(&self, key: &str) -> Result<bool, BackendError> {
         self.bounded("delete", self.inner.delete(key)).await
     }
     async fn close(&self) -> Result<(), BackendError> {
-        self.bounded("close", self.inner.close()).await
+        let limit = self.limit * CLOSE_LIMIT_FACTOR;
+        self.bounded_by("close", limit, self.inner.close()).await
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.bounded("batch_exists", self.inner.batch_exists(keys))
@@ -75,7 +102,8 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         self.bounded("batch_get", self.inner.batch_get(keys)).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        self.bounded("batch_put", self.inner.batch_put(entries))
+        let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());
+        self.bounded_by("batch_put", limit, self.inner.batch_put(entries))
             .await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
@@ -136,5 +164,29 @@ mod tests {
             fast.get("k").await.unwrap().unwrap(),
             Bytes::from_static(b"v")
         );
+    }
+
+    /// A write's limit grows with its bytes: 64 MiB get two more seconds at 32 MiB/s, so a
+    /// hung 64 MiB write fails after 2.25 s, not 0.25 s.
+    #[tokio::test(start_paused = true)]
+    async fn a_large_write_gets_time_for_its_bytes() {
+        let slow = TimeoutConnector::new(Hangs, Duration::from_millis(250));
+        let started = tokio::time::Instant::now();
+        let err = slow
+            .batch_put(vec![("k".into(), Bytes::from(vec![0u8; 64 << 20]))])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Timeout {
+                    op: "batch_put",
+                    millis: 2250,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(2250));
     }
 }

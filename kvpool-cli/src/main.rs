@@ -83,15 +83,16 @@ struct SimArgs {
     #[arg(long = "tier", value_name = "URL")]
     tiers: Vec<String>,
     /// Soak: run for this many minutes instead of --requests, then check that writes
-    /// acknowledged afterwards come back intact from every lower tier, and that resident
-    /// memory at the end is within --max-rss-growth of memory after the warm-up.
+    /// acknowledged afterwards come back intact from every lower tier, and that anonymous
+    /// resident memory (RssAnon) at the end is within --max-rss-growth of its value after
+    /// the warm-up.
     #[arg(long, value_name = "MINUTES")]
     soak_minutes: Option<f64>,
     /// Soak: seconds to wait before the acknowledged-writes check (time for a fault injector
     /// to stop and for servers to come back).
     #[arg(long, default_value_t = 5, requires = "soak_minutes")]
     calm_wait_secs: u64,
-    /// Soak: largest allowed growth of resident memory from the warm-up to the end.
+    /// Soak: largest allowed growth of anonymous resident memory from the warm-up to the end.
     #[arg(long, default_value_t = 0.05, requires = "soak_minutes")]
     max_rss_growth: f64,
     /// Print JSON instead of a table.
@@ -410,7 +411,7 @@ fn run_sim(a: SimArgs) -> anyhow::Result<()> {
         let limit = warm as f64 * (1.0 + a.max_rss_growth);
         anyhow::ensure!(
             end as f64 <= limit,
-            "resident memory grew from {} after the warm-up to {} at the end (limit {})",
+            "anonymous resident memory grew from {} after the warm-up to {} at the end (limit {})",
             ByteSize(warm),
             ByteSize(end),
             ByteSize(limit as u64)
@@ -430,10 +431,13 @@ fn render_durability(
         format!("{:.0} s", r.elapsed_seconds),
     ]);
     t.row(vec![
-        "RSS after warm-up".into(),
+        "anonymous RSS after warm-up".into(),
         bytes(r.rss_after_warm_up_bytes),
     ]);
-    t.row(vec!["RSS at the end".into(), bytes(r.rss_end_bytes)]);
+    t.row(vec![
+        "anonymous RSS at the end".into(),
+        bytes(r.rss_end_bytes),
+    ]);
     for d in tiers {
         t.row(vec![
             format!("{}: acknowledged chunks lost (must be 0)", d.tier),

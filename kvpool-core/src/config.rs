@@ -262,6 +262,12 @@ pub struct TierConfig {
     /// Disk: write a chunk only on its second put.
     #[serde(default)]
     pub admit_on_second_put: bool,
+    /// Disk: RocksDB's block cache, which serves hot chunks without a copy (default 256 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_cache: Option<ByteSize>,
+    /// Disk: size of one RocksDB memtable (default 16 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_buffer: Option<ByteSize>,
     /// Redis: expire chunks after this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
@@ -299,6 +305,8 @@ impl fmt::Debug for TierConfig {
             .field("url", &redact_url(&self.url))
             .field("capacity", &self.capacity)
             .field("admit_on_second_put", &self.admit_on_second_put)
+            .field("block_cache", &self.block_cache)
+            .field("write_buffer", &self.write_buffer)
             .field("ttl_seconds", &self.ttl_seconds)
             .field("endpoint", &self.endpoint.as_deref().map(redact_url))
             .field("region", &self.region)
@@ -323,6 +331,8 @@ impl TierConfig {
             url: url.into(),
             capacity: None,
             admit_on_second_put: false,
+            block_cache: None,
+            write_buffer: None,
             ttl_seconds: None,
             endpoint: None,
             region: None,
@@ -398,7 +408,7 @@ impl PoolConfig {
              # codec.checksum: xxh3 | crc32c; codec.compression: {{ kind = \"none\" }} | {{ kind = \"zstd\", level = 3 }}\n\
              # Lower tiers, looked up in order after L1:\n\
              #   [[tier]]\n\
-             #   url = \"file:///var/cache/kvpool\"   # RocksDB (feature disk); capacity = \"64GiB\", admit_on_second_put = true\n\
+             #   url = \"file:///var/cache/kvpool\"   # RocksDB (feature disk); capacity = \"64GiB\", admit_on_second_put = true, block_cache = \"256MiB\", write_buffer = \"16MiB\"\n\
              #   [[tier]]\n\
              #   url = \"redis://127.0.0.1:6379\"     # or rediss://, redis+cluster://h1:p1,h2:p2 (feature redis); ttl_seconds = 3600\n\
              #   timeout_ms = 2000\n\

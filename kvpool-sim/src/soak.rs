@@ -16,18 +16,44 @@ use crate::kv_model::{model_compute, model_mismatches};
 /// Resident set size of this process, in bytes (Linux: `VmRSS` in `/proc/self/status`);
 /// `None` elsewhere.
 pub fn resident_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    status_kib("VmRSS:").map(|k| k * 1024)
 }
 
-/// Samples RSS once after a warm-up and again at the end of a timed run.
+/// Resident anonymous memory (`RssAnon`: heap, stacks, pools), in bytes: RSS without the
+/// pages of mapped files (code and libraries, which grow as more code paths run). The soak's
+/// memory check uses it.
+pub fn resident_anon_bytes() -> Option<u64> {
+    status_kib("RssAnon:").map(|k| k * 1024)
+}
+
+fn status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Bytes the C heap has handed out and not taken back (glibc's `mallinfo2`: small blocks plus
+/// mmapped ones): unlike RSS, blind to fragmentation and to pages the allocator keeps, so a
+/// steady rise is a leak. `None` off glibc.
+pub fn heap_in_use_bytes() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and only reads the allocator's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}
+
+/// Samples RSS once after a warm-up, and every 10 s, during a timed run.
 #[derive(Debug, Clone, Default)]
 pub struct RssSampler {
     warm_up: Option<Duration>,
-    /// RSS when the warm-up ended.
+    /// Anonymous RSS when the warm-up ended.
     pub after_warm_up: Option<u64>,
+    /// (second, RSS, anonymous RSS, C heap in use) every 10 s.
+    pub timeline: Vec<(u64, u64, u64, u64)>,
 }
 
 impl RssSampler {
@@ -37,13 +63,28 @@ impl RssSampler {
         Self {
             warm_up: duration.map(|d| (d / 4).min(Duration::from_secs(30))),
             after_warm_up: None,
+            timeline: Vec::new(),
         }
     }
 
     /// Records RSS the first time `elapsed` passes the warm-up.
     pub fn tick(&mut self, elapsed: Duration) {
+        if self.warm_up.is_none() {
+            return;
+        }
         if self.after_warm_up.is_none() && self.warm_up.is_some_and(|w| elapsed >= w) {
-            self.after_warm_up = resident_bytes();
+            self.after_warm_up = resident_anon_bytes();
+        }
+        let second = elapsed.as_secs();
+        if second >= 10 * self.timeline.len() as u64
+            && let Some(rss) = resident_bytes()
+        {
+            self.timeline.push((
+                second,
+                rss,
+                resident_anon_bytes().unwrap_or(0),
+                heap_in_use_bytes().unwrap_or(0),
+            ));
         }
     }
 }
@@ -89,7 +130,7 @@ pub fn check_acknowledged_writes(
 
     let mut acknowledged = 0;
     {
-        let pool = runtime.block_on(kvpool_backends::build_pool(config))?;
+        let pool = runtime.block_on(build_pool_patiently(config))?;
         let mut kv = HostPagedKvCache::new(layout, blocks.len());
         for tokens in &prompts {
             for layer in 0..layout.num_layers {
@@ -107,7 +148,7 @@ pub fn check_acknowledged_writes(
     for tier in &config.tiers {
         let mut alone = config.clone();
         alone.tiers = vec![tier.clone()];
-        let pool = runtime.block_on(kvpool_backends::build_pool(&alone))?;
+        let pool = runtime.block_on(build_pool_patiently(&alone))?;
         let mut result = TierDurability {
             tier: kvpool_core::redact_url(&tier.url),
             acknowledged_chunks: acknowledged,
@@ -124,6 +165,24 @@ pub fn check_acknowledged_writes(
         out.push(result);
     }
     Ok(out)
+}
+
+/// `build_pool`, tried up to five times a second apart: a server restarted just before the
+/// check may still be starting (the check is about what the tiers keep, not how fast they
+/// come back).
+async fn build_pool_patiently(config: &PoolConfig) -> anyhow::Result<kvpool_backends::Pool> {
+    let mut attempt = 1;
+    loop {
+        match kvpool_backends::build_pool(config).await {
+            Ok(pool) => return Ok(pool),
+            Err(e) if attempt < 5 => {
+                eprintln!("opening the pool failed (attempt {attempt}): {e}; retrying");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::soak::{RssSampler, resident_bytes};
+use crate::soak::{RssSampler, resident_anon_bytes};
 
 /// Simulation settings.
 #[derive(Debug, Clone)]
@@ -131,10 +131,13 @@ pub struct SimReport {
     pub leaked_request_states: usize,
     /// Seconds the run took.
     pub elapsed_seconds: f64,
-    /// Resident memory after the warm-up of a timed run (bytes).
+    /// Anonymous resident memory (`RssAnon`) after the warm-up of a timed run (bytes).
     pub rss_after_warm_up_bytes: Option<u64>,
-    /// Resident memory when a timed run ended (bytes).
+    /// Anonymous resident memory (`RssAnon`) when a timed run ended (bytes).
     pub rss_end_bytes: Option<u64>,
+    /// Every 10 s of a timed run: (second, resident bytes, anonymous resident bytes, C heap
+    /// bytes in use).
+    pub rss_timeline: Vec<(u64, u64, u64, u64)>,
 }
 
 /// The model: a token's KV row depends on the whole prefix up to it.
@@ -548,7 +551,8 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
     r.elapsed_seconds = started.elapsed().as_secs_f64();
     if s.duration.is_some() {
         r.rss_after_warm_up_bytes = rss.after_warm_up;
-        r.rss_end_bytes = resident_bytes();
+        r.rss_end_bytes = resident_anon_bytes();
+        r.rss_timeline = std::mem::take(&mut rss.timeline);
     }
     drop((sched, worker));
     runtime
