@@ -85,8 +85,6 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
         1 << 20,
     ));
     let stored = store_prompt(&engine_over(lower.clone(), "hung"), 64, 4).await;
-
-    let layout = small_layout();
     let cpu = Arc::new(
         kvpool_backends::LocalCpuBackend::new(1 << 20, kvpool_core::EvictionKind::Lru).unwrap(),
     );
@@ -100,15 +98,7 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
         .lower(lower)
         .build()
         .unwrap();
-    let db = kvpool_core::ChunkedTokenDatabase::new(
-        kvpool_core::ChunkingConfig {
-            chunk_size: 16,
-            ..Default::default()
-        },
-        kvpool_core::KeyScope::new("hung", 1, 0, 0, layout.fingerprint()).unwrap(),
-    )
-    .unwrap();
-    let engine = kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let engine = common::engine_with(manager, "hung");
     let hit = tokio::time::timeout(
         std::time::Duration::from_secs(20),
         engine.lookup(&stored.tokens),
@@ -142,15 +132,7 @@ async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
         .lower(lower)
         .build()
         .unwrap();
-    let db = kvpool_core::ChunkedTokenDatabase::new(
-        kvpool_core::ChunkingConfig {
-            chunk_size: 16,
-            ..Default::default()
-        },
-        kvpool_core::KeyScope::new("events", 1, 0, 0, layout.fingerprint()).unwrap(),
-    )
-    .unwrap();
-    let engine = kvpool_core::CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+    let engine = common::engine_with(manager, "events");
     let log = engine.storage().tier_events().clone();
     let kv = common::filled_cache(layout, 32, 1);
     let slots: Vec<i64> = (0..64).collect();

@@ -190,11 +190,16 @@ pub fn engine_over(
     lower: Arc<dyn kvpool_core::StorageBackend>,
     model: &str,
 ) -> kvpool_core::CacheEngine {
-    let layout = small_layout();
     let manager = kvpool_core::StorageManager::builder()
         .lower(lower)
         .build()
         .unwrap();
+    engine_with(manager, model)
+}
+
+/// A cache engine (16-token chunks, [`small_layout`]) over `manager`'s tiers.
+pub fn engine_with(manager: kvpool_core::StorageManager, model: &str) -> kvpool_core::CacheEngine {
+    let layout = small_layout();
     let db = kvpool_core::ChunkedTokenDatabase::new(
         kvpool_core::ChunkingConfig {
             chunk_size: 16,
