@@ -9,7 +9,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(url) = std::str::from_utf8(data) else {
         return;
     };
-    let _ = kvpool_backends::tier_url::scheme_of(url);
+    let _ = kvpool_backends::registry::scheme_of(url);
     let redacted = redact_url(url);
     // Everything between the scheme and the last '@' (the user info, password included)
     // is gone: only the scheme, `***` and what follows the '@' remain.
@@ -28,7 +28,6 @@ fuzz_target!(|data: &[u8]| {
             assert!(!redacted.contains(password), "{url} -> {redacted}");
         }
     }
-    let mut tier = TierConfig::new(url);
-    tier.endpoint = Some(url.to_string());
+    let tier = TierConfig::new(url).with_option("endpoint", url);
     let _ = format!("{tier:?}");
 });

@@ -10,6 +10,10 @@
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
+//! [`registry`] maps URL schemes to backends: each backend module registers its own schemes
+//! and parses its own `[[tier]]` options, and a third-party crate adds a backend the same way
+//! ([`register_scheme`]).
+//!
 //! Cross-cutting concerns are wrappers implementing the same trait: [`timeout`] bounds every
 //! call of any `RemoteConnector`. [`metrics_endpoint`] serves every metric kvpool records to
 //! Prometheus (`[metrics] listen`).
@@ -32,9 +36,9 @@ pub mod mooncake_python;
 pub mod pool_builder;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod registry;
 #[cfg(feature = "s3")]
 pub mod s3;
-pub mod tier_url;
 pub mod timeout;
 
 #[cfg(feature = "cpu")]
@@ -43,4 +47,5 @@ pub use faults::FaultInjector;
 pub use memory::InMemoryConnector;
 pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
+pub use registry::{BackendFactory, TierRequest, open_tier, register_scheme};
 pub use timeout::TimeoutConnector;

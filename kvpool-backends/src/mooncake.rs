@@ -28,6 +28,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tracing::{debug, warn};
 
+use crate::registry::{BackendFactory, TierRequest};
 use kvpool_core::{
     BackendError, ByteSize, ConfigError, HeapAllocator, HostAllocator, HostArena, MemoryObjMut,
     MemoryPool, PoolError, RemoteConnector,
@@ -898,6 +899,32 @@ impl RemoteConnector for MooncakeConnector {
             Ok(removed)
         })
         .await
+    }
+}
+
+/// The URL schemes the Mooncake tier opens.
+pub const SCHEMES: &[&str] = &["mooncakestore"];
+
+/// Registers [`SCHEMES`] with the scheme registry. Mooncake's options travel in the URL's
+/// query (`?protocol=rdma&device_name=mlx5_0`), named as in Mooncake's own JSON config.
+pub struct MooncakeFactory;
+
+#[async_trait]
+impl BackendFactory for MooncakeFactory {
+    fn example(&self) -> String {
+        "url = \"mooncakestore://127.0.0.1:50051?protocol=tcp&global_segment_size=1GiB\"  # options in the query: config, local_hostname, metadata_server, protocol, device_name, global_segment_size, local_buffer_size, staging_size, replica_num, python_path".into()
+    }
+
+    async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
+        tier.options().finish()?;
+        let mut config = MooncakeConfig::from_url(tier.url())?;
+        // Room for a few values of the largest chunk the pool stores.
+        let needed = (tier.max_chunk_bytes + 4096).saturating_mul(4);
+        config.staging_bytes = config.staging_bytes.max(needed);
+        let connector = MooncakeConnector::connect(&config)
+            .await
+            .map_err(|e| invalid(e.to_string()))?;
+        Ok(Box::new(connector))
     }
 }
 

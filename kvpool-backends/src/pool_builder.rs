@@ -88,7 +88,7 @@ pub async fn build_pool_with_allocator(
     let allocator = None;
     for tier in &config.tiers {
         builder = builder.lower(
-            crate::tier_url::open_tier_with_allocator(
+            crate::registry::open_tier_with_allocator(
                 tier,
                 config.codec,
                 max_chunk_bytes,

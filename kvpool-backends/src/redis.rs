@@ -13,7 +13,10 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisError};
 use tracing::warn;
 
-use kvpool_core::{BackendError, RemoteConnector};
+use kvpool_core::chunk_format::max_stored_len;
+use kvpool_core::{BackendError, ConfigError, RemoteConnector};
+
+use crate::registry::{BackendFactory, TierRequest};
 
 /// Settings of a Redis tier. Its `Debug` output hides the URL's password.
 #[derive(Clone, PartialEq, Eq)]
@@ -339,6 +342,41 @@ impl RemoteConnector for RedisConnector {
             .collect();
         let counts: Vec<i64> = self.per_key(cmds).await?;
         Ok(counts.into_iter().filter(|n| *n > 0).count())
+    }
+}
+
+/// The URL schemes the Redis tier opens.
+pub const SCHEMES: &[&str] = &["redis", "rediss", "redis+cluster", "rediss+cluster"];
+
+impl RedisConnector {
+    /// Connects to the tier's URL with its `[[tier]]` options: `ttl_seconds`.
+    pub async fn from_tier(tier: &TierRequest<'_>) -> Result<Self, ConfigError> {
+        let mut config = RedisConfig::new(tier.url());
+        let mut options = tier.options();
+        config.ttl = options.u64("ttl_seconds")?.map(Duration::from_secs);
+        options.finish()?;
+        config.timeout = tier.timeout();
+        config.max_value_bytes = Some(max_stored_len(tier.max_chunk_bytes));
+        RedisConnector::connect(&config)
+            .await
+            .map_err(|e| ConfigError::Invalid {
+                field: "tier.url",
+                reason: e.to_string(),
+            })
+    }
+}
+
+/// Registers [`SCHEMES`] with the scheme registry.
+pub struct RedisFactory;
+
+#[async_trait]
+impl BackendFactory for RedisFactory {
+    fn example(&self) -> String {
+        "url = \"redis://[user:password@]127.0.0.1:6379[/db]\"  # or rediss:// (TLS), redis+cluster://h1:p1,h2:p2; ttl_seconds = 3600".into()
+    }
+
+    async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
+        Ok(Box::new(RedisConnector::from_tier(tier).await?))
     }
 }
 

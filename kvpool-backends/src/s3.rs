@@ -13,7 +13,10 @@ use object_store::{
     ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
 };
 
-use kvpool_core::{BackendError, RemoteConnector};
+use kvpool_core::chunk_format::max_stored_len;
+use kvpool_core::{BackendError, ConfigError, RemoteConnector};
+
+use crate::registry::{BackendFactory, TierRequest};
 use tracing::warn;
 
 /// Settings of an S3 tier. Credentials and anything not set here come from the standard
@@ -284,5 +287,61 @@ impl RemoteConnector for S3Connector {
             .try_collect()
             .await?;
         Ok(existed.into_iter().filter(|e| *e).count())
+    }
+}
+
+/// The URL schemes the S3 tier opens.
+pub const SCHEMES: &[&str] = &["s3"];
+
+impl S3Connector {
+    /// Connects to `s3://bucket/prefix` with its `[[tier]]` options: `endpoint`, `region`,
+    /// `access_key_id` and `secret_access_key` (both or neither; else from the environment).
+    pub async fn from_tier(tier: &TierRequest<'_>) -> Result<Self, ConfigError> {
+        let mut config = S3Config::new(tier.url());
+        let mut options = tier.options();
+        config.endpoint = options.string("endpoint")?;
+        config.region = options.string("region")?;
+        match (
+            options.string("access_key_id")?,
+            options.string("secret_access_key")?,
+        ) {
+            (Some(id), Some(secret)) => config.credentials = Some((id, secret)),
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(options.invalid(
+                    "access_key_id",
+                    "set secret_access_key too, or neither (the environment's are used then)",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(options.invalid(
+                    "secret_access_key",
+                    "set access_key_id too, or neither (the environment's are used then)",
+                ));
+            }
+        }
+        options.finish()?;
+        config.timeout = tier.timeout();
+        config.max_value_bytes = Some(max_stored_len(tier.max_chunk_bytes));
+        S3Connector::connect(&config)
+            .await
+            .map_err(|e| ConfigError::Invalid {
+                field: "tier.url",
+                reason: e.to_string(),
+            })
+    }
+}
+
+/// Registers [`SCHEMES`] with the scheme registry.
+pub struct S3Factory;
+
+#[async_trait]
+impl BackendFactory for S3Factory {
+    fn example(&self) -> String {
+        "url = \"s3://bucket/prefix\"  # endpoint = \"http://127.0.0.1:9000\", region = \"us-east-1\", access_key_id, secret_access_key (default: AWS_* environment)".into()
+    }
+
+    async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
+        Ok(Box::new(S3Connector::from_tier(tier).await?))
     }
 }

@@ -16,7 +16,7 @@ use common::{
 };
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::mooncake::{MooncakeConfig, MooncakeConnector};
-use kvpool_backends::tier_url::open_tier;
+use kvpool_backends::registry::open_tier;
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector, TierConfig};
 use servers::{MooncakeCluster, free_port, server_url};
 

@@ -111,11 +111,11 @@ async fn pool_config_selects_s3_by_url_and_fails_fast_on_a_missing_bucket() {
     ) else {
         return;
     };
-    let mut tier = kvpool_core::TierConfig::new(url);
-    tier.endpoint = Some(endpoint);
-    tier.region = Some("us-east-1".into());
-    tier.access_key_id = Some("from-config".into());
-    tier.secret_access_key = Some("from-config".into());
+    let tier = kvpool_core::TierConfig::new(url)
+        .with_option("endpoint", endpoint)
+        .with_option("region", "us-east-1")
+        .with_option("access_key_id", "from-config")
+        .with_option("secret_access_key", "from-config");
     let mut config = kvpool_core::PoolConfig::default();
     config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
     config.tiers.push(tier);

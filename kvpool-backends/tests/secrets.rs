@@ -10,10 +10,11 @@ fn assert_hidden(what: &str, text: &str) {
 
 #[test]
 fn configs_hide_secrets_in_debug_output() {
-    let mut tier = TierConfig::new(format!("redis://user:{SECRET}@127.0.0.1:6379"));
-    tier.access_key_id = Some("AKIDEXAMPLE".into());
-    tier.secret_access_key = Some(SECRET.into());
-    tier.endpoint = Some(format!("http://admin:{SECRET}@127.0.0.1:9000"));
+    let tier = TierConfig::new(format!("redis://user:{SECRET}@127.0.0.1:6379"))
+        .with_option("access_key_id", "AKIDEXAMPLE")
+        .with_option("secret_access_key", SECRET)
+        .with_option("password", SECRET)
+        .with_option("endpoint", format!("http://admin:{SECRET}@127.0.0.1:9000"));
     assert_hidden("TierConfig", &format!("{tier:?}"));
     assert!(
         format!("{tier:?}").contains("AKIDEXAMPLE"),
@@ -40,7 +41,7 @@ fn configs_hide_secrets_in_debug_output() {
 
 #[tokio::test]
 async fn errors_do_not_echo_passwords() {
-    let err = kvpool_backends::tier_url::scheme_of(&format!("user:{SECRET}@host:6379"))
+    let err = kvpool_backends::registry::scheme_of(&format!("user:{SECRET}@host:6379"))
         .unwrap_err()
         .to_string();
     assert_hidden("a non-URL's error", &err);
@@ -55,4 +56,12 @@ async fn errors_do_not_echo_passwords() {
         assert_hidden("a Redis connection error", &err.to_string());
         assert_hidden("a Redis connection error (Debug)", &format!("{err:?}"));
     }
+    // A backend's complaint about one of its options names the tier without its password.
+    let mut config = PoolConfig::default();
+    config
+        .tiers
+        .push(TierConfig::new(format!("memory://user:{SECRET}@h")).with_option("colour", "blue"));
+    let err = kvpool_backends::build_pool(&config).await.unwrap_err();
+    assert!(err.to_string().contains("`colour`"), "{err}");
+    assert_hidden("an option error", &err.to_string());
 }

@@ -267,6 +267,9 @@ struct ConfigArgs {
     /// Validate a configuration file.
     #[arg(long, value_name = "FILE")]
     check: Option<PathBuf>,
+    /// List the tier URL schemes this build knows, each with an example `[[tier]]`.
+    #[arg(long)]
+    schemes: bool,
 }
 
 fn main() {
@@ -536,6 +539,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Config(a) => {
             if a.print_default {
                 print!("{}", PoolConfig::default_toml());
+            } else if a.schemes {
+                for (scheme, example) in kvpool_backends::registry::schemes() {
+                    println!("{scheme:<16} {example}");
+                }
             } else if let Some(path) = a.check {
                 let cfg = PoolConfig::from_file(&path)?;
                 println!(

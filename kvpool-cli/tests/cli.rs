@@ -33,6 +33,20 @@ fn printed_default_config_is_valid_and_checkable() {
 }
 
 #[test]
+fn schemes_lists_every_built_in_backend_with_an_example() {
+    let out = kvpool(&["config", "--schemes"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for scheme in ["file", "memory", "mooncakestore", "redis+cluster", "s3"] {
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("{scheme} "))),
+            "{scheme} missing: {text}"
+        );
+    }
+    assert!(text.contains("url = \"memory://\""), "{text}");
+}
+
+#[test]
 fn bench_json_reports_hits_on_a_small_workload() {
     let out = kvpool(&[
         "bench",

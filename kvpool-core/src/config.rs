@@ -10,6 +10,7 @@ use crate::error::ConfigError;
 use crate::eviction::EvictionKind;
 use crate::key::KeyScope;
 use crate::layout::{Dtype, KvKind, KvLayout};
+use crate::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 use crate::token_database::ChunkingConfig;
 
 /// A byte count that reads and writes as `"2GiB"`, `"512MiB"`, `"1.5GB"` or a plain integer.
@@ -242,50 +243,29 @@ impl MetricsConfig {
     }
 }
 
-/// A lower tier (disk, Redis, …), chosen by URL scheme; options a scheme does not use are
-/// ignored.
+/// A lower tier (disk, Redis, …), chosen by URL scheme.
 ///
-/// | scheme | tier |
-/// |---|---|
-/// | `file:///path` | local RocksDB (feature `disk`) |
-/// | `redis://`, `rediss://`, `redis+cluster://h1,h2` | Redis (feature `redis`) |
-/// | `s3://bucket/prefix` | S3 or an S3-compatible server (feature `s3`) |
-/// | `memory://` | process memory (tests) |
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Core knows no backend: `url` picks the backend registered for its scheme (see
+/// `kvpool_backends::registry`), and every other key of the `[[tier]]` table lands in
+/// [`TierConfig::options`] for that backend to read (and to reject when it does not know it).
+///
+/// ```
+/// let cfg = kvpool_core::PoolConfig::from_toml(
+///     "[[tier]]\nurl = \"file:///var/cache/kvpool\"\ncapacity = \"8GiB\"\ntimeout_ms = 500",
+/// ).unwrap();
+/// assert_eq!(cfg.tiers[0].timeout_ms, 500);
+/// assert!(cfg.tiers[0].options.get("capacity").is_some());
+/// ```
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct TierConfig {
-    /// Where the tier lives.
+    /// Where the tier lives; its scheme selects the backend.
     pub url: String,
-    /// Disk: bytes kept before evicting the least recently used.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity: Option<ByteSize>,
-    /// Disk: write a chunk only on its second put.
-    #[serde(default)]
-    pub admit_on_second_put: bool,
-    /// Disk: RocksDB's block cache, which serves hot chunks without a copy (default 256 MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_cache: Option<ByteSize>,
-    /// Disk: size of one RocksDB memtable (default 16 MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub write_buffer: Option<ByteSize>,
-    /// Redis: expire chunks after this many seconds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ttl_seconds: Option<u64>,
-    /// S3: endpoint of an S3-compatible server (e.g. `http://127.0.0.1:9000`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub endpoint: Option<String>,
-    /// S3: region (default from `AWS_REGION`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub region: Option<String>,
-    /// S3: access key id (default from `AWS_ACCESS_KEY_ID`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub access_key_id: Option<String>,
-    /// S3: secret access key (default from `AWS_SECRET_ACCESS_KEY`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secret_access_key: Option<String>,
     /// Bound on connecting and on every call, in milliseconds.
     #[serde(default = "TierConfig::default_timeout_ms")]
     pub timeout_ms: u64,
+    /// The backend's own options (every other key of the table).
+    #[serde(flatten)]
+    pub options: TierOptions,
 }
 
 /// `url` with any password (`scheme://user:password@host`) replaced by `***`, for logs, `Debug`
@@ -298,24 +278,13 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// Secrets (the URL's password, the S3 secret key) print as `***`.
+/// Secrets (the URL's password, secret options) print as `***`.
 impl fmt::Debug for TierConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TierConfig")
             .field("url", &redact_url(&self.url))
-            .field("capacity", &self.capacity)
-            .field("admit_on_second_put", &self.admit_on_second_put)
-            .field("block_cache", &self.block_cache)
-            .field("write_buffer", &self.write_buffer)
-            .field("ttl_seconds", &self.ttl_seconds)
-            .field("endpoint", &self.endpoint.as_deref().map(redact_url))
-            .field("region", &self.region)
-            .field("access_key_id", &self.access_key_id)
-            .field(
-                "secret_access_key",
-                &self.secret_access_key.as_ref().map(|_| "***"),
-            )
             .field("timeout_ms", &self.timeout_ms)
+            .field("options", &self.options)
             .finish()
     }
 }
@@ -329,17 +298,24 @@ impl TierConfig {
     pub fn new(url: impl Into<String>) -> Self {
         TierConfig {
             url: url.into(),
-            capacity: None,
-            admit_on_second_put: false,
-            block_cache: None,
-            write_buffer: None,
-            ttl_seconds: None,
-            endpoint: None,
-            region: None,
-            access_key_id: None,
-            secret_access_key: None,
             timeout_ms: Self::default_timeout_ms(),
+            options: TierOptions::default(),
         }
+    }
+
+    /// Sets the backend option `key`; chainable.
+    pub fn with_option(
+        mut self,
+        key: impl Into<String>,
+        value: impl Into<TierOptionValue>,
+    ) -> Self {
+        self.options.set(key, value);
+        self
+    }
+
+    /// A reader of this tier's options for the backend opening it.
+    pub fn options_reader(&self) -> TierOptionsReader<'_> {
+        self.options.reader(&self.url)
     }
 }
 
@@ -406,14 +382,9 @@ impl PoolConfig {
             "# kvpool configuration. Sizes accept B/KiB/MiB/GiB (or KB/MB/GB) or plain bytes.\n\
              # eviction: lru | fifo | s3fifo; hash_algorithm: xxh3_128 | sha256;\n\
              # codec.checksum: xxh3 | crc32c; codec.compression: {{ kind = \"none\" }} | {{ kind = \"zstd\", level = 3 }}\n\
-             # Lower tiers, looked up in order after L1:\n\
-             #   [[tier]]\n\
-             #   url = \"file:///var/cache/kvpool\"   # RocksDB (feature disk); capacity = \"64GiB\", admit_on_second_put = true, block_cache = \"256MiB\", write_buffer = \"16MiB\"\n\
-             #   [[tier]]\n\
-             #   url = \"redis://127.0.0.1:6379\"     # or rediss://, redis+cluster://h1:p1,h2:p2 (feature redis); ttl_seconds = 3600\n\
-             #   timeout_ms = 2000\n\
-             #   [[tier]]\n\
-             #   url = \"s3://bucket/prefix\"          # feature s3; endpoint = \"http://127.0.0.1:9000\", region = \"us-east-1\"\n\
+             # Lower tiers, looked up in order after L1: [[tier]] tables with a url whose scheme picks\n\
+             # the backend, timeout_ms (default 2000) and the backend's own options\n\
+             # (`kvpool config --schemes` lists the schemes this build knows, with examples).\n\
              # Prometheus metrics (off by default; see docs/metrics.md):\n\
              #   [metrics]\n\
              #   listen = \"127.0.0.1:9464\"\n\n{body}"
@@ -558,8 +529,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.tiers.len(), 2);
-        assert_eq!(cfg.tiers[0].capacity, Some(ByteSize::gib(8)));
-        assert_eq!(cfg.tiers[1].ttl_seconds, Some(60));
+        let mut disk = cfg.tiers[0].options_reader();
+        assert_eq!(disk.bytes("capacity").unwrap(), Some(ByteSize::gib(8)));
+        disk.finish().unwrap();
+        let mut redis = cfg.tiers[1].options_reader();
+        assert_eq!(redis.u64("ttl_seconds").unwrap(), Some(60));
+        redis.finish().unwrap();
         assert_eq!(cfg.tiers[1].timeout_ms, 2000);
     }
 }

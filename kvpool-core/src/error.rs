@@ -355,6 +355,16 @@ pub enum ConfigError {
         /// What is wrong and what to do.
         reason: String,
     },
+    /// A tier's backend option is wrong or unknown.
+    #[error("invalid option `{key}` for tier `{tier}`: {reason}")]
+    TierOption {
+        /// The tier's URL, password redacted.
+        tier: String,
+        /// The option's name.
+        key: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// The file could not be read.
     #[error("cannot read config file `{path}`: {source}")]
     Io {

@@ -16,7 +16,8 @@
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
 //! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
 //! - [`layerwise`]: the one load/store path (submit, wait per layer, fence) for host and GPU;
-//! - [`config`]: the TOML configuration.
+//! - [`config`]: the TOML configuration;
+//! - [`tier_options`]: a tier's backend-owned options, read with typed getters.
 
 #![warn(missing_docs)]
 
@@ -36,6 +37,7 @@ pub mod remote;
 pub mod storage_manager;
 pub mod telemetry;
 pub mod tier_events;
+pub mod tier_options;
 mod tier_stats;
 pub mod token_database;
 pub mod transfer;
@@ -65,5 +67,6 @@ pub use memory_pool::{
 };
 pub use remote::{RemoteBackend, RemoteConnector};
 pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 pub use token_database::{ChunkHasher, ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

@@ -71,6 +71,41 @@ pub trait RemoteConnector: Send + Sync + 'static {
     }
 }
 
+/// A boxed connector is a connector (what a registered backend factory returns).
+#[async_trait]
+impl RemoteConnector for Box<dyn RemoteConnector> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        (**self).exists(key).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        (**self).get(key).await
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        (**self).put(key, value).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        (**self).delete(key).await
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        (**self).close().await
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        (**self).batch_exists(keys).await
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        (**self).batch_get(keys).await
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        (**self).batch_put(entries).await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        (**self).batch_delete(keys).await
+    }
+}
+
 /// Turns any [`RemoteConnector`] into a [`StorageBackend`] by applying the chunk format:
 /// values are encoded with a checksummed header on `put` and fully validated on `get` (magic,
 /// version, checksum, layout fingerprint of the key, size). A value that fails validation is

@@ -1,7 +1,12 @@
 //! `file:///path`: the local disk tier on RocksDB, byte-bounded, surviving restarts.
+//!
+//! Its settings and `[[tier]]` options are in `config.rs`.
+
+mod config;
+
+pub use config::{DiskConfig, DiskFactory, SCHEMES};
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -20,44 +25,6 @@ use kvpool_core::{BackendError, EvictionPolicy, RemoteConnector};
 
 /// Column family holding each key's stored size (small; read at open to rebuild the index).
 const META_CF: &str = "meta";
-
-/// Settings of the disk tier.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskConfig {
-    /// Directory of the RocksDB database (created if missing).
-    pub path: PathBuf,
-    /// Bytes of values kept; the least recently used are evicted beyond it.
-    pub capacity_bytes: u64,
-    /// Write a key only the second time it is put (avoids churning the disk with chunks that
-    /// are never reused; the Dynamo KV block manager's admission policy).
-    pub admit_on_second_put: bool,
-    /// Keys remembered for the admission filter.
-    pub admission_memory: usize,
-    /// RocksDB block cache: hot values are served from it without a copy.
-    pub block_cache_bytes: usize,
-    /// Size of one RocksDB memtable (and so of the write-ahead log before a flush).
-    pub write_buffer_bytes: usize,
-    /// Writes are refused (counted as failed, never attempted) when they would leave less
-    /// free space than this on the filesystem. RocksDB cannot survive running out of space
-    /// mid-write, and it needs room for the write-ahead log and a memtable flush.
-    pub min_free_bytes: u64,
-}
-
-impl DiskConfig {
-    /// Defaults: 64 GiB, no admission filter, a 256 MiB block cache, 16 MiB memtables, and
-    /// 64 MiB kept free on the filesystem.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        DiskConfig {
-            path: path.into(),
-            capacity_bytes: 64 << 30,
-            admit_on_second_put: false,
-            admission_memory: 1 << 20,
-            block_cache_bytes: 256 << 20,
-            write_buffer_bytes: 16 << 20,
-            min_free_bytes: 64 << 20,
-        }
-    }
-}
 
 struct Index {
     sizes: HashMap<String, u64>,
