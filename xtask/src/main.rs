@@ -2,7 +2,10 @@
 //!
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
-//!   `cargo test`), all with every feature, then `matrix` and `vllm`: exactly what CI runs.
+//!   `cargo test`), all with every feature, the example third-party backend
+//!   (`examples/opendal-tier`, built as an outside crate), then `matrix` and `vllm`: exactly
+//!   what CI runs. Every task links the system's librocksdb when a compatible one is installed
+//!   (`system.rs`), else the `disk` feature builds RocksDB from source.
 //! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
 //!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
 //! - `cargo xtask soak [--minutes N]`: a chaos soak: `kvpool sim` through L1 + disk + Redis +
@@ -22,10 +25,15 @@
 
 mod fuzz;
 mod matrix;
+mod nvrtc;
 mod sanitize;
 mod servers;
 mod soak;
+mod system;
+mod third_party;
 mod vllm;
+
+pub(crate) use system::ensure_system_packages;
 
 use std::env;
 use std::path::PathBuf;
@@ -73,53 +81,6 @@ pub(crate) fn run_with_env(
     }
 }
 
-/// Debian packages the full build and its tests need: RocksDB to link the `disk` feature
-/// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, and Prometheus,
-/// which a test runs to scrape kvpool's metrics endpoint.
-pub(crate) const SYSTEM_PACKAGES: &[&str] = &[
-    "librocksdb-dev",
-    "libclang-dev",
-    "libssl-dev",
-    "pkg-config",
-    "prometheus",
-];
-
-fn dpkg_installed(package: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", package])
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-/// Installs missing [`SYSTEM_PACKAGES`] with apt-get (as root), or says what to install.
-pub(crate) fn ensure_system_packages(packages: &[&str]) -> Result<(), String> {
-    let missing: Vec<&str> = packages
-        .iter()
-        .copied()
-        .filter(|p| !dpkg_installed(p))
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !is_root() {
-        return Err(format!(
-            "missing Debian packages: {0}; install them with `sudo apt-get install -y {0}`",
-            missing.join(" ")
-        ));
-    }
-    run("apt-get", &["update", "-qq"])?;
-    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
-    args.extend(&missing);
-    run_with_env("apt-get", &args, &[("DEBIAN_FRONTEND", "noninteractive")])
-}
-
 fn has_nextest() -> bool {
     Command::new("cargo")
         .args(["nextest", "--version"])
@@ -129,7 +90,7 @@ fn has_nextest() -> bool {
 
 fn ci() -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    ensure_system_packages(SYSTEM_PACKAGES)?;
+    ensure_system_packages(system::SYSTEM_PACKAGES)?;
     run(&cargo, &["fmt", "--all", "--", "--check"])?;
     run(
         &cargo,
@@ -186,62 +147,10 @@ fn ci() -> Result<(), String> {
         "--max-rss-growth".into(),
         "0.15".into(),
     ])?;
-    nvrtc_check()?;
+    third_party::example_backend()?;
+    nvrtc::nvrtc_check()?;
     matrix::matrix()?;
     vllm::vllm(&[])
-}
-
-/// NVRTC from PyPI (no GPU needed), to compile kvpool-cuda's kernels in CI.
-const NVRTC_REQUIREMENT: &str = "nvidia-cuda-nvrtc==13.5.37";
-
-/// Compiles kvpool-cuda's kernel source with a real NVRTC, so that a kernel that does not
-/// compile fails CI although CI has no GPU (the GPU tests themselves skip there).
-fn nvrtc_check() -> Result<(), String> {
-    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let target_dir = env::var("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace_root().join("target"));
-    let venv = target_dir.join("nvrtc-venv");
-    let find = || {
-        std::fs::read_dir(venv.join("lib"))
-            .ok()?
-            .filter_map(Result::ok)
-            .map(|e| e.path().join("site-packages/nvidia/cu13/lib"))
-            .find(|dir| dir.join("libnvrtc.so.13").exists())
-    };
-    let lib_dir = match find() {
-        Some(dir) => dir,
-        None => {
-            let venv_str = venv.display().to_string();
-            run("python3", &["-m", "venv", &venv_str])?;
-            let pip = venv.join("bin/pip").display().to_string();
-            run(
-                &pip,
-                &[
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    NVRTC_REQUIREMENT,
-                ],
-            )?;
-            find().ok_or(format!("{NVRTC_REQUIREMENT} installed no libnvrtc.so.13"))?
-        }
-    };
-    let lib_dir = lib_dir.display().to_string();
-    run_with_env(
-        &cargo,
-        &[
-            "test",
-            "-p",
-            "kvpool-cuda",
-            "--lib",
-            "kernels::tests::the_kernels_compile_with_nvrtc_where_it_exists",
-        ],
-        &[
-            ("LD_LIBRARY_PATH", lib_dir.as_str()),
-            ("KVPOOL_REQUIRE_NVRTC", "1"),
-        ],
-    )
 }
 
 fn bench() -> Result<(), String> {
@@ -612,6 +521,7 @@ fi
 }
 
 fn main() -> ExitCode {
+    system::use_system_rocksdb_if_compatible();
     let task = env::args().nth(1);
     let result = match task.as_deref() {
         Some("ci") => ci(),

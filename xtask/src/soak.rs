@@ -13,7 +13,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::servers::{self, Server};
-use crate::{SYSTEM_PACKAGES, ensure_system_packages, run, workspace_root};
+use crate::system::SYSTEM_PACKAGES;
+use crate::{ensure_system_packages, run, workspace_root};
 
 const REDIS_PASSWORD: &str = "kvpool-soak";
 const BUCKET: &str = "kvpool-soak";
