@@ -52,7 +52,7 @@ fn bench(c: &mut Criterion) {
     let value = Bytes::from((0..MIB).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>());
 
     // The client alone, called on this thread: what embedding Python costs by itself.
-    let client = kvpool_backends::mooncake_python::PythonStoreClient::setup(&config).unwrap();
+    let client = kvpool_backends::mooncake::python::PythonStoreClient::setup(&config).unwrap();
     let mut raw = vec![0u8; 2 * MIB];
     raw[..MIB].copy_from_slice(&value);
     let (src, dst) = (

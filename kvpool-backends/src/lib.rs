@@ -6,7 +6,7 @@
 //! | `disk` | `disk` | `file:///path`: local RocksDB, byte capacity with LRU eviction, optional admission filter |
 //! | `redis` | `redis` | `redis://`, `rediss://`, `redis+cluster://`: pipelined batches, TTL, AUTH, TLS, reconnects |
 //! | `s3` | `s3` | `s3://bucket/prefix`: S3 and S3-compatible servers through object_store |
-//! | `mooncake` | `mooncake` (+ `mooncake_python`) | `mooncakestore://master:port`: Mooncake Store through its Python client, embedded |
+//! | `mooncake` | `mooncake` (folder; the Python client in `mooncake/python.rs`) | `mooncakestore://master:port`: Mooncake Store through its Python client, embedded |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
 //! | `testkit` | `conformance` | the conformance kit every backend runs |
 //!
@@ -31,8 +31,6 @@ pub mod memory;
 pub mod metrics_endpoint;
 #[cfg(feature = "mooncake")]
 pub mod mooncake;
-#[cfg(feature = "mooncake")]
-pub mod mooncake_python;
 pub mod pool_builder;
 #[cfg(feature = "redis")]
 pub mod redis;

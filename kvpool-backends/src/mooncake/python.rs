@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::mooncake::{MooncakeConfig, MooncakeStoreClient, RawBuffer};
+use super::{MooncakeConfig, MooncakeStoreClient, RawBuffer};
 
 /// `MooncakeDistributedStore` from the `mooncake-transfer-engine` wheel, set up and connected.
 pub struct PythonStoreClient {
@@ -99,7 +99,7 @@ impl PythonStoreClient {
                 return Err(format!(
                     "Mooncake setup failed with code {code} ({}): is mooncake_master running at \
                      {} and is the metadata server `{}` reachable?",
-                    crate::mooncake::describe_code(code),
+                    super::describe_code(code),
                     config.master_server_address,
                     config.metadata_server
                 ));

@@ -1,0 +1,516 @@
+//! `MooncakeConnector`: batches in rounds that fit the staging arena, put-race retries, fail-fast after a cluster failure.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tracing::{debug, warn};
+
+use kvpool_core::{BackendError, MemoryObjMut, MemoryPool, PoolError, RemoteConnector};
+
+use super::client::*;
+use super::config::*;
+use super::staging::*;
+
+pub(super) struct Inner {
+    // Field order matters: the client (and its registrations) goes before the staging memory.
+    client: Arc<dyn MooncakeStoreClient>,
+    staging: MemoryPool,
+    /// Largest value seen, so that gets usually need no size lookup first.
+    size_hint: AtomicUsize,
+    /// While set and in the future, calls fail fast (the cluster just failed one).
+    paused_until: Mutex<Option<Instant>>,
+    retry_after: Duration,
+    closed: AtomicBool,
+    name: String,
+}
+
+/// A Mooncake Store [`RemoteConnector`]. Clones share one client and staging arena.
+#[derive(Clone)]
+pub struct MooncakeConnector {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MooncakeConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MooncakeConnector")
+            .field("name", &self.inner.name)
+            .field("client", &self.inner.client.name())
+            .finish()
+    }
+}
+
+pub(super) fn unavailable(name: &str, reason: impl Into<String>) -> BackendError {
+    BackendError::Unavailable {
+        backend: name.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl MooncakeConnector {
+    /// Connects through the embedded Python client (see [`super::python`]).
+    pub async fn connect(config: &MooncakeConfig) -> Result<Self, BackendError> {
+        config
+            .validate()
+            .map_err(|e| unavailable("mooncake", e.to_string()))?;
+        probe_master(config).await?;
+        let setup_config = config.clone();
+        // A detached thread, not the runtime's blocking pool: Mooncake's setup retries an
+        // unreachable master for minutes, and a runtime waits for its blocking tasks on drop.
+        let (done, setup) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("mooncake-setup".into())
+            .spawn(move || {
+                let _ = done.send(super::python::PythonStoreClient::setup(&setup_config));
+            })
+            .map_err(|e| unavailable("mooncake", format!("cannot start setup thread: {e}")))?;
+        let client = match tokio::time::timeout(config.connect_timeout, setup).await {
+            Err(_) => {
+                return Err(BackendError::Timeout {
+                    backend: "mooncake".into(),
+                    op: "setup",
+                    millis: config.connect_timeout.as_millis() as u64,
+                });
+            }
+            Ok(Err(_)) => return Err(unavailable("mooncake", "the setup thread died")),
+            Ok(Ok(Err(reason))) => return Err(unavailable("mooncake", reason)),
+            Ok(Ok(Ok(client))) => client,
+        };
+        Self::with_client(Arc::new(client), config)
+    }
+
+    /// Wraps an already set-up client (any implementation of the trait).
+    pub fn with_client(
+        client: Arc<dyn MooncakeStoreClient>,
+        config: &MooncakeConfig,
+    ) -> Result<Self, BackendError> {
+        let staging = MemoryPool::with_allocator(
+            config.staging_bytes as usize,
+            &RegisteringAllocator {
+                client: client.clone(),
+            },
+        )
+        .map_err(|e| unavailable("mooncake", format!("staging arena: {e}")))?;
+        Ok(MooncakeConnector {
+            inner: Arc::new(Inner {
+                client,
+                staging,
+                size_hint: AtomicUsize::new(0),
+                paused_until: Mutex::new(None),
+                retry_after: config.retry_after,
+                closed: AtomicBool::new(false),
+                name: format!("mooncake({})", config.master_server_address),
+            }),
+        })
+    }
+
+    /// Runs the blocking `f` unless the connector is closed or paused; a cluster failure
+    /// pauses it for `retry_after`.
+    async fn call<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&Inner) -> Result<T, CallError> + Send + 'static,
+    ) -> Result<T, BackendError> {
+        let inner = &self.inner;
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(BackendError::Closed(inner.name.clone()));
+        }
+        if let Some(until) = *inner.paused_until.lock()
+            && Instant::now() < until
+        {
+            metrics::counter!(kvpool_core::telemetry::MOONCAKE_FAST_FAILURES).increment(1);
+            return Err(unavailable(
+                &inner.name,
+                format!("{op} skipped: the cluster failed a call moments ago"),
+            ));
+        }
+        let shared = inner.clone();
+        // On a multi-threaded runtime the call runs on this worker (`block_in_place`): handing
+        // it to the blocking pool and back cost ~30 µs per 1 MiB operation, 8% of a get
+        // (docs/benchmarks.md). The price: a `tokio::time::timeout` around the call cannot cut
+        // it short; Mooncake bounds its own RPCs (about 4 s with the master gone), and after
+        // one cluster failure calls fail fast for `retry_after`.
+        let result = if tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            tokio::task::block_in_place(move || f(&shared))
+        } else {
+            tokio::task::spawn_blocking(move || f(&shared))
+                .await
+                .map_err(|e| unavailable(&inner.name, format!("{op}: {e}")))?
+        };
+        match result {
+            Ok(v) => Ok(v),
+            Err(CallError::Client(reason)) => Err(unavailable(&inner.name, reason)),
+            Err(CallError::Code(code)) => {
+                if is_cluster_failure(code) {
+                    *inner.paused_until.lock() = Some(Instant::now() + inner.retry_after);
+                }
+                Err(unavailable(
+                    &inner.name,
+                    format!("{op} failed with code {code} ({})", describe_code(code)),
+                ))
+            }
+            Err(CallError::Pool(e)) => Err(BackendError::Pool(e)),
+        }
+    }
+}
+
+/// Fails fast, with a clear error, when nothing accepts connections at the master's address:
+/// Mooncake's `setup` would otherwise retry for about a minute and a half while holding the
+/// embedded interpreter's lock, stalling every other Mooncake client in the process.
+async fn probe_master(config: &MooncakeConfig) -> Result<(), BackendError> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let address = config.master_server_address.clone();
+    let limit = config.connect_timeout.min(Duration::from_secs(3));
+    let target = address.clone();
+    // Plain std sockets on a blocking thread: works on any runtime (no IO driver needed).
+    let probe = tokio::task::spawn_blocking(move || -> Result<(), String> {
+        let addrs: Vec<_> = target
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve: {e}"))?
+            .collect();
+        let mut last = "no address".to_string();
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, limit) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    })
+    .await
+    .map_err(|e| unavailable("mooncake", e.to_string()))?;
+    probe.map_err(|reason| {
+        unavailable(
+            "mooncake",
+            format!("cannot reach mooncake_master at {address}: {reason}"),
+        )
+    })
+}
+
+/// Why a blocking call failed.
+pub(super) enum CallError {
+    /// The client raised.
+    Client(String),
+    /// Mooncake answered with a negative code.
+    Code(i64),
+    /// The staging arena could not hold a value.
+    Pool(PoolError),
+}
+
+impl From<String> for CallError {
+    fn from(reason: String) -> Self {
+        CallError::Client(reason)
+    }
+}
+
+impl Inner {
+    /// Allocates staging for `len` bytes; a value larger than the whole arena is an error.
+    fn stage(&self, len: usize) -> Result<Option<MemoryObjMut>, CallError> {
+        match self.staging.allocate(len.max(1)) {
+            Ok(slot) => Ok(Some(slot)),
+            Err(PoolError::OutOfMemory { .. }) => Ok(None),
+            Err(e) => Err(CallError::Pool(e)),
+        }
+    }
+
+    /// Puts every entry, in rounds that fit the staging arena.
+    fn put_all(&self, entries: &[(String, Bytes)]) -> Result<(), CallError> {
+        let mut next = 0;
+        while next < entries.len() {
+            let mut keys = Vec::new();
+            let mut slots = Vec::new();
+            while next < entries.len() {
+                let value = &entries[next].1;
+                let Some(mut slot) = self.stage(value.len())? else {
+                    break;
+                };
+                slot.as_mut_slice()[..value.len()].copy_from_slice(value);
+                keys.push(entries[next].0.clone());
+                slots.push(slot);
+                next += 1;
+            }
+            if slots.is_empty() {
+                // The arena is full of values still held elsewhere (gets in flight).
+                return Err(CallError::Pool(PoolError::OutOfMemory {
+                    requested: entries[next].1.len(),
+                    free: self.staging.stats().capacity - self.staging.stats().used,
+                    largest: self.staging.stats().largest_free,
+                }));
+            }
+            let buffers: Vec<RawBuffer> = slots
+                .iter_mut()
+                .zip(&entries[next - keys.len()..next])
+                .map(|(slot, (_, value))| RawBuffer {
+                    ptr: slot.as_mut_slice().as_mut_ptr(),
+                    len: value.len(),
+                })
+                .collect();
+            self.upsert_with_retries(&keys, &buffers)?;
+        }
+        if let Some(max) = entries.iter().map(|(_, v)| v.len()).max() {
+            self.size_hint.fetch_max(max, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Upserts, retrying keys that lost a race with another writer of the same key (Mooncake
+    /// answers such a loser with "not found", "already exists", "not ready" or "has a lease").
+    fn upsert_with_retries(&self, keys: &[String], buffers: &[RawBuffer]) -> Result<(), CallError> {
+        let (mut keys, mut buffers) = (keys.to_vec(), buffers.to_vec());
+        for attempt in 0.. {
+            // SAFETY: the buffers are registered staging slots the caller keeps alive.
+            let codes = unsafe { self.client.batch_upsert_from(&keys, &buffers)? };
+            let mut retry_keys = Vec::new();
+            let mut retry_buffers = Vec::new();
+            for ((key, buffer), code) in keys.iter().zip(&buffers).zip(codes) {
+                match code {
+                    OK => {}
+                    -706..=-703 if attempt < PUT_RACE_RETRIES => {
+                        retry_keys.push(key.clone());
+                        retry_buffers.push(*buffer);
+                    }
+                    code => {
+                        warn!(backend = %self.name, %key, code, meaning = describe_code(code), "Mooncake put failed");
+                        return Err(CallError::Code(code));
+                    }
+                }
+            }
+            if retry_keys.is_empty() {
+                break;
+            }
+            debug!(backend = %self.name, keys = retry_keys.len(), attempt, "retrying puts that raced another writer");
+            std::thread::sleep(Duration::from_millis(1 << attempt));
+            (keys, buffers) = (retry_keys, retry_buffers);
+        }
+        Ok(())
+    }
+
+    /// Gets every key, in rounds that fit the staging arena. Values stay in staging (no copy)
+    /// unless a later round needs the room or staging would stay more than half full.
+    fn get_all(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, CallError> {
+        let mut out: Vec<Option<Bytes>> = vec![None; keys.len()];
+        let mut too_small = Vec::new();
+        let mut next = 0;
+        while next < keys.len() {
+            let hint = self.size_hint.load(Ordering::Relaxed);
+            let mut round: Vec<(usize, MemoryObjMut, usize)> = Vec::new();
+            while next < keys.len() {
+                let size = if hint > 0 {
+                    hint
+                } else {
+                    match self.client.get_size(&keys[next])? {
+                        OBJECT_NOT_FOUND => {
+                            next += 1;
+                            continue;
+                        }
+                        code if code < OK => return Err(CallError::Code(code)),
+                        size => size as usize,
+                    }
+                };
+                let Some(slot) = self.stage(size)? else {
+                    break;
+                };
+                round.push((next, slot, size));
+                next += 1;
+            }
+            if round.is_empty() {
+                if next < keys.len() {
+                    // Staging is taken by earlier results: move them to the heap and retry.
+                    if !spill_to_heap(&mut out) {
+                        return Err(CallError::Pool(PoolError::OutOfMemory {
+                            requested: hint,
+                            free: self.staging.stats().capacity - self.staging.stats().used,
+                            largest: self.staging.stats().largest_free,
+                        }));
+                    }
+                }
+                continue;
+            }
+            self.get_round(keys, round, &mut out, &mut too_small)?;
+        }
+        // Values larger than the hint: their exact size, one by one.
+        for index in too_small {
+            let size = match self.client.get_size(&keys[index])? {
+                OBJECT_NOT_FOUND => continue,
+                code if code < OK => return Err(CallError::Code(code)),
+                size => size as usize,
+            };
+            let slot = match self.stage(size)? {
+                Some(slot) => slot,
+                None if spill_to_heap(&mut out) => match self.stage(size)? {
+                    Some(slot) => slot,
+                    None => continue,
+                },
+                None => continue,
+            };
+            let mut missed = Vec::new();
+            self.get_round(keys, vec![(index, slot, size)], &mut out, &mut missed)?;
+        }
+        // Callers may hold values for a while: staging stays at most half pinned by them, so
+        // later calls always find room.
+        let stats = self.staging.stats();
+        if stats.used > stats.capacity / 2 {
+            spill_to_heap(&mut out);
+        }
+        Ok(out)
+    }
+
+    fn get_round(
+        &self,
+        keys: &[String],
+        mut round: Vec<(usize, MemoryObjMut, usize)>,
+        out: &mut [Option<Bytes>],
+        too_small: &mut Vec<usize>,
+    ) -> Result<(), CallError> {
+        let names: Vec<String> = round.iter().map(|(i, _, _)| keys[*i].clone()).collect();
+        let buffers: Vec<RawBuffer> = round
+            .iter_mut()
+            .map(|(_, slot, size)| RawBuffer {
+                ptr: slot.as_mut_slice().as_mut_ptr(),
+                len: *size,
+            })
+            .collect();
+        // SAFETY: each slot is registered staging memory of at least `size` bytes, owned here
+        // and not aliased, alive until after the call.
+        let codes = unsafe { self.client.batch_get_into(&names, &buffers)? };
+        if codes.len() != round.len() {
+            return Err(CallError::Client(format!(
+                "batch_get_into answered {} results for {} keys",
+                codes.len(),
+                round.len()
+            )));
+        }
+        let mut cluster_failure = None;
+        for ((index, slot, size), code) in round.into_iter().zip(codes) {
+            match code {
+                OBJECT_NOT_FOUND => {}
+                BUFFER_TOO_SMALL => too_small.push(index),
+                n if n >= OK && (n as usize) <= size => {
+                    self.size_hint.fetch_max(n as usize, Ordering::Relaxed);
+                    out[index] = Some(staged_bytes(slot, n as usize));
+                }
+                n if n >= OK => {
+                    return Err(CallError::Client(format!(
+                        "get_into reported {n} bytes into a {size}-byte buffer"
+                    )));
+                }
+                code if is_cluster_failure(code) => cluster_failure = Some(code),
+                code => {
+                    debug!(backend = %self.name, key = %keys[index], code, meaning = describe_code(code), "Mooncake get failed; a miss");
+                }
+            }
+        }
+        match cluster_failure {
+            Some(code) => Err(CallError::Code(code)),
+            None => Ok(()),
+        }
+    }
+}
+
+pub(super) fn codes_to_bools(codes: Vec<i64>, expected: usize) -> Result<Vec<bool>, CallError> {
+    if codes.len() != expected {
+        return Err(CallError::Client(format!(
+            "batch_is_exist answered {} results for {expected} keys",
+            codes.len()
+        )));
+    }
+    codes
+        .into_iter()
+        .map(|c| match c {
+            1 => Ok(true),
+            0 => Ok(false),
+            code => Err(CallError::Code(code)),
+        })
+        .collect()
+}
+
+#[async_trait]
+impl RemoteConnector for MooncakeConnector {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_exists(&[key.to_string()]).await?[0])
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        Ok(self.batch_get(&[key.to_string()]).await?.remove(0))
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.batch_put(vec![(key.to_string(), value)]).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_delete(&[key.to_string()]).await? == 1)
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let inner = self.inner.clone();
+        let closed = tokio::task::spawn_blocking(move || inner.client.close())
+            .await
+            .map_err(|e| unavailable(&self.inner.name, e.to_string()))?;
+        if let Err(reason) = closed {
+            warn!(backend = %self.inner.name, %reason, "Mooncake close failed");
+        }
+        Ok(())
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = keys.to_vec();
+        self.call("batch_is_exist", move |inner| {
+            let n = keys.len();
+            codes_to_bools(inner.client.batch_is_exist(&keys)?, n)
+        })
+        .await
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = keys.to_vec();
+        self.call("batch_get_into", move |inner| inner.get_all(&keys))
+            .await
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.call("batch_upsert_from", move |inner| inner.put_all(&entries))
+            .await
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let keys = keys.to_vec();
+        self.call("batch_remove", move |inner| {
+            let codes = inner.client.batch_remove(&keys)?;
+            let mut removed = 0;
+            for code in codes {
+                match code {
+                    OK => removed += 1,
+                    OBJECT_NOT_FOUND => {}
+                    code => return Err(CallError::Code(code)),
+                }
+            }
+            Ok(removed)
+        })
+        .await
+    }
+}
