@@ -20,6 +20,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backend_factory;
 #[cfg(feature = "testkit")]
 pub mod conformance;
 #[cfg(feature = "cpu")]

@@ -16,7 +16,7 @@ use tracing::warn;
 use kvpool_core::chunk_format::max_stored_len;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
 
-use crate::registry::{BackendFactory, TierRequest};
+use crate::backend_factory::{BackendFactory, TierRequest};
 
 /// Settings of a Redis tier. Its `Debug` output hides the URL's password.
 #[derive(Clone, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use object_store::{
 use kvpool_core::chunk_format::max_stored_len;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
 
-use crate::registry::{BackendFactory, TierRequest};
+use crate::backend_factory::{BackendFactory, TierRequest};
 use tracing::warn;
 
 /// Settings of an S3 tier. Credentials and anything not set here come from the standard

@@ -2,47 +2,10 @@
 //! host tensors (vLLM's CPU build) move as whole opaque blocks ([`BlockKvCache`]); CUDA
 //! tensors (with the `cuda` feature) go through kvpool-cuda's `GpuTransferEngine`.
 
-use kvpool_core::{BlockKvCache, Dtype, KvLayout, LayerwiseTransfer};
+use kvpool_core::{BlockKvCache, KvLayout, LayerwiseTransfer};
 
 use crate::ConnectorError;
-
-/// Where a KV tensor lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KvDevice {
-    /// Host memory.
-    Cpu,
-    /// CUDA device `n`.
-    Cuda(usize),
-}
-
-/// One layer's KV tensor as the engine reports it (for PyTorch: `data_ptr()`, `shape`,
-/// `stride()`, `dtype`, `device`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineKvTensor {
-    /// Address of element 0.
-    pub ptr: usize,
-    /// The tensor's shape.
-    pub shape: Vec<usize>,
-    /// Strides in elements, one per dimension.
-    pub strides: Vec<usize>,
-    /// The element type.
-    pub dtype: Dtype,
-    /// Where it lives.
-    pub device: KvDevice,
-}
-
-impl EngineKvTensor {
-    fn is_contiguous(&self) -> bool {
-        let mut expected = 1;
-        for (dim, stride) in self.shape.iter().zip(&self.strides).rev() {
-            if *dim != 1 && *stride != expected {
-                return false;
-            }
-            expected *= dim;
-        }
-        self.shape.len() == self.strides.len()
-    }
-}
+pub use crate::engine_tensor::{EngineKvTensor, KvDevice};
 
 /// The engine's registered KV caches, the worker's [`LayerwiseTransfer`].
 #[derive(Debug)]
@@ -129,7 +92,8 @@ impl EngineKvCaches {
             #[cfg(feature = "cuda")]
             KvDevice::Cuda(ordinal) => {
                 // SAFETY: as the caller promised.
-                unsafe { crate::cuda::gpu_caches(layout, ordinal, tensors, compute_stream) }
+                unsafe { crate::cuda::gpu_transfer(layout, ordinal, tensors, compute_stream) }
+                    .map(|engine| EngineKvCaches::Gpu(Box::new(engine)))
             }
             #[cfg(not(feature = "cuda"))]
             KvDevice::Cuda(ordinal) => {
@@ -164,7 +128,7 @@ impl EngineKvCaches {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_core::KvKind;
+    use kvpool_core::{Dtype, KvKind};
 
     fn layout() -> KvLayout {
         KvLayout::new(2, 2, 4, Dtype::F16, KvKind::KeyValue, 4).unwrap()
@@ -234,5 +198,25 @@ mod tests {
             let gpu = tensor(p, &[2, 3, 4, 2, 4], KvDevice::Cuda(0));
             assert!(err(&[gpu.clone(), gpu]).contains("without the `cuda` feature"));
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn without_a_gpu_registration_is_a_clear_error_not_a_crash() {
+        if kvpool_cuda::driver::device_count().is_ok_and(|n| n > 0) {
+            println!("SKIP: a GPU is present; the GPU tests cover registration");
+            return;
+        }
+        let layout = KvLayout::new(2, 8, 128, Dtype::Bf16, KvKind::KeyValue, 16).unwrap();
+        let t = EngineKvTensor {
+            ptr: 0x1000,
+            shape: vec![2, 100, 16, 8, 128],
+            strides: vec![100 * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1],
+            dtype: Dtype::Bf16,
+            device: KvDevice::Cuda(0),
+        };
+        // SAFETY: registration fails before any access: there is no driver to open.
+        let err = unsafe { EngineKvCaches::register(&layout, &[t.clone(), t], None) }.unwrap_err();
+        assert!(err.to_string().contains("CUDA"), "{err}");
     }
 }

@@ -71,6 +71,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine_kv;
+mod engine_tensor;
 pub mod extra_keys;
 pub mod lookup_service;
 pub mod metadata;

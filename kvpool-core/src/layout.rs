@@ -4,7 +4,39 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::LayoutError;
+use thiserror::Error;
+
+/// A KV layout or a key could not be built or parsed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A dimension of the layout was zero.
+    #[error("invalid KV layout: `{field}` must be greater than zero")]
+    ZeroDimension {
+        /// The offending field name.
+        field: &'static str,
+    },
+    /// The dtype string is not one kvpool knows.
+    #[error("unknown dtype `{0}`: expected one of f16, bf16, f32, fp8_e4m3, fp8_e5m2")]
+    UnknownDtype(String),
+    /// The TP rank is not below the world size.
+    #[error("rank {rank} is out of range for world size {world_size}")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: u32,
+        /// The world size given.
+        world_size: u32,
+    },
+    /// The model name is too long to be part of a key.
+    #[error(
+        "model name of {len} bytes is too long for a key (at most {max}); use a shorter `[model] name`"
+    )]
+    ModelNameTooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -16,13 +16,14 @@
 //! - [`transfer`]: moving KV between a paged cache and chunk memory;
 //! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
 //! - [`layerwise`]: the one load/store path (submit, wait per layer, fence) for host and GPU;
-//! - [`config`]: the TOML configuration;
+//! - [`config`]: the TOML configuration ([`byte_size`]: sizes such as `"2GiB"`);
 //! - [`tier_options`]: a tier's backend-owned options, read with typed getters.
 
 #![warn(missing_docs)]
 
 pub mod backend;
 pub mod block_transfer;
+pub mod byte_size;
 pub mod cache_engine;
 pub mod chunk_format;
 pub mod chunk_hash;

@@ -20,8 +20,18 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ByteSize, redact_url};
+use crate::byte_size::ByteSize;
 use crate::error::ConfigError;
+
+/// `url` with any password (`scheme://user:password@host`) replaced by `***`, for logs, `Debug`
+/// output and error messages.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***@{}", &url[..s + 3], &url[at + 1..]),
+        (None, Some(at)) => format!("***@{}", &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
 
 /// One option's value as written in the config (TOML or JSON).
 #[derive(Clone, PartialEq, Serialize, Deserialize)]

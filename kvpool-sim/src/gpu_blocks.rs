@@ -7,7 +7,17 @@ use std::sync::Arc;
 use kvpool_connector::EvictingChunk;
 use kvpool_core::{ChunkHash, HashAlgorithm};
 
-use crate::single_request::SimError;
+use thiserror::Error;
+
+/// The GPU pool cannot hold a request.
+#[derive(Debug, Error)]
+#[error("request needs {needed} GPU blocks, {free} are free; raise gpu_blocks")]
+pub struct GpuFull {
+    /// Blocks needed.
+    pub needed: usize,
+    /// Blocks free.
+    pub free: usize,
+}
 
 /// A cached prefix: its tokens (whole blocks), blocks and block hashes.
 struct CachedPrefix {
@@ -87,12 +97,9 @@ impl GpuBlocks {
 
     /// Takes `n` free blocks, least recently freed first. Cached blocks among them leave the
     /// prefix cache; their intact chunks are returned so a lazy connector can save them first.
-    pub(crate) fn allocate(
-        &mut self,
-        n: usize,
-    ) -> Result<(Vec<u32>, Vec<EvictingChunk>), SimError> {
+    pub(crate) fn allocate(&mut self, n: usize) -> Result<(Vec<u32>, Vec<EvictingChunk>), GpuFull> {
         if self.free.len() < n {
-            return Err(SimError::GpuFull {
+            return Err(GpuFull {
                 needed: n,
                 free: self.free.len(),
             });

@@ -23,7 +23,7 @@ use serde::Serialize;
 use thiserror::Error;
 use tokio::runtime::Runtime;
 
-use crate::gpu_blocks::GpuBlocks;
+use crate::gpu_blocks::{GpuBlocks, GpuFull};
 pub use crate::kv_model::{model_compute, model_mismatches};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorError, ConnectorOutput, ConnectorScheduler,
@@ -70,13 +70,8 @@ pub enum SimError {
     #[error(transparent)]
     Connector(#[from] ConnectorError),
     /// The GPU pool cannot hold a request.
-    #[error("request needs {needed} GPU blocks, {free} are free; raise gpu_blocks")]
-    GpuFull {
-        /// Blocks needed.
-        needed: usize,
-        /// Blocks free.
-        free: usize,
-    },
+    #[error(transparent)]
+    GpuFull(#[from] GpuFull),
     /// Setting up the pool failed.
     #[error("{0}")]
     Setup(String),
@@ -313,7 +308,7 @@ impl Simulator {
             }
             Err(e) => {
                 self.gpu.release(&cached);
-                return Err(e);
+                return Err(e.into());
             }
         };
         let blocks: Vec<u32> = cached.iter().chain(&fresh).copied().collect();

@@ -6,6 +6,7 @@
 //!   (`examples/opendal-tier`, built as an outside crate), then `matrix` and `vllm`: exactly
 //!   what CI runs. Every task links the system's librocksdb when a compatible one is installed
 //!   (`system.rs`), else the `disk` feature builds RocksDB from source.
+//! - `cargo xtask module-cycles`: fails on an import cycle between the modules of a crate.
 //! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
 //!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
 //! - `cargo xtask soak [--minutes N]`: a chaos soak: `kvpool sim` through L1 + disk + Redis +
@@ -25,6 +26,7 @@
 
 mod fuzz;
 mod matrix;
+mod module_cycles;
 mod nvrtc;
 mod sanitize;
 mod servers;
@@ -104,6 +106,7 @@ fn ci() -> Result<(), String> {
             "warnings",
         ],
     )?;
+    module_cycles::module_cycles()?;
     // Doc tests first, so the run closes on a real test runner's summary.
     run(&cargo, &["test", "--workspace", "--all-features", "--doc"])?;
     // The Prometheus test must run here, not skip: the package was installed above.
@@ -533,6 +536,7 @@ fn main() -> ExitCode {
         }
         Some("gpu-bundle") => gpu_bundle(),
         Some("sanitize") => sanitize::sanitize(),
+        Some("module-cycles") => module_cycles::module_cycles(),
         Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
@@ -540,7 +544,7 @@ fn main() -> ExitCode {
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use kvpool_core::{ConfigError, RemoteConnector};
 
 use super::DiskConnector;
-use crate::registry::{BackendFactory, TierRequest};
+use crate::backend_factory::{BackendFactory, TierRequest};
 
 /// The URL schemes the disk tier opens.
 pub const SCHEMES: &[&str] = &["file"];

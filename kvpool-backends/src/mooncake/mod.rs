@@ -36,7 +36,7 @@ use async_trait::async_trait;
 
 use kvpool_core::{ConfigError, RemoteConnector};
 
-use crate::registry::{BackendFactory, TierRequest};
+use crate::backend_factory::{BackendFactory, TierRequest};
 
 pub use client::{MooncakeStoreClient, RawBuffer, describe_code};
 pub use config::MooncakeConfig;
