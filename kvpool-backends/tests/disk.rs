@@ -205,7 +205,7 @@ async fn engine_over_l1_and_disk_recovers_from_disk_and_rejects_garbage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
-    let Some(fs) = servers::TmpfsMount::new("96m") else {
+    let Some(fs) = servers::tmpfs("96m") else {
         return;
     };
     let layout = KvLayout::new(4, 8, 64, Dtype::F16, KvKind::KeyValue, 16).unwrap(); // 8 KiB/token
@@ -256,7 +256,7 @@ async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
 /// returns, and keeps what it held. Before the fix, writes failed for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rocksdb_out_of_space_heals_when_space_returns() {
-    let Some(fs) = servers::TmpfsMount::new("48m") else {
+    let Some(fs) = servers::tmpfs("48m") else {
         return;
     };
     let mut config = DiskConfig::new(fs.path.join("db"));

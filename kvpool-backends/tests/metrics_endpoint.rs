@@ -7,11 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use kvpool_core::{ByteSize, PoolConfig};
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvpool_testservers::free_port().unwrap()
 }
 
 fn config(listen: Option<String>) -> PoolConfig {

@@ -38,7 +38,7 @@ fn venv() -> Option<String> {
 fn config_for(cluster: &MooncakeCluster) -> MooncakeConfig {
     MooncakeConfig {
         master_server_address: cluster.master_address(),
-        python_path: vec![cluster.site_packages()],
+        python_path: vec![cluster.site_packages().unwrap()],
         staging_bytes: 160 << 20,
         ..MooncakeConfig::default()
     }
@@ -49,7 +49,7 @@ const SEGMENT_BYTES: u64 = 768 << 20;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_passes_the_kit() {
     let Some(venv) = venv() else { return };
-    let cluster = MooncakeCluster::start(&venv, SEGMENT_BYTES);
+    let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let config = config_for(&cluster);
     let results = conformance::run_all(&|| {
         let config = config.clone();
@@ -68,7 +68,7 @@ async fn mooncake_passes_the_kit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_larger_than_staging_round_trip_exactly() {
     let Some(venv) = venv() else { return };
-    let cluster = MooncakeCluster::start(&venv, SEGMENT_BYTES);
+    let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let config = MooncakeConfig {
         staging_bytes: 8 << 20,
         ..config_for(&cluster)
@@ -106,8 +106,8 @@ async fn batches_larger_than_staging_round_trip_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opens_from_a_tier_url_or_mooncake_json() {
     let Some(venv) = venv() else { return };
-    let cluster = MooncakeCluster::start(&venv, SEGMENT_BYTES);
-    let site = cluster.site_packages().display().to_string();
+    let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
+    let site = cluster.site_packages().unwrap().display().to_string();
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("mooncake.json");
     std::fs::write(
@@ -153,7 +153,7 @@ async fn opens_from_a_tier_url_or_mooncake_json() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_configuration_is_a_clear_error() {
     let Some(venv) = venv() else { return };
-    let site = MooncakeCluster::site_packages_of(&venv);
+    let site = MooncakeCluster::site_packages_of(std::path::Path::new(&venv)).unwrap();
     // Nothing listens on this port: setup fails, bounded by the connect timeout.
     let config = MooncakeConfig {
         master_server_address: format!("127.0.0.1:{}", free_port()),
@@ -191,7 +191,8 @@ async fn bad_configuration_is_a_clear_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_master_turns_into_misses_and_dropped_writes_then_recovers() {
     let Some(venv) = venv() else { return };
-    let mut cluster = MooncakeCluster::start(&venv, SEGMENT_BYTES);
+    let mut cluster =
+        MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let layout = small_layout();
     let mooncake = MooncakeConnector::connect(&config_for(&cluster))
         .await
@@ -216,7 +217,7 @@ async fn killed_master_turns_into_misses_and_dropped_writes_then_recovers() {
     .await;
 
     // A restarted master starts empty; the holder remounts its segment and writes work again.
-    cluster.start_master();
+    cluster.start_master().unwrap();
     let mut recovered = false;
     for _ in 0..3 {
         if recovers(&engine, &other, &kv, &slots).await {

@@ -16,7 +16,7 @@ use common::{
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
-use servers::{ServerProcess, free_port, server_url};
+use servers::{free_port, server_url};
 
 async fn kit(name: &str, url: &str) {
     let results = conformance::run_all(&|| async {
@@ -113,7 +113,7 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
         return;
     };
     let port = free_port();
-    let server = ServerProcess::redis(&binary, port);
+    let server = servers::redis(&binary, port);
     let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
     config.timeout = Duration::from_millis(500);
     let redis = RedisConnector::connect(&config).await.unwrap();
@@ -136,7 +136,7 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     .await;
 
     // Restart on the same port: traffic recovers without rebuilding anything.
-    let _server = ServerProcess::redis(&binary, port);
+    let _server = servers::redis(&binary, port);
     assert!(
         recovers(&engine, &other, &kv, &slots).await,
         "no recovery after the server came back"
@@ -175,7 +175,7 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let mut cluster = servers::RedisCluster::start(&binary, &cli, dir.path());
+    let mut cluster = servers::RedisCluster::start(&binary, &cli, dir.path()).unwrap();
     let layout = small_layout();
     let mut config = RedisConfig::new(cluster.url());
     config.timeout = Duration::from_millis(1000);
@@ -206,8 +206,8 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
         "calls must time out, not hang"
     );
 
-    cluster.restart_node(1);
-    cluster.wait_ok(&cli);
+    cluster.restart_node(1).unwrap();
+    cluster.wait_ok(&cli).unwrap();
     assert!(
         recovers(&engine, &tokens, &kv, &slots).await,
         "no recovery after the node came back"

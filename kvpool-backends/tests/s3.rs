@@ -12,7 +12,7 @@ use common::{StoredPrompt, assert_outage_is_misses, engine_over, recovers, store
 use kvpool_backends::conformance::{self, Outcome};
 use kvpool_backends::s3::{S3Config, S3Connector};
 use kvpool_core::{ChunkCodec, RemoteBackend};
-use servers::{ServerProcess, free_port, server_url};
+use servers::{free_port, server_url};
 
 fn config(url: &str, endpoint: &str) -> S3Config {
     let mut c = S3Config::new(url);
@@ -73,7 +73,7 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
         return;
     };
     let port = free_port();
-    let server = ServerProcess::moto(&binary, port, "fault");
+    let server = servers::moto(&binary, port, "fault");
     let endpoint = format!("http://127.0.0.1:{port}");
     let mut cfg = config("s3://fault/kv", &endpoint);
     cfg.timeout = Duration::from_millis(1000);
@@ -96,7 +96,7 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     .await;
 
     // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
-    let _server = ServerProcess::moto(&binary, port, "fault");
+    let _server = servers::moto(&binary, port, "fault");
     assert!(
         recovers(&engine, &tokens, &kv, &slots).await,
         "no recovery after the server came back"

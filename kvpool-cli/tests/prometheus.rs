@@ -3,11 +3,11 @@
 //! and a per-tier latency histogram.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Kills and reaps a child process when dropped (the test never leaves a server behind).
+/// Kills and reaps the benchmark process when dropped (the test never leaves one behind).
 struct Reaped(Child);
 
 impl Drop for Reaped {
@@ -18,11 +18,7 @@ impl Drop for Reaped {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvpool_testservers::free_port().unwrap()
 }
 
 /// `GET path` on 127.0.0.1:`port`; the body, or `None` if the server does not answer 200.
@@ -86,20 +82,20 @@ fn prometheus_scrapes_hit_tokens_and_tier_latency_histograms_during_a_bench() {
         ),
     )
     .unwrap();
-    let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
-    let _server = Reaped(
+    let _server = kvpool_testservers::Server::start(
+        "prometheus",
         Command::new(prometheus)
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",
                 dir.path().join("data").display()
             ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("prometheus starts"),
-    );
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}")),
+        prom_port,
+        Some(&dir.path().join("prometheus.log")),
+        Duration::from_secs(60),
+    )
+    .expect("prometheus starts");
     let started = Instant::now();
     while http_get(prom_port, "/-/ready").is_none() {
         assert!(

@@ -328,7 +328,8 @@ fn bench_mooncake(inside_namespace: bool) -> Result<(), String> {
         eprintln!("warning: no network namespace (needs root); Mooncake listens on all interfaces");
     }
     let dir = servers::scratch_dir("bench-mooncake")?;
-    let (_cluster, master) = servers::start_mooncake(&dir, &prepared.mooncake_venv)?;
+    let cluster = servers::start_mooncake(&dir, &prepared.mooncake_venv)?;
+    let master = cluster.master_address();
     let python = prepared.mooncake_venv.join("bin/python");
     let script = workspace_root().join("kvpool-backends/benches/mooncake_direct.py");
     let site = std::fs::read_dir(prepared.mooncake_venv.join("lib"))

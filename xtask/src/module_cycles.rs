@@ -23,6 +23,7 @@ const CRATES: &[&str] = &[
     "kvpool-sim",
     "kvpool-cli",
     "kvpool-py",
+    "kvpool-testservers",
     "xtask",
 ];
 

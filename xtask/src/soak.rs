@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::servers::{self, Server};
@@ -84,31 +84,23 @@ struct Chaos {
 
 impl Chaos {
     fn start_redis(&mut self) -> Result<(), String> {
-        self.redis = Some(servers::start(
+        self.redis = Some(servers::start_redis(
             "redis (soak)",
-            "redis-server",
-            &servers::redis_args(self.redis_port, &["--requirepass", REDIS_PASSWORD]),
-            &self.dir.join("redis.log"),
             self.redis_port,
+            &["--requirepass", REDIS_PASSWORD],
+            &self.dir.join("redis.log"),
         )?);
         Ok(())
     }
 
     fn start_moto(&mut self) -> Result<(), String> {
-        let moto = self.moto_server.display().to_string();
-        self.moto = Some(servers::start(
-            "moto (soak)",
-            &moto,
-            &[
-                "-H".into(),
-                "127.0.0.1".into(),
-                "-p".into(),
-                self.moto_port.to_string(),
-            ],
-            &self.dir.join("moto.log"),
+        self.moto = Some(servers::start_moto_with_bucket(
+            &self.moto_server,
             self.moto_port,
+            BUCKET,
+            &self.dir.join("moto.log"),
         )?);
-        servers::create_bucket(self.moto_port, BUCKET)
+        Ok(())
     }
 
     fn redis_cli(&self, args: &[&str]) -> Result<String, String> {
@@ -270,16 +262,6 @@ fn s3_keys(port: u16) -> Result<Vec<String>, String> {
         .collect())
 }
 
-/// Mounts a tmpfs of `mib` MiB at `dir` (root only); false when that is not possible.
-fn mount_small_fs(dir: &Path, mib: u64) -> bool {
-    Command::new("mount")
-        .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
-        .arg(dir)
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// What `cargo xtask soak` was asked for.
 struct SoakArgs {
     minutes: f64,
@@ -346,13 +328,17 @@ pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     let dir = servers::scratch_dir("soak")?;
     let disk = dir.join("disk");
     std::fs::create_dir_all(&disk).map_err(|e| e.to_string())?;
-    let disk_is_small_fs = mount_small_fs(&disk, DISK_FS_MIB);
-    if !disk_is_small_fs {
-        eprintln!(
-            "warning: cannot mount a tmpfs (needs root): the disk tier uses {} and no disk-full faults are injected",
-            disk.display()
-        );
-    }
+    let small_fs = match kvpool_testservers::TmpfsMount::at(&disk, &format!("{DISK_FS_MIB}m")) {
+        Ok(mount) => Some(mount),
+        Err(why) => {
+            eprintln!(
+                "warning: cannot mount a tmpfs ({why}; needs root): the disk tier uses {} and no disk-full faults are injected",
+                disk.display()
+            );
+            None
+        }
+    };
+    let disk_is_small_fs = small_fs.is_some();
     let mut chaos = Chaos {
         dir: dir.clone(),
         moto_server,
@@ -368,9 +354,7 @@ pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     let result = run_soak(&mut chaos, &kvpool, &args);
     chaos.redis = None;
     chaos.moto = None;
-    if disk_is_small_fs {
-        let _ = Command::new("umount").arg(&disk).status();
-    }
+    drop(small_fs);
     if result.is_ok() {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
