@@ -1,6 +1,11 @@
-//! A RemoteConnector wrapper that injects failures (tests, `kvpool sim --inject-failures`).
+//! Fault behaviour as wrappers around any `RemoteConnector`, never a second store:
+//! [`FaultInjector`] fails and corrupts at fixed rates (`kvpool sim --inject-failures`);
+//! [`ControlledFaults`] has switches a test flips at run time (a dead server, slow writes, a
+//! panicking backend) and counts what was asked.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -83,6 +88,122 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         self.inner.batch_put(entries).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.inner.batch_delete(keys).await
+    }
+}
+
+/// Switches shared by every clone of a [`ControlledFaults`] wrapper.
+#[derive(Clone, Default, Debug)]
+pub struct FaultSwitches {
+    /// While set, every call fails as an unreachable server would.
+    pub down: Arc<AtomicBool>,
+    /// Each put (or batch put) first sleeps this many milliseconds.
+    pub put_delay_ms: Arc<AtomicU64>,
+    /// While set, a put panics (a buggy third-party backend).
+    pub panic_on_put: Arc<AtomicBool>,
+    /// Values written.
+    pub puts: Arc<AtomicU64>,
+    /// Keys asked about (`exists` or `get`, per key), to count round trips per chunk.
+    pub asks: Arc<AtomicU64>,
+}
+
+/// `inner` behind run-time [`FaultSwitches`]. Clones share the switches and, when `C`'s clones
+/// share their store (as [`crate::InMemoryConnector`]'s do), the store too.
+#[derive(Clone, Default)]
+pub struct ControlledFaults<C> {
+    inner: C,
+    switches: FaultSwitches,
+}
+
+impl<C: RemoteConnector> ControlledFaults<C> {
+    /// Wraps `inner` with every switch off.
+    pub fn new(inner: C) -> Self {
+        ControlledFaults {
+            inner,
+            switches: FaultSwitches::default(),
+        }
+    }
+
+    /// The switches (shared with every clone).
+    pub fn switches(&self) -> &FaultSwitches {
+        &self.switches
+    }
+
+    /// The wrapped connector.
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
+    fn check(&self) -> Result<(), BackendError> {
+        if self.switches.down.load(Ordering::SeqCst) {
+            return Err(BackendError::Unavailable {
+                backend: self.inner.name().to_string(),
+                reason: "connection refused (switched off)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn ask(&self, keys: usize) -> Result<(), BackendError> {
+        self.switches.asks.fetch_add(keys as u64, Ordering::SeqCst);
+        self.check()
+    }
+
+    async fn before_put(&self, values: usize) -> Result<(), BackendError> {
+        let delay = self.switches.put_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        self.check()?;
+        assert!(
+            !self.switches.panic_on_put.load(Ordering::SeqCst),
+            "ControlledFaults told to panic in put"
+        );
+        self.switches
+            .puts
+            .fetch_add(values as u64, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.ask(1)?;
+        self.inner.exists(key).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.ask(1)?;
+        self.inner.get(key).await
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.before_put(1).await?;
+        self.inner.put(key, value).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        self.check()?;
+        self.inner.delete(key).await
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        self.inner.close().await
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.ask(keys.len())?;
+        self.inner.batch_exists(keys).await
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.ask(keys.len())?;
+        self.inner.batch_get(keys).await
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.before_put(entries.len()).await?;
+        self.inner.batch_put(entries).await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.check()?;
         self.inner.batch_delete(keys).await
     }
 }

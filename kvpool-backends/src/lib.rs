@@ -42,7 +42,7 @@ pub mod timeout;
 
 #[cfg(feature = "cpu")]
 pub use cpu::LocalCpuBackend;
-pub use faults::FaultInjector;
+pub use faults::{ControlledFaults, FaultInjector, FaultSwitches};
 pub use memory::InMemoryConnector;
 pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};

@@ -34,6 +34,21 @@ impl InMemoryConnector {
         self.map.read().is_empty()
     }
 
+    /// The raw stored value of `key` (what a test would find on the server).
+    pub fn raw(&self, key: &str) -> Option<Bytes> {
+        self.map.read().get(key).cloned()
+    }
+
+    /// Stores `value` under `key` directly, bypassing everything (a misrouted write in tests).
+    pub fn insert_raw(&self, key: &str, value: Bytes) {
+        self.map.write().insert(key.to_string(), value);
+    }
+
+    /// Every stored key, in no particular order.
+    pub fn keys(&self) -> Vec<String> {
+        self.map.read().keys().cloned().collect()
+    }
+
     /// Replaces the raw stored value of `key`, if present (fault injection in tests).
     pub fn overwrite_raw(&self, key: &str, value: Bytes) -> bool {
         match self.map.write().get_mut(key) {

@@ -236,7 +236,10 @@ async fn a_skip_beyond_whole_spans_writes_nothing_before_it_and_does_not_panic()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_write_behind_neither_hangs_flush_nor_sticks_its_keys() {
     let s = setup();
-    s.remote.panic_on_put.store(true, Ordering::SeqCst);
+    s.remote
+        .switches()
+        .panic_on_put
+        .store(true, Ordering::SeqCst);
     let key = s
         .engine
         .token_database()
@@ -259,10 +262,13 @@ async fn a_panicking_write_behind_neither_hangs_flush_nor_sticks_its_keys() {
         .expect("flush returns although the write-behind task panicked")
         .unwrap();
     // The key is not left "in flight": once the backend behaves, it is written.
-    s.remote.panic_on_put.store(false, Ordering::SeqCst);
+    s.remote
+        .switches()
+        .panic_on_put
+        .store(false, Ordering::SeqCst);
     storage.put(vec![(key.clone(), chunk())]).await.unwrap();
     storage.flush().await.unwrap();
-    assert_eq!(s.remote.len(), 1);
+    assert_eq!(s.remote.inner().len(), 1);
 }
 
 #[tokio::test]
@@ -304,7 +310,11 @@ async fn a_closed_l1_still_lets_lower_tier_hits_through() {
         dst_slots,
         src,
     } = s.store_and_flush(n, 11).await;
-    assert_eq!(s.remote.len(), 3, "write-behind reached the lower tier");
+    assert_eq!(
+        s.remote.inner().len(),
+        3,
+        "write-behind reached the lower tier"
+    );
     let l1 = s.l1.as_ref().unwrap();
     l1.close().await.unwrap(); // empties L1 and refuses puts
     assert_eq!(l1.stats().entries, 0);
@@ -351,7 +361,7 @@ async fn corrupt_lower_tier_chunks_are_misses_and_get_deleted() {
         let src = filled_cache(layout(), 100, 16);
         s.engine.store(&toks, None, &src, &src_slots).await.unwrap();
         s.engine.storage().flush().await.unwrap();
-        s.remote.corrupt_all(offset);
+        common::corrupt_all(s.remote.inner(), offset);
         let mut dst = HostPagedKvCache::new(layout(), 100);
         let mask = s
             .engine
@@ -363,7 +373,7 @@ async fn corrupt_lower_tier_chunks_are_misses_and_get_deleted() {
             "corrupt bytes must never be loaded (offset {offset})"
         );
         assert!(dst_slots.iter().all(|&slot| row_is_zero(&dst, slot)));
-        assert_eq!(s.remote.len(), 0, "corrupt values are deleted");
+        assert_eq!(s.remote.inner().len(), 0, "corrupt values are deleted");
         assert_eq!(s.engine.storage().stats().tiers[0].backend.corrupt, 2);
     }
 }
@@ -378,7 +388,7 @@ async fn a_dead_lower_tier_turns_into_misses_not_errors() {
         dst_slots,
         src,
     } = s.store_and_flush(n, 17).await;
-    s.remote.down.store(true, Ordering::SeqCst);
+    s.remote.switches().down.store(true, Ordering::SeqCst);
     assert_eq!(s.engine.lookup(&toks).await.unwrap(), 0);
     let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
     assert!(mask.iter().all(|m| !*m));
@@ -390,7 +400,7 @@ async fn a_dead_lower_tier_turns_into_misses_not_errors() {
         .unwrap();
     s.engine.storage().flush().await.unwrap();
     assert!(s.engine.storage().stats().tiers[0].errors >= 2);
-    s.remote.down.store(false, Ordering::SeqCst);
+    s.remote.switches().down.store(false, Ordering::SeqCst);
     assert_eq!(
         s.engine.lookup(&toks).await.unwrap(),
         n,
@@ -406,7 +416,10 @@ async fn write_behind_sheds_load_beyond_its_quota_and_deduplicates() {
         promote_on_hit: true,
     };
     let s = setup_with(Some(64), false, config);
-    s.remote.put_delay_ms.store(200, Ordering::SeqCst);
+    s.remote
+        .switches()
+        .put_delay_ms
+        .store(200, Ordering::SeqCst);
     let n = 5 * CHUNK;
     let toks = tokens(n, 19);
     let (src_slots, _) = slots(n);
@@ -439,7 +452,7 @@ async fn write_behind_sheds_load_beyond_its_quota_and_deduplicates() {
     let t = &s.engine.storage().stats().tiers[1];
     assert_eq!(t.deduplicated_writes, 2);
     assert_eq!(t.dropped_writes, 6);
-    assert_eq!(s.remote.len(), 2);
+    assert_eq!(s.remote.inner().len(), 2);
 }
 
 /// `LayerwiseRetrieve::windows` (what a GPU engine queues all at once) writes exactly what
@@ -623,15 +636,14 @@ async fn well_formed_chunks_of_the_wrong_shape_are_rejected_by_the_engine() {
         let binding = kvpool_core::chunk_format::KeyBinding::of(&key);
         let value = ChunkCodec::default().encode(&meta, &binding, &vec![7u8; len]);
         s.remote
-            .map
-            .lock()
-            .insert(key.to_string(), bytes::Bytes::from(value));
+            .inner()
+            .insert_raw(&key.to_string(), bytes::Bytes::from(value));
         assert_eq!(s.engine.lookup(&toks).await.unwrap(), CHUNK, "present");
         let (_, dst_slots) = slots(n);
         let (mask, dst) = s.retrieve_all(&toks, &dst_slots).await;
         assert!(mask.iter().all(|m| !*m), "{dtype:?} {token_count} {len}");
         assert!(dst_slots.iter().all(|&slot| row_is_zero(&dst, slot)));
         assert_eq!(s.engine.stats().rejected_chunks, 1);
-        assert_eq!(s.remote.len(), 0, "the bad chunk is removed");
+        assert_eq!(s.remote.inner().len(), 0, "the bad chunk is removed");
     }
 }

@@ -143,12 +143,12 @@ fn run(ops: Vec<Op>) -> Vec<usize> {
                     manager.remove(&[key(k)]).await;
                 }
                 Op::Flush => manager.flush().await.unwrap(),
-                Op::LowerDown(down) => map.down.store(down, Ordering::SeqCst),
+                Op::LowerDown(down) => map.switches().down.store(down, Ordering::SeqCst),
                 Op::CopyUnder(a, b) => {
                     // A misrouted write: a's stored value under b's key.
-                    let mut m = map.map.lock();
-                    if let Some(v) = m.get(&key(a).to_string()).cloned() {
-                        m.insert(key(b).to_string(), v);
+                    let store = map.inner();
+                    if let Some(v) = store.raw(&key(a).to_string()) {
+                        store.insert_raw(&key(b).to_string(), v);
                     }
                 }
             }

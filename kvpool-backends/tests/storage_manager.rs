@@ -22,7 +22,7 @@ async fn a_retrieve_asks_the_remote_tier_once_per_chunk() {
     );
     // 4 chunks of 16 tokens.
     let stored = store_prompt(&engine, 64, 3).await;
-    remote.asks.store(0, Ordering::SeqCst);
+    remote.switches().asks.store(0, Ordering::SeqCst);
     let mut kv = HostPagedKvCache::new(small_layout(), 32);
     let dst: Vec<i64> = (64..128).collect();
     let mask = engine
@@ -32,21 +32,21 @@ async fn a_retrieve_asks_the_remote_tier_once_per_chunk() {
     assert!(mask.iter().all(|&m| m));
     assert_rows_equal(&stored.kv, &stored.slots, &kv, &dst, &mask);
     assert_eq!(
-        remote.asks.load(Ordering::SeqCst),
+        remote.switches().asks.load(Ordering::SeqCst),
         4,
         "one get per chunk, no exists before it"
     );
 
     // A longer prompt sharing the first 64 tokens: its 5th chunk misses, the 4 hits are
     // loaded, and still nothing is asked twice.
-    remote.asks.store(0, Ordering::SeqCst);
+    remote.switches().asks.store(0, Ordering::SeqCst);
     let mut longer = stored.tokens.clone();
     longer.extend(1000..1016);
     let dst: Vec<i64> = (0..80).collect();
     let mut kv = HostPagedKvCache::new(small_layout(), 32);
     let mask = engine.retrieve(&longer, None, &mut kv, &dst).await.unwrap();
     assert_eq!(mask.iter().filter(|&&m| m).count(), 64);
-    assert_eq!(remote.asks.load(Ordering::SeqCst), 5);
+    assert_eq!(remote.switches().asks.load(Ordering::SeqCst), 5);
 }
 
 /// A connector whose calls never return (a hung server without a timeout).
@@ -156,7 +156,7 @@ async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
             .collect()
     };
     assert_eq!(of("cpu", Stored), keys);
-    assert_eq!(of("map", Stored), keys);
+    assert_eq!(of("memory", Stored), keys);
     // L1 holds 4 chunks: the first prompt's 4 were evicted to make room.
     let first_keys: Vec<_> = engine
         .token_database()
@@ -178,7 +178,7 @@ async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
     let second_keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
     engine.storage().remove(&second_keys).await;
     let events = log.drain();
-    for tier in ["cpu", "map"] {
+    for tier in ["cpu", "memory"] {
         let removed: Vec<_> = events
             .iter()
             .filter(|e| e.tier == tier && e.kind == Removed)

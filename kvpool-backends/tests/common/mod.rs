@@ -1,18 +1,13 @@
-//! Shared test fixtures: an in-memory RemoteConnector with fault switches, and KV helpers.
+//! Shared test fixtures: the in-memory store behind fault switches, and KV helpers.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use kvpool_backends::conformance::Subject;
-use kvpool_core::{
-    BackendError, ChunkCodec, HostPagedKvCache, KvLayout, RemoteBackend, RemoteConnector,
-};
-use parking_lot::Mutex;
+use kvpool_backends::{ControlledFaults, InMemoryConnector};
+use kvpool_core::{ChunkCodec, HostPagedKvCache, KvLayout, RemoteBackend, RemoteConnector};
 
 /// A conformance-kit subject: `connector` behind the chunk format (chunks up to 32 MiB). Its
 /// corruptor overwrites a stored value, through the raw connector, with bytes that are not a
@@ -39,86 +34,21 @@ pub fn chunk_format_subject<C: RemoteConnector + Clone>(connector: C) -> Subject
         }))
 }
 
-/// A HashMap behind the RemoteConnector interface, with switches to simulate a dead server,
-/// slow writes, and to corrupt stored values.
-#[derive(Clone, Default)]
-pub struct MapConnector {
-    pub map: Arc<Mutex<HashMap<String, Bytes>>>,
-    pub down: Arc<AtomicBool>,
-    pub put_delay_ms: Arc<AtomicU64>,
-    pub puts: Arc<AtomicU64>,
-    /// Keys asked about (`exists` or `get`), to count round trips per chunk.
-    pub asks: Arc<AtomicU64>,
-    /// Panic inside `put` (a buggy third-party backend).
-    pub panic_on_put: Arc<AtomicBool>,
-}
+/// The one test store: process memory behind run-time fault switches (a dead server, slow
+/// writes, a panicking put) that also count puts and asks.
+pub type MapConnector = ControlledFaults<InMemoryConnector>;
 
-impl MapConnector {
-    fn check(&self) -> Result<(), BackendError> {
-        if self.down.load(Ordering::SeqCst) {
-            return Err(BackendError::Unavailable {
-                backend: "map".into(),
-                reason: "connection refused (test)".into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Flips one byte of every stored value at `offset` (from the end if negative).
-    pub fn corrupt_all(&self, offset: isize) {
-        let mut m = self.map.lock();
-        for v in m.values_mut() {
-            let mut b = v.to_vec();
-            let i = if offset < 0 {
-                b.len() - (-offset) as usize
-            } else {
-                offset as usize
-            };
-            b[i] ^= 0x40;
-            *v = Bytes::from(b);
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.map.lock().len()
-    }
-}
-
-#[async_trait]
-impl RemoteConnector for MapConnector {
-    fn name(&self) -> &str {
-        "map"
-    }
-    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        self.check()?;
-        Ok(self.map.lock().contains_key(key))
-    }
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        self.check()?;
-        Ok(self.map.lock().get(key).cloned())
-    }
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        let delay = self.put_delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        self.check()?;
-        assert!(
-            !self.panic_on_put.load(Ordering::SeqCst),
-            "MapConnector told to panic in put"
-        );
-        self.puts.fetch_add(1, Ordering::SeqCst);
-        self.map.lock().insert(key.to_string(), value);
-        Ok(())
-    }
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        self.check()?;
-        Ok(self.map.lock().remove(key).is_some())
-    }
-    async fn close(&self) -> Result<(), BackendError> {
-        Ok(())
+/// Flips one byte of every value stored in `store` at `offset` (from the end if negative).
+pub fn corrupt_all(store: &InMemoryConnector, offset: isize) {
+    for key in store.keys() {
+        let mut b = store.raw(&key).expect("listed").to_vec();
+        let i = if offset < 0 {
+            b.len() - offset.unsigned_abs()
+        } else {
+            offset as usize
+        };
+        b[i] ^= 0x40;
+        assert!(store.overwrite_raw(&key, Bytes::from(b)));
     }
 }
 
