@@ -47,12 +47,6 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await
     }
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        Ok(self.batch_get(&[key.to_string()]).await?.pop().flatten())
-    }
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        self.batch_put(vec![(key.to_string(), value)]).await
-    }
     async fn delete(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.delete(key).await
     }
@@ -97,6 +91,8 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
 pub struct FaultSwitches {
     /// While set, every call fails as an unreachable server would.
     pub down: Arc<AtomicBool>,
+    /// While set, every call (but `close`) never returns, as on a hung server without a timeout.
+    pub hang: Arc<AtomicBool>,
     /// Each put (or batch put) first sleeps this many milliseconds.
     pub put_delay_ms: Arc<AtomicU64>,
     /// While set, a put panics (a buggy third-party backend).
@@ -134,7 +130,10 @@ impl<C: RemoteConnector> ControlledFaults<C> {
         &self.inner
     }
 
-    fn check(&self) -> Result<(), BackendError> {
+    async fn check(&self) -> Result<(), BackendError> {
+        if self.switches.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         if self.switches.down.load(Ordering::SeqCst) {
             return Err(BackendError::Unavailable {
                 backend: self.inner.name().to_string(),
@@ -144,9 +143,9 @@ impl<C: RemoteConnector> ControlledFaults<C> {
         Ok(())
     }
 
-    fn ask(&self, keys: usize) -> Result<(), BackendError> {
+    async fn ask(&self, keys: usize) -> Result<(), BackendError> {
         self.switches.asks.fetch_add(keys as u64, Ordering::SeqCst);
-        self.check()
+        self.check().await
     }
 
     async fn before_put(&self, values: usize) -> Result<(), BackendError> {
@@ -154,7 +153,7 @@ impl<C: RemoteConnector> ControlledFaults<C> {
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
-        self.check()?;
+        self.check().await?;
         assert!(
             !self.switches.panic_on_put.load(Ordering::SeqCst),
             "ControlledFaults told to panic in put"
@@ -172,11 +171,11 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.inner.name()
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
-        self.ask(1)?;
+        self.ask(1).await?;
         self.inner.exists(key).await
     }
     async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        self.ask(1)?;
+        self.ask(1).await?;
         self.inner.get(key).await
     }
     async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
@@ -184,18 +183,18 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.inner.put(key, value).await
     }
     async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        self.check()?;
+        self.check().await?;
         self.inner.delete(key).await
     }
     async fn close(&self) -> Result<(), BackendError> {
         self.inner.close().await
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
-        self.ask(keys.len())?;
+        self.ask(keys.len()).await?;
         self.inner.batch_exists(keys).await
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.ask(keys.len())?;
+        self.ask(keys.len()).await?;
         self.inner.batch_get(keys).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
@@ -203,7 +202,7 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.inner.batch_put(entries).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.check()?;
+        self.check().await?;
         self.inner.batch_delete(keys).await
     }
 }

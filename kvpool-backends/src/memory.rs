@@ -73,22 +73,25 @@ impl RemoteConnector for InMemoryConnector {
     fn name(&self) -> &str {
         "memory"
     }
-    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.check()?;
-        Ok(self.map.read().contains_key(key))
+        let map = self.map.read();
+        Ok(keys.iter().map(|k| map.contains_key(k)).collect())
     }
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.check()?;
-        Ok(self.map.read().get(key).cloned())
+        let map = self.map.read();
+        Ok(keys.iter().map(|k| map.get(k).cloned()).collect())
     }
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.check()?;
-        self.map.write().insert(key.to_string(), value);
+        self.map.write().extend(entries);
         Ok(())
     }
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.check()?;
-        Ok(self.map.write().remove(key).is_some())
+        let mut map = self.map.write();
+        Ok(keys.iter().filter(|k| map.remove(*k).is_some()).count())
     }
     async fn close(&self) -> Result<(), BackendError> {
         self.closed.store(true, Ordering::Release);

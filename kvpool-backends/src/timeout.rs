@@ -115,36 +115,22 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::faults::ControlledFaults;
     use crate::memory::InMemoryConnector;
 
     /// A connector whose calls never finish.
-    struct Hangs;
-
-    #[async_trait]
-    impl RemoteConnector for Hangs {
-        fn name(&self) -> &str {
-            "hangs"
-        }
-        async fn exists(&self, _: &str) -> Result<bool, BackendError> {
-            std::future::pending().await
-        }
-        async fn get(&self, _: &str) -> Result<Option<Bytes>, BackendError> {
-            std::future::pending().await
-        }
-        async fn put(&self, _: &str, _: Bytes) -> Result<(), BackendError> {
-            std::future::pending().await
-        }
-        async fn delete(&self, _: &str) -> Result<bool, BackendError> {
-            std::future::pending().await
-        }
-        async fn close(&self) -> Result<(), BackendError> {
-            Ok(())
-        }
+    fn hangs() -> ControlledFaults<InMemoryConnector> {
+        let store = ControlledFaults::new(InMemoryConnector::new());
+        store
+            .switches()
+            .hang
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        store
     }
 
     #[tokio::test(start_paused = true)]
     async fn hanging_calls_time_out_and_fast_ones_pass_through() {
-        let slow = TimeoutConnector::new(Hangs, Duration::from_millis(250));
+        let slow = TimeoutConnector::new(hangs(), Duration::from_millis(250));
         let err = slow.batch_get(&["k".to_string()]).await.unwrap_err();
         assert!(
             matches!(
@@ -170,7 +156,7 @@ mod tests {
     /// hung 64 MiB write fails after 2.25 s, not 0.25 s.
     #[tokio::test(start_paused = true)]
     async fn a_large_write_gets_time_for_its_bytes() {
-        let slow = TimeoutConnector::new(Hangs, Duration::from_millis(250));
+        let slow = TimeoutConnector::new(hangs(), Duration::from_millis(250));
         let started = tokio::time::Instant::now();
         let err = slow
             .batch_put(vec![("k".into(), Bytes::from(vec![0u8; 64 << 20]))])

@@ -50,28 +50,10 @@ async fn a_retrieve_asks_the_remote_tier_once_per_chunk() {
 }
 
 /// A connector whose calls never return (a hung server without a timeout).
-struct Hung;
-
-#[async_trait::async_trait]
-impl kvpool_core::RemoteConnector for Hung {
-    fn name(&self) -> &str {
-        "hung"
-    }
-    async fn exists(&self, _: &str) -> Result<bool, kvpool_core::BackendError> {
-        std::future::pending().await
-    }
-    async fn get(&self, _: &str) -> Result<Option<bytes::Bytes>, kvpool_core::BackendError> {
-        std::future::pending().await
-    }
-    async fn put(&self, _: &str, _: bytes::Bytes) -> Result<(), kvpool_core::BackendError> {
-        std::future::pending().await
-    }
-    async fn delete(&self, _: &str) -> Result<bool, kvpool_core::BackendError> {
-        std::future::pending().await
-    }
-    async fn close(&self) -> Result<(), kvpool_core::BackendError> {
-        Ok(())
-    }
+fn hung() -> MapConnector {
+    let store = MapConnector::default();
+    store.switches().hang.store(true, Ordering::SeqCst);
+    store
 }
 
 /// Lower tiers are asked at the same time: when one of them holds the whole prefix, a hung
@@ -91,7 +73,7 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
     let manager = kvpool_core::StorageManager::builder()
         .primary(cpu.clone(), cpu)
         .lower(Arc::new(RemoteBackend::new(
-            Hung,
+            hung(),
             ChunkCodec::default(),
             1 << 20,
         )))

@@ -20,54 +20,55 @@ use crate::memory_pool::MemoryObjMut;
 
 /// The small surface a third-party store implements: opaque values under string keys.
 ///
-/// Batch methods default to loops over the single-key ones; override them where the store
-/// has real batch commands (MGET, pipelines). Every call must be bounded in time: wrap slow
-/// stores with a timeout rather than letting a call hang.
+/// Batch-first: a store implements the four batch methods (with its real batch commands where
+/// it has them: MGET, pipelines, concurrent requests) and `close`; the single-key methods are
+/// one-item batches unless a store overrides them. Every call must be bounded in time: wrap
+/// slow stores with a timeout rather than letting a call hang.
 #[async_trait]
 pub trait RemoteConnector: Send + Sync + 'static {
     /// Short name for logs and metrics.
     fn name(&self) -> &str;
-    /// Whether `key` exists.
-    async fn exists(&self, key: &str) -> Result<bool, BackendError>;
-    /// The value of `key`, if any.
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError>;
-    /// Stores `value` under `key`.
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError>;
-    /// Deletes `key`; returns whether it existed.
-    async fn delete(&self, key: &str) -> Result<bool, BackendError>;
-    /// Closes connections.
+    /// Whether each of `keys` exists, in order.
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError>;
+    /// The value of each of `keys` (`None`: absent), in order.
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError>;
+    /// Stores every entry.
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError>;
+    /// Deletes `keys`; returns how many existed.
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError>;
+    /// Closes connections; afterwards every call fails.
     async fn close(&self) -> Result<(), BackendError>;
 
-    /// [`RemoteConnector::exists`] for many keys.
-    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            out.push(self.exists(k).await?);
-        }
-        Ok(out)
+    /// Whether `key` exists.
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        let answers = self.batch_exists(&[key.to_string()]).await?;
+        one_answer(self.name(), answers)
     }
-    /// [`RemoteConnector::get`] for many keys.
-    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            out.push(self.get(k).await?);
-        }
-        Ok(out)
+    /// The value of `key`, if any.
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        let answers = self.batch_get(&[key.to_string()]).await?;
+        one_answer(self.name(), answers)
     }
-    /// [`RemoteConnector::put`] for many entries.
-    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        for (k, v) in entries {
-            self.put(&k, v).await?;
-        }
-        Ok(())
+    /// Stores `value` under `key`.
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.batch_put(vec![(key.to_string(), value)]).await
     }
-    /// [`RemoteConnector::delete`] for many keys; returns how many existed.
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        let mut n = 0;
-        for k in keys {
-            n += usize::from(self.delete(k).await?);
-        }
-        Ok(n)
+    /// Deletes `key`; returns whether it existed.
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_delete(&[key.to_string()]).await? > 0)
+    }
+}
+
+/// The only answer of a one-key batch; a store that answers otherwise is in error.
+fn one_answer<T>(backend: &str, answers: Vec<T>) -> Result<T, BackendError> {
+    let count = answers.len();
+    let mut answers = answers.into_iter();
+    match (answers.next(), count) {
+        (Some(answer), 1) => Ok(answer),
+        _ => Err(BackendError::Unavailable {
+            backend: backend.to_string(),
+            reason: format!("answered {count} results for one key"),
+        }),
     }
 }
 

@@ -91,19 +91,14 @@ impl OpendalConnector {
     }
 }
 
-#[async_trait]
-impl RemoteConnector for OpendalConnector {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+impl OpendalConnector {
+    async fn exists_one(&self, key: &str) -> Result<bool, BackendError> {
         self.check_open()?;
         let path = self.path(key)?;
         self.operator.exists(&path).await.map_err(|e| self.error(e))
     }
 
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+    async fn get_one(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
         self.check_open()?;
         let path = self.path(key)?;
         let size = match self.operator.stat(&path).await {
@@ -121,7 +116,7 @@ impl RemoteConnector for OpendalConnector {
         }
     }
 
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+    async fn put_one(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
         self.check_open()?;
         let path = self.path(key)?;
         self.operator
@@ -131,8 +126,8 @@ impl RemoteConnector for OpendalConnector {
             .map_err(|e| self.error(e))
     }
 
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        let existed = self.exists(key).await?;
+    async fn delete_one(&self, key: &str) -> Result<bool, BackendError> {
+        let existed = self.exists_one(key).await?;
         if existed {
             let path = self.path(key)?;
             self.operator
@@ -142,11 +137,73 @@ impl RemoteConnector for OpendalConnector {
         }
         Ok(existed)
     }
+}
+
+/// OpenDAL has no batch reads or writes for files: a batch runs its keys concurrently, at most
+/// [`CONCURRENCY`] at a time, and keeps their order.
+#[async_trait]
+impl RemoteConnector for OpendalConnector {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        buffered(
+            keys.iter()
+                .cloned()
+                .map(|k| async move { self.exists_one(&k).await }),
+        )
+        .await
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        buffered(
+            keys.iter()
+                .cloned()
+                .map(|k| async move { self.get_one(&k).await }),
+        )
+        .await
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        buffered(
+            entries
+                .into_iter()
+                .map(|(k, v)| async move { self.put_one(&k, v).await }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let existed = buffered(
+            keys.iter()
+                .cloned()
+                .map(|k| async move { self.delete_one(&k).await }),
+        )
+        .await?;
+        Ok(existed.into_iter().filter(|e| *e).count())
+    }
 
     async fn close(&self) -> Result<(), BackendError> {
         self.closed.store(true, Ordering::Release);
         Ok(())
     }
+}
+
+/// Requests of one batch in flight at once.
+pub const CONCURRENCY: usize = 16;
+
+/// Runs `calls` at most [`CONCURRENCY`] at a time; their results in order, or the first error.
+async fn buffered<T, F>(calls: impl Iterator<Item = F>) -> Result<Vec<T>, BackendError>
+where
+    F: std::future::Future<Output = Result<T, BackendError>>,
+{
+    use futures::{StreamExt, TryStreamExt};
+    futures::stream::iter(calls)
+        .buffered(CONCURRENCY)
+        .try_collect()
+        .await
 }
 
 /// Opens `opendal+<service>://…` tiers.

@@ -529,15 +529,6 @@ impl RemoteConnector for DiskConnector {
         self.inner.check()?;
         Ok(self.inner.index.lock().sizes.contains_key(key))
     }
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        Ok(self.batch_get(&[key.to_string()]).await?.pop().flatten())
-    }
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        self.batch_put(vec![(key.to_string(), value)]).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        Ok(self.batch_delete(&[key.to_string()]).await? == 1)
-    }
     async fn close(&self) -> Result<(), BackendError> {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());

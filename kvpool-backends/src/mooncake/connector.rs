@@ -435,22 +435,6 @@ impl RemoteConnector for MooncakeConnector {
         &self.inner.name
     }
 
-    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
-        Ok(self.batch_exists(&[key.to_string()]).await?[0])
-    }
-
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        Ok(self.batch_get(&[key.to_string()]).await?.remove(0))
-    }
-
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        self.batch_put(vec![(key.to_string(), value)]).await
-    }
-
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        Ok(self.batch_delete(&[key.to_string()]).await? == 1)
-    }
-
     async fn close(&self) -> Result<(), BackendError> {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
