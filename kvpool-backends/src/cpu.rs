@@ -107,7 +107,7 @@ impl LocalCpuBackend {
         match victim.and_then(|k| entries.remove(&k).map(|c| (k, c))) {
             Some((key, chunk)) => {
                 st.bytes -= chunk.data.len() as u64;
-                BackendCounters::add(&self.counters.evictions, 1);
+                self.counters.evictions.add(1);
                 metrics::counter!(telemetry::EVICTIONS, "tier" => "cpu").increment(1);
                 if let Some(events) = self.events.get() {
                     events.record("cpu", TierEventKind::Removed, [&key]);
@@ -164,9 +164,9 @@ impl StorageBackend for LocalCpuBackend {
             out.push(found);
         }
         drop(st);
-        BackendCounters::add(&self.counters.hits, hits);
-        BackendCounters::add(&self.counters.misses, keys.len() as u64 - hits);
-        BackendCounters::add(&self.counters.bytes_read, bytes);
+        self.counters.hits.add(hits);
+        self.counters.misses.add(keys.len() as u64 - hits);
+        self.counters.bytes_read.add(bytes);
         Ok(out)
     }
 
@@ -203,12 +203,12 @@ impl StorageBackend for LocalCpuBackend {
             st.policy.on_insert(key.clone(), len);
             st.entries.insert(key, chunk);
             outcome.stored += 1;
-            BackendCounters::add(&self.counters.bytes_written, len as u64);
+            self.counters.bytes_written.add(len as u64);
         }
         self.used_bytes.set(st.bytes as f64);
         drop(st);
-        BackendCounters::add(&self.counters.puts, outcome.stored as u64);
-        BackendCounters::add(&self.counters.skipped_puts, outcome.skipped as u64);
+        self.counters.puts.add(outcome.stored as u64);
+        self.counters.skipped_puts.add(outcome.skipped as u64);
         Ok(outcome)
     }
 

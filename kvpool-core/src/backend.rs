@@ -1,10 +1,9 @@
 //! `StorageBackend`: the async, batch-first interface the storage manager drives, and its values.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use async_trait::async_trait;
 
 use crate::chunk_format::ChunkMeta;
+use crate::counter::StatCounter;
 use crate::error::{BackendError, PoolError};
 use crate::key::CacheKey;
 use crate::memory_pool::{MemoryObj, MemoryObjMut, MemoryPool};
@@ -58,32 +57,27 @@ pub struct BackendStats {
 #[derive(Debug, Default)]
 pub struct BackendCounters {
     /// See [`BackendStats::hits`].
-    pub hits: AtomicU64,
+    pub hits: StatCounter,
     /// See [`BackendStats::misses`].
-    pub misses: AtomicU64,
+    pub misses: StatCounter,
     /// See [`BackendStats::puts`].
-    pub puts: AtomicU64,
+    pub puts: StatCounter,
     /// See [`BackendStats::skipped_puts`].
-    pub skipped_puts: AtomicU64,
+    pub skipped_puts: StatCounter,
     /// See [`BackendStats::evictions`].
-    pub evictions: AtomicU64,
+    pub evictions: StatCounter,
     /// See [`BackendStats::corrupt`].
-    pub corrupt: AtomicU64,
+    pub corrupt: StatCounter,
     /// See [`BackendStats::bytes_read`].
-    pub bytes_read: AtomicU64,
+    pub bytes_read: StatCounter,
     /// See [`BackendStats::bytes_written`].
-    pub bytes_written: AtomicU64,
+    pub bytes_written: StatCounter,
 }
 
 impl BackendCounters {
-    /// Adds `n` to a counter.
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-
     /// Fills the counter fields of a [`BackendStats`].
     pub fn snapshot(&self, entries: u64, bytes: u64, capacity_bytes: Option<u64>) -> BackendStats {
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let l = StatCounter::get;
         BackendStats {
             entries,
             bytes,

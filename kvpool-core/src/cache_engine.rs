@@ -1,13 +1,13 @@
 //! The cache engine: lookup / store / retrieve of token sequences, whole or one layer at a time.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use tracing::warn;
 
 use crate::backend::Chunk;
 use crate::chunk_format::ChunkMeta;
 use crate::chunk_hash::ChunkHash;
+use crate::counter::StatCounter;
 use crate::error::{ConfigError, EngineError, FormatError, TransferError};
 use crate::key::CacheKey;
 use crate::layout::KvLayout;
@@ -54,17 +54,13 @@ pub struct EngineStats {
 
 #[derive(Debug, Default)]
 struct EngineCounters {
-    lookups: AtomicU64,
-    lookup_tokens: AtomicU64,
-    lookup_hit_tokens: AtomicU64,
-    retrieve_tokens: AtomicU64,
-    retrieve_hit_tokens: AtomicU64,
-    stored_tokens: AtomicU64,
-    rejected_chunks: AtomicU64,
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
+    lookups: StatCounter,
+    lookup_tokens: StatCounter,
+    lookup_hit_tokens: StatCounter,
+    retrieve_tokens: StatCounter,
+    retrieve_hit_tokens: StatCounter,
+    stored_tokens: StatCounter,
+    rejected_chunks: StatCounter,
 }
 
 fn check_slot_mapping(slot_mapping: &[i64], num_tokens: usize) -> Result<(), TransferError> {
@@ -151,7 +147,7 @@ impl CacheEngine {
 
     /// Engine counters.
     pub fn stats(&self) -> EngineStats {
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let l = StatCounter::get;
         let c = &self.counters;
         EngineStats {
             lookups: l(&c.lookups),
@@ -169,9 +165,9 @@ impl CacheEngine {
     pub async fn lookup(&self, tokens: &[u32]) -> Result<usize, EngineError> {
         let spans = self.db.process_tokens(tokens, None)?;
         let hit = self.lookup_spans(&spans).await;
-        add(&self.counters.lookups, 1);
-        add(&self.counters.lookup_tokens, tokens.len() as u64);
-        add(&self.counters.lookup_hit_tokens, hit as u64);
+        self.counters.lookups.add(1);
+        self.counters.lookup_tokens.add(tokens.len() as u64);
+        self.counters.lookup_hit_tokens.add(hit as u64);
         Ok(hit)
     }
 
@@ -333,7 +329,7 @@ impl CacheEngine {
         let mut mask = vec![false; num_tokens];
         for (span, chunk) in spans.iter().zip(fetched) {
             if let Err(e) = self.validate(span, &chunk) {
-                add(&self.counters.rejected_chunks, 1);
+                self.counters.rejected_chunks.add(1);
                 warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
                 self.manager.remove(std::slice::from_ref(&span.key)).await;
                 break;
@@ -348,8 +344,8 @@ impl CacheEngine {
         }
         let wanted = num_tokens.saturating_sub(skip);
         let hit = mask.iter().filter(|m| **m).count();
-        add(&self.counters.retrieve_tokens, wanted as u64);
-        add(&self.counters.retrieve_hit_tokens, hit as u64);
+        self.counters.retrieve_tokens.add(wanted as u64);
+        self.counters.retrieve_hit_tokens.add(hit as u64);
         metrics::counter!(telemetry::RETRIEVE_TOKENS).increment(wanted as u64);
         metrics::counter!(telemetry::RETRIEVE_HIT_TOKENS).increment(hit as u64);
         Ok(LayerwiseRetrieve {
@@ -468,10 +464,10 @@ impl LayerwiseStore<'_> {
         }
         report.stored_tokens = if outcome.skipped == 0 { tokens } else { 0 };
         report.skipped_no_space += outcome.skipped;
-        add(
-            &self.engine.counters.stored_tokens,
-            report.stored_tokens as u64,
-        );
+        self.engine
+            .counters
+            .stored_tokens
+            .add(report.stored_tokens as u64);
         metrics::counter!(telemetry::STORED_TOKENS).increment(report.stored_tokens as u64);
         Ok(report)
     }

@@ -28,6 +28,7 @@ pub mod cache_engine;
 pub mod chunk_format;
 pub mod chunk_hash;
 pub mod config;
+pub mod counter;
 pub mod error;
 pub mod eviction;
 pub mod key;
@@ -53,6 +54,7 @@ pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseSto
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
 pub use config::{ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
+pub use counter::StatCounter;
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,

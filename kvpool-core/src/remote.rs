@@ -205,20 +205,20 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         let mut corrupt = Vec::new();
         for ((key, name), value) in keys.iter().zip(&names).zip(values) {
             let Some(bytes) = value else {
-                BackendCounters::add(&self.counters.misses, 1);
+                self.counters.misses.add(1);
                 out.push(None);
                 continue;
             };
             match self.decode(key, &bytes) {
                 Ok(chunk) => {
-                    BackendCounters::add(&self.counters.hits, 1);
-                    BackendCounters::add(&self.counters.bytes_read, chunk.data.len() as u64);
+                    self.counters.hits.add(1);
+                    self.counters.bytes_read.add(chunk.data.len() as u64);
                     out.push(Some(chunk));
                 }
                 Err(e) => {
                     warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
-                    BackendCounters::add(&self.counters.corrupt, 1);
-                    BackendCounters::add(&self.counters.misses, 1);
+                    self.counters.corrupt.add(1);
+                    self.counters.misses.add(1);
                     metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
                         .increment(1);
                     corrupt.push(name.clone());
@@ -255,8 +255,8 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             })
             .collect();
         self.connector.batch_put(encoded).await?;
-        BackendCounters::add(&self.counters.puts, n as u64);
-        BackendCounters::add(&self.counters.bytes_written, bytes_in);
+        self.counters.puts.add(n as u64);
+        self.counters.bytes_written.add(bytes_in);
         Ok(PutOutcome {
             stored: n,
             skipped: 0,

@@ -2,21 +2,13 @@
 //! snapshots, mirrored into the Prometheus metrics of [`crate::telemetry`] through handles
 //! registered once per tier.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 
 use crate::backend::{BackendStats, StorageBackend};
+use crate::counter::StatCounter;
 use crate::telemetry as t;
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
-}
-
-fn load(c: &AtomicU64) -> u64 {
-    c.load(Ordering::Relaxed)
-}
 
 /// A tier call, for its latency histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,16 +58,16 @@ impl TierMetrics {
 /// Per-tier counters kept by the manager.
 #[derive(Debug)]
 pub(crate) struct TierCounters {
-    hit_chunks: AtomicU64,
-    hit_tokens: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    read_nanos: AtomicU64,
-    write_nanos: AtomicU64,
-    dropped_writes: AtomicU64,
-    failed_writes: AtomicU64,
-    deduplicated_writes: AtomicU64,
-    errors: AtomicU64,
+    hit_chunks: StatCounter,
+    hit_tokens: StatCounter,
+    bytes_read: StatCounter,
+    bytes_written: StatCounter,
+    read_nanos: StatCounter,
+    write_nanos: StatCounter,
+    dropped_writes: StatCounter,
+    failed_writes: StatCounter,
+    deduplicated_writes: StatCounter,
+    errors: StatCounter,
     metrics: TierMetrics,
 }
 
@@ -83,16 +75,16 @@ impl TierCounters {
     /// Counters for the tier named `tier`.
     pub(crate) fn new(tier: &str) -> Self {
         TierCounters {
-            hit_chunks: AtomicU64::new(0),
-            hit_tokens: AtomicU64::new(0),
-            bytes_read: AtomicU64::new(0),
-            bytes_written: AtomicU64::new(0),
-            read_nanos: AtomicU64::new(0),
-            write_nanos: AtomicU64::new(0),
-            dropped_writes: AtomicU64::new(0),
-            failed_writes: AtomicU64::new(0),
-            deduplicated_writes: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
+            hit_chunks: StatCounter::default(),
+            hit_tokens: StatCounter::default(),
+            bytes_read: StatCounter::default(),
+            bytes_written: StatCounter::default(),
+            read_nanos: StatCounter::default(),
+            write_nanos: StatCounter::default(),
+            dropped_writes: StatCounter::default(),
+            failed_writes: StatCounter::default(),
+            deduplicated_writes: StatCounter::default(),
+            errors: StatCounter::default(),
             metrics: TierMetrics::new(tier),
         }
     }
@@ -102,11 +94,11 @@ impl TierCounters {
         let secs = elapsed.as_secs_f64();
         match op {
             TierOp::Get => {
-                add(&self.read_nanos, elapsed.as_nanos() as u64);
+                self.read_nanos.add(elapsed.as_nanos() as u64);
                 self.metrics.get_seconds.record(secs);
             }
             TierOp::Put => {
-                add(&self.write_nanos, elapsed.as_nanos() as u64);
+                self.write_nanos.add(elapsed.as_nanos() as u64);
                 self.metrics.put_seconds.record(secs);
             }
             TierOp::Contains => self.metrics.contains_seconds.record(secs),
@@ -115,9 +107,9 @@ impl TierCounters {
 
     /// The tier served a chunk of `tokens` tokens and `bytes` bytes.
     pub(crate) fn hit(&self, tokens: u64, bytes: u64) {
-        add(&self.hit_chunks, 1);
-        add(&self.hit_tokens, tokens);
-        add(&self.bytes_read, bytes);
+        self.hit_chunks.add(1);
+        self.hit_tokens.add(tokens);
+        self.bytes_read.add(bytes);
         self.metrics.hit_chunks.increment(1);
         self.metrics.hit_tokens.increment(tokens);
         self.metrics.read_bytes.increment(bytes);
@@ -125,31 +117,31 @@ impl TierCounters {
 
     /// `bytes` were written to the tier.
     pub(crate) fn written(&self, bytes: u64) {
-        add(&self.bytes_written, bytes);
+        self.bytes_written.add(bytes);
         self.metrics.written_bytes.increment(bytes);
     }
 
     /// A tier call failed (turned into misses or a skipped write).
     pub(crate) fn error(&self) {
-        add(&self.errors, 1);
+        self.errors.add(1);
         self.metrics.errors.increment(1);
     }
 
     /// A write-behind entry was dropped: the in-flight quota was full.
     pub(crate) fn dropped_write(&self) {
-        add(&self.dropped_writes, 1);
+        self.dropped_writes.add(1);
         self.metrics.dropped.increment(1);
     }
 
     /// `n` write-behind entries were lost to a failed put.
     pub(crate) fn failed_writes(&self, n: u64) {
-        add(&self.failed_writes, n);
+        self.failed_writes.add(n);
         self.metrics.failed.increment(n);
     }
 
     /// A write-behind entry was skipped: the same key was already in flight.
     pub(crate) fn deduplicated_write(&self) {
-        add(&self.deduplicated_writes, 1);
+        self.deduplicated_writes.add(1);
         self.metrics.deduplicated.increment(1);
     }
 
@@ -157,16 +149,16 @@ impl TierCounters {
     pub(crate) fn snapshot(&self, backend: &dyn StorageBackend) -> TierStats {
         TierStats {
             name: backend.name().to_string(),
-            hit_chunks: load(&self.hit_chunks),
-            hit_tokens: load(&self.hit_tokens),
-            bytes_read: load(&self.bytes_read),
-            bytes_written: load(&self.bytes_written),
-            read_seconds: load(&self.read_nanos) as f64 * 1e-9,
-            write_seconds: load(&self.write_nanos) as f64 * 1e-9,
-            dropped_writes: load(&self.dropped_writes),
-            failed_writes: load(&self.failed_writes),
-            deduplicated_writes: load(&self.deduplicated_writes),
-            errors: load(&self.errors),
+            hit_chunks: self.hit_chunks.get(),
+            hit_tokens: self.hit_tokens.get(),
+            bytes_read: self.bytes_read.get(),
+            bytes_written: self.bytes_written.get(),
+            read_seconds: self.read_nanos.get() as f64 * 1e-9,
+            write_seconds: self.write_nanos.get() as f64 * 1e-9,
+            dropped_writes: self.dropped_writes.get(),
+            failed_writes: self.failed_writes.get(),
+            deduplicated_writes: self.deduplicated_writes.get(),
+            errors: self.errors.get(),
             backend: backend.stats(),
         }
     }
@@ -175,8 +167,8 @@ impl TierCounters {
 /// Manager-wide counters (misses, promotions) with their Prometheus series.
 #[derive(Debug)]
 pub(crate) struct ManagerCounters {
-    miss_chunks: AtomicU64,
-    promotions: AtomicU64,
+    miss_chunks: StatCounter,
+    promotions: StatCounter,
     miss_metric: Counter,
     promotion_metric: Counter,
 }
@@ -184,8 +176,8 @@ pub(crate) struct ManagerCounters {
 impl Default for ManagerCounters {
     fn default() -> Self {
         ManagerCounters {
-            miss_chunks: AtomicU64::new(0),
-            promotions: AtomicU64::new(0),
+            miss_chunks: StatCounter::default(),
+            promotions: StatCounter::default(),
             miss_metric: metrics::counter!(t::MISS_CHUNKS),
             promotion_metric: metrics::counter!(t::PROMOTIONS),
         }
@@ -195,13 +187,13 @@ impl Default for ManagerCounters {
 impl ManagerCounters {
     /// `n` chunks a get wanted were not served.
     pub(crate) fn missed(&self, n: u64) {
-        add(&self.miss_chunks, n);
+        self.miss_chunks.add(n);
         self.miss_metric.increment(n);
     }
 
     /// `n` chunks were promoted into L1.
     pub(crate) fn promoted(&self, n: u64) {
-        add(&self.promotions, n);
+        self.promotions.add(n);
         self.promotion_metric.increment(n);
     }
 
@@ -209,8 +201,8 @@ impl ManagerCounters {
     pub(crate) fn snapshot(&self, tiers: Vec<TierStats>) -> ManagerStats {
         ManagerStats {
             tiers,
-            miss_chunks: load(&self.miss_chunks),
-            promotions: load(&self.promotions),
+            miss_chunks: self.miss_chunks.get(),
+            promotions: self.promotions.get(),
         }
     }
 }
