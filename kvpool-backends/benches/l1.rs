@@ -7,7 +7,6 @@ use std::sync::Arc;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::build_pool;
-use kvpool_core::config::LayoutConfig;
 use kvpool_core::{
     ByteSize, CacheKey, Chunk, ChunkHash, ChunkMeta, Dtype, EvictionKind, HostPagedKvCache,
     KeyScope, KvKind, MemoryObj, PoolConfig, StorageBackend,
@@ -22,7 +21,7 @@ fn runtime() -> tokio::runtime::Runtime {
 fn lookup_128k(c: &mut Criterion) {
     let rt = runtime();
     let mut config = PoolConfig {
-        layout: LayoutConfig {
+        layout: kvpool_core::KvLayout {
             num_layers: 1,
             num_kv_heads: 1,
             head_size: 8,

@@ -47,7 +47,7 @@ pub async fn build_pool_with_allocator(
     if let Some(addr) = config.metrics.listen_addr()? {
         crate::metrics_endpoint::serve_metrics(addr)?;
     }
-    let layout = config.layout.layout()?;
+    let layout = config.layout()?;
     let db = ChunkedTokenDatabase::new(config.chunking, config.key_scope()?)?;
     let mut builder = StorageManager::builder().config(StorageManagerConfig {
         write_behind_quota_bytes: config.write_behind.quota.as_usize(),

@@ -14,7 +14,6 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use kvpool_core::config::LayoutConfig;
 use kvpool_core::{ByteSize, Dtype, EvictionKind, PoolConfig};
 
 /// kvpool: a KV-cache pool for LLM inference.
@@ -505,12 +504,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 capacity_tokens: a.capacity_tokens,
                 policy: a.policy,
                 simulate: a.simulate,
-                layout: LayoutConfig {
+                layout: kvpool_core::KvLayout {
                     num_layers: a.layers,
                     num_kv_heads: a.kv_heads,
                     head_size: a.head_size,
                     dtype: a.dtype,
-                    ..LayoutConfig::default()
+                    ..kvpool_core::KvLayout::default()
                 },
                 progress: progress && !a.json,
             };

@@ -6,7 +6,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use kvpool_backends::build_pool;
-use kvpool_core::config::LayoutConfig;
 use kvpool_core::{ByteSize, EvictionKind, EvictionPolicy, HostPagedKvCache, PoolConfig};
 
 use crate::report::Table;
@@ -22,7 +21,7 @@ pub struct ReplayOptions {
     /// Only simulate the index (no bytes moved).
     pub simulate: bool,
     /// KV layout used when moving real bytes.
-    pub layout: LayoutConfig,
+    pub layout: kvpool_core::KvLayout,
     /// Show a progress bar.
     pub progress: bool,
 }
@@ -159,7 +158,8 @@ pub async fn replay_with_bytes(
     requests: &[TraceRequest],
     opts: &ReplayOptions,
 ) -> anyhow::Result<(u64, Vec<(String, u64)>, u64)> {
-    let layout = opts.layout.layout()?;
+    let layout = opts.layout;
+    layout.validate()?;
     let block_bytes = layout.chunk_bytes(TRACE_BLOCK_TOKENS) as u64;
     let mut config = PoolConfig {
         layout: opts.layout,
@@ -261,7 +261,7 @@ mod tests {
             capacity_tokens: capacity_blocks * TRACE_BLOCK_TOKENS as u64,
             policy,
             simulate,
-            layout: LayoutConfig {
+            layout: kvpool_core::KvLayout {
                 num_layers: 1,
                 num_kv_heads: 1,
                 head_size: 4,

@@ -9,7 +9,7 @@ use crate::chunk_format::ChunkCodec;
 use crate::error::ConfigError;
 use crate::eviction::EvictionKind;
 use crate::key::KeyScope;
-use crate::layout::{Dtype, KvKind, KvLayout};
+use crate::layout::KvLayout;
 pub use crate::tier_options::redact_url;
 use crate::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 use crate::token_database::ChunkingConfig;
@@ -36,52 +36,6 @@ impl Default for ModelConfig {
             rank: 0,
             pp_rank: 0,
         }
-    }
-}
-
-/// The KV layout as written in a config file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LayoutConfig {
-    /// Transformer layers.
-    pub num_layers: usize,
-    /// KV heads per layer on this rank.
-    pub num_kv_heads: usize,
-    /// Elements per head.
-    pub head_size: usize,
-    /// Element type.
-    pub dtype: Dtype,
-    /// `key_value` or `mla_latent`.
-    pub kind: KvKind,
-    /// Engine page size in tokens.
-    pub block_size: usize,
-}
-
-impl Default for LayoutConfig {
-    /// A small 8-layer GQA model in bf16 (32 KiB per token; 8 MiB per 256-token chunk).
-    fn default() -> Self {
-        LayoutConfig {
-            num_layers: 8,
-            num_kv_heads: 8,
-            head_size: 128,
-            dtype: Dtype::Bf16,
-            kind: KvKind::KeyValue,
-            block_size: 16,
-        }
-    }
-}
-
-impl LayoutConfig {
-    /// The validated layout.
-    pub fn layout(&self) -> Result<KvLayout, ConfigError> {
-        Ok(KvLayout::new(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_size,
-            self.dtype,
-            self.kind,
-            self.block_size,
-        )?)
     }
 }
 
@@ -238,8 +192,9 @@ impl TierConfig {
 pub struct PoolConfig {
     /// Model scope.
     pub model: ModelConfig,
-    /// KV layout.
-    pub layout: LayoutConfig,
+    /// KV layout (`[layout]`: `num_layers`, `num_kv_heads`, `head_size`, `dtype`, `kind`,
+    /// `block_size`), checked by [`PoolConfig::validate`].
+    pub layout: KvLayout,
     /// Chunking and hashing.
     pub chunking: ChunkingConfig,
     /// L1 CPU tier.
@@ -290,14 +245,20 @@ impl PoolConfig {
         )
     }
 
+    /// The layout, validated (no zero dimension).
+    pub fn layout(&self) -> Result<KvLayout, ConfigError> {
+        self.layout.validate()?;
+        Ok(self.layout)
+    }
+
     /// Bytes of one full chunk.
     pub fn chunk_bytes(&self) -> Result<usize, ConfigError> {
-        Ok(self.layout.layout()?.chunk_bytes(self.chunking.chunk_size))
+        Ok(self.layout()?.chunk_bytes(self.chunking.chunk_size))
     }
 
     /// The key scope for this model, rank and layout.
     pub fn key_scope(&self) -> Result<KeyScope, ConfigError> {
-        let layout = self.layout.layout()?;
+        let layout = self.layout()?;
         Ok(KeyScope::new(
             self.model.name.clone(),
             self.model.world_size,
@@ -334,7 +295,7 @@ impl PoolConfig {
                     self.local_cpu.max_size,
                     ByteSize(chunk),
                     self.chunking.chunk_size,
-                    self.layout.layout()?.bytes_per_token()
+                    self.layout()?.bytes_per_token()
                 ),
             });
         }

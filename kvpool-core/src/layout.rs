@@ -151,6 +151,7 @@ impl KvKind {
 /// assert_eq!(layout.bytes_per_token(), 2 * 32 * 8 * 128 * 2);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct KvLayout {
     /// Transformer layers.
     pub num_layers: usize,
@@ -164,6 +165,20 @@ pub struct KvLayout {
     pub kind: KvKind,
     /// Tokens per engine page ("block").
     pub block_size: usize,
+}
+
+impl Default for KvLayout {
+    /// A small 8-layer GQA model in bf16 (32 KiB per token; 8 MiB per 256-token chunk).
+    fn default() -> Self {
+        KvLayout {
+            num_layers: 8,
+            num_kv_heads: 8,
+            head_size: 128,
+            dtype: Dtype::Bf16,
+            kind: KvKind::KeyValue,
+            block_size: 16,
+        }
+    }
 }
 
 impl KvLayout {

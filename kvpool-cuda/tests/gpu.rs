@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
 use kvpool_backends::build_pool_with_allocator;
-use kvpool_core::config::LayoutConfig;
 use kvpool_core::{
     ByteSize, Dtype, HostPagedKvCache, KvKind, KvTransfer, LayerwiseTransfer, MemoryObj,
     MemoryPool, OwnedChunkWindow, PoolConfig,
@@ -404,7 +403,7 @@ fn the_cache_engine_stores_and_loads_through_the_gpu_with_a_pinned_pool() {
         .unwrap();
     let chunk = 32;
     let mut config = PoolConfig {
-        layout: LayoutConfig {
+        layout: kvpool_core::KvLayout {
             num_layers: 3,
             num_kv_heads: 8,
             head_size: 128,
@@ -501,7 +500,7 @@ fn the_layerwise_trait_fences_stores_and_loads_on_the_compute_stream() {
         .build()
         .unwrap();
     let mut config = PoolConfig {
-        layout: LayoutConfig {
+        layout: kvpool_core::KvLayout {
             num_layers: 4,
             num_kv_heads: 8,
             head_size: 128,

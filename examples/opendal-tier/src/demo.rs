@@ -30,7 +30,7 @@ pub async fn store_then_reload(
     config: &PoolConfig,
     tokens: usize,
 ) -> Result<DemoReport, Box<dyn std::error::Error + Send + Sync>> {
-    let layout = config.layout.layout()?;
+    let layout = config.layout()?;
     let ids: Vec<u32> = (0..tokens as u32)
         .map(|t| t.wrapping_mul(7919) + 1)
         .collect();
