@@ -1,6 +1,8 @@
 //! Shared test fixtures: the in-memory store behind fault switches, and KV helpers.
 #![allow(dead_code)]
 
+pub mod tiered;
+
 use std::sync::Arc;
 use std::time::Duration;
 
