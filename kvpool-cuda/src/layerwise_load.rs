@@ -10,9 +10,10 @@ use kvpool_core::{
     TransferError, transfer::check_chunk_window,
 };
 
+use crate::device_buffers::{BufferCache, DeviceBuffer};
 use crate::error::CudaError;
 use crate::kernels::Direction;
-use crate::transfer_engine::{BufferCache, DeviceBuffer, GpuTransferEngine, RowCopy};
+use crate::transfer_engine::{GpuTransferEngine, RowCopy};
 
 fn driver<T>(
     call: &'static str,

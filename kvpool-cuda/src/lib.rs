@@ -37,6 +37,7 @@
 
 #![warn(missing_docs)]
 
+mod device_buffers;
 pub mod driver;
 pub mod error;
 pub mod kernels;
