@@ -38,6 +38,7 @@ pub mod memory_pool;
 pub mod remote;
 pub mod storage_manager;
 pub mod telemetry;
+mod tier;
 pub mod tier_events;
 pub mod tier_options;
 mod tier_stats;

@@ -1,24 +1,23 @@
 //! The storage manager: ordered tiers, prefix lookup, promotion into L1, bounded write-behind.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt};
-use parking_lot::Mutex;
 use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use crate::backend::{Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend};
 use crate::error::{BackendError, ConfigError, PoolError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
+use crate::tier::Tier;
 use crate::tier_events::{TierEventKind, TierEventLog};
-use crate::tier_stats::{ManagerCounters, TierCounters, TierOp};
+use crate::tier_stats::{ManagerCounters, TierOp};
 pub use crate::tier_stats::{ManagerStats, TierStats};
-use crate::write_behind::Pending;
+use crate::write_behind::{self, Pending};
 
 /// Knobs of the storage manager.
 #[derive(Debug, Clone, Copy)]
@@ -39,15 +38,6 @@ impl Default for StorageManagerConfig {
     }
 }
 
-struct Tier {
-    backend: Arc<dyn StorageBackend>,
-    counters: TierCounters,
-    /// Keys whose write-behind to this tier is in flight.
-    in_flight: Mutex<HashSet<CacheKey>>,
-    /// Write-behind byte quota.
-    quota: Arc<Semaphore>,
-}
-
 /// Longest prefix of keys present in some tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixLookup {
@@ -65,29 +55,6 @@ impl PrefixLookup {
     /// Whether the first key already missed.
     pub fn is_empty(&self) -> bool {
         self.tiers.is_empty()
-    }
-}
-
-/// One write-behind batch in flight. Dropping it (when the write ends, or when a panicking
-/// backend unwinds the task) returns the keys, the quota and the pending count, so `flush` and
-/// `close` never wait for ever and the keys can be written again.
-struct WriteBehindGuard {
-    tier: Arc<Tier>,
-    keys: Vec<CacheKey>,
-    permits: u32,
-    pending: Arc<Pending>,
-}
-
-impl Drop for WriteBehindGuard {
-    fn drop(&mut self) {
-        {
-            let mut in_flight = self.tier.in_flight.lock();
-            for k in &self.keys {
-                in_flight.remove(k);
-            }
-        }
-        self.tier.quota.add_permits(self.permits as usize);
-        self.pending.finish();
     }
 }
 
@@ -164,14 +131,7 @@ impl StorageManagerBuilder {
             .config
             .write_behind_quota_bytes
             .min(Semaphore::MAX_PERMITS);
-        let mk = |backend: Arc<dyn StorageBackend>| {
-            Arc::new(Tier {
-                counters: TierCounters::new(backend.name()),
-                backend,
-                in_flight: Mutex::new(HashSet::new()),
-                quota: Arc::new(Semaphore::new(quota)),
-            })
-        };
+        let mk = |backend: Arc<dyn StorageBackend>| Arc::new(Tier::new(backend, quota));
         let mut tiers = Vec::new();
         let (primary, allocator): (Option<usize>, Arc<dyn ChunkAllocator>) = match self.primary {
             Some((backend, allocator)) => {
@@ -460,60 +420,7 @@ impl StorageManager {
     }
 
     fn schedule_write_behind(&self, tier: &Arc<Tier>, entries: &[(CacheKey, Chunk)]) {
-        let mut batch = Vec::new();
-        let mut permits = 0u32;
-        {
-            let mut in_flight = tier.in_flight.lock();
-            for (key, chunk) in entries {
-                if in_flight.contains(key) {
-                    tier.counters.deduplicated_write();
-                    continue;
-                }
-                let need = u32::try_from(chunk.data.len().max(1)).unwrap_or(u32::MAX);
-                match tier.quota.try_acquire_many(need) {
-                    Ok(p) => {
-                        p.forget();
-                        permits += need;
-                        in_flight.insert(key.clone());
-                        batch.push((key.clone(), chunk.clone()));
-                    }
-                    Err(_) => {
-                        tier.counters.dropped_write();
-                        debug!(tier = tier.backend.name(), key = %key, "write-behind quota full; dropping write");
-                    }
-                }
-            }
-        }
-        if batch.is_empty() {
-            return;
-        }
-        self.pending.start();
-        let guard = WriteBehindGuard {
-            tier: tier.clone(),
-            keys: batch.iter().map(|(k, _)| k.clone()).collect(),
-            permits,
-            pending: self.pending.clone(),
-        };
-        let events = self.events.clone();
-        self.runtime.spawn(async move {
-            let tier = guard.tier.clone();
-            let bytes: u64 = batch.iter().map(|(_, c)| c.data.len() as u64).sum();
-            let t0 = Instant::now();
-            let result = tier.backend.put(batch).await;
-            tier.counters.call(TierOp::Put, t0.elapsed());
-            match result {
-                Ok(_) => {
-                    tier.counters.written(bytes);
-                    events.record(tier.backend.name(), TierEventKind::Stored, &guard.keys);
-                }
-                Err(e) => {
-                    tier.counters.error();
-                    tier.counters.failed_writes(guard.keys.len() as u64);
-                    warn!(tier = tier.backend.name(), error = %e, "write-behind failed; chunks not stored in this tier");
-                }
-            }
-            drop(guard);
-        });
+        write_behind::schedule(tier, entries, &self.pending, &self.events, &self.runtime);
     }
 
     /// Removes keys from every tier (e.g. a chunk found corrupt). Returns how many existed.
