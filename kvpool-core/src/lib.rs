@@ -8,8 +8,9 @@
 //! - [`chunk_format`]: the checksummed, versioned stored-chunk encoding;
 //! - [`memory_pool`]: the bounded host memory pool and ref-counted chunk memory;
 //! - [`eviction`]: LRU, FIFO and S3-FIFO;
-//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind (its
-//!   counters in `tier_stats.rs`);
+//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind (each tier
+//!   in `tier.rs`, its counters in `tier_stats.rs`, write-behind in `write_behind.rs`);
+//! - [`counter`]: `StatCounter`, the lock-free counter behind every `stats()` snapshot;
 //! - [`telemetry`]: every Prometheus metric kvpool records, with help texts;
 //! - [`tier_events`]: chunks entering and leaving each tier, for an engine's KV-event stream;
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
