@@ -38,6 +38,7 @@ pub mod redis;
 pub mod registry;
 #[cfg(feature = "s3")]
 pub mod s3;
+pub mod telemetry;
 pub mod timeout;
 
 #[cfg(feature = "cpu")]

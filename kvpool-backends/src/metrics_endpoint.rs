@@ -6,7 +6,9 @@
 
 use std::net::SocketAddr;
 
-use kvpool_core::{ConfigError, telemetry};
+use kvpool_core::ConfigError;
+
+use crate::telemetry;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use parking_lot::Mutex;
 

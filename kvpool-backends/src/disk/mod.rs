@@ -361,7 +361,7 @@ impl DiskInner {
             source,
         })?;
         if free < bytes.saturating_add(self.config.min_free_bytes) {
-            metrics::counter!(kvpool_core::telemetry::DISK_WRITES_REFUSED).increment(1);
+            metrics::counter!(crate::telemetry::DISK_WRITES_REFUSED).increment(1);
             return Err(BackendError::Io {
                 backend: "disk".into(),
                 source: std::io::Error::new(

@@ -121,7 +121,7 @@ impl MooncakeConnector {
         if let Some(until) = *inner.paused_until.lock()
             && Instant::now() < until
         {
-            metrics::counter!(kvpool_core::telemetry::MOONCAKE_FAST_FAILURES).increment(1);
+            metrics::counter!(crate::telemetry::MOONCAKE_FAST_FAILURES).increment(1);
             return Err(unavailable(
                 &inner.name,
                 format!("{op} skipped: the cluster failed a call moments ago"),
