@@ -44,6 +44,9 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     fn name(&self) -> &str {
         self.inner.name()
     }
+    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+        self.inner.set_event_log(events);
+    }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await
     }
@@ -169,6 +172,9 @@ impl<C: RemoteConnector> ControlledFaults<C> {
 impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+        self.inner.set_event_log(events);
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.ask(1).await?;

@@ -76,6 +76,9 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     fn name(&self) -> &str {
         self.inner.name()
     }
+    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+        self.inner.set_event_log(events);
+    }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.bounded("exists", self.inner.exists(key)).await
     }

@@ -302,3 +302,53 @@ async fn rocksdb_out_of_space_heals_when_space_returns() {
         );
     }
 }
+
+/// Chunks the disk tier evicts for capacity leave it as KV events (`BlockRemoved` for routers
+/// through the vLLM connector), with the evicted chunks' hashes.
+#[tokio::test]
+async fn capacity_evictions_are_announced_as_tier_events() {
+    use kvpool_core::tier_events::TierEventKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let layout = common::small_layout();
+    let stored_chunk = layout.chunk_bytes(16) as u64 + 128;
+    let mut config = DiskConfig::new(dir.path());
+    config.capacity_bytes = 4 * stored_chunk;
+    let disk = Arc::new(backend(DiskConnector::open(config).unwrap()));
+    let manager = StorageManager::builder().lower(disk).build().unwrap();
+    let engine = common::engine_with(manager, "disk-events");
+    let log = engine.storage().tier_events().clone();
+    log.enable();
+    let kv = filled_cache(layout, 32, 3);
+    let slots: Vec<i64> = (0..64).collect();
+    let first: Vec<u32> = (0..64).collect();
+    let second: Vec<u32> = (1000..1064).collect();
+    for tokens in [&first, &second] {
+        engine.store(tokens, None, &kv, &slots).await.unwrap();
+        engine.storage().flush().await.unwrap();
+    }
+    let events = log.drain();
+    let removed: std::collections::HashSet<ChunkHash> = events
+        .iter()
+        .filter(|e| e.tier == "disk" && e.kind == TierEventKind::Removed)
+        .flat_map(|e| e.chunk_hashes.clone())
+        .collect();
+    let first_hashes: Vec<ChunkHash> = engine
+        .token_database()
+        .process_tokens(&first, None)
+        .unwrap()
+        .iter()
+        .map(|s| s.key.hash)
+        .collect();
+    assert_eq!(first_hashes.len(), 4);
+    assert!(
+        first_hashes.iter().all(|h| removed.contains(h)),
+        "evicted {removed:?}, first prompt {first_hashes:?}"
+    );
+    assert_eq!(
+        engine.lookup(&first).await.unwrap(),
+        0,
+        "the first prompt was evicted"
+    );
+    assert_eq!(engine.lookup(&second).await.unwrap(), 64);
+}

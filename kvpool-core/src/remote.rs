@@ -17,6 +17,7 @@ use crate::chunk_format::{
 use crate::error::{BackendError, FormatError};
 use crate::key::CacheKey;
 use crate::memory_pool::MemoryObjMut;
+use crate::tier_events::TierEventLog;
 
 /// The small surface a third-party store implements: opaque values under string keys.
 ///
@@ -38,6 +39,10 @@ pub trait RemoteConnector: Send + Sync + 'static {
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError>;
     /// Closes connections; afterwards every call fails.
     async fn close(&self) -> Result<(), BackendError>;
+
+    /// The manager's KV-event log, for values that leave the store on its own initiative
+    /// (capacity evictions, expiry). The default ignores it.
+    fn set_event_log(&self, _events: Arc<TierEventLog>) {}
 
     /// Whether `key` exists.
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
@@ -92,6 +97,9 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     }
     async fn close(&self) -> Result<(), BackendError> {
         (**self).close().await
+    }
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        (**self).set_event_log(events)
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         (**self).batch_exists(keys).await
@@ -274,6 +282,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     async fn close(&self) -> Result<(), BackendError> {
         self.closed.store(true, Ordering::Release);
         self.connector.close().await
+    }
+
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        self.connector.set_event_log(events);
     }
 
     fn stats(&self) -> BackendStats {

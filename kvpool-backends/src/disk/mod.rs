@@ -21,7 +21,8 @@ use rocksdb::{
 use tracing::{debug, info, warn};
 
 use kvpool_core::eviction::OrderedPolicy;
-use kvpool_core::{BackendError, EvictionPolicy, RemoteConnector};
+use kvpool_core::tier_events::{TierEventKind, TierEventLog};
+use kvpool_core::{BackendError, CacheKey, EvictionPolicy, RemoteConnector};
 
 /// Column family holding each key's stored size (small; read at open to rebuild the index).
 const META_CF: &str = "meta";
@@ -82,6 +83,8 @@ struct DiskInner {
     config: DiskConfig,
     index: Mutex<Index>,
     closed: AtomicBool,
+    /// Where capacity evictions are announced (KV events), once the manager hands it over.
+    events: std::sync::OnceLock<Arc<TierEventLog>>,
 }
 
 /// Bytes available to unprivileged writers on the filesystem holding `path`.
@@ -126,17 +129,28 @@ fn open_database(config: &DiskConfig) -> Result<DB, BackendError> {
     // Only fatal messages are written; kvpool reports errors through tracing instead.
     opts.set_log_level(rocksdb::LogLevel::Fatal);
     opts.set_keep_log_file_num(2);
-    let mut values = Options::default();
-    // Values are already compressed (or not) by the chunk codec.
-    values.set_compression_type(rocksdb::DBCompressionType::None);
+    // Memory is bounded by the config, not by how much the tier has stored: every column
+    // family shares one block cache, which also holds the SST files' index and filter blocks
+    // (otherwise each open file keeps its own outside any bound), and every memtable is at
+    // most `write_buffer_bytes` (the meta family's default, 64 MiB, grew resident memory
+    // for as long as the soak ran).
     let block_cache = rocksdb::Cache::new_lru_cache(config.block_cache_bytes).map_err(db_error)?;
     let mut table = rocksdb::BlockBasedOptions::default();
     table.set_block_cache(&block_cache);
+    table.set_cache_index_and_filter_blocks(true);
+    table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    opts.set_db_write_buffer_size(config.write_buffer_bytes.saturating_mul(4));
+    let mut values = Options::default();
+    // Values are already compressed (or not) by the chunk codec.
+    values.set_compression_type(rocksdb::DBCompressionType::None);
     values.set_block_based_table_factory(&table);
     values.set_write_buffer_size(config.write_buffer_bytes);
+    let mut meta = Options::default();
+    meta.set_block_based_table_factory(&table);
+    meta.set_write_buffer_size(config.write_buffer_bytes);
     let cfs = vec![
         ColumnFamilyDescriptor::new(rocksdb::DEFAULT_COLUMN_FAMILY_NAME, values),
-        ColumnFamilyDescriptor::new(META_CF, Options::default()),
+        ColumnFamilyDescriptor::new(META_CF, meta),
     ];
     let db = DB::open_cf_descriptors(&opts, &config.path, cfs).map_err(|e| {
         BackendError::Unavailable {
@@ -203,6 +217,7 @@ impl DiskInner {
             config,
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
+            events: std::sync::OnceLock::new(),
         };
         connector.serialized(|db| connector.evict_to(db, connector.config.capacity_bytes))?;
         Ok(connector)
@@ -328,7 +343,12 @@ impl DiskInner {
         metrics::counter!(kvpool_core::telemetry::EVICTIONS, "tier" => "disk")
             .increment(victims.len() as u64);
         debug!(evicted = victims.len(), "disk tier over capacity");
-        db.write(batch).map_err(|e| self.write_failed(e))
+        db.write(batch).map_err(|e| self.write_failed(e))?;
+        if let Some(events) = self.events.get() {
+            let keys: Vec<CacheKey> = victims.iter().filter_map(|k| k.parse().ok()).collect();
+            events.record("disk", TierEventKind::Removed, &keys);
+        }
+        Ok(())
     }
 
     /// Applies the admission filter: the entries to write now.
@@ -524,6 +544,9 @@ impl DiskConnector {
 impl RemoteConnector for DiskConnector {
     fn name(&self) -> &str {
         "disk"
+    }
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        let _ = self.inner.events.set(events);
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.check()?;
