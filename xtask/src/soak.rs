@@ -6,8 +6,7 @@
 //! tier and that its anonymous resident memory did not grow; this process prints the faults it
 //! injected.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -18,6 +17,28 @@ use crate::{ensure_system_packages, run, workspace_root};
 
 const REDIS_PASSWORD: &str = "kvpool-soak";
 const BUCKET: &str = "kvpool-soak";
+
+/// Damages the soak bucket with signed requests (moto refuses unsigned overwrites of objects
+/// written with signatures): `argv` = port, bucket, `corrupt` | `copy`, seed, count.
+const S3_FAULT_SCRIPT: &str = r#"
+import random, sys
+import boto3
+port, bucket, action, seed, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                  aws_access_key_id="kvpool-soak", aws_secret_access_key="kvpool-soak")
+keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, MaxKeys=100).get("Contents", [])]
+rng = random.Random(seed)
+done = 0
+if action == "corrupt":
+    for key in rng.sample(keys, min(count, len(keys))):
+        s3.put_object(Bucket=bucket, Key=key, Body=rng.randbytes(64 + rng.randrange(8192)))
+        done += 1
+elif action == "copy" and len(keys) >= 2:
+    src, dst = rng.sample(keys, 2)
+    s3.copy_object(Bucket=bucket, Key=dst, CopySource={"Bucket": bucket, "Key": src})
+    done = 1
+print(done)
+"#;
 /// Size of the tmpfs the disk tier lives on (the tier keeps 64 MiB of it free), and the
 /// tier's own capacity inside it.
 const DISK_FS_MIB: u64 = 256;
@@ -103,6 +124,38 @@ impl Chaos {
         Ok(())
     }
 
+    /// Signed S3 requests through boto3 (moto's own dependency, in its venv): `corrupt`
+    /// overwrites up to `n` stored objects with random bytes, `copy` stores one object's value
+    /// under another object's key. Returns how many objects it changed.
+    fn s3_fault(&mut self, action: &str, n: u32) -> Result<u32, String> {
+        let python = self
+            .moto_server
+            .parent()
+            .ok_or("moto_server has no directory")?
+            .join("python");
+        let seed = self.dice.next().to_string();
+        let out = Command::new(&python)
+            .args([
+                "-c",
+                S3_FAULT_SCRIPT,
+                &self.moto_port.to_string(),
+                BUCKET,
+                action,
+            ])
+            .args([seed, n.to_string()])
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            // moto is being restarted, or has nothing yet: not a soak failure.
+            return Ok(0);
+        }
+        stdout
+            .trim()
+            .parse()
+            .map_err(|_| format!("the S3 fault script printed {stdout:?}"))
+    }
+
     fn redis_cli(&self, args: &[&str]) -> Result<String, String> {
         let port = self.redis_port.to_string();
         let out = Command::new("redis-cli")
@@ -132,7 +185,7 @@ impl Chaos {
     /// what it did, for the log.
     fn inject(&mut self) -> Result<String, String> {
         let before = self.faults.total();
-        let what = match self.dice.below(6) {
+        let what = match self.dice.below(7) {
             0 => {
                 self.redis = None; // SIGKILL
                 std::thread::sleep(self.dice.millis(500, 3000));
@@ -182,20 +235,15 @@ impl Chaos {
                 }
                 "copied a Redis value under another key"
             }
-            _ => {
-                let keys = s3_keys(self.moto_port).unwrap_or_default();
-                for _ in 0..3 {
-                    let Some(key) = self.pick(&keys) else { break };
-                    let garbage: Vec<u8> = (0..64 + self.dice.below(8192))
-                        .map(|_| self.dice.next() as u8)
-                        .collect();
-                    if http(self.moto_port, "PUT", &format!("/{BUCKET}/{key}"), &garbage)
-                        .is_ok_and(|(status, _)| status.contains(" 200"))
-                    {
-                        self.faults.s3_values_corrupted += 1;
-                    }
-                }
+            5 => {
+                let done = self.s3_fault("corrupt", 3)?;
+                self.faults.s3_values_corrupted += done;
                 "overwrote S3 values with garbage"
+            }
+            _ => {
+                let done = self.s3_fault("copy", 1)?;
+                self.faults.values_copied_under_other_keys += done;
+                "copied an S3 value under another key"
             }
         };
         let done = self.faults.total() - before;
@@ -217,49 +265,53 @@ fn fill(path: &Path) {
     let _ = file.sync_all();
 }
 
-/// A plain HTTP/1.1 request to 127.0.0.1:`port` (moto accepts unsigned requests); returns the
-/// status line and the rest of the response.
-fn http(port: u16, method: &str, path: &str, body: &[u8]) -> Result<(String, String), String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .and_then(|()| s.write_all(body))
-    .map_err(|e| e.to_string())?;
-    let mut reply = Vec::new();
-    s.read_to_end(&mut reply).map_err(|e| e.to_string())?;
-    let reply = String::from_utf8_lossy(&reply).into_owned();
-    let (status, rest) = reply.split_once("\r\n").unwrap_or((&reply, ""));
-    Ok((status.to_string(), rest.to_string()))
+/// The simulator's memory timeline from its JSON report (`rss_timeline`: seconds, RSS,
+/// anonymous RSS and heap in use, in bytes), pretty-printed or not.
+fn rss_timeline(report: &str) -> Vec<[u64; 4]> {
+    let Some(rest) = report.split("\"rss_timeline\":").nth(1) else {
+        return Vec::new();
+    };
+    // The array ends where its brackets balance.
+    let mut depth = 0;
+    let mut end = 0;
+    for (i, c) in rest.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            _ => continue,
+        }
+        if depth == 0 {
+            end = i + 1;
+            break;
+        }
+    }
+    let numbers: Vec<u64> = rest[..end]
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    numbers
+        .chunks_exact(4)
+        .map(|s| [s[0], s[1], s[2], s[3]])
+        .collect()
 }
 
-/// Up to 100 object keys in the soak bucket, percent-encoded for a request path.
-fn s3_keys(port: u16) -> Result<Vec<String>, String> {
-    let (_, body) = http(
-        port,
-        "GET",
-        &format!("/{BUCKET}?list-type=2&max-keys=100"),
-        &[],
-    )?;
-    Ok(body
-        .split("<Key>")
-        .skip(1)
-        .filter_map(|rest| rest.split_once("</Key>").map(|(k, _)| k))
-        .map(|k| {
-            k.bytes()
-                .map(|b| match b {
-                    b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
-                        (b as char).to_string()
-                    }
-                    _ => format!("%{b:02X}"),
-                })
-                .collect()
-        })
-        .collect())
+/// Prints the memory timeline, one sample per line, so a run's growth can be read without its
+/// scratch directory.
+fn print_rss_timeline(report: &str) {
+    let timeline = rss_timeline(report);
+    if timeline.is_empty() {
+        return;
+    }
+    println!("memory timeline (s: RSS / anonymous RSS / heap in use, MiB)");
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    for [second, rss, anon, heap] in timeline {
+        println!(
+            "    {second:>6} s: {:>7.1} / {:>7.1} / {:>7.1}",
+            mib(rss),
+            mib(anon),
+            mib(heap)
+        );
+    }
 }
 
 /// What `cargo xtask soak` was asked for.
@@ -450,7 +502,7 @@ timeout_ms = 1000
         ("Redis values corrupted", f.redis_values_corrupted),
         ("S3 values overwritten with garbage", f.s3_values_corrupted),
         (
-            "Redis values copied under another key",
+            "values copied under another key",
             f.values_copied_under_other_keys,
         ),
     ] {
@@ -492,6 +544,7 @@ timeout_ms = 1000
         "lost acknowledged writes per tier",
         lost.join(" / ")
     );
+    print_rss_timeline(&report);
     if status.success() {
         Ok(())
     } else {
@@ -501,5 +554,20 @@ timeout_ms = 1000
             eprintln!("    {line}");
         }
         Err(format!("the soak failed ({status}); report: {report}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeline_is_read_from_compact_and_pretty_reports() {
+        let compact =
+            r#"{"rss_end_bytes":5,"rss_timeline":[[10,1,2,3],[20,4,5,6]],"x":[[7,7,7,7]]}"#;
+        assert_eq!(rss_timeline(compact), [[10, 1, 2, 3], [20, 4, 5, 6]]);
+        let pretty = "{\n  \"rss_timeline\": [\n    [\n      10,\n      1,\n      2,\n      3\n    ]\n  ],\n  \"y\": [[9, 9, 9, 9]]\n}";
+        assert_eq!(rss_timeline(pretty), [[10, 1, 2, 3]]);
+        assert!(rss_timeline("{}").is_empty());
     }
 }
