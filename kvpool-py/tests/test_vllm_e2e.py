@@ -38,12 +38,14 @@ def metric(page, name):
 
 def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
     """Done-when 1: a batch sharing a 1K prefix; later requests load the prefix from kvpool.
-    The worker serves Prometheus metrics that count the same loads."""
+    The worker serves Prometheus metrics that count the same loads, and vLLM's own Prometheus
+    metrics carry kvpool's counters (build_prom_metrics)."""
     prompts = shared_prefix_prompts(6)
     kw = {"batches": [[0], [1, 2, 3, 4, 5]], "prefix_caching": False}
     base = runner.baseline(model_dir, prompts, **kw)
     port = free_port()
     got = runner.run({"model": model_dir, "prompts": prompts, "scrape_metrics": port,
+                      "vllm_metrics": True,
                       "kvpool": l1(metrics={"listen": f"127.0.0.1:{port}"}), **kw})
     assert_same_outputs(base, got)
     assert got["results"][0]["num_cached_tokens"] == 0
@@ -56,6 +58,10 @@ def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
     assert metric(page, "kvpool_hit_tokens_total") >= 5 * PREFIX
     assert metric(page, "kvpool_lookup_tokens_total") >= metric(page, "kvpool_hit_tokens_total")
     assert 'kvpool_tier_op_seconds_bucket{tier="cpu",op="get"' in page
+    ours = got["vllm_metrics"]
+    assert ours.get("vllm:kvpool_loaded_tokens_total") == got["stats"]["loaded_tokens"], ours
+    assert ours.get("vllm:kvpool_stored_tokens_total", 0) > 0, ours
+    assert ours.get("vllm:kvpool_failed_load_blocks_total", 0) == 0, ours
 
 
 def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_dir, scratch):

@@ -73,6 +73,9 @@ def main(spec_path, out_path):
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq",
             endpoint=f"tcp://127.0.0.1:{spec['kv_events_port']}", topic="kv")
+    if spec.get("vllm_metrics"):
+        # vLLM's Prometheus stat logger (in this process) records connector stats too.
+        kwargs["disable_log_stats"] = False
     started = time.time()
     llm = LLM(
         model=spec["model"],
@@ -119,6 +122,15 @@ def main(spec_path, out_path):
            "preempted_requests": len(preempted)}
     if subscriber is not None:
         out["kv_events"] = subscriber.stop()
+    if spec.get("vllm_metrics"):
+        from prometheus_client import REGISTRY
+
+        totals = {}
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                if sample.name.startswith("vllm:kvpool_") and sample.name.endswith("_total"):
+                    totals[sample.name] = totals.get(sample.name, 0) + sample.value
+        out["vllm_metrics"] = totals
     if spec.get("scrape_metrics"):
         import urllib.request
 

@@ -25,6 +25,11 @@ and leaving each kvpool tier are published through vLLM's own event publisher as
 Chunks the scheduler no longer knows the vLLM blocks of (older than its last 65,536 chunks)
 are left out: no event beats one with the wrong hashes.
 
+Metrics: ``get_kv_connector_stats`` hands kvpool's worker counters to vLLM, which logs them and,
+through ``build_prom_metrics``, exports them in its own Prometheus metrics
+(``vllm:kvpool_loaded_tokens_total``, ``vllm:kvpool_stored_tokens_total``, ... per engine).
+kvpool's own endpoint (``[metrics] listen``) serves the pool's tier-level metrics.
+
 Loads and saves are synchronous within the step, so ``request_finished`` never delays a
 free and ``get_finished`` reports nothing. A chunk that cannot be loaded (missing, corrupt,
 tier down) is reported through ``get_block_ids_with_load_errors``; set
@@ -52,7 +57,11 @@ from vllm.distributed.kv_events import (
     BlockStored,
     KVConnectorKVEvents,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvpool import _native
 
@@ -100,6 +109,45 @@ class KvpoolConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+#: kvpool's worker counters in vLLM's own Prometheus metrics (``/metrics`` of ``vllm serve``):
+#: (stats key, metric name, help). prometheus_client adds ``_total`` to each name.
+PROM_COUNTERS = (
+    ("load_requested_tokens", "vllm:kvpool_load_requested_tokens",
+     "Tokens vLLM asked kvpool to load into its KV cache."),
+    ("loaded_tokens", "vllm:kvpool_loaded_tokens",
+     "Tokens whose KV kvpool loaded into vLLM's KV cache (prefill saved)."),
+    ("stored_tokens", "vllm:kvpool_stored_tokens",
+     "Tokens whose KV vLLM saved into kvpool."),
+    ("failed_load_blocks", "vllm:kvpool_failed_load_blocks",
+     "vLLM blocks kvpool promised but could not load (recomputed by vLLM)."),
+    ("corrupt_chunks", "vllm:kvpool_corrupt_chunks",
+     "Stored chunks kvpool rejected as corrupt or bound to another key (treated as misses)."),
+    ("save_errors", "vllm:kvpool_save_errors",
+     "Saves that failed (the KV was not stored; nothing else is affected)."),
+)
+
+
+class KvpoolPromMetrics(KVConnectorPromMetrics):
+    """Counts kvpool's per-interval worker stats into vLLM's Prometheus registry, one series
+    per engine, next to vLLM's own prefix-cache metrics."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, name, doc in PROM_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value > 0:
+                per_engine[engine_idx].inc(value)
 
 
 #: A tier event from a worker: (tier name, stored (else removed), chunk hashes).
@@ -466,6 +514,10 @@ class KvpoolConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KvpoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:
