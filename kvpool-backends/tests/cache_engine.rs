@@ -326,3 +326,27 @@ async fn engine_block_hashes_give_the_same_hits_as_their_tokens_would() {
     let spans2 = db.process_block_hashes(&changed, 4, 0).unwrap();
     assert_eq!(s.engine.lookup_spans(&spans2).await, 16);
 }
+
+/// A retrieve plan says which tier served its tokens (the per-request trace's breakdown):
+/// L1 when it holds the chunks, the lower tier once L1 is gone.
+#[tokio::test]
+async fn a_retrieve_plan_counts_its_tokens_per_serving_tier() {
+    let s = setup();
+    let stored = s.store_and_flush(4 * CHUNK, 7).await;
+    let plan = s
+        .engine
+        .begin_retrieve_layerwise(&stored.toks, None, &stored.dst_slots)
+        .await
+        .unwrap();
+    assert_eq!(plan.tier_tokens(), [("cpu".to_string(), 4 * CHUNK)]);
+    drop(plan);
+
+    let lower_only = setup_with(None, false, StorageManagerConfig::default());
+    let stored = lower_only.store_and_flush(4 * CHUNK, 7).await;
+    let plan = lower_only
+        .engine
+        .begin_retrieve_layerwise(&stored.toks, None, &stored.dst_slots)
+        .await
+        .unwrap();
+    assert_eq!(plan.tier_tokens(), [("memory".to_string(), 4 * CHUNK)]);
+}

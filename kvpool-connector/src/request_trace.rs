@@ -26,6 +26,33 @@ pub struct RequestTrace {
     pub store_time: Duration,
     /// Saves that failed.
     pub save_errors: u64,
+    /// Loaded tokens per tier that served them (`cpu` for L1, then `disk`, `redis`, ...), in
+    /// the order first served.
+    pub loaded_tokens_by_tier: Vec<(String, u64)>,
+}
+
+impl RequestTrace {
+    /// Counts `tokens` loaded from `tier`.
+    pub fn add_tier_tokens(&mut self, tier: &str, tokens: u64) {
+        match self
+            .loaded_tokens_by_tier
+            .iter_mut()
+            .find(|(t, _)| t == tier)
+        {
+            Some((_, n)) => *n += tokens,
+            None => self.loaded_tokens_by_tier.push((tier.to_string(), tokens)),
+        }
+    }
+
+    /// `cpu=512 disk=256`: the per-tier loads as one log field.
+    pub fn tiers_summary(&self) -> String {
+        let parts: Vec<String> = self
+            .loaded_tokens_by_tier
+            .iter()
+            .map(|(tier, n)| format!("{tier}={n}"))
+            .collect();
+        parts.join(" ")
+    }
 }
 
 /// The traces of live requests.
@@ -71,6 +98,7 @@ impl RequestTraces {
                 req,
                 load_requested_tokens = t.load_requested_tokens,
                 loaded_tokens = t.loaded_tokens,
+                loaded_by_tier = %t.tiers_summary(),
                 failed_tokens = t.failed_tokens,
                 load_ms = t.load_time.as_secs_f64() * 1e3,
                 stored_tokens = t.stored_tokens,
@@ -91,6 +119,11 @@ mod tests {
         let mut t = RequestTraces::default();
         t.of("a").unwrap().loaded_tokens += 5;
         assert_eq!(t.get("a").unwrap().loaded_tokens, 5);
+        let a = t.of("a").unwrap();
+        a.add_tier_tokens("cpu", 3);
+        a.add_tier_tokens("disk", 2);
+        a.add_tier_tokens("cpu", 1);
+        assert_eq!(a.tiers_summary(), "cpu=4 disk=2");
         t.finish("a");
         assert!(t.get("a").is_none());
         for i in 0..MAX_TRACED_REQUESTS {

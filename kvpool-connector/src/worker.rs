@@ -15,6 +15,9 @@ use crate::ConnectorError;
 use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta};
 use crate::request_trace::{RequestTrace, RequestTraces};
 
+/// A load in flight: the load, its slots, its request and the tokens each tier served.
+type SubmittedLoad = (Box<dyn LayerLoad>, Vec<i64>, String, Vec<(String, usize)>);
+
 /// The worker side of the connector (one per GPU worker / TP rank).
 pub struct ConnectorWorker {
     engine: Arc<CacheEngine>,
@@ -25,7 +28,7 @@ pub struct ConnectorWorker {
     meta: Option<ConnectorMetadata>,
     /// This step's loads in flight, each with the slots it writes (to report them if it
     /// fails) and its request.
-    loads: Vec<(Box<dyn LayerLoad>, Vec<i64>, String)>,
+    loads: Vec<SubmittedLoad>,
     traces: RequestTraces,
     /// GPU blocks whose load failed in this step, whichever request loaded them: no request
     /// saves a chunk that touches one (they hold neither loaded nor computed KV, and KV
@@ -248,12 +251,15 @@ impl ConnectorWorker {
                 self.fail_tokens(r, first, until);
             }
             let slots = plan.slot_mapping_of_loaded();
+            let tier_tokens = plan.tier_tokens().to_vec();
             let submitted = kv.submit_load(plan);
             if let Some(t) = self.traces.of(&r.req_id) {
                 t.load_time += started.elapsed();
             }
             match submitted {
-                Ok(load) => self.loads.push((load, slots, r.req_id.clone())),
+                Ok(load) => self
+                    .loads
+                    .push((load, slots, r.req_id.clone(), tier_tokens)),
                 Err(e) => {
                     warn!(req = %r.req_id, error = %e, "writing the load failed; reporting its blocks");
                     self.fail_slots(&slots);
@@ -285,14 +291,14 @@ impl ConnectorWorker {
     /// layer fails is reported (all its blocks) and dropped; the others go on.
     pub fn wait_for_layer_load(&mut self, layer: usize) -> Result<(), ConnectorError> {
         let mut failed = Vec::new();
-        for (i, (load, _, _)) in self.loads.iter().enumerate() {
+        for (i, (load, _, _, _)) in self.loads.iter().enumerate() {
             if let Err(e) = load.wait_layer(layer) {
                 warn!(layer, error = %e, "a loaded layer failed; reporting the load's blocks");
                 failed.push(i);
             }
         }
         for i in failed.into_iter().rev() {
-            let (_, slots, req) = self.loads.remove(i);
+            let (_, slots, req, _) = self.loads.remove(i);
             self.fail_slots(&slots);
             if let Some(t) = self.traces.of(&req) {
                 t.failed_tokens += slots.len() as u64;
@@ -300,10 +306,13 @@ impl ConnectorWorker {
         }
         // After the last layer, release the fetched chunks so L1 can evict them again.
         if layer + 1 == self.engine.layout().num_layers {
-            for (load, _, req) in std::mem::take(&mut self.loads) {
+            for (load, _, req, tier_tokens) in std::mem::take(&mut self.loads) {
                 self.stats.loaded_tokens += load.loaded_tokens() as u64;
                 if let Some(t) = self.traces.of(&req) {
                     t.loaded_tokens += load.loaded_tokens() as u64;
+                    for (tier, tokens) in &tier_tokens {
+                        t.add_tier_tokens(tier, *tokens as u64);
+                    }
                 }
                 metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
                     .increment(load.loaded_tokens() as u64);

@@ -324,10 +324,12 @@ impl CacheEngine {
     ) -> Result<LayerwiseRetrieve, EngineError> {
         check_slot_mapping(slot_mapping, num_tokens)?;
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        let fetched = self.manager.get(&keys).await;
+        let fetched = self.manager.get_with_tiers(&keys).await;
         let mut loaded = Vec::with_capacity(fetched.len());
         let mut mask = vec![false; num_tokens];
-        for (span, chunk) in spans.iter().zip(fetched) {
+        let names = self.manager.tier_names();
+        let mut tier_tokens: Vec<(String, usize)> = Vec::new();
+        for (span, (tier, chunk)) in spans.iter().zip(fetched) {
             if let Err(e) = self.validate(span, &chunk) {
                 self.counters.rejected_chunks.add(1);
                 warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
@@ -340,6 +342,12 @@ impl CacheEngine {
             mask[span.start + offset..span.end]
                 .iter_mut()
                 .for_each(|m| *m = true);
+            let name = &names[tier];
+            let written = span.end - span.start - offset;
+            match tier_tokens.iter_mut().find(|(n, _)| n == name) {
+                Some((_, tokens)) => *tokens += written,
+                None => tier_tokens.push((name.clone(), written)),
+            }
             loaded.push((span.clone(), chunk, offset));
         }
         let wanted = num_tokens.saturating_sub(skip);
@@ -354,6 +362,7 @@ impl CacheEngine {
             chunks: loaded,
             slot_mapping: slot_mapping.to_vec(),
             mask,
+            tier_tokens,
             next_layer: 0,
         })
     }
@@ -480,10 +489,18 @@ pub struct LayerwiseRetrieve {
     chunks: Vec<(ChunkSpan, Chunk, usize)>,
     slot_mapping: Vec<i64>,
     mask: Vec<bool>,
+    /// Tokens this plan writes, per tier that served them, in the order first served.
+    tier_tokens: Vec<(String, usize)>,
     next_layer: usize,
 }
 
 impl LayerwiseRetrieve {
+    /// Tokens this plan writes, per tier that served them (`"cpu"` for L1, then the lower
+    /// tiers' names), for per-request traces.
+    pub fn tier_tokens(&self) -> &[(String, usize)] {
+        &self.tier_tokens
+    }
+
     /// One bool per token: `true` where KV will be (or was) written.
     pub fn loaded_mask(&self) -> &[bool] {
         &self.mask

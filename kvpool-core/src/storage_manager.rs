@@ -299,6 +299,16 @@ impl StorageManager {
     /// only for keys no faster tier returned, from the end of the prefix found so far, so each
     /// tier is asked at most once per chunk and a remote hit costs one round trip.
     pub async fn get(&self, keys: &[CacheKey]) -> Vec<Chunk> {
+        self.get_with_tiers(keys)
+            .await
+            .into_iter()
+            .map(|(_, chunk)| chunk)
+            .collect()
+    }
+
+    /// [`StorageManager::get`], with the index (in [`StorageManager::tier_names`]) of the tier
+    /// that served each chunk.
+    pub async fn get_with_tiers(&self, keys: &[CacheKey]) -> Vec<(usize, Chunk)> {
         if self.ensure_open().is_err() || keys.is_empty() {
             return Vec::new();
         }
@@ -362,7 +372,7 @@ impl StorageManager {
         chunks
             .into_iter()
             .take(loaded)
-            .map(|c| c.expect("in prefix").1)
+            .map(|c| c.expect("in prefix"))
             .collect()
     }
 

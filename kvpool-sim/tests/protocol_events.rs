@@ -29,6 +29,11 @@ fn each_request_is_traced_until_vllm_says_it_finished() {
     let trace = s.worker.request_trace("t").expect("traced").clone();
     assert_eq!(trace.load_requested_tokens, 2 * CHUNK as u64);
     assert_eq!(trace.loaded_tokens, 2 * CHUNK as u64);
+    assert_eq!(
+        trace.loaded_tokens_by_tier,
+        [("cpu".to_string(), 2 * CHUNK as u64)],
+        "the seeded chunks came from L1"
+    );
     assert_eq!(trace.failed_tokens, 0);
     assert_eq!(trace.stored_tokens, CHUNK as u64, "the third chunk");
     assert_eq!(s.worker.traced_requests(), (1, 0));
