@@ -46,7 +46,13 @@ pub fn heap_in_use_bytes() -> Option<u64> {
     None
 }
 
-/// Samples RSS once after a warm-up, and every 10 s, during a timed run.
+/// Samples memory during a timed run: anonymous RSS every 2 s (for the growth check), and
+/// RSS, anonymous RSS and heap in use every 10 s (the timeline in the report).
+///
+/// Growth is judged on medians, not on single samples: anonymous RSS swings by a few MiB from
+/// one sample to the next as caches fill and drain, so a single end sample can land on a low
+/// or a high point. [`RssSampler::growth_window_medians`] compares the median of the first
+/// window after the warm-up with the median of the last window.
 #[derive(Debug, Clone, Default)]
 pub struct RssSampler {
     warm_up: Option<Duration>,
@@ -54,6 +60,14 @@ pub struct RssSampler {
     pub after_warm_up: Option<u64>,
     /// (second, RSS, anonymous RSS, C heap in use) every 10 s.
     pub timeline: Vec<(u64, u64, u64, u64)>,
+    /// (elapsed, anonymous RSS) every 2 s.
+    anon: Vec<(Duration, u64)>,
+}
+
+/// The median of `values` (`None` when empty).
+fn median(mut values: Vec<u64>) -> Option<u64> {
+    values.sort_unstable();
+    values.get(values.len() / 2).copied()
 }
 
 impl RssSampler {
@@ -62,18 +76,25 @@ impl RssSampler {
     pub fn new(duration: Option<Duration>) -> Self {
         Self {
             warm_up: duration.map(|d| (d / 4).min(Duration::from_secs(30))),
-            after_warm_up: None,
-            timeline: Vec::new(),
+            ..Self::default()
         }
     }
 
-    /// Records RSS the first time `elapsed` passes the warm-up.
+    /// Takes the samples that are due at `elapsed`.
     pub fn tick(&mut self, elapsed: Duration) {
-        if self.warm_up.is_none() {
+        let Some(warm_up) = self.warm_up else {
             return;
-        }
-        if self.after_warm_up.is_none() && self.warm_up.is_some_and(|w| elapsed >= w) {
+        };
+        if self.after_warm_up.is_none() && elapsed >= warm_up {
             self.after_warm_up = resident_anon_bytes();
+        }
+        if self
+            .anon
+            .last()
+            .is_none_or(|(at, _)| elapsed >= *at + Duration::from_secs(2))
+            && let Some(anon) = resident_anon_bytes()
+        {
+            self.anon.push((elapsed, anon));
         }
         let second = elapsed.as_secs();
         if second >= 10 * self.timeline.len() as u64
@@ -86,6 +107,28 @@ impl RssSampler {
                 heap_in_use_bytes().unwrap_or(0),
             ));
         }
+    }
+
+    /// Medians of anonymous RSS over the first window after the warm-up and over the last
+    /// window of the run (each a quarter of the time after the warm-up, at most 60 s);
+    /// `None` without enough samples in both.
+    pub fn growth_window_medians(&self) -> Option<(u64, u64)> {
+        let warm_up = self.warm_up?;
+        let (end, _) = *self.anon.last()?;
+        let window = ((end.saturating_sub(warm_up)) / 4).min(Duration::from_secs(60));
+        let within = |from: Duration, to: Duration| -> Vec<u64> {
+            self.anon
+                .iter()
+                .filter(|(at, _)| *at >= from && *at <= to)
+                .map(|(_, anon)| *anon)
+                .collect()
+        };
+        let first = within(warm_up, warm_up + window);
+        let last = within(end.saturating_sub(window), end);
+        if first.len() < 3 || last.len() < 3 {
+            return None;
+        }
+        Some((median(first)?, median(last)?))
     }
 }
 
@@ -210,6 +253,27 @@ mod tests {
         let mut none = RssSampler::new(None);
         none.tick(Duration::from_secs(100));
         assert_eq!(none.after_warm_up, None);
+    }
+
+    #[test]
+    fn growth_is_judged_on_window_medians_not_single_samples() {
+        let mut s = RssSampler::new(Some(Duration::from_secs(120)));
+        // Samples as `tick` would take them: a flat run with one spike at the very end.
+        s.anon = (15..=60)
+            .map(|i| (Duration::from_secs(2 * i), 100 + (i % 3)))
+            .collect();
+        s.anon.push((Duration::from_secs(122), 500));
+        let (first, last) = s.growth_window_medians().unwrap();
+        assert_eq!(
+            (first, last),
+            (101, 101),
+            "one spike does not move a median"
+        );
+        assert!(
+            RssSampler::new(Some(Duration::from_secs(120)))
+                .growth_window_medians()
+                .is_none()
+        );
     }
 
     fn soak_layout() -> (KvLayout, PoolConfig) {

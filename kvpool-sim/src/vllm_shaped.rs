@@ -131,9 +131,11 @@ pub struct SimReport {
     pub leaked_request_states: usize,
     /// Seconds the run took.
     pub elapsed_seconds: f64,
-    /// Anonymous resident memory (`RssAnon`) after the warm-up of a timed run (bytes).
+    /// Anonymous resident memory (`RssAnon`) after the warm-up of a timed run (bytes): the
+    /// median of the first window after it (see `RssSampler::growth_window_medians`).
     pub rss_after_warm_up_bytes: Option<u64>,
-    /// Anonymous resident memory (`RssAnon`) when a timed run ended (bytes).
+    /// Anonymous resident memory (`RssAnon`) at the end of a timed run (bytes): the median of
+    /// its last window.
     pub rss_end_bytes: Option<u64>,
     /// Every 10 s of a timed run: (second, resident bytes, anonymous resident bytes, C heap
     /// bytes in use).
@@ -550,8 +552,16 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
     r.leaked_request_states = sched.tracked_requests();
     r.elapsed_seconds = started.elapsed().as_secs_f64();
     if s.duration.is_some() {
-        r.rss_after_warm_up_bytes = rss.after_warm_up;
-        r.rss_end_bytes = resident_anon_bytes();
+        match rss.growth_window_medians() {
+            Some((after_warm_up, end)) => {
+                r.rss_after_warm_up_bytes = Some(after_warm_up);
+                r.rss_end_bytes = Some(end);
+            }
+            None => {
+                r.rss_after_warm_up_bytes = rss.after_warm_up;
+                r.rss_end_bytes = resident_anon_bytes();
+            }
+        }
         r.rss_timeline = std::mem::take(&mut rss.timeline);
     }
     drop((sched, worker));
