@@ -72,10 +72,12 @@ fn median(mut values: Vec<u64>) -> Option<u64> {
 
 impl RssSampler {
     /// A sampler for a run of `duration` (none: no sampling); the warm-up is a quarter of the
-    /// run, at most 30 s.
+    /// run, at most 90 s: the pool's caches (L1, RocksDB's block cache and memtables, the
+    /// connection pools) take about that long to fill in the soak, and until they are full
+    /// their growth is not a leak.
     pub fn new(duration: Option<Duration>) -> Self {
         Self {
-            warm_up: duration.map(|d| (d / 4).min(Duration::from_secs(30))),
+            warm_up: duration.map(|d| (d / 4).min(Duration::from_secs(90))),
             ..Self::default()
         }
     }
