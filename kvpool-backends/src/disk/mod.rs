@@ -80,11 +80,33 @@ struct DiskInner {
     /// Reads skip RocksDB's own block checksums: every value carries the chunk format's
     /// checksum, which `RemoteBackend` verifies end to end, so checking twice only costs time.
     read_options: ReadOptions,
+    /// The same, limited to what is in memory (memtables and block cache): such a read does no
+    /// I/O, so it runs on the caller's thread (see [`DiskInner::read_cached`]).
+    cached_read_options: ReadOptions,
     config: DiskConfig,
     index: Mutex<Index>,
     closed: AtomicBool,
     /// Where capacity evictions are announced (KV events), once the manager hands it over.
     events: std::sync::OnceLock<Arc<TierEventLog>>,
+}
+
+/// Read options that answer from memtables and the block cache only: RocksDB returns an
+/// `Incomplete` error instead of reading a file.
+fn memory_only_read_options() -> ReadOptions {
+    let mut options = ReadOptions::default();
+    options.set_verify_checksums(false);
+    // rocksdb 0.20 has `set_read_tier` public but does not export its `ReadTier` argument;
+    // the value is built from its discriminant, the type inferred from the parameter.
+    // SAFETY: `ReadTier` is `#[repr(i32)]` with `All = 0, BlockCache = 1` (RocksDB's
+    // `kBlockCacheTier`), so 1i32 is a valid `ReadTier::BlockCache`. The unit test
+    // `a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool` fails if
+    // the tier set here is not the memory-only one.
+    #[allow(
+        clippy::missing_transmute_annotations,
+        reason = "the target type is not exported, so it cannot be named"
+    )]
+    options.set_read_tier(unsafe { std::mem::transmute::<i32, _>(1) });
+    options
 }
 
 /// Bytes available to unprivileged writers on the filesystem holding `path`.
@@ -221,6 +243,7 @@ impl DiskInner {
             broken_since: Mutex::new(None),
             write_lock: Mutex::new(()),
             read_options,
+            cached_read_options: memory_only_read_options(),
             config,
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
@@ -482,6 +505,39 @@ impl DiskInner {
 }
 
 impl DiskInner {
+    /// Reads `keys` on the caller's thread when every one of them is answered from memory
+    /// (memtable or block cache) or is not indexed; `None` when one needs a file read (or
+    /// RocksDB reports anything unusual, or the database is being reopened): then the whole
+    /// batch goes to the blocking pool, where a read that blocks can be cut short by the tier
+    /// timeout. Handing a call to that pool costs tens of microseconds, more than a cached
+    /// 1 MiB read.
+    fn read_cached(&self, keys: &[String]) -> Option<Vec<Option<Bytes>>> {
+        if self.broken_since.lock().is_some() {
+            return None;
+        }
+        let db = self.db().ok()?;
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if !self.index.lock().sizes.contains_key(k) {
+                out.push(None);
+                continue;
+            }
+            match db.get_pinned_opt(k.as_bytes(), &self.cached_read_options) {
+                Ok(Some(v)) => out.push(Some(Bytes::from_owner(PinnedValue::new(v, &db)))),
+                // Indexed but gone, or needs I/O (`Incomplete`), or an error: let the
+                // blocking read decide (it also drops corrupt entries).
+                Ok(None) | Err(_) => return None,
+            }
+        }
+        let mut idx = self.index.lock();
+        for (k, v) in keys.iter().zip(&out) {
+            if v.is_some() {
+                idx.order.on_access(k);
+            }
+        }
+        Some(out)
+    }
+
     async fn blocking<T: Send + 'static>(
         self: &Arc<Self>,
         f: impl FnOnce(&DiskInner) -> Result<T, BackendError> + Send + 'static,
@@ -510,8 +566,9 @@ impl DiskInner {
 /// times are not persisted. Writes that would leave less than `min_free_bytes` free on the
 /// filesystem are refused.
 ///
-/// Clones share the same database. RocksDB calls run on tokio's blocking pool, so that a tier
-/// timeout can fire while one of them is stuck.
+/// Clones share the same database. RocksDB calls that may touch a file run on tokio's
+/// blocking pool, so that a tier timeout can fire while one of them is stuck; a read that
+/// memory answers (memtable or block cache) runs on the caller's thread.
 #[derive(Clone)]
 pub struct DiskConnector {
     inner: Arc<DiskInner>,
@@ -577,6 +634,10 @@ impl RemoteConnector for DiskConnector {
         Ok(keys.iter().map(|k| idx.sizes.contains_key(k)).collect())
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.inner.check()?;
+        if let Some(values) = self.inner.read_cached(keys) {
+            return Ok(values);
+        }
         let keys = keys.to_vec();
         self.inner.blocking(move |d| d.read_entries(&keys)).await
     }

@@ -67,3 +67,46 @@ async fn index_and_rocksdb_agree_after_racing_puts_evictions_and_deletes() {
     assert_eq!(idx.bytes, stored.values().sum::<u64>());
     assert!(idx.bytes <= 8 * 4096, "over capacity: {}", idx.bytes);
 }
+
+/// Reads that memory answers stay on the caller's thread; one that needs a file does not.
+/// A value still in the memtable is served inline; after a flush and a reopen (empty block
+/// cache) the same read needs I/O, so `read_cached` declines it; once the blocking read has
+/// brought its block into the cache, it is served inline again, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let value = Bytes::from(
+        (0..200_000u32)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    let keys = vec!["a".to_string(), "never-stored".to_string()];
+    {
+        let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+        disk.batch_put(vec![("a".into(), value.clone())])
+            .await
+            .unwrap();
+        let in_memtable = disk
+            .inner
+            .read_cached(&keys)
+            .expect("memtable read is inline");
+        assert_eq!(in_memtable, vec![Some(value.clone()), None]);
+        disk.persist().unwrap();
+        disk.close().await.unwrap();
+    }
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    assert_eq!(
+        disk.inner.read_cached(&keys),
+        None,
+        "a read from a file must go to the blocking pool"
+    );
+    assert_eq!(
+        disk.batch_get(&keys).await.unwrap(),
+        vec![Some(value.clone()), None]
+    );
+    let hot = disk
+        .inner
+        .read_cached(&keys)
+        .expect("the block is cached now");
+    assert_eq!(hot, vec![Some(value), None]);
+}
