@@ -55,6 +55,8 @@ struct Setup {
 fn alloc(bytes: usize, rng: &mut SmallRng) -> u64 {
     let mut ptr = 0;
     let data: Vec<u8> = (0..bytes).map(|_| rng.random()).collect();
+    // SAFETY: the context is current on this thread (set up by the caller); the copy reads
+    // `bytes` bytes from `data`, which holds exactly that many, into the allocation just made.
     unsafe {
         sys::cuMemAlloc_v2(&mut ptr, bytes).result().unwrap();
         sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), bytes)
@@ -136,6 +138,8 @@ impl Setup {
         let stream = self.staged.stream();
         let chunk_bytes = self.layout.chunk_bytes(CHUNK_TOKENS);
         for (i, h) in self.host.iter_mut().enumerate() {
+            // SAFETY: chunk `i` of `contiguous` (CHUNKS chunks long) into pinned host memory of
+            // one chunk, which nothing else touches until the stream is synchronized below.
             unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     h.as_mut_slice().as_mut_ptr().cast(),
@@ -154,6 +158,8 @@ impl Setup {
         let stream = self.staged.stream();
         let chunk_bytes = self.layout.chunk_bytes(CHUNK_TOKENS);
         for (i, h) in self.host.iter().enumerate() {
+            // SAFETY: one chunk of pinned host memory, unchanged until the stream is
+            // synchronized below, into chunk `i` of `contiguous` (CHUNKS chunks long).
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
                     self.contiguous + (i * chunk_bytes) as u64,
@@ -211,6 +217,8 @@ impl Setup {
             }
             let mut b = stream.launch_builder(&self.spin);
             b.arg(&cycles);
+            // SAFETY: `spin` takes one `long long`, which is the one argument pushed; it
+            // touches no memory.
             unsafe {
                 b.launch(LaunchConfig {
                     grid_dim: (1, 1, 1),

@@ -44,6 +44,8 @@ impl DeviceTensor {
     fn upload(ctx: &Arc<CudaContext>, bytes: &[u8]) -> Self {
         ctx.bind_to_thread().unwrap();
         let mut ptr = 0;
+        // SAFETY: the context is bound; the copy reads `bytes.len()` bytes from `bytes` into
+        // the allocation of that size just made.
         unsafe {
             sys::cuMemAlloc_v2(&mut ptr, bytes.len()).result().unwrap();
             sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr().cast(), bytes.len())
@@ -60,6 +62,8 @@ impl DeviceTensor {
     fn download(&self) -> Vec<u8> {
         self.ctx.bind_to_thread().unwrap();
         let mut out = vec![0u8; self.len];
+        // SAFETY: the context is bound; `self.ptr` holds `self.len` bytes (allocated in
+        // `upload`), and `out` has room for exactly that many.
         unsafe {
             sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, self.len)
                 .result()
@@ -72,6 +76,7 @@ impl DeviceTensor {
 impl Drop for DeviceTensor {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        // SAFETY: `self.ptr` came from cuMemAlloc in `upload` and is freed only here, once.
         unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }
@@ -330,11 +335,14 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
     let (tensors, engine) = device_copy(&ctx, &host, order, blocks, HostPath::Staged);
     // The engine's compute stream belongs to another library: wrap it without owning it.
     let mut raw = std::ptr::null_mut();
+    // SAFETY: the engine's context is bound on this thread; `raw` receives the new stream.
     unsafe {
         sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
             .result()
             .unwrap()
     };
+    // SAFETY: `raw` is a live stream of the engine's context, destroyed only at the end of
+    // this test, after `compute` (the borrowed wrapper) is dropped.
     let compute = unsafe { engine.context().wrap_borrowed_stream(raw) };
     // Large, then smaller (a reused, larger buffer), then large again; each from another
     // thread than the last, so the context is bound wherever the call lands.
@@ -387,6 +395,7 @@ fn successive_layerwise_loads_reuse_buffers_without_stale_bytes() {
         }
     }
     drop(compute);
+    // SAFETY: the stream created above; its borrowed wrapper is gone and nothing else uses it.
     unsafe { sys::cuStreamDestroy_v2(raw).result().unwrap() };
 }
 
@@ -528,6 +537,8 @@ fn the_layerwise_trait_fences_stores_and_loads_on_the_compute_stream() {
     // The "forward pass" rewrites layer 0 on the compute stream; the store must see it.
     let newer = random_cache(layout, blocks, &mut rng);
     let fresh = DeviceTensor::upload(&ctx, &layer_in_order(&newer, 0, order, blocks));
+    // SAFETY: both tensors hold `fresh.len` bytes (layer 0 in the same order) and live to the
+    // end of this test, past the store below that waits for this stream.
     unsafe {
         sys::cuMemcpyDtoDAsync_v2(tensors[0].ptr, fresh.ptr, fresh.len, compute.cu_stream())
             .result()

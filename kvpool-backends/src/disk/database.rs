@@ -46,16 +46,17 @@ pub(super) fn memory_only_read_options() -> ReadOptions {
     let mut options = ReadOptions::default();
     options.set_verify_checksums(false);
     // rocksdb 0.20 has `set_read_tier` public but does not export its `ReadTier` argument;
-    // the value is built from its discriminant, the type inferred from the parameter.
-    // SAFETY: `ReadTier` is `#[repr(i32)]` with `All = 0, BlockCache = 1` (RocksDB's
-    // `kBlockCacheTier`), so 1i32 is a valid `ReadTier::BlockCache`. The unit test
-    // `a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool` fails if
+    // the value is built from its discriminant, the type inferred from the parameter. The unit
+    // test `a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool` fails if
     // the tier set here is not the memory-only one.
     #[allow(
         clippy::missing_transmute_annotations,
         reason = "the target type is not exported, so it cannot be named"
     )]
-    options.set_read_tier(unsafe { std::mem::transmute::<i32, _>(1) });
+    // SAFETY: `ReadTier` is `#[repr(i32)]` with `All = 0, BlockCache = 1` (RocksDB's
+    // `kBlockCacheTier`), so 1i32 is a valid `ReadTier::BlockCache`.
+    let block_cache_tier = unsafe { std::mem::transmute::<i32, _>(1) };
+    options.set_read_tier(block_cache_tier);
     options
 }
 
