@@ -4,6 +4,8 @@
 //! - RocksDB get of a hot 1 MiB chunk (flushed to an SST, served from the block cache) vs
 //!   reading the same bytes from a plain file in the page cache; the get is measured as is
 //!   (a pinned view) and with the bytes copied out, as the file read does;
+//! - the same read cold: neither the block cache nor the page cache holds the value (both
+//!   dropped before each read), against a plain file read after dropping its cached pages;
 //! - S3 (moto) PUT/GET of 1 MiB at concurrency 1 and 8, and a 1-byte GET (per-request overhead).
 //!
 //! Servers come from KVPOOL_BENCH_REDIS_URL and KVPOOL_BENCH_S3_URL/KVPOOL_BENCH_S3_ENDPOINT;
@@ -14,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvpool_backends::disk::{DiskConfig, DiskConnector};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
 use kvpool_backends::s3::{S3Config, S3Connector};
@@ -182,5 +184,67 @@ fn rocksdb_vs_file(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, rocksdb_vs_file, redis, s3);
+/// Drops the page cache's copy of `path` (its pages were written back: the files here are
+/// fsynced), so that the next read comes from the disk.
+fn drop_cached_pages(path: &std::path::Path) {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).unwrap();
+    // SAFETY: the descriptor is open for the duration of the call; fadvise only drops clean
+    // cached pages of this file.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise({})", path.display());
+}
+
+/// A 1 MiB read that is in neither RocksDB's block cache nor the page cache: what a tier
+/// below L1 mostly serves. Before each read, three other values go through a 2 MiB block
+/// cache (evicting the one read) and every SST file's pages are dropped; the baseline reads
+/// a plain file whose pages were dropped the same way.
+fn cold_rocksdb_vs_file(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let db_dir = dir.path().join("db");
+    let mut config = DiskConfig::new(&db_dir);
+    config.block_cache_bytes = 2 * MIB;
+    let disk = DiskConnector::open(config).unwrap();
+    let v = value();
+    let others = ["other-0", "other-1", "other-2"];
+    for key in std::iter::once("cold").chain(others) {
+        rt.block_on(disk.put(key, v.clone())).unwrap();
+    }
+    disk.persist().unwrap();
+    let file = dir.path().join("plain.bin");
+    std::fs::write(&file, &v).unwrap();
+    std::fs::File::open(&file).unwrap().sync_all().unwrap();
+    let drop_rocksdb_caches = || {
+        for key in others {
+            black_box(rt.block_on(disk.get(key)).unwrap().unwrap());
+        }
+        for entry in std::fs::read_dir(&db_dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "sst") {
+                drop_cached_pages(&path);
+            }
+        }
+    };
+    let mut g = c.benchmark_group("cold_1MiB_read");
+    g.throughput(Throughput::Bytes(MIB as u64));
+    g.sample_size(30);
+    g.bench_function("disk_file", |b| {
+        b.iter_batched(
+            || drop_cached_pages(&file),
+            |()| black_box(std::fs::read(&file).unwrap()),
+            BatchSize::PerIteration,
+        )
+    });
+    g.bench_function("rocksdb_get_copied_out", |b| {
+        b.iter_batched(
+            drop_rocksdb_caches,
+            |()| black_box(rt.block_on(disk.get("cold")).unwrap().unwrap().to_vec()),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, rocksdb_vs_file, cold_rocksdb_vs_file, redis, s3);
 criterion_main!(benches);
