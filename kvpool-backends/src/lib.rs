@@ -16,10 +16,12 @@
 //!
 //! Cross-cutting concerns are wrappers implementing the same trait: [`timeout`] bounds every
 //! call of any `RemoteConnector`. [`metrics_endpoint`] serves every metric kvpool records to
-//! Prometheus (`[metrics] listen`).
+//! Prometheus (`[metrics] listen`). [`allocator_trim`] hands the C allocator's free pages back
+//! to the operating system now and then (`[allocator] release_free_pages_secs`).
 
 #![warn(missing_docs)]
 
+pub mod allocator_trim;
 pub mod backend_factory;
 #[cfg(feature = "testkit")]
 pub mod conformance;

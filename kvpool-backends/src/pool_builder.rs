@@ -1,6 +1,7 @@
 //! Builds a ready cache engine (tiers, storage manager, token database) from a `PoolConfig`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvpool_core::storage_manager::StorageManagerConfig;
 use kvpool_core::{
@@ -46,6 +47,15 @@ pub async fn build_pool_with_allocator(
     config.validate()?;
     if let Some(addr) = config.metrics.listen_addr()? {
         crate::metrics_endpoint::serve_metrics(addr)?;
+    }
+    if config.allocator.release_free_pages_secs > 0 {
+        crate::allocator_trim::start_periodic_release(Duration::from_secs(
+            config.allocator.release_free_pages_secs,
+        ))
+        .map_err(|e| ConfigError::Invalid {
+            field: "allocator.release_free_pages_secs",
+            reason: format!("cannot start the thread that releases free pages: {e}"),
+        })?;
     }
     let layout = config.layout()?;
     let db = ChunkedTokenDatabase::new(config.chunking, config.key_scope()?)?;

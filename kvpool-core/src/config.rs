@@ -61,6 +61,20 @@ impl Default for LocalCpuConfig {
     }
 }
 
+/// The C allocator of the process the pool runs in (glibc's malloc, which RocksDB and other
+/// C libraries use too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AllocatorConfig {
+    /// Every this many seconds, hand the pages that malloc holds free back to the operating
+    /// system (`malloc_trim`; glibc only); 0, the default, never. glibc keeps freed memory in
+    /// its arenas, so resident memory creeps up over hours of churn although nothing leaks
+    /// (docs/reliability.md, chaos soak). A trim holds the allocator's locks while it runs
+    /// (well under a millisecond for a heap of tens of MiB, longer for gigabytes), which is why
+    /// it is off unless asked for. Process-wide: the first pool that asks starts it.
+    pub release_free_pages_secs: u64,
+}
+
 /// Write-behind to lower tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -205,6 +219,8 @@ pub struct PoolConfig {
     pub codec: ChunkCodec,
     /// The Prometheus endpoint.
     pub metrics: MetricsConfig,
+    /// Giving the C allocator's free pages back to the operating system.
+    pub allocator: AllocatorConfig,
     /// Lower tiers, looked up in this order after L1 (`[[tier]]` tables).
     #[serde(rename = "tier", default, skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<TierConfig>,

@@ -55,7 +55,7 @@ pub use block_transfer::BlockKvCache;
 pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
-pub use config::{ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
+pub use config::{AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
 pub use counter::StatCounter;
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,

@@ -424,6 +424,10 @@ fn run_soak(chaos: &mut Chaos, kvpool: &Path, args: &SoakArgs) -> Result<(), Str
         &config,
         format!(
             r#"# kvpool soak: L1, then disk, Redis and S3; short timeouts so dead servers are misses.
+# glibc keeps freed pages resident; hand them back, as a long-running deployment would.
+[allocator]
+release_free_pages_secs = 30
+
 [[tier]]
 url = "file://{disk}"
 capacity = "{DISK_TIER_MIB}MiB"
