@@ -49,10 +49,12 @@ pub fn start_periodic_release(every: Duration) -> std::io::Result<()> {
                 }
             })
             .map(|_| ());
-        info!(
-            every_secs = every.as_secs(),
-            "releasing the C allocator's free pages periodically"
-        );
+        if started.is_ok() {
+            info!(
+                every_secs = every.as_secs(),
+                "releasing the C allocator's free pages periodically"
+            );
+        }
         every
     });
     if *running != every {
