@@ -69,9 +69,15 @@ struct SimArgs {
     /// L1 CPU pool size.
     #[arg(long, default_value = "16MiB")]
     cpu_size: ByteSize,
-    /// Fraction of the chunks a step loads that vanish between lookup and load.
+    /// Fraction of the chunks a step loads that vanish from one rank between lookup and load.
     #[arg(long, default_value_t = 0.05)]
     load_failure_rate: f64,
+    /// Tensor-parallel ranks, each with its own pool.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Schedule each step before the last one's outcome is known (vLLM's async_scheduling).
+    #[arg(long)]
+    async_scheduling: bool,
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -305,17 +311,19 @@ fn render_sim(r: &kvpool_sim::vllm_shaped::SimReport) -> String {
         ("requests", r.requests),
         ("engine steps", r.steps),
         ("most requests in one step", r.max_requests_per_step),
-        (
-            "admissions sharing blocks computed in the same step",
-            r.same_step_shared_admissions,
-        ),
         ("prompt tokens", r.prompt_tokens),
         ("GPU prefix-cache hit tokens", r.gpu_hit_tokens),
         ("tokens loaded from kvpool", r.pool_hit_tokens),
+        ("asynchronous loads", r.async_loads),
+        ("requests held for their copies", r.held_requests),
         ("preemptions", r.preemptions),
         ("request ids reused", r.reused_ids),
         ("chunks lost between lookup and load", r.injected_failures),
         ("blocks reported as failed loads", r.reported_failed_blocks),
+        (
+            "saved chunks dropped before commit",
+            r.saves_discarded as usize,
+        ),
         (
             "lost blocks not reported (must be 0)",
             r.unreported_failed_blocks,
@@ -355,6 +363,8 @@ fn run_sim(a: SimArgs) -> anyhow::Result<()> {
         gpu_blocks: a.gpu_blocks,
         cpu_size: a.cpu_size,
         load_failure_rate: a.load_failure_rate.clamp(0.0, 1.0),
+        tp_size: a.tp.max(1),
+        async_scheduling: a.async_scheduling,
         seed: a.seed,
         pool,
         duration,

@@ -181,9 +181,29 @@ fn sim_drives_the_vllm_protocol_with_failures_and_gets_every_token_right() {
         "injected_failures",
         "preemptions",
         "reused_ids",
-        "same_step_shared_admissions",
+        "saves_discarded",
     ] {
         assert!(v[key].as_u64().unwrap() > 0, "{key}: {v}");
     }
     assert!(v["max_requests_per_step"].as_u64().unwrap() >= 8, "{v}");
+    // Two tensor-parallel ranks, one of them failing loads, and vLLM's asynchronous scheduling.
+    let out = kvpool(&[
+        "sim",
+        "--requests",
+        "2000",
+        "--gpu-blocks",
+        "128",
+        "--tp",
+        "2",
+        "--async-scheduling",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["requests"], 2000);
+    assert_eq!(v["wrong_tokens"], 0);
+    assert_eq!(v["leaked_request_states"], 0);
+    assert_eq!(v["unreported_failed_blocks"], 0);
+    assert!(v["injected_failures"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["async_loads"].as_u64().unwrap() > 0, "{v}");
 }

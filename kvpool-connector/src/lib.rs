@@ -12,67 +12,65 @@
 //! | `build_connector_meta(scheduler_output)` | [`ConnectorScheduler::build_connector_meta`], then [`ConnectorMetadata::encode`] |
 //! | `update_connector_output(connector_output)` | [`ConnectorScheduler::update_connector_output`] |
 //! | `request_finished(request, block_ids)` | [`ConnectorScheduler::request_finished`] |
+//! | `has_pending_push_work()` | [`ConnectorScheduler::has_pending_work`] |
 //! | `register_kv_caches(kv_caches)` | [`ConnectorWorker::register_kv_caches`] |
+//! | `handle_preemptions(metadata)` | [`ConnectorWorker::jobs_in_flight_for`] (the engine side waits for them) |
 //! | `bind_connector_metadata(metadata)` | [`ConnectorWorker::bind_connector_metadata`] (bytes in) |
 //! | `clear_connector_metadata()` | [`ConnectorWorker::clear_connector_metadata`] |
-//! | `start_load_kv(forward_context)` | [`ConnectorWorker::start_load_kv`] |
-//! | `wait_for_layer_load(layer_name)` | [`ConnectorWorker::wait_for_layer_load`] |
-//! | `save_kv_layer(layer_name, kv_layer, attn_metadata)` | [`ConnectorWorker::save_kv_layer`] |
-//! | `wait_for_save()` | [`ConnectorWorker::wait_for_save`] |
-//! | `get_finished(finished_req_ids)` | [`ConnectorWorker::get_finished`] |
+//! | `start_load_kv(forward_context)` | [`ConnectorWorker::take_load_jobs`], run by the engine side, then [`ConnectorWorker::copy_done`] |
+//! | `wait_for_save()` | [`ConnectorWorker::take_save_jobs`], run by the engine side, then [`ConnectorWorker::copy_done`] |
+//! | `get_transfer_results(finished_req_ids)` | [`ConnectorWorker::transfer_results`] |
 //! | `get_block_ids_with_load_errors()` | [`ConnectorWorker::get_block_ids_with_load_errors`] |
-//! | `get_kv_connector_kv_cache_events()` | [`ConnectorWorker::take_kv_events`] |
+//! | `build_connector_worker_meta()` | [`ConnectorWorker::step_report`] |
 //!
 //! Behaviour:
-//! - Loads cover only what the GPU lacks and never the final prompt token. Chunks are fetched
-//!   and verified whole, but only the tokens beyond the GPU's prefix are written, so blocks the
-//!   GPU already holds (possibly shared with other requests) are never overwritten. LMCache
-//!   instead aligns the GPU count down to a chunk and re-writes those tokens with identical bytes.
-//! - Saves skip what was saved before. They cover complete chunks unless `save_unfull_chunk`,
-//!   and decode tokens only with `save_decode_tokens`. A request can opt out (`skip_save`).
-//!   Offload is eager: each newly computed chunk is saved in the step that computes it. (Lazy
-//!   offload, through `on_blocks_evicting`, has no vLLM hook and is not offered to users; the
-//!   connector keeps it for engines with an eviction hook.)
-//! - A chunk that fails to load (missing, corrupt, backend down) is reported by exact GPU block
-//!   id. In that step no request saves a chunk touching a failed block (requests share blocks
-//!   through vLLM's prefix cache), and the scheduler rewinds the save point of every request
-//!   holding one, so the recomputed KV is saved later and nothing unverified is ever stored.
-//!   One request's failure never hides another's result.
-//! - Saves finish inside the step, so `request_finished` never delays a free and `get_finished`
-//!   reports nothing. The request's state is dropped at `request_finished`; a request id that
-//!   comes back with another prompt starts over.
+//! - Loads cover only what the engine lacks and never the final prompt token. Chunks are
+//!   fetched and verified whole, but only the blocks beyond the engine's prefix are written,
+//!   so blocks the engine already holds (possibly shared with other requests) are never
+//!   overwritten.
+//! - A load is asynchronous unless every rank holds every promised chunk in memory under the
+//!   request's lookup lease (and the engine does not schedule asynchronously): the request
+//!   waits (vLLM's `WAITING_FOR_REMOTE_KVS`) while the worker fetches on kvpool's runtime and
+//!   other requests run; `get_finished` reports it in `finished_recving`. Leases keep promised
+//!   chunks in memory from lookup to load, bounded in bytes and time ([`leases`]).
+//! - The worker never touches the engine's memory: it hands out [`CopyJob`]s (engine block ids
+//!   and kvpool host buffers) that the engine side runs: torch in the Python connector, the
+//!   same code on CPU and CUDA tensors; [`host_blocks`] in tests and the simulator.
+//! - Saves skip what L1 holds. They cover complete chunks, and decode tokens only with
+//!   `save_decode_tokens`. A request can opt out (`skip_save`). A save is copied out of the
+//!   engine's blocks in the step that computes it and *staged*: it becomes visible only when
+//!   the scheduler commits its step, after every rank reported running it with no failed
+//!   load (on any rank) touching it ([`ConnectorMetadata::commit_steps`]). Failed loads cut
+//!   every uncommitted save reaching a failed block, in that step and any later one already
+//!   built (vLLM's asynchronous scheduling), and rewind the save point of every request
+//!   holding one, so the recomputed KV is saved later and nothing computed on a failed load
+//!   is ever stored.
+//! - `request_finished` holds a request's blocks while a save may still be copying out of
+//!   them on some rank; the workers report it in `finished_sending` once their copies ended.
+//!   Lower-tier writes (write-behind) read kvpool's own memory and never hold a block.
 //! - Block lists follow vLLM: the whole list for new and resumed requests, only the newly
 //!   allocated blocks for running ones ([`BlockUpdate`]). A promised load the blocks cannot hold
 //!   is reported as failed, never dropped.
 //! - Each request's tokens are hashed once, in the scheduler, as they arrive; lookups and the
 //!   metadata carry chunk hashes, and keys include the request's extra keys (LoRA adapter,
-//!   cache salt, multimodal inputs).
-//! - A preempted request (`request_preempted`) forgets its GPU blocks and save progress; when it
-//!   resumes, its next lookup finds what earlier steps saved, and it loads instead of recomputing.
+//!   cache salt, multimodal inputs). The engine sends generated tokens from the scheduler's own
+//!   count ([`ConnectorScheduler::token_count`]), so both sides agree on a sequence by
+//!   construction.
+//! - A preempted request (`request_preempted`) forgets its blocks and save progress; when it
+//!   resumes, its next lookup finds what earlier steps saved, and it loads instead of
+//!   recomputing.
 //! - Every step's metadata carries the scheduler's [`probe_hash`]; a worker deriving another
-//!   one (different model, world size, layout, chunk size or hash) refuses it. Hash mismatches
-//!   across processes otherwise show up only as silent zero hit rates.
-//!
-//! - The worker's KV events list exactly the chunks the pool stored (by chained hash).
-//!
+//!   one (different model, world size, layout, chunk size or hash) refuses it.
 //! - The scheduler asks the pool through [`PoolLookup`]: in-process ([`EngineLookup`]) or
-//!   across processes ([`SocketLookup`] to each worker rank's [`LookupServer`], the minimum over
-//!   ranks wins), as the Python package does inside vLLM.
-//!
-//! Loads never outlive the step: `get_num_new_matched_tokens` always answers `is_async =
-//! false`, and loaded KV is in place (or, on a GPU, the compute stream waits for it) once
-//! `wait_for_layer_load` returns. The worker moves bytes through kvpool-core's
-//! [`kvpool_core::LayerwiseTransfer`]: host caches (vLLM's CPU build) copy at submit; with the
-//! `cuda` feature, [`cuda`] registers CUDA KV tensors with kvpool-cuda's `GpuTransferEngine`,
-//! which loads layer by layer on its copy stream and fences stores after the compute stream.
+//!   across processes ([`SocketLookup`] to each worker rank's [`LookupServer`], every rank at
+//!   once, the minimum wins, the whole lookup bounded in time, a circuit breaker per rank), as
+//!   the Python package does inside vLLM.
 
 #![warn(missing_docs)]
 
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod engine_kv;
-mod engine_tensor;
 pub mod extra_keys;
+pub mod host_blocks;
+pub mod leases;
 pub mod lookup_service;
 pub mod metadata;
 pub mod request_trace;
@@ -83,26 +81,35 @@ pub mod worker;
 use kvpool_core::CacheEngine;
 use thiserror::Error;
 
-pub use engine_kv::{EngineKvCaches, EngineKvTensor, KvDevice};
+pub use leases::{LeaseTable, LookupAnswer};
 pub use lookup_service::{LookupServer, SocketLookup, WorkerInfo};
-pub use metadata::{ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveSpec};
+pub use metadata::{
+    ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveDiscard, SaveSpec, SchedulerCounters,
+};
 pub use request_trace::RequestTrace;
 pub use scheduler::{
-    BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, EvictingChunk,
-    PoolLookup, RequestTracker, ScheduledRequest,
+    BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, PoolLookup,
+    RequestTracker, ScheduledRequest,
 };
-pub use worker::{ConnectorWorker, KvEvent, WorkerStats};
+pub use worker::{
+    ConnectorWorker, CopyDirection, CopyJob, LoadLimits, StepReport, TransferResults, WorkerStats,
+};
 
-/// When computed KV is saved to the pool.
+/// When a load is asynchronous (the request waits while other requests run) rather than done
+/// before the step's forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OffloadMode {
-    /// Every newly computed complete chunk is saved in the step that computes it.
+pub enum LoadTiming {
+    /// Synchronous only when every rank holds every promised chunk in memory under the
+    /// request's lease (a copy, no I/O); asynchronous otherwise.
     #[default]
-    Eager,
-    /// A chunk is saved only when the GPU is about to reuse one of its blocks
-    /// ([`ConnectorScheduler::on_blocks_evicting`]): less traffic, and only for KV the GPU
-    /// prefix cache is about to lose.
-    Lazy,
+    Auto,
+    /// Always asynchronous. Needed when the engine schedules a step before it knows the last
+    /// one's outcome (vLLM's `async_scheduling`): a synchronous load that fails would already
+    /// have the next step computed on top of it.
+    Always,
+    /// Always synchronous: every load, from any tier, before the forward pass (the behaviour
+    /// before asynchronous loads; kept for comparisons, refused with asynchronous scheduling).
+    Never,
 }
 
 /// Connector settings (the pool's own settings come from its `PoolConfig`).
@@ -110,12 +117,29 @@ pub enum OffloadMode {
 pub struct ConnectorConfig {
     /// The engine's page size in tokens.
     pub block_size: usize,
-    /// Save the trailing partial chunk too.
-    pub save_unfull_chunk: bool,
     /// Save tokens generated during decode, not only the prompt.
     pub save_decode_tokens: bool,
-    /// Eager or lazy offload.
-    pub offload: OffloadMode,
+    /// When loads are asynchronous.
+    pub load_timing: LoadTiming,
+    /// The engine schedules step N+1 before it knows step N's outcome (vLLM's
+    /// `async_scheduling`): a step's saves then wait for the scheduler's commit even with one
+    /// rank (set [`LoadTiming::Always`] too).
+    pub async_scheduling: bool,
+    /// Worker ranks (tensor-parallel size): a step is committed once all of them reported it.
+    pub num_ranks: u32,
+}
+
+impl ConnectorConfig {
+    /// Settings for an engine with `block_size`-token pages and one worker rank.
+    pub fn new(block_size: usize) -> Self {
+        ConnectorConfig {
+            block_size,
+            save_decode_tokens: false,
+            load_timing: LoadTiming::Auto,
+            async_scheduling: false,
+            num_ranks: 1,
+        }
+    }
 }
 
 /// A connector call that could not be carried out.

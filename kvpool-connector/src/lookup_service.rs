@@ -8,8 +8,12 @@
 //! carry the chunk hashes the scheduler computed (16 bytes per chunk), never token ids.
 //!
 //! Wire format: frames of a little-endian `u32` length followed by a postcard-encoded
-//! [`LookupRequest`] or [`LookupResponse`]. Every read and write has a timeout; a rank that
-//! does not answer in time counts as a miss, and the next lookup reconnects.
+//! [`LookupRequest`] or [`LookupResponse`]. Every rank is asked at once and the whole lookup
+//! is bounded by one deadline: a rank that does not answer in time counts as a miss. A rank
+//! that fails [`BREAKER_FAILURES`] lookups in a row has its circuit breaker opened: lookups
+//! count it as a miss without asking, until a probe (a fresh connection and the hello check,
+//! at most once per [`BREAKER_PROBE_INTERVAL`]) succeeds. Every reconnection re-runs the hello
+//! check, so a worker restarted with other keys is never asked.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -20,12 +24,19 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvpool_core::CacheEngine;
+use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
+use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
 use crate::scheduler::PoolLookup;
+
+/// Consecutive failed lookups that open a rank's circuit breaker.
+pub const BREAKER_FAILURES: u32 = 3;
+/// How often an open breaker lets a probe through.
+pub const BREAKER_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
@@ -35,8 +46,11 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 pub enum LookupRequest {
     /// Who are you: the worker's key derivation and chunking.
     Hello,
-    /// How many leading chunks of these (scheduler-computed chain hashes) the pool holds.
+    /// How many leading chunks of these (scheduler-computed chain hashes) the pool holds;
+    /// the ones in memory are leased to the request until it loads them or ends.
     Lookup {
+        /// The request (empty: no lease).
+        req_id: String,
         /// Chunk hashes, in order.
         chunk_hashes: Vec<[u8; 16]>,
     },
@@ -47,8 +61,13 @@ pub enum LookupRequest {
 pub enum LookupResponse {
     /// Answer to [`LookupRequest::Hello`].
     Hello(WorkerInfo),
-    /// Leading chunks the pool holds.
-    Chunks(u64),
+    /// Leading chunks the pool holds, and how many of them are leased in memory.
+    Chunks {
+        /// Leading chunks some tier holds.
+        found: u64,
+        /// Leading chunks leased in memory to the request.
+        leased: u64,
+    },
     /// The lookup failed (reported as a miss by the client).
     Error(String),
 }
@@ -107,12 +126,14 @@ pub struct LookupServer {
 
 impl LookupServer {
     /// Binds `path` (replacing a stale socket file) and serves lookups for `engine`, whose
-    /// async calls run on `runtime`. Each connection gets a thread; reads time out after
-    /// `idle_timeout` so abandoned connections do not pin threads for ever.
+    /// async calls run on `runtime`, leasing into `leases`. Each connection gets a thread;
+    /// reads time out after `idle_timeout` so abandoned connections do not pin threads for
+    /// ever.
     pub fn start(
         path: &Path,
         engine: Arc<CacheEngine>,
         runtime: Arc<Runtime>,
+        leases: Arc<LeaseTable>,
         rank: u32,
         idle_timeout: Duration,
     ) -> io::Result<Self> {
@@ -136,10 +157,13 @@ impl LookupServer {
                         break;
                     }
                     let Ok(stream) = conn else { continue };
-                    let (engine, runtime) = (engine.clone(), runtime.clone());
+                    let (engine, runtime, leases) =
+                        (engine.clone(), runtime.clone(), leases.clone());
                     let spawned = std::thread::Builder::new()
                         .name("kvpool-lookup-conn".into())
-                        .spawn(move || serve(stream, &engine, &runtime, info, idle_timeout));
+                        .spawn(move || {
+                            serve(stream, &engine, &runtime, &leases, info, idle_timeout)
+                        });
                     if let Err(e) = spawned {
                         warn!(error = %e, "cannot start a lookup connection thread");
                     }
@@ -175,6 +199,7 @@ fn serve(
     mut stream: UnixStream,
     engine: &CacheEngine,
     runtime: &Runtime,
+    leases: &LeaseTable,
     info: WorkerInfo,
     idle_timeout: Duration,
 ) {
@@ -192,14 +217,19 @@ fn serve(
         };
         let response = match request {
             LookupRequest::Hello => LookupResponse::Hello(info),
-            LookupRequest::Lookup { chunk_hashes } => {
+            LookupRequest::Lookup {
+                req_id,
+                chunk_hashes,
+            } => {
                 let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
                     .into_iter()
                     .map(kvpool_core::ChunkHash)
                     .collect();
-                LookupResponse::Chunks(
-                    crate::scheduler::lookup_chunks(engine, runtime, &hashes) as u64
-                )
+                let answer = runtime.block_on(lookup_and_lease(engine, leases, &req_id, &hashes));
+                LookupResponse::Chunks {
+                    found: answer.chunks as u64,
+                    leased: answer.leased as u64,
+                }
             }
         };
         if write_frame(&mut stream, &response).is_err() {
@@ -208,10 +238,57 @@ fn serve(
     }
 }
 
+/// One rank as the scheduler sees it: its connection (locked while a call is on the wire)
+/// and its circuit breaker (never locked across I/O).
+struct Rank {
+    conn: Mutex<RankConnection>,
+    breaker: Mutex<Breaker>,
+}
+
+#[derive(Debug, Default)]
+struct Breaker {
+    failures: u32,
+    /// When the breaker opened or last let a probe through; `None` while closed.
+    open_since: Option<Instant>,
+}
+
+impl Breaker {
+    /// Whether the breaker lets this lookup through: `Some(probe)` (probe: the breaker is
+    /// open and this call tests the rank on a fresh connection), `None` to skip the rank.
+    fn admits(&mut self, now: Instant) -> Option<bool> {
+        match self.open_since {
+            None => Some(false),
+            Some(since) if now.duration_since(since) >= BREAKER_PROBE_INTERVAL => {
+                // One probe; if it fails the breaker stays open for another interval.
+                self.open_since = Some(now);
+                Some(true)
+            }
+            Some(_) => None,
+        }
+    }
+
+    fn succeeded(&mut self, path: &Path) {
+        if self.open_since.take().is_some() {
+            info!(path = %path.display(), "worker lookups answer again; circuit breaker closed");
+        }
+        self.failures = 0;
+    }
+
+    fn failed(&mut self, path: &Path, now: Instant) {
+        self.failures += 1;
+        if self.failures >= BREAKER_FAILURES && self.open_since.is_none() {
+            warn!(path = %path.display(), failures = self.failures, "worker lookups keep failing; circuit breaker open (misses until a probe succeeds)");
+            self.open_since = Some(now);
+        }
+    }
+}
+
 /// The scheduler's view of the worker ranks' pools, over their lookup sockets.
 pub struct SocketLookup {
-    ranks: Vec<RankConnection>,
+    ranks: Vec<Arc<Rank>>,
+    expected: WorkerInfo,
     timeout: Duration,
+    breaker_misses: u64,
 }
 
 struct RankConnection {
@@ -220,21 +297,73 @@ struct RankConnection {
 }
 
 impl RankConnection {
-    fn connect(&mut self, timeout: Duration) -> io::Result<&mut UnixStream> {
+    fn new(path: PathBuf) -> Self {
+        RankConnection { path, stream: None }
+    }
+
+    /// Connects if needed; a fresh connection must pass the hello check against `expected`.
+    fn connect(
+        &mut self,
+        deadline: Instant,
+        expected: Option<&WorkerInfo>,
+    ) -> io::Result<&mut UnixStream> {
         if self.stream.is_none() {
             let s = UnixStream::connect(&self.path)?;
-            s.set_read_timeout(Some(timeout))?;
-            s.set_write_timeout(Some(timeout))?;
             self.stream = Some(s);
+            if let Some(expected) = expected {
+                match self.exchange(&LookupRequest::Hello, deadline) {
+                    Ok(LookupResponse::Hello(info)) if info.agrees_with(expected) => {}
+                    Ok(LookupResponse::Hello(info)) => {
+                        self.stream = None;
+                        return Err(io_err(format!(
+                            "the worker at {} now derives keys differently (rank {}, probe hash or chunk size changed); not asking it",
+                            self.path.display(),
+                            info.rank
+                        )));
+                    }
+                    Ok(other) => {
+                        self.stream = None;
+                        return Err(io_err(format!("unexpected hello reply {other:?}")));
+                    }
+                    Err(e) => {
+                        self.stream = None;
+                        return Err(e);
+                    }
+                }
+            }
         }
         Ok(self.stream.as_mut().expect("just connected"))
     }
 
-    fn call(&mut self, request: &LookupRequest, timeout: Duration) -> io::Result<LookupResponse> {
-        let result = self.connect(timeout).and_then(|s| {
-            write_frame(s, request)?;
-            read_frame(s)
-        });
+    fn exchange(
+        &mut self,
+        request: &LookupRequest,
+        deadline: Instant,
+    ) -> io::Result<LookupResponse> {
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "lookup deadline passed"))?;
+        let s = self
+            .stream
+            .as_mut()
+            .ok_or_else(|| io_err("not connected"))?;
+        s.set_read_timeout(Some(left))?;
+        s.set_write_timeout(Some(left))?;
+        write_frame(s, request)?;
+        read_frame(s)
+    }
+
+    fn call(
+        &mut self,
+        request: &LookupRequest,
+        deadline: Instant,
+        expected: Option<&WorkerInfo>,
+    ) -> io::Result<LookupResponse> {
+        let result = self
+            .connect(deadline, expected)
+            .map(|_| ())
+            .and_then(|()| self.exchange(request, deadline));
         if result.is_err() {
             // A late answer must never be read as the reply to the next request.
             self.stream = None;
@@ -243,10 +372,18 @@ impl RankConnection {
     }
 }
 
+impl WorkerInfo {
+    fn agrees_with(&self, other: &WorkerInfo) -> bool {
+        self.probe_hash == other.probe_hash
+            && self.chunk_size == other.chunk_size
+            && self.hash_algorithm == other.hash_algorithm
+    }
+}
+
 impl SocketLookup {
     /// Connects to every rank's socket (in rank order), retrying until `connect_deadline`
     /// passes (workers may still be starting), and checks that all ranks agree on the probe
-    /// hash and chunk size. Calls then time out after `timeout`.
+    /// hash and chunk size. A lookup then takes at most `timeout`, all ranks together.
     pub fn connect(
         paths: &[PathBuf],
         timeout: Duration,
@@ -258,15 +395,13 @@ impl SocketLookup {
         let started = Instant::now();
         let mut ranks: Vec<RankConnection> = paths
             .iter()
-            .map(|p| RankConnection {
-                path: p.clone(),
-                stream: None,
-            })
+            .map(|p| RankConnection::new(p.clone()))
             .collect();
         let mut infos = Vec::with_capacity(ranks.len());
         for rank in &mut ranks {
             let info = loop {
-                match rank.call(&LookupRequest::Hello, timeout) {
+                let deadline = Instant::now() + timeout;
+                match rank.call(&LookupRequest::Hello, deadline, None) {
                     Ok(LookupResponse::Hello(info)) => break info,
                     Ok(other) => return Err(io_err(format!("unexpected hello reply {other:?}"))),
                     Err(e) if started.elapsed() < connect_deadline => {
@@ -287,51 +422,139 @@ impl SocketLookup {
             infos.push(info);
         }
         let first = infos[0];
-        if let Some(other) = infos.iter().find(|i| {
-            i.probe_hash != first.probe_hash
-                || i.chunk_size != first.chunk_size
-                || i.hash_algorithm != first.hash_algorithm
-        }) {
+        if let Some(other) = infos.iter().find(|i| !i.agrees_with(&first)) {
             return Err(io_err(format!(
                 "worker ranks {} and {} derive keys differently (probe hash or chunk size)",
                 first.rank, other.rank
             )));
         }
-        Ok((SocketLookup { ranks, timeout }, first))
+        Ok((
+            SocketLookup {
+                ranks: ranks
+                    .into_iter()
+                    .map(|conn| {
+                        Arc::new(Rank {
+                            conn: Mutex::new(conn),
+                            breaker: Mutex::new(Breaker::default()),
+                        })
+                    })
+                    .collect(),
+                expected: first,
+                timeout,
+                breaker_misses: 0,
+            },
+            first,
+        ))
+    }
+
+    fn ask(
+        rank: &Rank,
+        request: &LookupRequest,
+        deadline: Instant,
+        expected: &WorkerInfo,
+    ) -> Option<LookupAnswer> {
+        let probe = rank.breaker.lock().admits(Instant::now())?;
+        // A rank still busy with an earlier lookup (stuck until its deadline) did not answer.
+        let Some(mut conn) = rank.conn.try_lock() else {
+            rank.breaker.lock().failed(
+                Path::new("(a rank busy with an earlier lookup)"),
+                Instant::now(),
+            );
+            return None;
+        };
+        if probe {
+            conn.stream = None;
+        }
+        let answer = match conn.call(request, deadline, Some(expected)) {
+            Ok(LookupResponse::Chunks { found, leased }) => Some(LookupAnswer {
+                chunks: found as usize,
+                leased: leased as usize,
+            }),
+            Ok(LookupResponse::Error(e)) => {
+                warn!(path = %conn.path.display(), error = %e, "lookup failed on a worker; treating as a miss");
+                None
+            }
+            Ok(other) => {
+                warn!(path = %conn.path.display(), reply = ?other, "unexpected lookup reply; treating as a miss");
+                conn.stream = None;
+                None
+            }
+            Err(e) => {
+                warn!(path = %conn.path.display(), error = %e, "worker lookup failed; treating as a miss");
+                None
+            }
+        };
+        let mut breaker = rank.breaker.lock();
+        match answer {
+            Some(_) => breaker.succeeded(&conn.path),
+            None => breaker.failed(&conn.path, Instant::now()),
+        }
+        answer
+    }
+
+    /// Ranks whose circuit breaker is open.
+    pub fn open_breakers(&self) -> u32 {
+        self.ranks
+            .iter()
+            .filter(|r| r.breaker.lock().open_since.is_some())
+            .count() as u32
     }
 }
 
 impl PoolLookup for SocketLookup {
-    fn lookup(&mut self, chunk_hashes: &[kvpool_core::ChunkHash]) -> usize {
+    fn lookup(&mut self, req_id: &str, chunk_hashes: &[kvpool_core::ChunkHash]) -> LookupAnswer {
         if chunk_hashes.is_empty() {
-            return 0;
+            return LookupAnswer::default();
         }
         let request = LookupRequest::Lookup {
+            req_id: req_id.to_string(),
             chunk_hashes: chunk_hashes.iter().map(|h| h.0).collect(),
         };
-        let mut hit = usize::MAX;
-        for rank in &mut self.ranks {
-            let answer = match rank.call(&request, self.timeout) {
-                Ok(LookupResponse::Chunks(n)) => n as usize,
-                Ok(LookupResponse::Error(e)) => {
-                    warn!(path = %rank.path.display(), error = %e, "lookup failed on a worker; treating as a miss");
-                    0
-                }
-                Ok(other) => {
-                    warn!(path = %rank.path.display(), reply = ?other, "unexpected lookup reply; treating as a miss");
-                    rank.stream = None;
-                    0
-                }
-                Err(e) => {
-                    warn!(path = %rank.path.display(), error = %e, "worker lookup socket failed; treating as a miss");
-                    0
-                }
-            };
-            hit = hit.min(answer);
-            if hit == 0 {
-                break;
+        let deadline = Instant::now() + self.timeout;
+        let expected = self.expected;
+        // Every rank at once, one deadline for all: a hung rank costs the timeout once, not
+        // once per rank. A rank left behind (its thread still blocked) is skipped later
+        // (its lock is held) and counts as a miss, like a rank whose breaker is open.
+        let (tx, rx) = std::sync::mpsc::channel();
+        for rank in &self.ranks {
+            let (rank, request, sender) = (rank.clone(), request.clone(), tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name("kvpool-lookup-ask".into())
+                .spawn(move || {
+                    let answer = SocketLookup::ask(&rank, &request, deadline, &expected);
+                    let _ = sender.send(answer);
+                });
+            if spawned.is_err() {
+                let _ = tx.send(None);
             }
         }
-        hit
+        drop(tx);
+        let mut best: Option<LookupAnswer> = None;
+        let mut answered = 0;
+        while answered < self.ranks.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(Some(a)) => {
+                    answered += 1;
+                    best = Some(best.map_or(a, |b| LookupAnswer {
+                        chunks: b.chunks.min(a.chunks),
+                        leased: b.leased.min(a.leased),
+                    }));
+                }
+                Ok(None) | Err(_) => {
+                    self.breaker_misses += u64::from(self.open_breakers() > 0);
+                    return LookupAnswer::default();
+                }
+            }
+        }
+        let best = best.unwrap_or_default();
+        LookupAnswer {
+            chunks: best.chunks,
+            leased: best.leased.min(best.chunks),
+        }
+    }
+
+    fn counters(&self) -> (u64, u32) {
+        (self.breaker_misses, self.open_breakers())
     }
 }

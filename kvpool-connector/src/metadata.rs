@@ -6,23 +6,28 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Encoding version, the first byte of every encoded metadata.
-pub const METADATA_VERSION: u8 = 2;
+pub const METADATA_VERSION: u8 = 3;
 
-/// Tokens to load into the GPU for one request: `[gpu_cached_tokens, load_until)`.
+/// Tokens to load into the engine's blocks for one request: `[gpu_cached_tokens, load_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadSpec {
-    /// Tokens the GPU prefix cache already holds (never written).
+    /// Tokens the engine's own prefix cache already holds (never written; a block boundary).
     pub gpu_cached_tokens: u32,
     /// End of the range the pool holds (a chunk boundary; always below the prompt length).
     pub load_until: u32,
+    /// Loaded in the background while other requests run: the engine waits for the request's
+    /// id in `finished_recving` (vLLM's `WAITING_FOR_REMOTE_KVS`). Otherwise the load is in
+    /// place before this step's forward pass.
+    pub asynchronous: bool,
 }
 
-/// Tokens to save from the GPU for one request: the chunks covering `[save_from, save_until)`.
+/// Tokens to save from the engine's blocks for one request: the chunks covering
+/// `[save_from, save_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SaveSpec {
     /// First token not saved before (a chunk boundary).
     pub save_from: u32,
-    /// End of the computed tokens to save.
+    /// End of the computed tokens to save (a chunk boundary).
     pub save_until: u32,
 }
 
@@ -31,17 +36,29 @@ pub struct SaveSpec {
 pub struct ReqMeta {
     /// The engine's request id.
     pub req_id: String,
-    /// Chain hashes of the chunks covering tokens `0..n` (the last may be partial), computed
-    /// once by the scheduler; with the worker's key scope they are the chunks' keys. Extra
-    /// keys (LoRA, multimodal hashes, cache salt) are already part of them.
+    /// Chain hashes of the chunks covering tokens `0..n`, computed once by the scheduler; with
+    /// the worker's key scope they are the chunks' keys. Extra keys (LoRA, multimodal hashes,
+    /// cache salt) are already part of them.
     pub chunk_hashes: Vec<[u8; 16]>,
-    /// The GPU slot of each token `0..n` the load and save below need
-    /// (`block_id * block_size + offset`).
-    pub slot_mapping: Vec<i64>,
+    /// The engine's blocks holding tokens `0..n`, in order (token `t` is in block
+    /// `block_ids[t / block_size]`).
+    pub block_ids: Vec<u32>,
     /// Load, if any.
     pub load: Option<LoadSpec>,
     /// Save, if any.
     pub save: Option<SaveSpec>,
+}
+
+/// Part of a step's staged saves that must never become visible: chunks of `req_id` saved
+/// in `step` from token `keep_until` on were computed on top of a failed load (on some rank).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SaveDiscard {
+    /// The step whose saves are cut.
+    pub step: u64,
+    /// The request.
+    pub req_id: String,
+    /// Chunks ending at or before this token are kept; later ones are dropped.
+    pub keep_until: u32,
 }
 
 /// Everything the worker must do in one engine step. Crosses a process boundary every step.
@@ -50,14 +67,49 @@ pub struct ConnectorMetadata {
     /// The scheduler's probe hash (see [`crate::probe_hash`]): a worker that derives another
     /// one would compute different keys, so it refuses the metadata.
     pub probe_hash: [u8; 16],
+    /// The scheduler's step number (increasing by one per metadata built).
+    pub step: u64,
+    /// The engine's block size in tokens (the worker refuses another).
+    pub block_size: u32,
     /// Per-request work.
     pub requests: Vec<ReqMeta>,
-    /// Lazy offload: chunks of cached prefixes whose GPU blocks are about to be reused. Saved
-    /// at the start of the step, before any load or compute writes those blocks.
-    pub evictions: Vec<ReqMeta>,
-    /// GPU blocks of promised loads the scheduler could not plan: the worker reports them as
-    /// load errors so the engine recomputes them instead of trusting them.
+    /// Engine blocks of promised loads the scheduler could not plan: the worker reports them
+    /// as load errors so the engine recomputes them instead of trusting them.
     pub unloadable_blocks: Vec<u32>,
+    /// Cuts applied to staged saves before any commit below.
+    pub discards: Vec<SaveDiscard>,
+    /// Steps whose staged saves every rank executed with no failed load touching them: the
+    /// worker stores them (L1, then write-behind). Until then a save is invisible.
+    pub commit_steps: Vec<u64>,
+    /// The worker commits this step's saves itself at the end of the step, cut where its own
+    /// failed loads reach them: set when one rank runs the engine and the engine schedules
+    /// synchronously (no later report can reach a step's saves), so saves are visible at once
+    /// even when the engine stops stepping after them.
+    pub commit_locally: bool,
+    /// Finished requests whose blocks the engine holds until this worker reports them in
+    /// `finished_sending` (once no copy reading their blocks is in flight).
+    pub held_requests: Vec<String>,
+    /// Requests that finished or were aborted since the last step: their lookup leases end and
+    /// their pending loads are cancelled.
+    pub ended_requests: Vec<String>,
+    /// Requests preempted this step (their blocks are free again).
+    pub preempted_requests: Vec<String>,
+    /// The scheduler's own counters, published by TP rank 0's worker (the scheduler process
+    /// serves no metrics).
+    pub scheduler: SchedulerCounters,
+}
+
+/// Counters of the scheduler side, shipped to the workers every step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerCounters {
+    /// Lookups answered as misses because a rank's circuit breaker was open.
+    pub breaker_misses: u64,
+    /// Ranks whose breaker is open now.
+    pub breakers_open: u32,
+    /// Promised loads whose blocks never covered them.
+    pub broken_promises: u64,
+    /// Request states dropped at the cap.
+    pub trackers_dropped: u64,
 }
 
 /// Metadata that cannot be used.
@@ -120,20 +172,14 @@ impl ConnectorMetadata {
         Ok(meta)
     }
 
-    /// Checks ranges and lengths.
+    /// Checks ranges and lengths: every load and save lies inside the request's blocks and
+    /// its chunk hashes, no request is listed twice.
     pub fn validate(&self) -> Result<(), MetadataError> {
-        let mut seen = HashSet::new();
-        if let Some(r) = self
-            .evictions
-            .iter()
-            .find(|r| r.load.is_some() || r.save.is_none())
-        {
-            return Err(MetadataError::Invalid {
-                req_id: r.req_id.clone(),
-                reason: "an eviction must be a save and nothing else".into(),
-            });
+        if self.block_size == 0 {
+            return Err(MetadataError::Decode("block size 0".into()));
         }
-        for r in self.requests.iter().chain(&self.evictions) {
+        let mut seen = HashSet::new();
+        for r in &self.requests {
             let bad = |reason: String| MetadataError::Invalid {
                 req_id: r.req_id.clone(),
                 reason,
@@ -141,28 +187,35 @@ impl ConnectorMetadata {
             if !seen.insert(&r.req_id) {
                 return Err(bad("listed twice".into()));
             }
-            let n = r.slot_mapping.len();
-            if n > 0 && r.chunk_hashes.is_empty() {
-                return Err(bad(format!("{n} tokens without chunk hashes")));
+            let tokens = r.block_ids.len() * self.block_size as usize;
+            let mut needed = 0;
+            if let Some(l) = r.load {
+                if l.gpu_cached_tokens > l.load_until {
+                    return Err(bad(format!(
+                        "load {}..{} is reversed",
+                        l.gpu_cached_tokens, l.load_until
+                    )));
+                }
+                needed = l.load_until as usize;
             }
-            if let Some(l) = r.load
-                && (l.gpu_cached_tokens > l.load_until || l.load_until as usize > n)
-            {
+            if let Some(s) = r.save {
+                if s.save_from > s.save_until {
+                    return Err(bad(format!(
+                        "save {}..{} is reversed",
+                        s.save_from, s.save_until
+                    )));
+                }
+                needed = needed.max(s.save_until as usize);
+            }
+            if needed > tokens {
                 return Err(bad(format!(
-                    "load {}..{} outside {n} tokens",
-                    l.gpu_cached_tokens, l.load_until
+                    "{needed} tokens to move but {} blocks of {} tokens",
+                    r.block_ids.len(),
+                    self.block_size
                 )));
             }
-            if let Some(s) = r.save
-                && (s.save_from > s.save_until || s.save_until as usize > n)
-            {
-                return Err(bad(format!(
-                    "save {}..{} outside {n} tokens",
-                    s.save_from, s.save_until
-                )));
-            }
-            if r.slot_mapping.iter().any(|&s| s < 0) {
-                return Err(bad("negative slot".into()));
+            if needed > 0 && r.chunk_hashes.is_empty() {
+                return Err(bad(format!("{needed} tokens without chunk hashes")));
             }
         }
         Ok(())
@@ -177,21 +230,34 @@ mod tests {
     fn sample() -> ConnectorMetadata {
         ConnectorMetadata {
             probe_hash: [3; 16],
+            step: 7,
+            block_size: 4,
             requests: vec![ReqMeta {
                 req_id: "req-a".into(),
                 chunk_hashes: vec![[1; 16], [2; 16]],
-                slot_mapping: (16..24).collect(),
+                block_ids: vec![4, 5],
                 load: Some(LoadSpec {
                     gpu_cached_tokens: 0,
                     load_until: 4,
+                    asynchronous: true,
                 }),
                 save: Some(SaveSpec {
                     save_from: 4,
                     save_until: 8,
                 }),
             }],
-            evictions: vec![],
             unloadable_blocks: vec![7],
+            discards: vec![SaveDiscard {
+                step: 5,
+                req_id: "req-b".into(),
+                keep_until: 4,
+            }],
+            commit_steps: vec![4, 5],
+            commit_locally: false,
+            held_requests: vec!["req-c".into()],
+            ended_requests: vec!["req-d".into()],
+            preempted_requests: vec![],
+            scheduler: SchedulerCounters::default(),
         }
     }
 
@@ -213,6 +279,7 @@ mod tests {
         m.requests[0].load = Some(LoadSpec {
             gpu_cached_tokens: 0,
             load_until: 9,
+            asynchronous: false,
         });
         assert!(ConnectorMetadata::decode(&m.encode()).is_err());
         let mut m = sample();

@@ -10,6 +10,9 @@ use kvpool_core::{ConfigError, Dtype, KvKind, PoolConfig};
 pub struct VllmEngineFacts {
     /// vLLM's model (served name or path); used when the config does not name one.
     pub model: String,
+    /// A digest of the weights the engine loaded (see docs/keys.md): always part of the key
+    /// scope, whatever the model's name, so two checkpoints never share a chunk.
+    pub weights: String,
     /// Tensor-parallel world size.
     pub tp_size: u32,
     /// This worker's tensor-parallel rank.
@@ -26,6 +29,8 @@ pub struct VllmEngineFacts {
     pub head_size: usize,
     /// The KV cache's element type.
     pub dtype: Dtype,
+    /// K and V per token, or one latent vector (MLA).
+    pub kind: KvKind,
     /// A description of how the engine lays out bytes inside a block (attention backend,
     /// instruction set, tensor shape and strides). Blocks are moved as opaque bytes, so two
     /// engines with different tags must never share chunks: the tag is part of every key.
@@ -36,9 +41,10 @@ pub struct VllmEngineFacts {
 const DEFAULT_MODEL_NAME: &str = "default-model";
 
 /// The pool config for a vLLM worker: `base` (the user's TOML or JSON) with its `[model]` and
-/// `[layout]` taken from the engine. The key scope's model is `<name>|kv=<digest of
-/// kv_format>`, so chunks written under another block format are never found. With
-/// `[metrics] listen`, TP rank `r` serves on the configured port plus `r`.
+/// `[layout]` taken from the engine. The key scope's model is `<name>@w=<weights
+/// digest>|kv=<digest of kv_format>`, so chunks written by other weights or under another
+/// block format are never found. With `[metrics] listen`, TP rank `r` serves on the
+/// configured port plus `r`.
 pub fn pool_config_for_vllm(
     base: &PoolConfig,
     facts: &VllmEngineFacts,
@@ -50,7 +56,7 @@ pub fn pool_config_for_vllm(
         base.model.name.clone()
     };
     let digest = xxhash_rust::xxh3::xxh3_64(facts.kv_format.as_bytes());
-    config.model.name = format!("{name}|kv={digest:016x}");
+    config.model.name = format!("{name}@w={}|kv={digest:016x}", facts.weights);
     config.model.world_size = facts.tp_size;
     config.model.rank = facts.tp_rank;
     config.model.pp_rank = facts.pp_rank;
@@ -58,7 +64,7 @@ pub fn pool_config_for_vllm(
     config.layout.num_kv_heads = facts.num_kv_heads;
     config.layout.head_size = facts.head_size;
     config.layout.dtype = facts.dtype;
-    config.layout.kind = KvKind::KeyValue;
+    config.layout.kind = facts.kind;
     config.layout.block_size = facts.block_size;
     if !config.chunking.chunk_size.is_multiple_of(facts.block_size) {
         return Err(ConfigError::Invalid {
@@ -116,6 +122,7 @@ mod tests {
     fn facts() -> VllmEngineFacts {
         VllmEngineFacts {
             model: "/models/tiny".into(),
+            weights: "0123abcd".into(),
             tp_size: 2,
             tp_rank: 1,
             pp_rank: 0,
@@ -124,6 +131,7 @@ mod tests {
             num_kv_heads: 2,
             head_size: 64,
             dtype: Dtype::F32,
+            kind: KvKind::KeyValue,
             kv_format: "cpu|avx512|[32768,2,32,128]".into(),
         }
     }
@@ -131,7 +139,7 @@ mod tests {
     #[test]
     fn engine_facts_override_model_and_layout() {
         let c = pool_config_for_vllm(&PoolConfig::default(), &facts()).unwrap();
-        assert!(c.model.name.starts_with("/models/tiny|kv="));
+        assert!(c.model.name.starts_with("/models/tiny@w=0123abcd|kv="));
         assert_eq!((c.model.world_size, c.model.rank), (2, 1));
         assert_eq!(c.layout.num_layers, 2);
         assert_eq!(c.layout.block_size, 32);
@@ -149,7 +157,15 @@ mod tests {
                 .unwrap()
                 .model
                 .name
-                .starts_with("llama|kv=")
+                .starts_with("llama@w=0123abcd|kv="),
+            "a configured name never unbinds the weights"
+        );
+        let mut retrained = facts();
+        retrained.weights = "ffff0000".into();
+        assert_ne!(
+            pool_config_for_vllm(&named, &retrained).unwrap().model.name,
+            pool_config_for_vllm(&named, &facts()).unwrap().model.name,
+            "other weights never share keys"
         );
     }
 

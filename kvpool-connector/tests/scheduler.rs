@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kvpool_connector::{
-    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest,
+    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest, LeaseTable,
     ScheduledRequest,
 };
 use kvpool_core::{ByteSize, HostPagedKvCache, PoolConfig};
@@ -11,6 +11,7 @@ use kvpool_core::{ByteSize, HostPagedKvCache, PoolConfig};
 struct Setup {
     runtime: Arc<tokio::runtime::Runtime>,
     engine: Arc<kvpool_core::CacheEngine>,
+    leases: Arc<LeaseTable>,
 }
 
 fn setup() -> Setup {
@@ -28,17 +29,28 @@ fn setup() -> Setup {
         .block_on(kvpool_backends::build_pool(&config))
         .unwrap()
         .engine;
-    Setup { runtime, engine }
+    let leases = Arc::new(LeaseTable::new(
+        64 << 20,
+        std::time::Duration::from_secs(60),
+    ));
+    Setup {
+        runtime,
+        engine,
+        leases,
+    }
 }
 
 fn scheduler(s: &Setup, save_decode_tokens: bool) -> ConnectorScheduler {
     let config = ConnectorConfig {
-        block_size: 16,
-        save_unfull_chunk: false,
         save_decode_tokens,
-        offload: Default::default(),
+        ..ConnectorConfig::new(16)
     };
-    ConnectorScheduler::new(s.engine.clone(), s.runtime.clone(), config)
+    ConnectorScheduler::new(
+        s.engine.clone(),
+        s.runtime.clone(),
+        s.leases.clone(),
+        config,
+    )
 }
 
 fn request(id: &str, n: u32, skip_save: bool) -> EngineRequest {
@@ -53,6 +65,7 @@ fn request(id: &str, n: u32, skip_save: bool) -> EngineRequest {
 fn step(id: &str, computed: usize, new_tokens: Vec<u32>) -> ScheduledRequest {
     ScheduledRequest {
         req_id: id.into(),
+        new_tokens_start: computed - new_tokens.len(),
         new_token_ids: new_tokens,
         blocks: BlockUpdate::Unchanged,
         num_computed_tokens_after_step: computed,
@@ -92,8 +105,59 @@ fn the_final_token_is_never_loaded_and_gpu_tokens_are_not_reloaded() {
     let meta = sched.build_connector_meta(&[step("b", 64, vec![])]);
     let load = meta.requests[0].load.unwrap();
     assert_eq!((load.gpu_cached_tokens, load.load_until), (32, 48));
-    // The slot mapping follows the blocks: slot = block * 16 + offset.
-    assert_eq!(meta.requests[0].slot_mapping[17], 17);
+    assert!(!load.asynchronous, "every chunk is leased in memory");
+    assert_eq!(meta.requests[0].block_ids, [0, 1, 2, 3]);
+}
+
+#[test]
+fn loads_are_asynchronous_unless_every_promised_chunk_is_leased_in_memory() {
+    let s = setup();
+    store(&s, 64);
+    let mut sched = scheduler(&s, false);
+    assert_eq!(
+        sched.get_num_new_matched_tokens(&request("a", 64, false), 0),
+        (48, false)
+    );
+    assert_eq!(s.leases.stats().leases, 1, "the lookup leased a's chunks");
+    // A lease budget of one chunk: the rest must come from outside the lease, asynchronously.
+    let small = Setup {
+        runtime: s.runtime.clone(),
+        engine: s.engine.clone(),
+        leases: Arc::new(LeaseTable::new(1, std::time::Duration::from_secs(60))),
+    };
+    let mut tight = scheduler(&small, false);
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, true)
+    );
+    // With asynchronous scheduling every load is asynchronous.
+    let mut always = ConnectorScheduler::new(
+        s.engine.clone(),
+        s.runtime.clone(),
+        s.leases.clone(),
+        ConnectorConfig {
+            load_timing: kvpool_connector::LoadTiming::Always,
+            ..ConnectorConfig::new(16)
+        },
+    );
+    assert_eq!(
+        always.get_num_new_matched_tokens(&request("c", 64, false), 0),
+        (48, true)
+    );
+    // An asynchronous load ships as soon as the blocks are allocated, with the request
+    // unscheduled (vLLM waits for it), and the request is then waiting on it.
+    always.update_state_after_alloc("c", &[4, 5, 6, 7], 48);
+    let meta = always.build_connector_meta(&[]);
+    assert_eq!(meta.requests.len(), 1);
+    let load = meta.requests[0].load.unwrap();
+    assert!(load.asynchronous && load.load_until == 48);
+    assert!(meta.requests[0].save.is_none());
+    assert!(always.tracker("c").unwrap().load_in_flight);
+    // A request aborted with its load in flight is not held (vLLM holds it until the load ends).
+    assert!(!always.request_finished("c", &[4, 5, 6, 7]));
+    let next = always.build_connector_meta(&[]);
+    assert_eq!(next.ended_requests, ["c"]);
+    assert!(next.held_requests.is_empty());
 }
 
 #[test]
@@ -135,19 +199,34 @@ fn saves_skip_what_was_saved_cover_complete_chunks_and_honour_skip_save() {
 }
 
 #[test]
-fn request_finished_frees_at_once_and_failed_loads_rewind_saves() {
+fn blocks_are_held_while_a_save_may_be_copying_and_failed_loads_rewind_saves() {
     let s = setup();
     let mut sched = scheduler(&s, false);
     sched.get_num_new_matched_tokens(&request("a", 64, false), 0);
     sched.update_state_after_alloc("a", &[10, 11, 12, 13], 0);
-    sched.build_connector_meta(&[step("a", 64, vec![])]);
-    // Saves complete inside the step, so the engine may free the blocks at once, and the
-    // request's state is gone (no `release` call that vLLM would never make).
-    assert_eq!(
-        sched.request_finished("a", &[10, 11, 12, 13]),
-        (false, None)
-    );
+    let m = sched.build_connector_meta(&[step("a", 64, vec![])]);
+    // The save of step `m.step` is not reported copied yet: the engine holds a's blocks, and
+    // the next metadata tells the workers to report a once their copies ended.
+    assert!(sched.request_finished("a", &[10, 11, 12, 13]));
     assert_eq!(sched.tracked_requests(), 0);
+    sched.update_connector_output(&ConnectorOutput {
+        executed_steps: vec![(m.step, 1)],
+        copied_steps: vec![(m.step, 1)],
+        ..Default::default()
+    });
+    let next = sched.build_connector_meta(&[]);
+    assert_eq!(next.held_requests, ["a"]);
+    assert_eq!(next.commit_steps, [m.step]);
+    // A request whose saves were all reported copied is freed at once.
+    sched.get_num_new_matched_tokens(&request("z", 64, false), 0);
+    sched.update_state_after_alloc("z", &[20, 21, 22, 23], 0);
+    let m = sched.build_connector_meta(&[step("z", 64, vec![])]);
+    sched.update_connector_output(&ConnectorOutput {
+        executed_steps: vec![(m.step, 1)],
+        copied_steps: vec![(m.step, 1)],
+        ..Default::default()
+    });
+    assert!(!sched.request_finished("z", &[20, 21, 22, 23]));
 
     // A failed load in block 12 (tokens 32..48) rewinds the save point to token 32.
     sched.get_num_new_matched_tokens(&request("b", 64, false), 0);
@@ -159,6 +238,7 @@ fn request_finished_frees_at_once_and_failed_loads_rewind_saves() {
         ..Default::default()
     });
     assert_eq!(sched.tracker("b").unwrap().saved_tokens, 32);
+    assert!(sched.has_pending_work(), "b's step is not reported yet");
     let again = sched.build_connector_meta(&[step("b", 64, vec![])]);
     let save = again.requests[0].save.unwrap();
     assert_eq!((save.save_from, save.save_until), (32, 64));
@@ -167,4 +247,29 @@ fn request_finished_frees_at_once_and_failed_loads_rewind_saves() {
     sched.request_preempted("b");
     let t = sched.tracker("b").unwrap();
     assert!(t.block_ids.is_empty() && t.saved_tokens == 0 && t.load.is_none());
+}
+
+#[test]
+fn decode_tokens_join_only_at_the_schedulers_own_count() {
+    let s = setup();
+    let mut sched = scheduler(&s, true);
+    sched.get_num_new_matched_tokens(&request("a", 40, false), 0);
+    sched.update_state_after_alloc("a", &[0, 1, 2, 3], 0);
+    sched.build_connector_meta(&[step("a", 40, vec![])]);
+    assert_eq!(sched.token_count("a"), Some(40));
+    // Tokens sent from another position (a copy of the count kept elsewhere drifted) are
+    // refused, and the request saves no more decode tokens: its sequence is unknown.
+    let drifted = ScheduledRequest {
+        req_id: "a".into(),
+        new_token_ids: vec![9; 8],
+        new_tokens_start: 44,
+        blocks: BlockUpdate::Unchanged,
+        num_computed_tokens_after_step: 52,
+    };
+    let m = sched.build_connector_meta(&[drifted]);
+    assert!(m.requests.iter().all(|r| r.save.is_none()), "{m:?}");
+    let t = sched.tracker("a").unwrap();
+    assert!(t.token_stream_broken);
+    assert_eq!(t.token_ids.len(), 40);
+    assert_eq!(sched.token_count("b"), None);
 }

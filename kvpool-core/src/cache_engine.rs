@@ -323,39 +323,23 @@ impl CacheEngine {
         slot_mapping: &[i64],
     ) -> Result<LayerwiseRetrieve, EngineError> {
         check_slot_mapping(slot_mapping, num_tokens)?;
-        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        let fetched = self.manager.get_with_tiers(&keys).await;
-        let mut loaded = Vec::with_capacity(fetched.len());
+        let fetched = self.fetch_spans(spans, Vec::new()).await;
+        let mut loaded = Vec::with_capacity(fetched.chunks.len());
         let mut mask = vec![false; num_tokens];
-        let names = self.manager.tier_names();
         let mut tier_tokens: Vec<(String, usize)> = Vec::new();
-        for (span, (tier, chunk)) in spans.iter().zip(fetched) {
-            if let Err(e) = self.validate(span, &chunk) {
-                self.counters.rejected_chunks.add(1);
-                warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
-                self.manager.remove(std::slice::from_ref(&span.key)).await;
-                break;
-            }
+        for ((span, chunk), tier) in spans.iter().zip(fetched.chunks).zip(&fetched.tiers) {
             // Tokens of this span before `skip` are not written (a span wholly inside the
             // skipped prefix writes nothing).
             let offset = skip.clamp(span.start, span.end) - span.start;
             mask[span.start + offset..span.end]
                 .iter_mut()
                 .for_each(|m| *m = true);
-            let name = &names[tier];
-            let written = span.end - span.start - offset;
-            match tier_tokens.iter_mut().find(|(n, _)| n == name) {
-                Some((_, tokens)) => *tokens += written,
-                None => tier_tokens.push((name.clone(), written)),
-            }
+            add_tier_tokens(&mut tier_tokens, tier, span.end - span.start - offset);
             loaded.push((span.clone(), chunk, offset));
         }
         let wanted = num_tokens.saturating_sub(skip);
         let hit = mask.iter().filter(|m| **m).count();
-        self.counters.retrieve_tokens.add(wanted as u64);
-        self.counters.retrieve_hit_tokens.add(hit as u64);
-        metrics::counter!(telemetry::RETRIEVE_TOKENS).increment(wanted as u64);
-        metrics::counter!(telemetry::RETRIEVE_HIT_TOKENS).increment(hit as u64);
+        self.record_retrieve(wanted, hit);
         Ok(LayerwiseRetrieve {
             layers: self.layout.num_layers,
             fingerprint: self.fingerprint,
@@ -365,6 +349,60 @@ impl CacheEngine {
             tier_tokens,
             next_layer: 0,
         })
+    }
+
+    /// Fetches and verifies the chunks of `spans`, in order, stopping at the first that is
+    /// missing or fails a check (a chunk that fails is removed from every tier and counted).
+    /// `in_memory` are chunks already in hand for the leading spans (a lookup lease's), used
+    /// as they are and checked like the rest; the other spans are read from the tiers.
+    pub async fn fetch_spans(&self, spans: &[ChunkSpan], in_memory: Vec<Chunk>) -> FetchedChunks {
+        let held = in_memory.len().min(spans.len());
+        let names = self.manager.tier_names();
+        let primary = self
+            .manager
+            .primary_tier()
+            .map_or_else(|| "memory".to_string(), |p| names[p].clone());
+        let mut candidates: Vec<(String, Chunk)> = in_memory
+            .into_iter()
+            .take(held)
+            .map(|c| (primary.clone(), c))
+            .collect();
+        if held < spans.len() {
+            let keys: Vec<_> = spans[held..].iter().map(|s| s.key.clone()).collect();
+            candidates.extend(
+                self.manager
+                    .get_with_tiers(&keys)
+                    .await
+                    .into_iter()
+                    .map(|(t, c)| (names[t].clone(), c)),
+            );
+        }
+        let mut out = FetchedChunks::default();
+        for (span, (tier, chunk)) in spans.iter().zip(candidates) {
+            if let Err(e) = self.validate(span, &chunk) {
+                self.counters.rejected_chunks.add(1);
+                warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
+                self.manager.remove(std::slice::from_ref(&span.key)).await;
+                break;
+            }
+            out.chunks.push(chunk);
+            out.tiers.push(tier);
+        }
+        out
+    }
+
+    /// Counts `tokens` stored by a caller that writes chunks itself (a connector's commit).
+    pub fn record_stored(&self, tokens: usize) {
+        self.counters.stored_tokens.add(tokens as u64);
+        metrics::counter!(telemetry::STORED_TOKENS).increment(tokens as u64);
+    }
+
+    /// Counts a retrieve of `wanted` tokens of which `hit` were loaded.
+    pub fn record_retrieve(&self, wanted: usize, hit: usize) {
+        self.counters.retrieve_tokens.add(wanted as u64);
+        self.counters.retrieve_hit_tokens.add(hit as u64);
+        metrics::counter!(telemetry::RETRIEVE_TOKENS).increment(wanted as u64);
+        metrics::counter!(telemetry::RETRIEVE_HIT_TOKENS).increment(hit as u64);
     }
 
     fn validate(&self, span: &ChunkSpan, chunk: &Chunk) -> Result<(), FormatError> {
@@ -393,8 +431,25 @@ impl CacheEngine {
     }
 }
 
+/// Adds `tokens` to `tier`'s entry of a per-tier tally (kept in the order tiers first appear).
+pub fn add_tier_tokens(tally: &mut Vec<(String, usize)>, tier: &str, tokens: usize) {
+    match tally.iter_mut().find(|(n, _)| n == tier) {
+        Some((_, n)) => *n += tokens,
+        None => tally.push((tier.to_string(), tokens)),
+    }
+}
+
+/// Chunks fetched for a load ([`CacheEngine::fetch_spans`]): the longest verified prefix.
+#[derive(Debug, Clone, Default)]
+pub struct FetchedChunks {
+    /// The chunks, in span order.
+    pub chunks: Vec<Chunk>,
+    /// The tier that served each (`"cpu"` for L1).
+    pub tiers: Vec<String>,
+}
+
 /// Counts one lookup of `asked` tokens that found `hit` of them.
-fn record_lookup(asked: usize, hit: usize) {
+pub fn record_lookup(asked: usize, hit: usize) {
     metrics::counter!(telemetry::LOOKUPS).increment(1);
     metrics::counter!(telemetry::LOOKUP_TOKENS).increment(asked as u64);
     metrics::counter!(telemetry::HIT_TOKENS).increment(hit as u64);

@@ -52,7 +52,9 @@ pub use backend::{
     StorageBackend,
 };
 pub use block_transfer::BlockKvCache;
-pub use cache_engine::{CacheEngine, EngineStats, LayerwiseRetrieve, LayerwiseStore, StoreReport};
+pub use cache_engine::{
+    CacheEngine, EngineStats, FetchedChunks, LayerwiseRetrieve, LayerwiseStore, StoreReport,
+};
 pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
 pub use chunk_hash::{ChunkHash, HashAlgorithm};
 pub use config::{AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};

@@ -291,6 +291,36 @@ impl StorageManager {
         }
     }
 
+    /// Index of the primary tier (L1) in [`StorageManager::tier_names`], if there is one.
+    pub fn primary_tier(&self) -> Option<usize> {
+        self.primary
+    }
+
+    /// The chunks the primary tier (L1) holds for the leading `keys`, stopping at the first
+    /// it lacks (their recency is refreshed; nothing is promoted). Empty without a primary
+    /// tier or when it fails. Holding the returned chunks keeps their memory alive even if
+    /// L1 evicts them: what a lookup lease pins.
+    pub async fn primary_get_prefix(&self, keys: &[CacheKey]) -> Vec<Chunk> {
+        let Some(p) = self.primary else {
+            return Vec::new();
+        };
+        if keys.is_empty() || self.ensure_open().is_err() {
+            return Vec::new();
+        }
+        let tier = &self.tiers[p];
+        let t0 = Instant::now();
+        let result = tier.backend.get(keys).await;
+        tier.counters.call(TierOp::Get, t0.elapsed());
+        match result {
+            Ok(values) => values.into_iter().map_while(|v| v).collect(),
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
+                Vec::new()
+            }
+        }
+    }
+
     /// Loads the longest available prefix of `keys`. Returns the chunks of that prefix, in
     /// order; it is shorter than `keys` from the first key that could not be loaded.
     /// Chunks found below L1 are promoted into L1.

@@ -130,9 +130,96 @@ pub const CONNECTOR_LOADED_TOKENS: &str = "kvpool_connector_loaded_tokens_total"
 pub const CONNECTOR_STORED_TOKENS: &str = "kvpool_connector_stored_tokens_total";
 /// KV events dropped because the engine did not drain them in time.
 pub const TIER_EVENTS_DROPPED: &str = "kvpool_tier_events_dropped_total";
+/// Bytes of L1 chunks held under lookup leases (promised, not yet loaded).
+pub const LEASED_BYTES: &str = "kvpool_leased_bytes";
+/// Lookup leases dropped because no load took them in time.
+pub const LEASES_EXPIRED: &str = "kvpool_leases_expired_total";
+/// Asynchronous loads being fetched or copied.
+pub const ASYNC_LOADS_IN_FLIGHT: &str = "kvpool_async_loads_in_flight";
+/// Bytes of chunks held by asynchronous loads in flight.
+pub const ASYNC_LOAD_BYTES_IN_FLIGHT: &str = "kvpool_async_load_bytes_in_flight";
+/// Copies between the engine's blocks and kvpool's memory handed to the engine and not yet
+/// reported done.
+pub const COPY_JOBS_IN_FLIGHT: &str = "kvpool_copy_jobs_in_flight";
+/// Bytes of saved chunks waiting for their step to be committed.
+pub const STAGED_SAVE_BYTES: &str = "kvpool_staged_save_bytes";
+/// Saved chunks dropped before commit: computed on top of a failed load (on some rank) or
+/// never committed in time.
+pub const SAVES_DISCARDED: &str = "kvpool_saves_discarded_chunks_total";
+/// Finished requests whose blocks the engine holds until their copies are done.
+pub const HELD_REQUESTS: &str = "kvpool_held_requests";
+/// Lookups the scheduler answered as misses because a rank's circuit breaker was open
+/// (reported by TP rank 0's worker).
+pub const LOOKUP_BREAKER_MISSES: &str = "kvpool_lookup_breaker_misses_total";
+/// Worker ranks whose lookup circuit breaker is open in the scheduler (reported by TP rank 0).
+pub const LOOKUP_BREAKERS_OPEN: &str = "kvpool_lookup_breakers_open";
+/// Promised loads whose blocks never covered them (reported by TP rank 0's worker).
+pub const BROKEN_PROMISES: &str = "kvpool_broken_promises_total";
+/// Scheduler request states dropped at the cap (reported by TP rank 0's worker).
+pub const TRACKERS_DROPPED: &str = "kvpool_trackers_dropped_total";
 
 /// Every metric kvpool-core records (backends keep catalogues of their own).
 pub const METRICS: &[MetricInfo] = &[
+    gauge(
+        LEASED_BYTES,
+        &[],
+        "Bytes of L1 chunks held under lookup leases between the scheduler's lookup and the load.",
+    ),
+    counter(
+        LEASES_EXPIRED,
+        &[],
+        "Lookup leases dropped because no load took them within their time to live.",
+    ),
+    gauge(
+        ASYNC_LOADS_IN_FLIGHT,
+        &[],
+        "Asynchronous loads being fetched from the tiers or copied into the engine's blocks.",
+    ),
+    gauge(
+        ASYNC_LOAD_BYTES_IN_FLIGHT,
+        &[],
+        "Bytes of chunks held by asynchronous loads in flight.",
+    ),
+    gauge(
+        COPY_JOBS_IN_FLIGHT,
+        &[],
+        "Block copies handed to the engine (loads and saves) not yet reported done.",
+    ),
+    gauge(
+        STAGED_SAVE_BYTES,
+        &[],
+        "Bytes of saved chunks waiting for the scheduler to commit their step.",
+    ),
+    counter(
+        SAVES_DISCARDED,
+        &[],
+        "Saved chunks dropped before commit: computed on a failed load, or never committed.",
+    ),
+    gauge(
+        HELD_REQUESTS,
+        &[],
+        "Finished requests whose blocks the engine holds until kvpool's copies out of them end.",
+    ),
+    counter(
+        LOOKUP_BREAKER_MISSES,
+        &[],
+        "Lookups answered as misses because a worker rank's circuit breaker was open.",
+    ),
+    gauge(
+        LOOKUP_BREAKERS_OPEN,
+        &[],
+        "Worker ranks whose lookup circuit breaker is open in the scheduler.",
+    ),
+    counter(
+        BROKEN_PROMISES,
+        &[],
+        "Promised loads whose engine blocks never covered them (reported as failed blocks).",
+    ),
+    counter(
+        TRACKERS_DROPPED,
+        &[],
+        "Scheduler request states dropped because too many requests were tracked.",
+    ),
     counter(LOOKUPS, &[], "Prefix lookups by the cache engine."),
     counter(
         LOOKUP_TOKENS,

@@ -1,6 +1,7 @@
 //! kvpool's Python extension (`kvpool._native`): the connector's scheduler and worker for
-//! `kvpool.vllm.KvpoolConnector`. No KV bytes cross into Python: tensors arrive as addresses
-//! and shapes, and the metadata between the two halves is kvpool's own encoded bytes.
+//! `kvpool.vllm.KvpoolConnector`. No KV bytes become Python objects: the worker hands out copy
+//! jobs (engine block ids and the addresses of kvpool's host chunks) that the Python side runs
+//! with torch, and the metadata between the two halves is kvpool's own encoded bytes.
 
 #![warn(missing_docs)]
 
@@ -81,6 +82,36 @@ fn lookup_socket_path(dir: &str, engine_id: &str, tp_rank: u32) -> String {
         .to_string()
 }
 
+/// The xxh3-128 digest (hex) of a file's bytes, read in 8 MiB pieces (a checkpoint's
+/// weights: what keys are bound to, see docs/keys.md).
+#[pyfunction]
+fn digest_file(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.detach(|| {
+        use std::io::Read;
+        let mut f = std::fs::File::open(&path).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display()))
+        })?;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut buf = vec![0u8; 8 << 20];
+        loop {
+            let n = f.read(&mut buf).map_err(|e| {
+                pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display()))
+            })?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(format!("{:032x}", h.digest128()))
+    })
+}
+
+/// The xxh3-128 digest (hex) of a text.
+#[pyfunction]
+fn digest_text(text: &str) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(text.as_bytes()))
+}
+
 /// Checks a config without building anything (for a clear error at engine start).
 #[pyfunction]
 fn check_config(text: &str, format: &str) -> PyResult<()> {
@@ -98,6 +129,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;
     m.add_function(wrap_pyfunction!(lookup_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_file, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_text, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -6,25 +6,26 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvpool_connector::{
-    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest, OffloadMode,
+    BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest,
     ScheduledRequest, SocketLookup,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-/// How the Python side describes one scheduled request: id, new token ids, block update
-/// kind (0 unchanged, 1 append, 2 replace), block ids, tokens computed after the step.
-pub type ScheduledTuple = (String, Vec<u32>, u8, Vec<u32>, usize);
+/// How the Python side describes one scheduled request: id, position of the first new token,
+/// new token ids, block update kind (0 unchanged, 1 append, 2 replace), block ids, tokens
+/// computed after the step.
+pub type ScheduledTuple = (String, usize, Vec<u32>, u8, Vec<u32>, usize);
 
-/// Connects to the worker ranks and makes the Rust scheduler.
+/// Connects to the worker ranks and makes the Rust scheduler (one rank per socket).
 pub fn connect_scheduler(
     socket_paths: &[PathBuf],
-    block_size: usize,
-    save_decode_tokens: bool,
+    config: ConnectorConfig,
     timeout: Duration,
     connect_deadline: Duration,
 ) -> Result<ConnectorScheduler, String> {
+    let block_size = config.block_size;
     let (lookup, info) = SocketLookup::connect(socket_paths, timeout, connect_deadline)
         .map_err(|e| e.to_string())?;
     let chunk_size = info.chunk_size as usize;
@@ -39,10 +40,8 @@ pub fn connect_scheduler(
         info.hash_algorithm,
         info.probe_hash,
         ConnectorConfig {
-            block_size,
-            save_unfull_chunk: false,
-            save_decode_tokens,
-            offload: OffloadMode::Eager,
+            num_ranks: socket_paths.len() as u32,
+            ..config
         },
     ))
 }
@@ -51,20 +50,23 @@ pub fn connect_scheduler(
 pub fn scheduled_requests(items: Vec<ScheduledTuple>) -> Result<Vec<ScheduledRequest>, String> {
     items
         .into_iter()
-        .map(|(req_id, new_token_ids, kind, blocks, computed)| {
-            let blocks = match kind {
-                0 => BlockUpdate::Unchanged,
-                1 => BlockUpdate::Append(blocks),
-                2 => BlockUpdate::Replace(blocks),
-                other => return Err(format!("unknown block update kind {other}")),
-            };
-            Ok(ScheduledRequest {
-                req_id,
-                new_token_ids,
-                blocks,
-                num_computed_tokens_after_step: computed,
-            })
-        })
+        .map(
+            |(req_id, new_tokens_start, new_token_ids, kind, blocks, computed)| {
+                let blocks = match kind {
+                    0 => BlockUpdate::Unchanged,
+                    1 => BlockUpdate::Append(blocks),
+                    2 => BlockUpdate::Replace(blocks),
+                    other => return Err(format!("unknown block update kind {other}")),
+                };
+                Ok(ScheduledRequest {
+                    req_id,
+                    new_tokens_start,
+                    new_token_ids,
+                    blocks,
+                    num_computed_tokens_after_step: computed,
+                })
+            },
+        )
         .collect()
 }
 
@@ -81,24 +83,46 @@ fn guard(s: &PyScheduler) -> PyResult<std::sync::MutexGuard<'_, ConnectorSchedul
 #[pymethods]
 impl PyScheduler {
     /// Connects to every worker rank's lookup socket (waiting up to `connect_timeout_ms` for
-    /// them to listen); lookups then time out after `timeout_ms` and count as misses.
+    /// them to listen); a lookup then takes at most `timeout_ms`, all ranks together, and
+    /// counts as a miss past it. `load_timing`: `"auto"` (synchronous only for chunks leased
+    /// in memory), `"always"` (every load asynchronous: when vLLM schedules asynchronously)
+    /// or `"never"` (every load before the forward pass); `async_scheduling`: vLLM schedules
+    /// asynchronously (a step's saves then always wait for the scheduler's commit).
     #[new]
-    #[pyo3(signature = (*, socket_paths, block_size, save_decode_tokens=false, timeout_ms=5000, connect_timeout_ms=120000))]
+    #[pyo3(signature = (*, socket_paths, block_size, save_decode_tokens=false, load_timing="auto", async_scheduling=false, timeout_ms=5000, connect_timeout_ms=120000))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         socket_paths: Vec<String>,
         block_size: usize,
         save_decode_tokens: bool,
+        load_timing: &str,
+        async_scheduling: bool,
         timeout_ms: u64,
         connect_timeout_ms: u64,
     ) -> PyResult<Self> {
         let paths: Vec<PathBuf> = socket_paths.into_iter().map(PathBuf::from).collect();
+        let load_timing = match load_timing {
+            "auto" => kvpool_connector::LoadTiming::Auto,
+            "always" => kvpool_connector::LoadTiming::Always,
+            "never" => kvpool_connector::LoadTiming::Never,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown load timing `{other}` (expected auto, always or never)"
+                )));
+            }
+        };
+        let config = ConnectorConfig {
+            save_decode_tokens,
+            load_timing,
+            async_scheduling,
+            ..ConnectorConfig::new(block_size)
+        };
         let sched = py
             .detach(|| {
                 connect_scheduler(
                     &paths,
-                    block_size,
-                    save_decode_tokens,
+                    config,
                     Duration::from_millis(timeout_ms),
                     Duration::from_millis(connect_timeout_ms),
                 )
@@ -114,7 +138,8 @@ impl PyScheduler {
         Ok(guard(self)?.chunk_size())
     }
 
-    /// vLLM `get_num_new_matched_tokens`: tokens beyond `num_computed_tokens` to load.
+    /// vLLM `get_num_new_matched_tokens`: tokens beyond `num_computed_tokens` to load, and
+    /// whether the load is asynchronous.
     #[pyo3(signature = (req_id, prompt_token_ids, extra_keys, num_computed_tokens, skip_save=false))]
     fn get_num_new_matched_tokens(
         &self,
@@ -124,18 +149,14 @@ impl PyScheduler {
         extra_keys: Vec<u8>,
         num_computed_tokens: usize,
         skip_save: bool,
-    ) -> PyResult<usize> {
+    ) -> PyResult<(usize, bool)> {
         let request = EngineRequest {
             req_id,
             prompt_token_ids,
             skip_save,
             extra_keys,
         };
-        py.detach(|| {
-            Ok(guard(self)?
-                .get_num_new_matched_tokens(&request, num_computed_tokens)
-                .0)
-        })
+        py.detach(|| Ok(guard(self)?.get_num_new_matched_tokens(&request, num_computed_tokens)))
     }
 
     /// vLLM `update_state_after_alloc` with the request's full block list.
@@ -187,18 +208,41 @@ impl PyScheduler {
             .unwrap_or_default())
     }
 
-    /// vLLM `update_connector_output`: blocks the workers failed to load.
-    fn update_connector_output(&self, failed_block_ids: Vec<u32>) -> PyResult<()> {
+    /// vLLM `update_connector_output`: blocks the workers failed to load, asynchronous loads
+    /// that ended, and the steps the workers ran and copied (`(step, ranks)` pairs).
+    #[pyo3(signature = (failed_block_ids, finished_recving=Vec::new(), executed_steps=Vec::new(), copied_steps=Vec::new()))]
+    fn update_connector_output(
+        &self,
+        failed_block_ids: Vec<u32>,
+        finished_recving: Vec<String>,
+        executed_steps: Vec<(u64, u32)>,
+        copied_steps: Vec<(u64, u32)>,
+    ) -> PyResult<()> {
         guard(self)?.update_connector_output(&ConnectorOutput {
             failed_block_ids,
-            ..Default::default()
+            finished_recving,
+            executed_steps,
+            copied_steps,
         });
         Ok(())
     }
 
-    /// vLLM `request_finished`: drops the request; returns whether to delay the free (never).
+    /// How many tokens of each request's sequence the scheduler knows (`None`: untracked):
+    /// the engine sends the tokens from there on.
+    fn token_counts(&self, req_ids: Vec<String>) -> PyResult<Vec<Option<usize>>> {
+        let s = guard(self)?;
+        Ok(req_ids.iter().map(|id| s.token_count(id)).collect())
+    }
+
+    /// vLLM `has_pending_push_work`: step reports still owed or decisions not yet shipped.
+    fn has_pending_work(&self) -> PyResult<bool> {
+        Ok(guard(self)?.has_pending_work())
+    }
+
+    /// vLLM `request_finished`: drops the request; returns whether the engine must hold its
+    /// blocks until the workers report it in `finished_sending` (a save may still be copying).
     fn request_finished(&self, req_id: &str) -> PyResult<bool> {
-        Ok(guard(self)?.request_finished(req_id, &[]).0)
+        Ok(guard(self)?.request_finished(req_id, &[]))
     }
 
     /// vLLM `reset_cache`: forgets every request and makes everything stored so far
@@ -215,6 +259,10 @@ impl PyScheduler {
         d.set_item("tracked_requests", s.tracked_requests())?;
         d.set_item("trackers_dropped", s.trackers_dropped())?;
         d.set_item("broken_promises", s.broken_promises())?;
+        d.set_item("steps_given_up", s.steps_given_up())?;
+        let c = s.counters();
+        d.set_item("lookup_breaker_misses", c.breaker_misses)?;
+        d.set_item("lookup_breakers_open", c.breakers_open)?;
         Ok(d)
     }
 }
@@ -223,72 +271,116 @@ impl PyScheduler {
 mod tests {
     use super::*;
     use crate::py_worker::{WorkerCore, WorkerSpec};
+    use kvpool_connector::host_blocks::run_copy_job;
     use kvpool_connector::vllm::VllmEngineFacts;
-    use kvpool_core::Dtype;
+    use kvpool_core::{Dtype, HostPagedKvCache, KvKind};
 
     const BLOCK: usize = 4;
-    const BLOCK_BYTES: usize = BLOCK * 2 * 2 * 4;
 
-    fn spec_for_rank(
-        layers: &mut [Vec<u8>],
-        socket: PathBuf,
-        tp_size: u32,
-        tp_rank: u32,
-    ) -> WorkerSpec {
-        let mut s = spec(layers, socket);
-        s.facts.tp_size = tp_size;
-        s.facts.tp_rank = tp_rank;
-        s
-    }
-
-    fn spec(layers: &mut [Vec<u8>], socket: PathBuf) -> WorkerSpec {
+    fn spec(socket: PathBuf, tp_size: u32, tp_rank: u32) -> WorkerSpec {
         WorkerSpec {
             config_text: "[chunking]\nchunk_size = 8\n[local_cpu]\nmax_size = \"1MiB\"\n".into(),
             config_format: "toml".into(),
             facts: VllmEngineFacts {
                 model: "tiny".into(),
-                tp_size: 1,
-                tp_rank: 0,
+                weights: "w".into(),
+                tp_size,
+                tp_rank,
                 pp_rank: 0,
                 block_size: BLOCK,
                 num_layers: 2,
                 num_kv_heads: 1,
                 head_size: 2,
                 dtype: Dtype::F32,
+                kind: KvKind::KeyValue,
                 kv_format: "test".into(),
             },
-            layer_ptrs: layers.iter_mut().map(|l| l.as_mut_ptr() as usize).collect(),
-            num_blocks: 16,
-            block_stride_bytes: BLOCK_BYTES,
             socket_path: Some(socket),
         }
     }
 
-    fn block(layers: &[Vec<u8>], layer: usize, b: usize) -> &[u8] {
-        &layers[layer][b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES]
+    /// One engine step on one worker: bind, run the loads, run the saves, report.
+    fn step(
+        w: &mut WorkerCore,
+        kv: &mut HostPagedKvCache,
+        meta: &[u8],
+    ) -> (
+        Vec<String>,
+        Vec<String>,
+        Vec<u32>,
+        kvpool_connector::StepReport,
+    ) {
+        w.worker.bind_connector_metadata(meta).unwrap();
+        for job in w.worker.take_load_jobs() {
+            // SAFETY: the job is fresh from the worker, reported done right after.
+            unsafe { run_copy_job(&job, kv) }.unwrap();
+            w.worker.copy_done(job.id, true);
+        }
+        for job in w.worker.take_save_jobs() {
+            // SAFETY: as above.
+            unsafe { run_copy_job(&job, kv) }.unwrap();
+            w.worker.copy_done(job.id, true);
+        }
+        let r = w.worker.transfer_results(&[]);
+        let failed = w.worker.get_block_ids_with_load_errors();
+        let report = w.worker.step_report();
+        w.worker.clear_connector_metadata();
+        (r.finished_sending, r.finished_recving, failed, report)
+    }
+
+    fn feed(
+        sched: &mut ConnectorScheduler,
+        reports: &[kvpool_connector::StepReport],
+        failed: Vec<u32>,
+    ) {
+        let count = |f: fn(&kvpool_connector::StepReport) -> &Vec<u64>| {
+            let mut m: std::collections::BTreeMap<u64, u32> = Default::default();
+            for r in reports {
+                for &s in f(r) {
+                    *m.entry(s).or_default() += 1;
+                }
+            }
+            m.into_iter().collect::<Vec<_>>()
+        };
+        sched.update_connector_output(&ConnectorOutput {
+            failed_block_ids: failed,
+            executed_steps: count(|r| &r.executed),
+            copied_steps: count(|r| &r.copied),
+            ..Default::default()
+        });
+    }
+
+    fn kv_with_noise(salt: u8) -> HostPagedKvCache {
+        let layout =
+            kvpool_core::KvLayout::new(2, 1, 2, Dtype::F32, KvKind::KeyValue, BLOCK).unwrap();
+        let mut kv = HostPagedKvCache::new(layout, 16);
+        for l in 0..2 {
+            for (i, b) in kv.layer_mut(l).iter_mut().enumerate() {
+                *b = ((i as u64 * 2654435761 + u64::from(salt) * 97 + l as u64) >> 7) as u8;
+            }
+        }
+        kv
+    }
+
+    fn block_bytes(kv: &HostPagedKvCache, layer: usize, plane: usize, b: usize) -> Vec<u8> {
+        (0..BLOCK)
+            .flat_map(|t| kv.row(layer, plane, b * BLOCK + t).to_vec())
+            .collect()
     }
 
     /// Scheduler and worker joined by the lookup socket, as in vLLM's two processes: a
-    /// request's computed blocks are saved, and a second request with the same prefix in other
-    /// blocks is told of the hit and gets exactly those bytes, block by block.
+    /// request's computed blocks are saved (visible once the step is committed), and a
+    /// second request with the same prefix in other blocks is told of the hit and gets
+    /// exactly those bytes, block by block.
     #[test]
     fn second_request_loads_the_first_requests_blocks_through_the_socket() {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("w.sock");
-        let mut layers: Vec<Vec<u8>> = (0..2)
-            .map(|l| {
-                (0..16 * BLOCK_BYTES)
-                    .map(|i| ((i as u64 * 2654435761 + l as u64 * 97) >> 11) as u8)
-                    .collect()
-            })
-            .collect();
-        let s = spec(&mut layers, socket.clone());
-        // SAFETY: `layers` outlives the worker (dropped at the end of the test).
-        let mut worker = unsafe { WorkerCore::new(&s) }.unwrap();
+        let mut worker = WorkerCore::new(&spec(socket.clone(), 1, 0)).unwrap();
+        let mut kv = kv_with_noise(1);
         let mut sched = connect_scheduler(
             &[socket],
-            BLOCK,
-            false,
+            ConnectorConfig::new(BLOCK),
             Duration::from_secs(5),
             Duration::from_secs(5),
         )
@@ -303,11 +395,19 @@ mod tests {
         assert_eq!(sched.get_num_new_matched_tokens(&a, 0), (0, false));
         sched.update_state_after_alloc("a", &[1, 2, 3, 4, 5], 0);
         let meta = sched.build_connector_meta(
-            &scheduled_requests(vec![("a".into(), vec![], 2, vec![1, 2, 3, 4, 5], 17)]).unwrap(),
+            &scheduled_requests(vec![("a".into(), 17, vec![], 2, vec![1, 2, 3, 4, 5], 17)])
+                .unwrap(),
         );
-        worker.start_load(&meta.encode()).unwrap();
-        worker.save().unwrap();
-        assert_eq!(sched.request_finished("a", &[]), (false, None));
+        // One rank, synchronous scheduling: the worker commits the step's saves itself.
+        assert!(meta.commit_locally);
+        let (_, _, _, report) = step(&mut worker, &mut kv, &meta.encode());
+        let mut b = a.clone();
+        b.req_id = "b".into();
+        feed(&mut sched, &[report], vec![]);
+        assert!(
+            !sched.request_finished("a", &[]),
+            "its save was reported copied"
+        );
 
         // Same prompt under another LoRA adapter: no hit.
         let mut lora = a.clone();
@@ -316,47 +416,50 @@ mod tests {
         assert_eq!(sched.get_num_new_matched_tokens(&lora, 0), (0, false));
         sched.request_finished("lora", &[]);
 
-        let mut b = a.clone();
-        b.req_id = "b".into();
         assert_eq!(sched.get_num_new_matched_tokens(&b, 0), (16, false));
         sched.update_state_after_alloc("b", &[9, 10, 11, 12, 13], 16);
         let meta = sched.build_connector_meta(
-            &scheduled_requests(vec![("b".into(), vec![], 2, vec![9, 10, 11, 12, 13], 17)])
-                .unwrap(),
+            &scheduled_requests(vec![(
+                "b".into(),
+                17,
+                vec![],
+                2,
+                vec![9, 10, 11, 12, 13],
+                17,
+            )])
+            .unwrap(),
         );
-        worker.start_load(&meta.encode()).unwrap();
-        worker.save().unwrap();
-        assert!(worker.failed_blocks().is_empty());
-        drop(worker);
+        let (_, _, failed, _) = step(&mut worker, &mut kv, &meta.encode());
+        assert!(failed.is_empty());
         for layer in 0..2 {
-            for (src, dst) in [(1, 9), (2, 10), (3, 11), (4, 12)] {
-                assert_eq!(block(&layers, layer, dst), block(&layers, layer, src));
+            for plane in 0..2 {
+                for (src, dst) in [(1, 9), (2, 10), (3, 11), (4, 12)] {
+                    assert_eq!(
+                        block_bytes(&kv, layer, plane, dst),
+                        block_bytes(&kv, layer, plane, src)
+                    );
+                }
+                assert_ne!(
+                    block_bytes(&kv, layer, plane, 13),
+                    block_bytes(&kv, layer, plane, 5)
+                );
             }
-            assert_ne!(block(&layers, layer, 13), block(&layers, layer, 5));
         }
     }
 
-    /// Tensor parallelism: the scheduler offers only what every rank can load.
+    /// Tensor parallelism: the scheduler offers only what every rank can load, and commits a
+    /// step only once both ranks reported it.
     #[test]
-    fn with_two_ranks_only_what_both_hold_is_offered() {
+    fn with_two_ranks_only_what_both_hold_and_both_reported_is_offered() {
         let dir = tempfile::tempdir().unwrap();
         let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
-        let mut layers: Vec<Vec<Vec<u8>>> = (0..2)
-            .map(|_| (0..2).map(|_| vec![3u8; 16 * BLOCK_BYTES]).collect())
+        let mut workers: Vec<WorkerCore> = (0..2)
+            .map(|rank| WorkerCore::new(&spec(sockets[rank].clone(), 2, rank as u32)).unwrap())
             .collect();
-        let mut workers: Vec<WorkerCore> = layers
-            .iter_mut()
-            .enumerate()
-            .map(|(rank, l)| {
-                let s = spec_for_rank(l, sockets[rank].clone(), 2, rank as u32);
-                // SAFETY: `layers` outlives the workers (dropped first, below).
-                unsafe { WorkerCore::new(&s) }.unwrap()
-            })
-            .collect();
+        let mut kvs = [kv_with_noise(3), kv_with_noise(4)];
         let mut sched = connect_scheduler(
             &sockets,
-            BLOCK,
-            false,
+            ConnectorConfig::new(BLOCK),
             Duration::from_secs(5),
             Duration::from_secs(5),
         )
@@ -372,25 +475,110 @@ mod tests {
         sched.update_state_after_alloc("a", &[1, 2, 3, 4, 5], 0);
         let meta = sched
             .build_connector_meta(
-                &scheduled_requests(vec![("a".into(), vec![], 2, vec![1, 2, 3, 4, 5], 17)])
+                &scheduled_requests(vec![("a".into(), 17, vec![], 2, vec![1, 2, 3, 4, 5], 17)])
                     .unwrap(),
             )
             .encode();
-        // Only rank 0 saves (rank 1 missed the step, e.g. its store failed).
-        workers[0].start_load(&meta).unwrap();
-        workers[0].save().unwrap();
-        sched.request_finished("a", &[]);
+        let r0 = step(&mut workers[0], &mut kvs[0], &meta).3;
+        let r1 = step(&mut workers[1], &mut kvs[1], &meta).3;
+        // Only rank 0's report arrived: nothing is committed.
+        feed(&mut sched, &[r0], vec![]);
+        let next = sched.build_connector_meta(&[]).encode();
+        step(&mut workers[0], &mut kvs[0], &next);
+        step(&mut workers[1], &mut kvs[1], &next);
         assert_eq!(
             sched.get_num_new_matched_tokens(&request("b"), 0),
             (0, false)
         );
-        workers[1].start_load(&meta).unwrap();
-        workers[1].save().unwrap();
         sched.request_finished("b", &[]);
+        feed(&mut sched, &[r1], vec![]);
+        let next = sched.build_connector_meta(&[]).encode();
+        step(&mut workers[0], &mut kvs[0], &next);
+        step(&mut workers[1], &mut kvs[1], &next);
         assert_eq!(
             sched.get_num_new_matched_tokens(&request("c"), 0),
             (16, false)
         );
-        drop(workers);
+    }
+
+    /// A rank that stops answering costs one bounded wait, then its breaker opens and
+    /// lookups are misses at once until it answers again.
+    #[test]
+    fn a_hung_rank_is_bounded_then_skipped_by_its_breaker() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("tp0.sock");
+        let hung = dir.path().join("tp1.sock");
+        let w0 = WorkerCore::new(&spec(good.clone(), 2, 0)).unwrap();
+        // Rank 1 answers the hello like a real worker, then never answers a lookup.
+        use kvpool_connector::lookup_service::{
+            LookupRequest, LookupResponse, WorkerInfo, read_frame, write_frame,
+        };
+        let engine = w0.worker.engine().clone();
+        let info = WorkerInfo {
+            probe_hash: kvpool_connector::probe_hash(&engine),
+            chunk_size: engine.token_database().chunk_size() as u32,
+            hash_algorithm: engine.token_database().config().hash_algorithm,
+            rank: 1,
+        };
+        let listener = std::os::unix::net::UnixListener::bind(&hung).unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                std::thread::spawn(move || {
+                    while let Ok(req) = read_frame::<LookupRequest>(&mut conn) {
+                        match req {
+                            LookupRequest::Hello => {
+                                write_frame(&mut conn, &LookupResponse::Hello(info)).unwrap()
+                            }
+                            LookupRequest::Lookup { .. } => {
+                                std::thread::sleep(Duration::from_secs(3600))
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let mut sched = connect_scheduler(
+            &[good, hung.clone()],
+            ConnectorConfig::new(BLOCK),
+            Duration::from_millis(300),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..17).collect();
+        let req = |i: usize| EngineRequest {
+            req_id: format!("r{i}"),
+            prompt_token_ids: prompt.clone(),
+            skip_save: false,
+            extra_keys: Vec::new(),
+        };
+        // Each failed lookup waits at most the timeout (a thread left behind on the hung rank
+        // counts its failure when its own deadline passes, so allow a few more lookups).
+        let needed = kvpool_connector::lookup_service::BREAKER_FAILURES as usize;
+        let mut lookups = 0;
+        while sched.counters().breakers_open == 0 {
+            assert!(lookups < 3 * needed, "the breaker never opened");
+            let t = std::time::Instant::now();
+            assert_eq!(
+                sched.get_num_new_matched_tokens(&req(lookups), 0),
+                (0, false)
+            );
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "lookup took {:?}",
+                t.elapsed()
+            );
+            lookups += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(lookups >= needed - 1, "opened after {lookups} lookups");
+        assert_eq!(sched.counters().breakers_open, 1);
+        let t = std::time::Instant::now();
+        assert_eq!(sched.get_num_new_matched_tokens(&req(99), 0), (0, false));
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "the open breaker answers at once"
+        );
+        assert!(sched.counters().breaker_misses >= 1);
     }
 }

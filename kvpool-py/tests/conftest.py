@@ -56,7 +56,7 @@ class Runner:
         self.count = 0
         self.baselines = {}
 
-    def run(self, spec, timeout=600):
+    def run(self, spec, timeout=600, script="vllm_runner.py"):
         self.count += 1
         spec_path = os.path.join(self.scratch, f"spec-{self.count}.json")
         out_path = os.path.join(self.scratch, f"out-{self.count}.json")
@@ -66,7 +66,7 @@ class Runner:
         started = time.time()
         with open(log_path, "w") as log:
             proc = subprocess.run(
-                [sys.executable, os.path.join(HERE, "vllm_runner.py"), spec_path, out_path],
+                [sys.executable, os.path.join(HERE, script), spec_path, out_path],
                 stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
                 env={**os.environ, "HF_HUB_OFFLINE": "1"},
             )
@@ -91,6 +91,26 @@ class Runner:
 @pytest.fixture(scope="session")
 def runner(scratch):
     return Runner(scratch)
+
+
+class Stepper:
+    """Runs ``stepping_runner.py`` (tokens timestamped as they arrive) through a Runner."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def prime(self, model, prompt, kvpool):
+        """Stores ``prompt``'s chunks through kvpool (an engine of its own)."""
+        return self.runner.run({"model": model, "prompts": [prompt], "kvpool": kvpool,
+                                "max_tokens": 1})
+
+    def run(self, spec, timeout=600):
+        return self.runner.run(spec, timeout=timeout, script="stepping_runner.py")
+
+
+@pytest.fixture(scope="session")
+def stepper(runner):
+    return Stepper(runner)
 
 
 def free_port():

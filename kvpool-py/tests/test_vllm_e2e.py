@@ -99,17 +99,58 @@ def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
 
 
 def test_kv_from_another_model_changes_the_output(runner, model_dir, other_model_dir, scratch):
-    """Control: the output comparison above detects wrong KV. Another model's KV, stored under
-    the same model name, is served to this one and its tokens or logprobs change."""
+    """Control: the output comparison above detects wrong KV. Another model's KV, made to
+    share keys with this one (its weights digest pinned to the same value, a test-only
+    setting), is served to this one and its tokens or logprobs change."""
     disk = os.path.join(scratch, "disk-control")
-    cfg = l1(model={"name": "same-name"}, tier=[{"url": f"file://{disk}"}])
+    cfg = l1(tier=[{"url": f"file://{disk}"}])
+    pinned = {"KVPOOL_TEST_WEIGHTS_DIGEST": "same-weights"}
     prompts = shared_prefix_prompts(2, seed=3)
-    runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg})
+    runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg, "env": pinned,
+                "served_model_name": "m"})
     base = runner.baseline(model_dir, prompts)
-    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg})
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg, "env": pinned,
+                      "served_model_name": "m"})
     assert got["results"][0]["num_cached_tokens"] >= PREFIX
     with pytest.raises(AssertionError):
         assert_same_outputs(base, got)
+
+
+def test_two_checkpoints_under_one_name_share_nothing(runner, model_dir, other_model_dir, scratch):
+    """Keys are bound to the weights loaded, not the served name: two checkpoints served as
+    "m" over one disk tier (the second started after the first stored its prefix) get no hit
+    on each other's KV, and the second's output is its own."""
+    disk = os.path.join(scratch, "disk-two-checkpoints")
+    cfg = l1(tier=[{"url": f"file://{disk}"}])
+    prompts = shared_prefix_prompts(2, seed=12)
+    first = runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg,
+                        "served_model_name": "m"})
+    assert first["stats"]["stored_tokens"] >= PREFIX
+    kw = {"batches": [[0], [1]], "prefix_caching": False}
+    base = runner.baseline(model_dir, prompts, **kw)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                      "served_model_name": "m", **kw})
+    assert got["results"][0]["num_cached_tokens"] == 0, "a hit on the other checkpoint's KV"
+    assert got["stats"]["loaded_tokens"] >= PREFIX, "its own prefix still loads (second batch)"
+    assert_same_outputs(base, got)
+
+
+def test_async_scheduling_with_random_load_failures(runner, model_dir, redis_server):
+    """vLLM's asynchronous scheduling (the CPU platform turns it off; the runner turns it back
+    on) with half of the stored chunks corrupt: every load is asynchronous, failed blocks are
+    recomputed, and the outputs match the baseline's."""
+    cfg = l1(tier=[{"url": redis_server.url}])
+    prompts = shared_prefix_prompts(3, seed=13)
+    base = runner.baseline(model_dir, prompts)
+    runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    keys = redis_server.keys()
+    corrupt(redis_server, random.Random(14).sample(keys, max(1, len(keys) // 2)))
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                      "batches": [[0], [1, 2]], "async_scheduling": True})
+    assert got["async_scheduling"], "vLLM ran without asynchronous scheduling"
+    assert_same_outputs(base, got)
+    assert got["stats"]["sync_loads"] == 0, got["stats"]
+    assert got["stats"]["failed_load_blocks"] > 0, got["stats"]
 
 
 def test_fresh_process_is_served_from_disk(runner, model_dir, scratch):

@@ -9,7 +9,9 @@ kill_after_batch ({batch index: pid to SIGKILL after it}), check_blocks (compare
 kvpool stored with vLLM's own KV blocks; single process only), scrape_metrics (a port: fetch
 kvpool's Prometheus endpoint after the last batch), kv_events_port (turn on vLLM's KV events,
 published over ZMQ to a subscriber this process binds on 127.0.0.1:port; the events received
-are returned).
+are returned), served_model_name, env (variables set before vLLM starts), async_scheduling
+(turn vLLM's asynchronous scheduling on: the CPU platform switches it off, so the runner puts it
+back after the platform's config check).
 """
 
 import json
@@ -23,6 +25,7 @@ def main(spec_path, out_path):
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.update(spec.get("env") or {})
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.get("kv_cache_gib", 1))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
     from vllm import LLM, SamplingParams
@@ -40,6 +43,19 @@ def main(spec_path, out_path):
         )
     if not spec.get("multiprocess"):
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("served_model_name"):
+        kwargs["served_model_name"] = spec["served_model_name"]
+    if spec.get("async_scheduling"):
+        kwargs["async_scheduling"] = True
+        from vllm.platforms import cpu as cpu_platform
+
+        check = cpu_platform.CpuPlatform.check_and_update_config.__func__
+
+        def keep_async(cls, vllm_config):
+            check(cls, vllm_config)
+            vllm_config.scheduler_config.async_scheduling = True
+
+        cpu_platform.CpuPlatform.check_and_update_config = classmethod(keep_async)
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     blocks_of = {}
@@ -119,7 +135,8 @@ def main(spec_path, out_path):
         if b in kill_after:
             os.kill(kill_after[b], signal.SIGKILL)
     out = {"results": results, "startup_s": startup, "batch_s": batch_s,
-           "preempted_requests": len(preempted)}
+           "preempted_requests": len(preempted),
+           "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
     if subscriber is not None:
         out["kv_events"] = subscriber.stop()
     if spec.get("vllm_metrics"):
@@ -145,7 +162,7 @@ def main(spec_path, out_path):
             out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
         for w in list(kv.WORKERS):
             w.shutdown()
-        out["stats"] = dict(worker._worker.stats())
+        out["stats"] = dict(worker._work.native.stats())
     with open(out_path, "w") as f:
         json.dump(out, f)
 
@@ -206,11 +223,11 @@ def compare_blocks(worker, prompts, blocks_of):
     into); returns per prompt the chunks compared and the blocks that differ."""
     import torch
 
-    tensors = list(worker._kv_caches.values())
+    tensors = list(worker._work.kv_caches.values())
     report = []
     for i, prompt in enumerate(prompts):
         blocks = blocks_of.get(tuple(prompt)) or []
-        chunks = worker._worker.stored_chunks(prompt)
+        chunks = worker._work.native.stored_chunks(prompt)
         chunk_tokens = 256
         per_chunk = chunk_tokens // 32
         mismatched = 0

@@ -1,9 +1,11 @@
 //! The connector's request lifecycle under random workloads, as a property: whatever the mix
 //! of requests (shared prefixes, lengths, decode steps, how many run at once), GPU pressure
-//! (prefixes evicted, requests preempted and resumed), L1 pressure, chunk size and loads
-//! failing between lookup and load, the vLLM-shaped simulator finds, against its model (every
-//! token's KV recomputed from its prefix), no wrong token, no lost block left unreported and no
-//! request state left behind. proptest shrinks a failing workload to a small one.
+//! (prefixes evicted, requests preempted and resumed), L1 pressure, chunk size, loads failing
+//! between lookup and load on one rank of one or two tensor-parallel ranks, and vLLM's
+//! synchronous or asynchronous scheduling, the vLLM-shaped simulator finds, against its model
+//! (every token's KV recomputed from its prefix, and wrong wherever a pass read wrong KV on any
+//! rank), no wrong token, no lost block left unreported and no request state, copy, staged save
+//! or held block left behind. proptest shrinks a failing workload to a small one.
 //!
 //! The drawn workloads put the GPU under pressure (several prefixes, a few blocks to spare), so
 //! that prefixes leave the GPU and come back from the pool; a workload that still never loads
@@ -27,6 +29,8 @@ prop_compose! {
         cpu_chunks in 4u64..32,
         load_failure_rate in prop_oneof![Just(0.0), 0.0f64..0.3],
         chunk_blocks in 1usize..4,
+        tp_size in 1usize..=2,
+        async_scheduling in any::<bool>(),
         seed in any::<u64>(),
     ) -> (SimSettings, usize) {
         let chunk = chunk_blocks * BLOCK;
@@ -42,6 +46,8 @@ prop_compose! {
             gpu_blocks: longest.div_ceil(BLOCK) + 1 + spare_blocks,
             cpu_size: ByteSize(cpu_chunks * layout().chunk_bytes(chunk) as u64),
             load_failure_rate,
+            tp_size,
+            async_scheduling,
             seed,
             ..SimSettings::default()
         };

@@ -4,9 +4,9 @@
 
 mod protocol_fixture;
 
-use kvpool_connector::{BlockUpdate, ConnectorOutput};
-use kvpool_core::{HostPagedKvCache, KvTransfer};
-use kvpool_sim::single_request::model_mismatches;
+use kvpool_connector::BlockUpdate;
+use kvpool_core::HostPagedKvCache;
+use kvpool_sim::kv_model::model_mismatches;
 use protocol_fixture::*;
 
 /// Defect 1: request A's load of chunk 1 fails; request B, in the same step, shares A's blocks
@@ -24,14 +24,10 @@ fn a_failed_load_is_never_saved_by_another_request_sharing_its_blocks() {
         (2 * CHUNK, false)
     );
     s.sched.update_state_after_alloc("a", &a_blocks, 2 * CHUNK);
-    // The second chunk disappears from the pool between lookup and load (evicted, tier down).
-    let spans = s
-        .engine
-        .token_database()
-        .process_tokens(&p[..2 * CHUNK], None)
-        .unwrap();
-    s.runtime
-        .block_on(s.engine.storage().remove(&[spans[1].key.clone()]));
+    // The second chunk disappears from the pool between lookup and load (the lookup's lease
+    // lapsed, then the chunk was evicted or its tier went down).
+    s.w.worker.leases().release("a");
+    s.lose_chunk(0, &p, 1);
     // B: same prompt, shares A's blocks 0..3 (prefix cache), own blocks after.
     let b_blocks: Vec<u32> = (0..4).chain(20..23).collect();
     s.sched
@@ -42,32 +38,29 @@ fn a_failed_load_is_never_saved_by_another_request_sharing_its_blocks() {
         scheduled("b", BlockUpdate::Replace(b_blocks.clone()), p.len()),
     ]);
     let (pa, pb) = (p.clone(), p.clone());
-    s.worker_step(
-        &meta.encode(),
+    let failed = s.worker_step(
+        &meta,
         &[
             (&pa, &a_blocks, 2 * CHUNK..p.len()),
             (&pb, &b_blocks, 2 * CHUNK..p.len()),
         ],
     );
-    let failed = s.worker.get_block_ids_with_load_errors();
     assert_eq!(failed, [2, 3], "A's second chunk is blocks 2 and 3");
+    s.settle();
     assert_eq!(
         s.pool_hit(&p[..3 * CHUNK]),
         CHUNK,
         "nothing from the failed chunk on was stored, by A or by B"
     );
-    // The scheduler rewinds both saves; once the engine recomputed the blocks, they are saved.
-    s.sched.update_connector_output(&ConnectorOutput {
-        failed_block_ids: failed,
-        ..Default::default()
-    });
+    // The scheduler rewound both saves; once the engine recomputed the blocks, they are saved.
     assert_eq!(s.sched.tracker("b").unwrap().saved_tokens, CHUNK);
     s.compute(&p, &a_blocks, CHUNK..2 * CHUNK);
     let meta = s.sched.build_connector_meta(&[
         scheduled("a", BlockUpdate::Unchanged, p.len()),
         scheduled("b", BlockUpdate::Unchanged, p.len()),
     ]);
-    s.worker_step(&meta.encode(), &[]);
+    s.worker_step(&meta, &[]);
+    s.settle();
     assert_eq!(s.pool_hit(&p[..3 * CHUNK]), 3 * CHUNK);
     let mut check = HostPagedKvCache::new(*s.engine.layout(), 64);
     let slots: Vec<i64> = (0..3 * CHUNK as i64).collect();
@@ -78,7 +71,8 @@ fn a_failed_load_is_never_saved_by_another_request_sharing_its_blocks() {
     assert_eq!(model_mismatches(&check, &p[..3 * CHUNK], &blocks), 0);
 }
 
-/// Defect 2: `get_finished` must not report requests vLLM did not hand over as finished.
+/// Defect 2: `get_finished` must not report requests vLLM did not hand over as finished, nor a
+/// finished request the engine does not hold for the connector.
 #[test]
 fn get_finished_reports_no_unfinished_request() {
     let mut s = setup();
@@ -92,14 +86,20 @@ fn get_finished_reports_no_unfinished_request() {
         p.len(),
     )]);
     let pa = p.clone();
-    s.worker_step(&meta.encode(), &[(&pa, &blocks, 0..p.len())]);
-    assert_eq!(s.pool_hit(&p), 2 * CHUNK, "the save happened");
-    assert_eq!(s.worker.get_finished(&[]), (vec![], vec![]));
+    let outs = s.run_step(&meta, &[(&pa, &blocks, 0..p.len())]);
+    assert!(outs[0].finished_sending.is_empty() && outs[0].finished_recving.is_empty());
+    // vLLM calls request_finished before it applies the step's output: the save may still be
+    // copying, so the engine holds a's blocks until the workers report a.
+    assert!(s.sched.request_finished("a", &blocks));
+    s.report(&outs);
+    s.finished.push("a".into());
+    s.settle();
     assert_eq!(
-        s.worker.get_finished(&["a".to_string()]),
-        (vec![], vec![]),
-        "saves are synchronous: nothing is pending for a finished request either"
+        s.released,
+        ["a"],
+        "released once, after vLLM handed it over as finished"
     );
+    assert_eq!(s.pool_hit(&p), 2 * CHUNK, "the save happened");
 }
 
 /// Defect 3: a finished request's state is dropped at once (vLLM never calls `release`), and a
@@ -114,10 +114,8 @@ fn a_reused_request_id_starts_over() {
     s.sched.update_state_after_alloc("x", &[0, 1, 2, 3, 4], 0);
     s.sched
         .build_connector_meta(&[scheduled("x", BlockUpdate::Unchanged, old.len())]);
-    assert_eq!(
-        s.sched.request_finished("x", &[0, 1, 2, 3, 4]),
-        (false, None)
-    );
+    // The step that saved x never ran, so its copy may be pending: the engine holds x's blocks.
+    assert!(s.sched.request_finished("x", &[0, 1, 2, 3, 4]));
     assert_eq!(s.sched.tracked_requests(), 0, "no leaked state");
 
     // The engine reuses "x" for another prompt before (or without) telling us it finished.
@@ -143,9 +141,11 @@ fn a_reused_request_id_starts_over() {
         meta.requests[0].chunk_hashes, new_keys,
         "the new prompt's chunks"
     );
-    s.worker_step(&meta.encode(), &[]);
-    assert!(s.worker.get_block_ids_with_load_errors().is_empty());
-    assert_eq!(model_mismatches(&s.kv, &new[..2 * CHUNK], &[5, 6, 7, 8]), 0);
+    assert!(s.worker_step(&meta, &[]).is_empty());
+    assert_eq!(
+        model_mismatches(&s.w.kv, &new[..2 * CHUNK], &[5, 6, 7, 8]),
+        0
+    );
 }
 
 /// Defect 4: vLLM passes only newly allocated blocks for running requests; they accumulate.
@@ -161,14 +161,15 @@ fn incremental_blocks_accumulate_and_an_uncoverable_load_is_reported() {
     let m1 =
         s.sched
             .build_connector_meta(&[scheduled("a", BlockUpdate::Replace(vec![10, 11]), CHUNK)]);
-    s.worker_step(&m1.encode(), &[(&pa, &[10, 11], 0..CHUNK)]);
+    s.worker_step(&m1, &[(&pa, &[10, 11], 0..CHUNK)]);
     let m2 = s.sched.build_connector_meta(&[scheduled(
         "a",
         BlockUpdate::Append(vec![12, 13]),
         2 * CHUNK,
     )]);
-    assert_eq!(m2.requests[0].slot_mapping[2 * BLOCK], 12 * BLOCK as i64);
-    s.worker_step(&m2.encode(), &[(&pa, &[10, 11, 12, 13], CHUNK..2 * CHUNK)]);
+    assert_eq!(m2.requests[0].block_ids, [10, 11, 12, 13]);
+    s.worker_step(&m2, &[(&pa, &[10, 11, 12, 13], CHUNK..2 * CHUNK)]);
+    s.settle();
     assert_eq!(s.pool_hit(&p[..2 * CHUNK]), 2 * CHUNK);
 
     // Request b is promised 64 tokens, but the engine gives it one block.
@@ -179,8 +180,7 @@ fn incremental_blocks_accumulate_and_an_uncoverable_load_is_reported() {
         .build_connector_meta(&[scheduled("b", BlockUpdate::Unchanged, p.len())]);
     assert_eq!(meta.unloadable_blocks, [30]);
     assert_eq!(s.sched.broken_promises(), 1);
-    s.worker_step(&meta.encode(), &[]);
-    assert_eq!(s.worker.get_block_ids_with_load_errors(), [30]);
+    assert_eq!(s.worker_step(&meta, &[]), [30]);
 }
 
 /// Defect 5: one request's failing load never hides another's result in the same step.
@@ -203,20 +203,16 @@ fn one_failure_does_not_hide_other_requests() {
         scheduled("a", BlockUpdate::Unchanged, p.len()),
         scheduled("b", BlockUpdate::Unchanged, p.len()),
     ]);
-    s.worker.bind_connector_metadata(&meta.encode()).unwrap();
-    s.worker.start_load_kv(&mut s.kv).unwrap();
-    s.worker.finish_loads().unwrap();
     assert_eq!(
-        s.worker.get_block_ids_with_load_errors(),
+        s.worker_step(&meta, &[]),
         [100, 101, 102, 103],
         "a's blocks are reported"
     );
     assert_eq!(
-        model_mismatches(&s.kv, &p[..2 * CHUNK], &b_blocks[..4]),
+        model_mismatches(&s.w.kv, &p[..2 * CHUNK], &b_blocks[..4]),
         0,
         "b was loaded"
     );
-    let _ = s.kv.layout();
 }
 
 /// Defect 6: the same token ids under another LoRA adapter, multimodal input or cache salt
@@ -248,7 +244,7 @@ fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
     let p = prompt(n + 1, 8);
     s.seed_pool(&p[..n / 2]);
     let blocks: Vec<u32> = (0..(n + 1).div_ceil(BLOCK) as u32).collect();
-    let mut kv = HostPagedKvCache::new(*s.engine.layout(), blocks.len());
+    s.w.kv = HostPagedKvCache::new(*s.engine.layout(), blocks.len());
     let before = kvpool_core::chunk_hash::tokens_hashed_on_this_thread();
     assert_eq!(
         s.sched.get_num_new_matched_tokens(&request("long", &p), 0),
@@ -258,16 +254,14 @@ fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
     let meta = s
         .sched
         .build_connector_meta(&[scheduled("long", BlockUpdate::Unchanged, n + 1)]);
-    s.worker.bind_connector_metadata(&meta.encode()).unwrap();
-    s.worker.start_load_kv(&mut kv).unwrap();
-    s.worker.finish_loads().unwrap();
-    s.worker.wait_for_save(&kv).unwrap();
+    let failed = s.worker_step(&meta, &[]);
     let hashed = kvpool_core::chunk_hash::tokens_hashed_on_this_thread() - before;
     assert_eq!(
         hashed, n as u64,
         "every token hashed once (the final token is in no chunk)"
     );
-    assert!(s.worker.get_block_ids_with_load_errors().is_empty());
+    assert!(failed.is_empty());
+    s.settle();
     assert_eq!(s.pool_hit(&p[..n]), n, "the second half was saved");
 }
 

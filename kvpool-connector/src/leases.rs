@@ -1,0 +1,201 @@
+//! Lookup leases: the L1 chunks a lookup promised, held from the scheduler's lookup until the
+//! worker loads them or the request ends, so saves in between cannot evict what was promised.
+//!
+//! A lease holds the chunks themselves (their memory stays alive even if L1 evicts the keys),
+//! so the load reads exactly what the lookup saw. Leases are bounded: in bytes (a lookup that
+//! would pass the budget leases only what fits, and promises only that much from memory) and in
+//! time (a lease not taken within its time to live is dropped, so a request the engine forgot
+//! cannot pin memory for ever).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvpool_core::{CacheEngine, CacheKey, Chunk, ChunkHash};
+use parking_lot::Mutex;
+
+/// How long an untaken lease lives by default.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
+
+/// One request's leased chunks: the leading chunks of its lookup, in order.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    /// Chunk hashes and the chunks, in chain order from the first chunk.
+    pub chunks: Vec<(ChunkHash, Chunk)>,
+    bytes: usize,
+    expires: Instant,
+}
+
+#[derive(Debug, Default)]
+struct LeaseState {
+    by_request: HashMap<String, Lease>,
+    bytes: usize,
+    expired: u64,
+}
+
+/// What a lookup found: chunks in any tier, and how many of the leading ones are leased in
+/// memory (a load of those cannot miss and needs no I/O).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LookupAnswer {
+    /// Leading chunks some tier holds.
+    pub chunks: usize,
+    /// Leading chunks held in memory under the request's lease (at most `chunks`).
+    pub leased: usize,
+}
+
+/// The leases of one worker's pool, shared by its lookup server and its worker.
+#[derive(Debug)]
+pub struct LeaseTable {
+    state: Mutex<LeaseState>,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+/// A snapshot of a lease table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Requests holding a lease.
+    pub leases: usize,
+    /// Bytes of chunk memory leased.
+    pub bytes: usize,
+    /// Leases dropped because nobody took them in time.
+    pub expired: u64,
+}
+
+impl LeaseTable {
+    /// A table holding at most `max_bytes` of chunks, each lease for at most `ttl`.
+    pub fn new(max_bytes: usize, ttl: Duration) -> Self {
+        LeaseTable {
+            state: Mutex::new(LeaseState::default()),
+            max_bytes,
+            ttl,
+        }
+    }
+
+    fn expire(&self, st: &mut LeaseState, now: Instant) {
+        let before = st.by_request.len();
+        let mut freed = 0;
+        st.by_request.retain(|_, l| {
+            let keep = l.expires > now;
+            if !keep {
+                freed += l.bytes;
+            }
+            keep
+        });
+        st.bytes -= freed;
+        st.expired += (before - st.by_request.len()) as u64;
+    }
+
+    /// Replaces `req_id`'s lease with the leading `chunks` that fit the byte budget; returns
+    /// how many were leased.
+    pub fn grant(&self, req_id: &str, chunks: Vec<(ChunkHash, Chunk)>) -> usize {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        self.expire(&mut st, now);
+        if let Some(old) = st.by_request.remove(req_id) {
+            st.bytes -= old.bytes;
+        }
+        let mut bytes = 0;
+        let fitting = chunks
+            .iter()
+            .take_while(|(_, c)| {
+                let next = bytes + c.data.len();
+                let fits = st.bytes + next <= self.max_bytes;
+                if fits {
+                    bytes = next;
+                }
+                fits
+            })
+            .count();
+        if fitting == 0 {
+            return 0;
+        }
+        let mut chunks = chunks;
+        chunks.truncate(fitting);
+        st.bytes += bytes;
+        st.by_request.insert(
+            req_id.to_string(),
+            Lease {
+                chunks,
+                bytes,
+                expires: now + self.ttl,
+            },
+        );
+        self.record(&st);
+        fitting
+    }
+
+    /// Takes `req_id`'s lease (the load uses its chunks); `None` if it has none.
+    pub fn take(&self, req_id: &str) -> Option<Lease> {
+        let mut st = self.state.lock();
+        self.expire(&mut st, Instant::now());
+        let lease = st.by_request.remove(req_id)?;
+        st.bytes -= lease.bytes;
+        self.record(&st);
+        Some(lease)
+    }
+
+    /// Ends `req_id`'s lease, if any (the request finished or was aborted).
+    pub fn release(&self, req_id: &str) {
+        drop(self.take(req_id));
+    }
+
+    /// Current leases and bytes, and leases expired so far.
+    pub fn stats(&self) -> LeaseStats {
+        let st = self.state.lock();
+        LeaseStats {
+            leases: st.by_request.len(),
+            bytes: st.bytes,
+            expired: st.expired,
+        }
+    }
+
+    fn record(&self, st: &LeaseState) {
+        metrics::gauge!(kvpool_core::telemetry::LEASED_BYTES).set(st.bytes as f64);
+    }
+}
+
+/// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier), leasing the
+/// leading run L1 holds under `req_id` (no lease when `req_id` is empty).
+///
+/// A chunk L1 reported but lost before it could be leased ends the answer there: a promise
+/// is only made for what is held or what a lower tier reported.
+pub async fn lookup_and_lease(
+    engine: &CacheEngine,
+    leases: &LeaseTable,
+    req_id: &str,
+    chunk_hashes: &[ChunkHash],
+) -> LookupAnswer {
+    if chunk_hashes.is_empty() {
+        return LookupAnswer::default();
+    }
+    let scope = engine.token_database().scope();
+    let keys: Vec<CacheKey> = chunk_hashes
+        .iter()
+        .map(|h| CacheKey::new(scope.clone(), *h))
+        .collect();
+    let found = engine.storage().lookup(&keys).await;
+    let chunk = engine.token_database().chunk_size();
+    kvpool_core::cache_engine::record_lookup(keys.len() * chunk, found.len() * chunk);
+    let primary = engine.storage().primary_tier();
+    let in_l1 = found
+        .tiers
+        .iter()
+        .take_while(|t| Some(**t) == primary)
+        .count();
+    if req_id.is_empty() || in_l1 == 0 {
+        return LookupAnswer {
+            chunks: found.len(),
+            leased: 0,
+        };
+    }
+    let held = engine.storage().primary_get_prefix(&keys[..in_l1]).await;
+    let got = held.len();
+    let leased = leases.grant(
+        req_id,
+        chunk_hashes.iter().copied().zip(held).collect::<Vec<_>>(),
+    );
+    LookupAnswer {
+        chunks: if got < in_l1 { got } else { found.len() },
+        leased,
+    }
+}

@@ -1,0 +1,644 @@
+//! The scheduler side: lookups, request trackers, each step's metadata, and the step ledger
+//! that decides when the workers' saves become visible.
+
+mod step_ledger;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvpool_core::{CacheEngine, ChunkHash, ChunkHasher, HashAlgorithm};
+use tokio::runtime::Runtime;
+use tracing::debug;
+
+use crate::ConnectorConfig;
+use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
+use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec, SchedulerCounters};
+pub use step_ledger::STEP_REPORT_TIMEOUT;
+use step_ledger::{IssuedSave, StepLedger};
+
+/// How the scheduler learns what the pool holds: in-process, or across a process boundary.
+///
+/// Lookups take the chunk hashes the scheduler computed (it hashes each request's tokens once
+/// and ships the hashes to the worker), not token ids, and the request's id: the pool leases
+/// the chunks it holds in memory to that request until it loads them or ends.
+pub trait PoolLookup: Send {
+    /// What the pool holds of `chunk_hashes` (nothing on any failure).
+    fn lookup(&mut self, req_id: &str, chunk_hashes: &[ChunkHash]) -> LookupAnswer;
+
+    /// The lookup's own counters (breaker misses, ranks whose breaker is open).
+    fn counters(&self) -> (u64, u32) {
+        (0, 0)
+    }
+}
+
+/// Lookups against a cache engine in this process.
+pub struct EngineLookup {
+    /// The engine.
+    pub engine: Arc<CacheEngine>,
+    /// The runtime its async lookups run on.
+    pub runtime: Arc<Runtime>,
+    /// The engine's lookup leases (shared with its worker).
+    pub leases: Arc<LeaseTable>,
+}
+
+impl PoolLookup for EngineLookup {
+    fn lookup(&mut self, req_id: &str, chunk_hashes: &[ChunkHash]) -> LookupAnswer {
+        self.runtime.block_on(lookup_and_lease(
+            &self.engine,
+            &self.leases,
+            req_id,
+            chunk_hashes,
+        ))
+    }
+}
+
+/// A request as the engine's scheduler sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineRequest {
+    /// Request id.
+    pub req_id: String,
+    /// Prompt token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// Do not save this request's KV (e.g. a private prompt).
+    pub skip_save: bool,
+    /// What the request's KV depends on besides its token ids: LoRA adapter, multimodal input
+    /// hashes, cache salt (see [`crate::extra_keys`]). Empty for a plain text request.
+    pub extra_keys: Vec<u8>,
+}
+
+/// How a step changes a request's engine block list.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum BlockUpdate {
+    /// No new blocks.
+    #[default]
+    Unchanged,
+    /// Blocks allocated this step, appended (vLLM `scheduled_cached_reqs.new_block_ids`).
+    Append(Vec<u32>),
+    /// The whole list (a new request, or one resumed after preemption).
+    Replace(Vec<u32>),
+}
+
+/// One scheduled request of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    /// Request id.
+    pub req_id: String,
+    /// Tokens joining the sequence (generated ones, with `save_decode_tokens`), starting at
+    /// position `new_tokens_start` of the request's sequence: the scheduler's own count
+    /// ([`ConnectorScheduler::token_count`]), so both sides agree on the sequence by
+    /// construction; a mismatch stops the request's decode saves.
+    pub new_token_ids: Vec<u32>,
+    /// The position of `new_token_ids[0]`.
+    pub new_tokens_start: usize,
+    /// How the request's blocks changed.
+    pub blocks: BlockUpdate,
+    /// Tokens whose KV will be in the engine's cache when this step ends.
+    pub num_computed_tokens_after_step: usize,
+}
+
+/// What the workers reported back for a step (vLLM's `KVConnectorOutput`, aggregated over
+/// ranks).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConnectorOutput {
+    /// Requests whose asynchronous loads ended on every rank.
+    pub finished_recving: Vec<String>,
+    /// Engine blocks whose load failed on some rank: the engine recomputes them.
+    pub failed_block_ids: Vec<u32>,
+    /// Steps run, with how many ranks reported each.
+    pub executed_steps: Vec<(u64, u32)>,
+    /// Steps whose save copies ended, with how many ranks reported each.
+    pub copied_steps: Vec<(u64, u32)>,
+}
+
+/// Per-request state kept by the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestTracker {
+    /// Tokens known so far (prompt, then generated).
+    pub token_ids: Vec<u32>,
+    /// The request's extra keys (part of every chunk key).
+    pub extra_keys: Vec<u8>,
+    /// Chain hashes of the full chunks of `token_ids`, computed once as tokens arrive.
+    pub hasher: ChunkHasher,
+    /// Prompt length.
+    pub prompt_len: usize,
+    /// Engine blocks, in order.
+    pub block_ids: Vec<u32>,
+    /// Tokens whose chunks were handed to a save (chunk-aligned).
+    pub saved_tokens: usize,
+    /// Pending load, set by `get_num_new_matched_tokens`, consumed by `build_connector_meta`.
+    pub load: Option<LoadSpec>,
+    /// An asynchronous load was issued and its end not yet reported.
+    pub load_in_flight: bool,
+    /// Steps whose metadata carried a save for this request.
+    pub save_steps: Vec<u64>,
+    /// Never save.
+    pub skip_save: bool,
+    /// The engine's sequence and ours diverged: no more decode tokens are saved.
+    pub token_stream_broken: bool,
+}
+
+/// The scheduler side of the connector.
+pub struct ConnectorScheduler {
+    lookup: Box<dyn PoolLookup>,
+    chunk_size: usize,
+    hash_algorithm: HashAlgorithm,
+    config: ConnectorConfig,
+    probe_hash: [u8; 16],
+    trackers: HashMap<String, RequestTracker>,
+    max_tracked: usize,
+    trackers_dropped: u64,
+    broken_promises: u64,
+    next_step: u64,
+    ledger: StepLedger,
+    held: Vec<String>,
+    ended: Vec<String>,
+    preempted: Vec<String>,
+    /// Set by [`ConnectorScheduler::reset`]: a random salt chained into every request's root,
+    /// so nothing stored before the reset is ever found again.
+    reset_salt: Option<[u8; 16]>,
+}
+
+/// Requests tracked at most (vLLM tells the connector of every finish, so this bounds state
+/// only when an engine forgets to); past it, trackers without a pending load are dropped.
+pub const DEFAULT_MAX_TRACKED_REQUESTS: usize = 65_536;
+
+impl ConnectorScheduler {
+    /// A scheduler over `engine` in this process (whose lookups lease into `leases`);
+    /// `runtime` runs its lookups (the protocol is synchronous).
+    pub fn new(
+        engine: Arc<CacheEngine>,
+        runtime: Arc<Runtime>,
+        leases: Arc<LeaseTable>,
+        config: ConnectorConfig,
+    ) -> Self {
+        let probe_hash = crate::probe_hash(&engine);
+        let chunking = *engine.token_database().config();
+        Self::with_lookup(
+            Box::new(EngineLookup {
+                engine,
+                runtime,
+                leases,
+            }),
+            chunking.chunk_size,
+            chunking.hash_algorithm,
+            probe_hash,
+            config,
+        )
+    }
+
+    /// A scheduler whose lookups go through `lookup` (e.g. an RPC to the worker process that
+    /// owns the pool). `chunk_size`, `hash_algorithm` and `probe_hash` must be the pool's.
+    pub fn with_lookup(
+        lookup: Box<dyn PoolLookup>,
+        chunk_size: usize,
+        hash_algorithm: HashAlgorithm,
+        probe_hash: [u8; 16],
+        config: ConnectorConfig,
+    ) -> Self {
+        ConnectorScheduler {
+            lookup,
+            chunk_size,
+            hash_algorithm,
+            config,
+            probe_hash,
+            trackers: HashMap::new(),
+            max_tracked: DEFAULT_MAX_TRACKED_REQUESTS,
+            trackers_dropped: 0,
+            broken_promises: 0,
+            next_step: 1,
+            ledger: StepLedger::new(config.num_ranks),
+            held: Vec::new(),
+            ended: Vec::new(),
+            preempted: Vec::new(),
+            reset_salt: None,
+        }
+    }
+
+    /// The root of a request's chain: its extra keys, and the reset salt if any.
+    fn request_root(&self, extra_keys: &[u8]) -> ChunkHash {
+        match &self.reset_salt {
+            None => self.hash_algorithm.request_root(extra_keys),
+            Some(salt) => {
+                let mut salted = extra_keys.to_vec();
+                salted.push(crate::extra_keys::TAG_RESET);
+                salted.extend_from_slice(&(salt.len() as u32).to_le_bytes());
+                salted.extend_from_slice(salt);
+                self.hash_algorithm.request_root(&salted)
+            }
+        }
+    }
+
+    /// Caps the number of tracked requests (see [`DEFAULT_MAX_TRACKED_REQUESTS`]).
+    pub fn set_max_tracked_requests(&mut self, max: usize) {
+        self.max_tracked = max.max(1);
+    }
+
+    /// Trackers dropped because the cap was reached.
+    pub fn trackers_dropped(&self) -> u64 {
+        self.trackers_dropped
+    }
+
+    /// Loads promised by `get_num_new_matched_tokens` whose blocks never covered them; their
+    /// blocks were reported as failed so the engine recomputes them.
+    pub fn broken_promises(&self) -> u64 {
+        self.broken_promises
+    }
+
+    /// Steps given up because not every worker reported them in time.
+    pub fn steps_given_up(&self) -> u64 {
+        self.ledger.given_up()
+    }
+
+    /// The scheduler's counters, as shipped to the workers.
+    pub fn counters(&self) -> SchedulerCounters {
+        let (breaker_misses, breakers_open) = self.lookup.counters();
+        SchedulerCounters {
+            breaker_misses,
+            breakers_open,
+            broken_promises: self.broken_promises,
+            trackers_dropped: self.trackers_dropped,
+        }
+    }
+
+    /// Chunk size of the pool.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
+    fn make_room(&mut self) {
+        while self.trackers.len() >= self.max_tracked {
+            let victim = self
+                .trackers
+                .iter()
+                .find(|(_, t)| t.load.is_none() && !t.load_in_flight)
+                .or_else(|| self.trackers.iter().next())
+                .map(|(id, _)| id.clone());
+            let Some(victim) = victim else { return };
+            tracing::warn!(req = %victim, max = self.max_tracked, "too many tracked requests; dropping one (its KV will not be saved)");
+            self.trackers.remove(&victim);
+            self.ended.push(victim);
+            self.trackers_dropped += 1;
+        }
+    }
+
+    /// The tracker of a request.
+    pub fn tracker(&self, req_id: &str) -> Option<&RequestTracker> {
+        self.trackers.get(req_id)
+    }
+
+    /// How many tokens of a request's sequence the scheduler knows (`None`: no tracker). The
+    /// engine sends the tokens from here on with the next step.
+    pub fn token_count(&self, req_id: &str) -> Option<usize> {
+        self.trackers.get(req_id).map(|t| t.token_ids.len())
+    }
+
+    /// Requests with state.
+    pub fn tracked_requests(&self) -> usize {
+        self.trackers.len()
+    }
+
+    /// vLLM `get_num_new_matched_tokens`: tokens beyond the engine's `num_computed_tokens`
+    /// that the pool can load, and whether the load is asynchronous. It is synchronous only
+    /// when every rank holds every promised chunk in memory under the request's lease and the
+    /// engine does not schedule asynchronously (see [`crate::LoadTiming`]). The
+    /// final prompt token is never loaded, as the engine must compute at least one.
+    ///
+    /// Creates the request's tracker, or replaces it when the id is reused for another prompt
+    /// or other extra keys. May be called several times for one request (vLLM asks again when
+    /// it could not allocate blocks); the last answer stands.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        req: &EngineRequest,
+        num_computed_tokens: usize,
+    ) -> (usize, bool) {
+        let n = req.prompt_token_ids.len();
+        let same_request = self.trackers.get(&req.req_id).is_some_and(|t| {
+            t.prompt_len == n
+                && t.token_ids[..n] == req.prompt_token_ids[..]
+                && t.extra_keys == req.extra_keys
+        });
+        if !same_request {
+            self.trackers.remove(&req.req_id);
+            self.make_room();
+            let mut hasher = ChunkHasher::new(
+                self.hash_algorithm,
+                self.chunk_size,
+                self.request_root(&req.extra_keys),
+            );
+            hasher.extend(&req.prompt_token_ids);
+            self.trackers.insert(
+                req.req_id.clone(),
+                RequestTracker {
+                    token_ids: req.prompt_token_ids.clone(),
+                    extra_keys: req.extra_keys.clone(),
+                    hasher,
+                    prompt_len: n,
+                    block_ids: Vec::new(),
+                    saved_tokens: 0,
+                    load: None,
+                    load_in_flight: false,
+                    save_steps: Vec::new(),
+                    skip_save: req.skip_save,
+                    token_stream_broken: false,
+                },
+            );
+        }
+        let (hit, leased) = if n > 1 {
+            let t = &self.trackers[&req.req_id];
+            let full = ((n - 1) / self.chunk_size).min(t.hasher.hashes().len());
+            let hashes = t.hasher.hashes()[..full].to_vec();
+            let answer = self.lookup.lookup(&req.req_id, &hashes);
+            (
+                answer.chunks * self.chunk_size,
+                answer.leased * self.chunk_size,
+            )
+        } else {
+            (0, 0)
+        };
+        let tracker = self
+            .trackers
+            .get_mut(&req.req_id)
+            .expect("tracker inserted above");
+        if hit <= num_computed_tokens {
+            tracker.load = None;
+            return (0, false);
+        }
+        let asynchronous = match self.config.load_timing {
+            crate::LoadTiming::Auto => leased < hit,
+            crate::LoadTiming::Always => true,
+            crate::LoadTiming::Never => false,
+        };
+        tracker.load = Some(LoadSpec {
+            gpu_cached_tokens: num_computed_tokens as u32,
+            load_until: hit as u32,
+            asynchronous,
+        });
+        debug!(req = %req.req_id, num_computed_tokens, hit, leased, asynchronous, "pool hit");
+        (hit - num_computed_tokens, asynchronous)
+    }
+
+    /// vLLM `update_state_after_alloc`: the engine blocks the request holds, and how many
+    /// external tokens the engine accepted (0 cancels a pending load).
+    pub fn update_state_after_alloc(
+        &mut self,
+        req_id: &str,
+        block_ids: &[u32],
+        num_external_tokens: usize,
+    ) {
+        if let Some(t) = self.trackers.get_mut(req_id) {
+            t.block_ids = block_ids.to_vec();
+            match &mut t.load {
+                _ if num_external_tokens == 0 => t.load = None,
+                Some(load) => {
+                    // The engine accepted this many: load exactly that.
+                    let until = load.gpu_cached_tokens as usize + num_external_tokens;
+                    load.load_until = (load.load_until as usize).min(until) as u32;
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// vLLM `build_connector_meta`: this step's loads and saves, with the decisions taken on
+    /// earlier steps (cuts, commits, held blocks, ended and preempted requests).
+    ///
+    /// Scheduled requests get their saves (and a synchronous load); an asynchronous load is
+    /// shipped in the step after the engine allocated its blocks, whether or not the request
+    /// is scheduled (vLLM does not schedule it until the load ends). A promised load whose
+    /// blocks do not cover it (which vLLM never does, but an engine might) is not dropped
+    /// silently: its blocks from the engine's cached prefix on are listed in
+    /// [`ConnectorMetadata::unloadable_blocks`], so the engine recomputes them.
+    pub fn build_connector_meta(&mut self, scheduled: &[ScheduledRequest]) -> ConnectorMetadata {
+        let step = self.next_step;
+        self.next_step += 1;
+        self.ledger.expire(STEP_REPORT_TIMEOUT);
+        let chunk = self.chunk_size;
+        let block_size = self.config.block_size;
+        let mut requests = Vec::new();
+        let mut unloadable_blocks = Vec::new();
+        let mut saves = Vec::new();
+        let mut listed: HashSet<&str> = HashSet::new();
+        for s in scheduled {
+            let Some(t) = self.trackers.get_mut(&s.req_id) else {
+                continue;
+            };
+            listed.insert(&s.req_id);
+            if !s.new_token_ids.is_empty() && !t.token_stream_broken {
+                if s.new_tokens_start == t.token_ids.len() {
+                    t.token_ids.extend_from_slice(&s.new_token_ids);
+                    t.hasher.extend(&s.new_token_ids);
+                } else {
+                    tracing::warn!(req = %s.req_id, ours = t.token_ids.len(), engine = s.new_tokens_start, "the engine's token sequence and ours diverged; no more decode tokens of this request are saved");
+                    t.token_stream_broken = true;
+                }
+            }
+            match &s.blocks {
+                BlockUpdate::Unchanged => {}
+                BlockUpdate::Append(b) => t.block_ids.extend_from_slice(b),
+                BlockUpdate::Replace(b) => t.block_ids = b.clone(),
+            }
+            let mut load = t.load.take();
+            if let Some(l) = load
+                && t.block_ids.len() * block_size < l.load_until as usize
+            {
+                tracing::error!(req = %s.req_id, load_until = l.load_until, blocks = t.block_ids.len(), "the engine's blocks do not cover a promised load; reporting them as failed");
+                let first = l.gpu_cached_tokens as usize / block_size;
+                unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
+                self.broken_promises += 1;
+                t.saved_tokens = t
+                    .saved_tokens
+                    .min(l.gpu_cached_tokens as usize / chunk * chunk);
+                load = None;
+            }
+            if let Some(l) = &mut load
+                && l.asynchronous
+            {
+                // vLLM schedules a request only once its asynchronous load ended.
+                tracing::warn!(req = %s.req_id, "a request with an asynchronous load was scheduled; loading it before the forward pass");
+                l.asynchronous = false;
+            }
+            let computed = s.num_computed_tokens_after_step.min(t.token_ids.len());
+            let savable = if self.config.save_decode_tokens && !t.token_stream_broken {
+                computed
+            } else {
+                computed.min(t.prompt_len)
+            };
+            let save_until = savable / chunk * chunk;
+            let save = (!t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
+                save_from: t.saved_tokens as u32,
+                save_until: save_until as u32,
+            });
+            let needed = load
+                .map_or(0, |l| l.load_until as usize)
+                .max(save.map_or(0, |s| s.save_until as usize));
+            if needed == 0 {
+                continue;
+            }
+            if t.block_ids.len() * block_size < needed {
+                // Only a save can get here (loads were checked above): skipping it is a miss.
+                tracing::warn!(req = %s.req_id, needed, blocks = t.block_ids.len(), "not enough blocks for the connector's save; skipping it");
+                continue;
+            }
+            let blocks: Vec<u32> = t.block_ids[..needed.div_ceil(block_size)].to_vec();
+            if let Some(sv) = save {
+                t.saved_tokens = sv.save_until as usize;
+                t.save_steps.push(step);
+                saves.push(IssuedSave {
+                    req_id: s.req_id.clone(),
+                    from: sv.save_from as usize,
+                    until: sv.save_until as usize,
+                    blocks: blocks.clone(),
+                });
+            }
+            requests.push(ReqMeta {
+                req_id: s.req_id.clone(),
+                chunk_hashes: chunk_hashes_until(t, needed, chunk),
+                block_ids: blocks,
+                load,
+                save,
+            });
+        }
+        // Asynchronous loads of requests the engine is not scheduling (they wait for them).
+        let mut waiting: Vec<&String> = self
+            .trackers
+            .iter()
+            .filter(|(id, t)| {
+                !listed.contains(id.as_str()) && t.load.is_some_and(|l| l.asynchronous)
+            })
+            .map(|(id, _)| id)
+            .collect();
+        waiting.sort();
+        let waiting: Vec<String> = waiting.into_iter().cloned().collect();
+        for id in waiting {
+            let t = self.trackers.get_mut(&id).expect("listed above");
+            let l = t.load.take().expect("filtered above");
+            if t.block_ids.len() * block_size < l.load_until as usize {
+                tracing::error!(req = %id, load_until = l.load_until, blocks = t.block_ids.len(), "the engine's blocks do not cover a promised load; reporting them as failed");
+                let first = l.gpu_cached_tokens as usize / block_size;
+                unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
+                self.broken_promises += 1;
+                continue;
+            }
+            t.load_in_flight = true;
+            let needed = l.load_until as usize;
+            requests.push(ReqMeta {
+                req_id: id,
+                chunk_hashes: chunk_hashes_until(t, needed, chunk),
+                block_ids: t.block_ids[..needed.div_ceil(block_size)].to_vec(),
+                load: Some(l),
+                save: None,
+            });
+        }
+        self.ledger.issued(step, saves);
+        let (discards, commit_steps) = self.ledger.take_decisions();
+        ConnectorMetadata {
+            probe_hash: self.probe_hash,
+            step,
+            block_size: block_size as u32,
+            requests,
+            unloadable_blocks,
+            discards,
+            commit_steps,
+            commit_locally: self.config.num_ranks == 1 && !self.config.async_scheduling,
+            held_requests: std::mem::take(&mut self.held),
+            ended_requests: std::mem::take(&mut self.ended),
+            preempted_requests: std::mem::take(&mut self.preempted),
+            scheduler: self.counters(),
+        }
+    }
+
+    /// vLLM `update_connector_output`: what the workers reported for a step. Failed loads
+    /// rewind the save point of every request holding a failed block, and cut every
+    /// uncommitted save reaching one; then the steps every rank ran are committed.
+    pub fn update_connector_output(&mut self, output: &ConnectorOutput) {
+        if !output.failed_block_ids.is_empty() {
+            let failed: HashSet<u32> = output.failed_block_ids.iter().copied().collect();
+            let chunk = self.chunk_size;
+            let bs = self.config.block_size;
+            for t in self.trackers.values_mut() {
+                if let Some(first) = t.block_ids.iter().position(|b| failed.contains(b)) {
+                    let token = first * bs;
+                    t.saved_tokens = t.saved_tokens.min(token / chunk * chunk);
+                }
+            }
+            self.ledger.failed_blocks(&failed, bs, chunk);
+        }
+        for &(step, ranks) in &output.executed_steps {
+            self.ledger.executed(step, ranks);
+        }
+        for &(step, ranks) in &output.copied_steps {
+            self.ledger.copied(step, ranks);
+        }
+        for id in &output.finished_recving {
+            if let Some(t) = self.trackers.get_mut(id) {
+                t.load_in_flight = false;
+            }
+        }
+    }
+
+    /// Whether the workers still owe reports, or decisions wait to be shipped: the engine
+    /// keeps stepping until they are through (vLLM `has_pending_push_work`), so the last
+    /// saves of a batch become visible without waiting for the next request.
+    pub fn has_pending_work(&self) -> bool {
+        self.ledger.has_pending_work()
+    }
+
+    /// vLLM `request_finished`: the request's state is dropped. Returns whether the engine
+    /// must hold its blocks until the workers report it in `finished_sending`: when a save
+    /// issued for it may still be copying out of them on some rank. A request whose
+    /// asynchronous load is still in flight is never held this way (the engine already holds
+    /// its blocks until the load ends).
+    pub fn request_finished(&mut self, req_id: &str, _block_ids: &[u32]) -> bool {
+        let Some(t) = self.trackers.remove(req_id) else {
+            return false;
+        };
+        self.ended.push(req_id.to_string());
+        let hold = !t.load_in_flight && self.ledger.may_be_copying(&t.save_steps);
+        if hold {
+            self.held.push(req_id.to_string());
+        }
+        hold
+    }
+
+    /// vLLM preemption (`scheduler_output.preempted_req_ids`): the request's blocks are
+    /// gone; forget loads and save progress (the pool keeps what was saved, and the next
+    /// lookup finds it).
+    pub fn request_preempted(&mut self, req_id: &str) {
+        if let Some(t) = self.trackers.get_mut(req_id) {
+            if t.load.is_some() {
+                // Admitted again (with blocks and a load) after its preemption: that is the
+                // state to keep.
+                return;
+            }
+            t.block_ids.clear();
+            t.load = None;
+            t.saved_tokens = 0;
+            self.preempted.push(req_id.to_string());
+        }
+    }
+
+    /// vLLM `reset_cache` (called after a weight update, among others): forgets every
+    /// request, drops every save not yet committed, and salts every later key with a fresh
+    /// random value, so nothing stored before the reset (in any tier, by any process) is
+    /// ever loaded by this engine again. Old chunks age out of the tiers by eviction.
+    pub fn reset(&mut self) {
+        self.ended.extend(self.trackers.drain().map(|(id, _)| id));
+        self.ledger.discard_all();
+        // Unique, not secret: the clock, the process, and the previous salt.
+        let mut seed = Vec::with_capacity(44);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        seed.extend_from_slice(&now.to_le_bytes());
+        seed.extend_from_slice(&std::process::id().to_le_bytes());
+        seed.extend_from_slice(&self.reset_salt.unwrap_or_default());
+        self.reset_salt = Some(xxhash_rust::xxh3::xxh3_128(&seed).to_le_bytes());
+    }
+}
+
+/// The hashes of the whole chunks covering a tracker's tokens `0..until` (rounded up to a
+/// whole chunk when the tracker has its hash).
+fn chunk_hashes_until(t: &RequestTracker, until: usize, chunk_size: usize) -> Vec<[u8; 16]> {
+    let n = until.div_ceil(chunk_size).min(t.hasher.hashes().len());
+    t.hasher.hashes()[..n].iter().map(|h| h.0).collect()
+}

@@ -1,0 +1,74 @@
+//! `CopyJob`: one batch of block copies between the engine's KV blocks and kvpool's host
+//! chunks, the only thing the engine side executes (with torch in the Python connector, on
+//! CPU or CUDA tensors alike; with [`crate::host_blocks`] in tests and the simulator).
+//!
+//! A chunk's bytes are its blocks, plane by plane: for engine plane `p` (every layer's planes
+//! in layer order; one per layer for vLLM's CPU blocks, K and V for a flash-attention layer)
+//! and chunk block `b`, the `plane_block_bytes` of that block sit at
+//! `(p * blocks_per_chunk + b) * plane_block_bytes`. A job covers whole chunks; a load may
+//! skip the leading blocks of its first chunk (blocks the engine already holds).
+
+use kvpool_core::{MemoryObj, MemoryObjMut};
+
+/// Which way a job copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// kvpool's chunks into the engine's blocks.
+    Load,
+    /// The engine's blocks into kvpool's chunks.
+    Save,
+}
+
+/// What the engine side must copy, and where (addresses stay valid until the job is reported
+/// done through [`crate::ConnectorWorker::copy_done`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyJob {
+    /// The job's id, to report it done.
+    pub id: u64,
+    /// Load or save.
+    pub direction: CopyDirection,
+    /// The request it serves.
+    pub req_id: String,
+    /// Engine block ids, one per chunk block from `skip_blocks` on, in chunk order:
+    /// `block_ids[i]` is chunk block `skip_blocks + i` (chunk `(skip_blocks + i) /
+    /// blocks_per_chunk`).
+    pub block_ids: Vec<u32>,
+    /// Leading blocks of the first chunk the job does not copy.
+    pub skip_blocks: usize,
+    /// Blocks per chunk.
+    pub blocks_per_chunk: usize,
+    /// Bytes of every chunk.
+    pub chunk_bytes: usize,
+    /// Address of each chunk's host buffer (read for a load, written for a save).
+    pub chunk_ptrs: Vec<usize>,
+}
+
+impl CopyJob {
+    /// Bytes the job moves.
+    pub fn bytes(&self) -> usize {
+        self.block_ids.len() * self.chunk_bytes / self.blocks_per_chunk.max(1)
+    }
+}
+
+/// The host memory a job's addresses point into, owned by the worker until the job is done.
+pub(crate) enum JobMemory {
+    /// A load's source chunks (shared, read-only).
+    Load(Vec<MemoryObj>),
+    /// A save's destination buffers (written by the engine side).
+    Save(Vec<MemoryObjMut>),
+}
+
+impl JobMemory {
+    pub(crate) fn pointers(&mut self) -> Vec<usize> {
+        match self {
+            JobMemory::Load(chunks) => chunks
+                .iter()
+                .map(|c| c.as_slice().as_ptr() as usize)
+                .collect(),
+            JobMemory::Save(bufs) => bufs
+                .iter_mut()
+                .map(|b| b.as_mut_slice().as_mut_ptr() as usize)
+                .collect(),
+        }
+    }
+}

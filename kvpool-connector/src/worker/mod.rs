@@ -1,0 +1,821 @@
+//! The worker side: binds each step's metadata, plans loads and saves as [`CopyJob`]s for the
+//! engine to execute, fetches asynchronous loads in the background, stages saves until their
+//! step is committed, and reports what finished.
+//!
+//! The worker never touches the engine's KV memory itself: the engine side runs the copy jobs
+//! (torch in the Python connector, the same code on CPU and CUDA tensors) and reports each one
+//! done with [`ConnectorWorker::copy_done`]. Until then the job's host memory stays owned here.
+
+mod copy_job;
+mod loads;
+mod staged;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvpool_core::telemetry;
+use kvpool_core::{CacheEngine, Chunk, ChunkHash, ChunkMeta, ChunkSpan, KvLayout, MemoryObjMut};
+use tokio::runtime::Runtime;
+use tracing::warn;
+
+pub use copy_job::{CopyDirection, CopyJob};
+pub use loads::LoadLimits;
+pub use staged::STAGED_STEP_TTL;
+
+use crate::ConnectorError;
+use crate::leases::LeaseTable;
+use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
+use crate::request_trace::{RequestTrace, RequestTraces};
+use copy_job::JobMemory;
+use loads::{AsyncLoads, PlannedLoad};
+use staged::{StagedChunk, StagedSaves};
+
+/// Counters of a worker since it started (vLLM's connector stats read them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Steps bound.
+    pub steps: u64,
+    /// Tokens the scheduler asked to load.
+    pub load_requested_tokens: u64,
+    /// Tokens loaded into the engine's cache.
+    pub loaded_tokens: u64,
+    /// Loads done in the background (the request waited in `WAITING_FOR_REMOTE_KVS`).
+    pub async_loads: u64,
+    /// Loads done before the step's forward pass.
+    pub sync_loads: u64,
+    /// Engine blocks reported as failed loads.
+    pub failed_load_blocks: u64,
+    /// Tokens copied out of the engine for saving (visible once their step is committed).
+    pub saved_tokens: u64,
+    /// Tokens stored into the pool (committed).
+    pub stored_tokens: u64,
+    /// Saves that failed (a miss later, nothing else).
+    pub save_errors: u64,
+    /// Saved chunks dropped before commit: computed on a failed load on some rank, or never
+    /// committed.
+    pub saves_discarded: u64,
+}
+
+/// What the engine side learns at the end of a step ([`ConnectorWorker::transfer_results`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferResults {
+    /// Finished requests whose held blocks no copy reads any more.
+    pub finished_sending: Vec<String>,
+    /// Requests whose asynchronous load ended (loaded, failed or cancelled); failed blocks
+    /// are reported through [`ConnectorWorker::get_block_ids_with_load_errors`] no later.
+    pub finished_recving: Vec<String>,
+}
+
+/// What a worker tells the scheduler after each step (vLLM's `KVConnectorWorkerMetadata`):
+/// the steps it ran and the steps whose save copies are done. The scheduler commits a step's
+/// saves once every rank ran it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Steps bound and run since the last report.
+    pub executed: Vec<u64>,
+    /// Steps whose save copies all ended since the last report.
+    pub copied: Vec<u64>,
+}
+
+struct InFlight {
+    direction: CopyDirection,
+    req_id: String,
+    step: u64,
+    memory: JobMemory,
+    /// Save: the spans of the chunks, in order. Load: the tokens written.
+    spans: Vec<ChunkSpan>,
+    tokens: usize,
+    asynchronous: bool,
+    tier_tokens: Vec<(String, usize)>,
+    /// The engine blocks the job writes (a load's, to report them if it fails).
+    blocks: Vec<u32>,
+}
+
+/// The worker side of the connector (one per engine worker / TP rank).
+pub struct ConnectorWorker {
+    engine: Arc<CacheEngine>,
+    runtime: Arc<Runtime>,
+    leases: Arc<LeaseTable>,
+    block_size: usize,
+    probe_hash: [u8; 16],
+    registered: bool,
+    meta: Option<ConnectorMetadata>,
+    next_job: u64,
+    /// Jobs planned at bind, not yet taken by the engine side.
+    planned_loads: Vec<(CopyJob, InFlight)>,
+    planned_saves: Vec<(CopyJob, InFlight)>,
+    in_flight: HashMap<u64, InFlight>,
+    async_loads: AsyncLoads,
+    limits: LoadLimits,
+    staged: StagedSaves,
+    held: HashSet<String>,
+    finished_seen: HashSet<String>,
+    finished_recving: Vec<String>,
+    load_errors: BTreeSet<u32>,
+    /// Blocks whose load failed in the bound step.
+    step_failed: BTreeSet<u32>,
+    executed: Vec<u64>,
+    awaiting_copies: Vec<u64>,
+    copied: Vec<u64>,
+    traces: RequestTraces,
+    stats: WorkerStats,
+}
+
+impl ConnectorWorker {
+    /// A worker over `engine`; `block_size` is the engine's page size in tokens; `leases` are
+    /// the lookup leases its pool's lookups grant (shared with the lookup server).
+    pub fn new(
+        engine: Arc<CacheEngine>,
+        runtime: Arc<Runtime>,
+        block_size: usize,
+        leases: Arc<LeaseTable>,
+    ) -> Self {
+        let probe_hash = crate::probe_hash(&engine);
+        ConnectorWorker {
+            engine,
+            runtime,
+            leases,
+            block_size,
+            probe_hash,
+            registered: false,
+            meta: None,
+            next_job: 1,
+            planned_loads: Vec::new(),
+            planned_saves: Vec::new(),
+            in_flight: HashMap::new(),
+            async_loads: AsyncLoads::default(),
+            limits: LoadLimits::default(),
+            staged: StagedSaves::default(),
+            held: HashSet::new(),
+            finished_seen: HashSet::new(),
+            finished_recving: Vec::new(),
+            load_errors: BTreeSet::new(),
+            step_failed: BTreeSet::new(),
+            executed: Vec::new(),
+            awaiting_copies: Vec::new(),
+            copied: Vec::new(),
+            traces: RequestTraces::default(),
+            stats: WorkerStats::default(),
+        }
+    }
+
+    /// The pool this worker loads from and saves to.
+    pub fn engine(&self) -> &Arc<CacheEngine> {
+        &self.engine
+    }
+
+    /// The lookup leases of this worker's pool.
+    pub fn leases(&self) -> &Arc<LeaseTable> {
+        &self.leases
+    }
+
+    /// Counters since the worker started.
+    pub fn stats(&self) -> WorkerStats {
+        self.stats
+    }
+
+    /// Bounds asynchronous loads in flight.
+    pub fn set_load_limits(&mut self, limits: LoadLimits) {
+        self.limits = limits;
+    }
+
+    /// Copy jobs handed to the engine and not reported done, asynchronous loads in flight,
+    /// staged save bytes and requests whose blocks the engine holds for this worker: all zero
+    /// once everything settled (tests check it after a run).
+    pub fn in_flight(&self) -> (usize, usize, usize, usize) {
+        (
+            self.in_flight.len(),
+            self.async_loads.len(),
+            self.staged.bytes(),
+            self.held.len(),
+        )
+    }
+
+    fn chunk_size(&self) -> usize {
+        self.engine.token_database().chunk_size()
+    }
+
+    fn chunk_bytes(&self) -> usize {
+        self.engine.layout().chunk_bytes(self.chunk_size())
+    }
+
+    /// vLLM `register_kv_caches`: checks the engine's KV layout matches the pool's.
+    pub fn register_kv_caches(&mut self, layout: &KvLayout) -> Result<(), ConnectorError> {
+        let ours = self.engine.layout();
+        if layout.fingerprint() != ours.fingerprint() || layout.block_size != self.block_size {
+            return Err(ConnectorError::Layout(format!(
+                "engine KV cache {layout:?} does not match the pool's {ours:?} with block size {}",
+                self.block_size
+            )));
+        }
+        if !self.chunk_size().is_multiple_of(self.block_size) {
+            return Err(ConnectorError::Layout(format!(
+                "chunk size {} is not a whole number of {}-token blocks",
+                self.chunk_size(),
+                self.block_size
+            )));
+        }
+        self.registered = true;
+        Ok(())
+    }
+
+    /// vLLM `bind_connector_metadata`: decodes (never panics), checks key agreement, applies
+    /// the scheduler's decisions on earlier steps (cuts, commits, held blocks, ended requests)
+    /// and plans this step's loads and saves. Synchronous loads are fetched now; asynchronous
+    /// ones start fetching in the background.
+    pub fn bind_connector_metadata(&mut self, bytes: &[u8]) -> Result<(), ConnectorError> {
+        if !self.registered {
+            return Err(ConnectorError::Usage(
+                "register_kv_caches must come before bind_connector_metadata".into(),
+            ));
+        }
+        let meta = ConnectorMetadata::decode(bytes)?;
+        if meta.probe_hash != self.probe_hash {
+            return Err(MetadataError::ProbeMismatch {
+                scheduler: hex(&meta.probe_hash),
+                worker: hex(&self.probe_hash),
+            }
+            .into());
+        }
+        if meta.block_size as usize != self.block_size {
+            return Err(ConnectorError::Usage(format!(
+                "the scheduler's block size {} is not this worker's {}",
+                meta.block_size, self.block_size
+            )));
+        }
+        self.drop_untaken_jobs();
+        self.step_failed.clear();
+        self.stats.steps += 1;
+        for d in &meta.discards {
+            self.staged.cut(d.step, &d.req_id, d.keep_until);
+        }
+        for &s in &meta.commit_steps {
+            self.staged.commit(s);
+        }
+        self.store_ready();
+        for id in &meta.ended_requests {
+            self.leases.release(id);
+            if self.async_loads.cancellable(id) {
+                self.async_loads.finish(id);
+                self.finished_recving.push(id.clone());
+            }
+        }
+        self.held.extend(meta.held_requests.iter().cloned());
+        metrics::gauge!(telemetry::HELD_REQUESTS).set(self.held.len() as f64);
+        for &block in &meta.unloadable_blocks {
+            self.fail_block(block);
+        }
+        if self.engine.token_database().scope().rank == 0 {
+            record_scheduler_counters(&meta.scheduler);
+        }
+        for r in &meta.requests {
+            if let Some(load) = r.load {
+                self.plan_load(
+                    r,
+                    load.gpu_cached_tokens as usize,
+                    load.load_until as usize,
+                    load.asynchronous,
+                );
+            }
+        }
+        for r in &meta.requests {
+            if let Some(save) = r.save {
+                self.plan_save(
+                    r,
+                    meta.step,
+                    save.save_from as usize,
+                    save.save_until as usize,
+                );
+            }
+        }
+        self.executed.push(meta.step);
+        self.awaiting_copies.push(meta.step);
+        self.meta = Some(meta);
+        Ok(())
+    }
+
+    /// vLLM `clear_connector_metadata`.
+    pub fn clear_connector_metadata(&mut self) {
+        self.meta = None;
+    }
+
+    /// The spans of `r`'s whole chunks covering tokens `from..until` (from the hashes the
+    /// scheduler shipped; no token is hashed here).
+    fn spans(&self, r: &ReqMeta, from: usize, until: usize) -> Result<Vec<ChunkSpan>, String> {
+        let cs = self.chunk_size();
+        let hashes: Vec<ChunkHash> = r.chunk_hashes.iter().map(|h| ChunkHash(*h)).collect();
+        let spans = self
+            .engine
+            .token_database()
+            .spans_from_hashes(&hashes, from, until);
+        let whole = spans.iter().all(|s| s.len() == cs);
+        let covered = spans.last().map_or(from, |s| s.end);
+        if !whole || covered != until || spans.first().is_some_and(|s| s.start > from) {
+            return Err(format!(
+                "{} chunk hashes do not cover tokens {from}..{until} in whole chunks",
+                r.chunk_hashes.len()
+            ));
+        }
+        Ok(spans)
+    }
+
+    fn plan_load(&mut self, r: &ReqMeta, from: usize, until: usize, asynchronous: bool) {
+        if until <= from {
+            return;
+        }
+        self.stats.load_requested_tokens += (until - from) as u64;
+        if let Some(t) = self.traces.of(&r.req_id) {
+            t.load_requested_tokens += (until - from) as u64;
+        }
+        let cs = self.chunk_size();
+        let spans = match self.spans(r, from / cs * cs, until) {
+            Ok(spans) => spans,
+            Err(e) => {
+                warn!(req = %r.req_id, error = %e, "cannot plan a load; reporting its blocks");
+                self.fail_tokens(&r.req_id, &r.block_ids, from, until);
+                if asynchronous {
+                    self.finished_recving.push(r.req_id.clone());
+                }
+                return;
+            }
+        };
+        // The lease holds chunks from chunk 0; keep those of the spans, matched by hash.
+        let first = spans[0].start / cs;
+        let leased: Vec<Chunk> = self
+            .leases
+            .take(&r.req_id)
+            .map(|lease| {
+                lease
+                    .chunks
+                    .into_iter()
+                    .skip(first)
+                    .zip(&spans)
+                    .take_while(|((h, _), span)| *h == span.key.hash)
+                    .map(|((_, c), _)| c)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let load = PlannedLoad {
+            req_id: r.req_id.clone(),
+            block_ids: r.block_ids.clone(),
+            gpu_cached_tokens: from,
+            load_until: until,
+            spans,
+            leased,
+        };
+        if asynchronous {
+            self.stats.async_loads += 1;
+            let bytes = load.bytes(self.chunk_bytes());
+            self.async_loads.push(load, bytes);
+            self.async_loads
+                .start_queued(self.limits, &self.engine, &self.runtime);
+        } else {
+            self.stats.sync_loads += 1;
+            let started = Instant::now();
+            let fetched = self
+                .runtime
+                .block_on(self.engine.fetch_spans(&load.spans, load.leased.clone()));
+            if let Some(t) = self.traces.of(&r.req_id) {
+                t.load_time += started.elapsed();
+            }
+            if let Some(job) = self.load_job(load, fetched, false) {
+                self.planned_loads.push(job);
+            }
+        }
+    }
+
+    /// The copy job for what a fetch brought; reports the blocks it could not bring.
+    fn load_job(
+        &mut self,
+        load: PlannedLoad,
+        fetched: kvpool_core::FetchedChunks,
+        asynchronous: bool,
+    ) -> Option<(CopyJob, InFlight)> {
+        let (bs, cs) = (self.block_size, self.chunk_size());
+        let first_token = load.spans[0].start;
+        let loaded_until = first_token + fetched.chunks.len() * cs;
+        let wanted = load.gpu_cached_tokens.max(first_token);
+        if loaded_until < load.load_until {
+            warn!(req = %load.req_id, expected = load.load_until - wanted, loaded = loaded_until.saturating_sub(wanted), "load incomplete; reporting failed blocks");
+            let from = loaded_until.max(wanted);
+            self.fail_tokens(&load.req_id, &load.block_ids, from, load.load_until);
+        }
+        let end = loaded_until.min(load.load_until);
+        if end <= wanted {
+            return None;
+        }
+        let skip_blocks = (wanted - first_token) / bs;
+        let blocks: Vec<u32> = load.block_ids[wanted / bs..end / bs].to_vec();
+        let mut tier_tokens: Vec<(String, usize)> = Vec::new();
+        for (i, tier) in fetched.tiers.iter().enumerate() {
+            let start = (first_token + i * cs).max(wanted);
+            let stop = first_token + (i + 1) * cs;
+            kvpool_core::cache_engine::add_tier_tokens(&mut tier_tokens, tier, stop - start);
+        }
+        self.engine
+            .record_retrieve(load.load_until - wanted, end - wanted);
+        let mut memory = JobMemory::Load(fetched.chunks.into_iter().map(|c| c.data).collect());
+        let job = CopyJob {
+            id: self.next_job_id(),
+            direction: CopyDirection::Load,
+            req_id: load.req_id.clone(),
+            block_ids: blocks.clone(),
+            skip_blocks,
+            blocks_per_chunk: cs / bs,
+            chunk_bytes: self.chunk_bytes(),
+            chunk_ptrs: memory.pointers(),
+        };
+        Some((
+            job,
+            InFlight {
+                direction: CopyDirection::Load,
+                req_id: load.req_id,
+                step: 0,
+                memory,
+                spans: Vec::new(),
+                tokens: end - wanted,
+                asynchronous,
+                tier_tokens,
+                blocks,
+            },
+        ))
+    }
+
+    fn plan_save(&mut self, r: &ReqMeta, step: u64, from: usize, until: usize) {
+        let cs = self.chunk_size();
+        let until = until / cs * cs;
+        if until <= from {
+            return;
+        }
+        let spans = match self.spans(r, from, until) {
+            Ok(spans) => spans,
+            Err(e) => {
+                self.save_failed(&r.req_id, &e);
+                return;
+            }
+        };
+        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
+        // Chunks L1 already holds were committed (nothing unverified is ever stored).
+        let present = self
+            .runtime
+            .block_on(self.engine.storage().primary_prefix(&keys));
+        let mut buffers: Vec<MemoryObjMut> = Vec::new();
+        let mut kept = Vec::new();
+        for span in spans.into_iter().skip(present) {
+            match self.engine.storage().allocate(self.chunk_bytes()) {
+                Ok(buf) => {
+                    buffers.push(buf);
+                    kept.push(span);
+                }
+                Err(e) => {
+                    tracing::debug!(req = %r.req_id, error = %e, "no memory for a save; skipping the rest of it");
+                    break;
+                }
+            }
+        }
+        if kept.is_empty() {
+            return;
+        }
+        let bs = self.block_size;
+        let blocks: Vec<u32> = kept
+            .iter()
+            .flat_map(|s| r.block_ids[s.start / bs..s.end / bs].iter().copied())
+            .collect();
+        let mut memory = JobMemory::Save(buffers);
+        let job = CopyJob {
+            id: self.next_job_id(),
+            direction: CopyDirection::Save,
+            req_id: r.req_id.clone(),
+            block_ids: blocks.clone(),
+            skip_blocks: 0,
+            blocks_per_chunk: cs / bs,
+            chunk_bytes: self.chunk_bytes(),
+            chunk_ptrs: memory.pointers(),
+        };
+        let tokens = kept.len() * cs;
+        self.planned_saves.push((
+            job,
+            InFlight {
+                direction: CopyDirection::Save,
+                req_id: r.req_id.clone(),
+                step,
+                memory,
+                spans: kept,
+                tokens,
+                asynchronous: false,
+                tier_tokens: Vec::new(),
+                blocks,
+            },
+        ));
+    }
+
+    fn next_job_id(&mut self) -> u64 {
+        let id = self.next_job;
+        self.next_job += 1;
+        id
+    }
+
+    /// A step's jobs planned but never taken were never handed to the engine: drop them (their
+    /// loads are reported failed). Asynchronous loads wait for the next step's
+    /// [`ConnectorWorker::take_load_jobs`].
+    fn drop_untaken_jobs(&mut self) {
+        let (kept, dropped): (Vec<_>, Vec<_>) = std::mem::take(&mut self.planned_loads)
+            .into_iter()
+            .partition(|(_, f)| f.asynchronous);
+        self.planned_loads = kept;
+        for (_, f) in dropped {
+            warn!(req = %f.req_id, "a planned load was never run; reporting its blocks");
+            self.fail_blocks_of(&f.req_id, &f.blocks);
+        }
+        for (_, f) in std::mem::take(&mut self.planned_saves) {
+            self.save_failed(&f.req_id, "the engine never ran the save's copy");
+        }
+    }
+
+    /// vLLM `start_load_kv`: the loads to copy now. This step's synchronous loads (the engine
+    /// must have them in place before its forward pass), then asynchronous loads whose fetch
+    /// ended. Queued asynchronous loads start fetching as room frees up.
+    pub fn take_load_jobs(&mut self) -> Vec<CopyJob> {
+        self.poll_async_loads();
+        let jobs: Vec<_> = std::mem::take(&mut self.planned_loads);
+        jobs.into_iter()
+            .map(|(job, f)| self.hand_out(job, f))
+            .collect()
+    }
+
+    /// vLLM `wait_for_save`: the saves to copy now, once the step's forward pass wrote the
+    /// engine's blocks.
+    pub fn take_save_jobs(&mut self) -> Vec<CopyJob> {
+        let jobs: Vec<_> = std::mem::take(&mut self.planned_saves);
+        jobs.into_iter()
+            .map(|(job, f)| {
+                self.staged.copy_started(f.step);
+                self.hand_out(job, f)
+            })
+            .collect()
+    }
+
+    fn hand_out(&mut self, job: CopyJob, f: InFlight) -> CopyJob {
+        self.in_flight.insert(job.id, f);
+        metrics::gauge!(telemetry::COPY_JOBS_IN_FLIGHT).set(self.in_flight.len() as f64);
+        job
+    }
+
+    fn poll_async_loads(&mut self) {
+        for (load, fetched) in self.async_loads.take_fetched(&self.runtime) {
+            let id = load.req_id.clone();
+            match self.load_job(load, fetched, true) {
+                Some(job) => self.planned_loads.push(job),
+                None => {
+                    self.async_loads.finish(&id);
+                    self.finished_recving.push(id);
+                }
+            }
+        }
+        self.async_loads
+            .start_queued(self.limits, &self.engine, &self.runtime);
+    }
+
+    /// The engine side finished job `id` (`ok`: the copy happened; else it failed and the
+    /// job's blocks hold nothing usable). A load's blocks are then the engine's; a save's
+    /// chunks are staged until their step is committed.
+    pub fn copy_done(&mut self, id: u64, ok: bool) {
+        let Some(f) = self.in_flight.remove(&id) else {
+            warn!(job = id, "copy_done for an unknown job");
+            return;
+        };
+        metrics::gauge!(telemetry::COPY_JOBS_IN_FLIGHT).set(self.in_flight.len() as f64);
+        match f.direction {
+            CopyDirection::Load => {
+                if ok {
+                    self.stats.loaded_tokens += f.tokens as u64;
+                    metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
+                        .increment(f.tokens as u64);
+                    if let Some(t) = self.traces.of(&f.req_id) {
+                        t.loaded_tokens += f.tokens as u64;
+                        for (tier, tokens) in &f.tier_tokens {
+                            t.add_tier_tokens(tier, *tokens as u64);
+                        }
+                    }
+                } else {
+                    warn!(req = %f.req_id, "copying a load into the engine failed; reporting its blocks");
+                    self.fail_blocks_of(&f.req_id, &f.blocks);
+                }
+                if f.asynchronous {
+                    self.async_loads.finish(&f.req_id);
+                    self.finished_recving.push(f.req_id);
+                }
+            }
+            CopyDirection::Save => {
+                let JobMemory::Save(buffers) = f.memory else {
+                    unreachable!("a save job owns save buffers")
+                };
+                let layout = *self.engine.layout();
+                let fingerprint = layout.fingerprint();
+                let chunks = if ok {
+                    self.stats.saved_tokens += f.tokens as u64;
+                    f.spans
+                        .into_iter()
+                        .zip(buffers)
+                        .map(|(span, buf)| StagedChunk {
+                            req_id: f.req_id.clone(),
+                            end: span.end as u32,
+                            chunk: Chunk {
+                                meta: ChunkMeta {
+                                    layout_fingerprint: fingerprint,
+                                    dtype: layout.dtype,
+                                    token_count: span.len() as u32,
+                                },
+                                data: buf.freeze(),
+                            },
+                            key: span.key,
+                        })
+                        .collect()
+                } else {
+                    self.save_failed(&f.req_id, "the engine's copy failed");
+                    Vec::new()
+                };
+                self.staged.copy_ended(f.step, chunks);
+                self.store_ready();
+            }
+        }
+    }
+
+    /// Stores the staged chunks of committed steps (L1 now, lower tiers behind).
+    fn store_ready(&mut self) {
+        let ready = self.staged.take_ready(STAGED_STEP_TTL);
+        self.stats.saves_discarded = self.staged.discarded();
+        if ready.is_empty() {
+            return;
+        }
+        let mut by_req: HashMap<String, Vec<(kvpool_core::CacheKey, Chunk)>> = HashMap::new();
+        for c in ready {
+            by_req.entry(c.req_id).or_default().push((c.key, c.chunk));
+        }
+        for (req, entries) in by_req {
+            let started = Instant::now();
+            let tokens: usize = entries
+                .iter()
+                .map(|(_, c)| c.meta.token_count as usize)
+                .sum();
+            match self.runtime.block_on(self.engine.storage().put(entries)) {
+                Ok(outcome) => {
+                    let stored = if outcome.skipped == 0 { tokens } else { 0 };
+                    self.engine.record_stored(stored);
+                    self.stats.stored_tokens += stored as u64;
+                    metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
+                    if let Some(t) = self.traces.of(&req) {
+                        t.stored_tokens += stored as u64;
+                        t.store_time += started.elapsed();
+                    }
+                }
+                Err(e) => self.save_failed(&req, &e.to_string()),
+            }
+        }
+    }
+
+    fn save_failed(&mut self, req: &str, why: &str) {
+        self.stats.save_errors += 1;
+        if let Some(t) = self.traces.of(req) {
+            t.save_errors += 1;
+        }
+        warn!(req = %req, error = %why, "save failed (the chunks will be missing from the pool)");
+    }
+
+    /// vLLM `handle_preemptions`: the copy jobs still in flight on these requests' blocks;
+    /// the engine must wait for them before it reuses the blocks.
+    pub fn jobs_in_flight_for(&self, req_ids: &[String]) -> Vec<u64> {
+        let ids: HashSet<&str> = req_ids.iter().map(String::as_str).collect();
+        let mut jobs: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| ids.contains(f.req_id.as_str()))
+            .map(|(&id, _)| id)
+            .collect();
+        jobs.sort_unstable();
+        jobs
+    }
+
+    /// vLLM `get_finished` / `get_transfer_results`: asynchronous loads that ended, and held
+    /// requests (finished, in `finished_req_ids` now or before) that no copy reads any more.
+    /// Each request is reported once. Finished requests' traces are logged and forgotten.
+    pub fn transfer_results(&mut self, finished_req_ids: &[String]) -> TransferResults {
+        self.poll_async_loads();
+        for req in finished_req_ids {
+            self.traces.finish(req);
+            if self.held.contains(req) {
+                self.finished_seen.insert(req.clone());
+            }
+        }
+        let busy: HashSet<&str> = self.in_flight.values().map(|f| f.req_id.as_str()).collect();
+        let done: Vec<String> = self
+            .finished_seen
+            .iter()
+            .filter(|r| !busy.contains(r.as_str()))
+            .cloned()
+            .collect();
+        for r in &done {
+            self.finished_seen.remove(r);
+            self.held.remove(r);
+        }
+        metrics::gauge!(telemetry::HELD_REQUESTS).set(self.held.len() as f64);
+        TransferResults {
+            finished_sending: done,
+            finished_recving: std::mem::take(&mut self.finished_recving),
+        }
+    }
+
+    /// vLLM `build_connector_worker_meta`: the steps run, and the steps whose save copies all
+    /// ended, since the last call.
+    pub fn step_report(&mut self) -> StepReport {
+        if let Some(meta) = self.meta.as_ref().filter(|m| m.commit_locally) {
+            self.commit_locally(meta.step, meta.requests.clone());
+        }
+        let staged = &self.staged;
+        let untaken: HashSet<u64> = self.planned_saves.iter().map(|(_, f)| f.step).collect();
+        let (copied, waiting): (Vec<u64>, Vec<u64>) = self
+            .awaiting_copies
+            .iter()
+            .partition(|&&s| staged.copies_done(s) && !untaken.contains(&s));
+        self.awaiting_copies = waiting;
+        self.copied.extend(copied);
+        StepReport {
+            executed: std::mem::take(&mut self.executed),
+            copied: std::mem::take(&mut self.copied),
+        }
+    }
+
+    /// Commits `step`'s saves, cut (as the scheduler's ledger would) where this step's failed
+    /// loads reach them.
+    fn commit_locally(&mut self, step: u64, requests: Vec<ReqMeta>) {
+        let (bs, cs) = (self.block_size, self.chunk_size());
+        for r in requests {
+            let Some(save) = r.save else { continue };
+            let until = save.save_until as usize;
+            let held = r.block_ids.iter().take(until.div_ceil(bs));
+            if let Some(first) = held.clone().position(|b| self.step_failed.contains(b)) {
+                let keep = (first * bs / cs * cs).max(save.save_from as usize);
+                if keep < until {
+                    self.staged.cut(step, &r.req_id, keep as u32);
+                }
+            }
+        }
+        self.staged.commit(step);
+        self.store_ready();
+    }
+
+    fn fail_block(&mut self, block: u32) {
+        self.step_failed.insert(block);
+        if self.load_errors.insert(block) {
+            self.stats.failed_load_blocks += 1;
+            metrics::counter!(telemetry::LOAD_ERROR_BLOCKS).increment(1);
+        }
+    }
+
+    fn fail_blocks_of(&mut self, req: &str, blocks: &[u32]) {
+        if let Some(t) = self.traces.of(req) {
+            t.failed_tokens += (blocks.len() * self.block_size) as u64;
+        }
+        for &b in blocks {
+            self.fail_block(b);
+        }
+    }
+
+    /// Marks the blocks of tokens `from..until` as failed loads.
+    fn fail_tokens(&mut self, req: &str, block_ids: &[u32], from: usize, until: usize) {
+        let bs = self.block_size;
+        let end = until.div_ceil(bs).min(block_ids.len());
+        let blocks: Vec<u32> = block_ids[(from / bs).min(end)..end].to_vec();
+        self.fail_blocks_of(req, &blocks);
+    }
+
+    /// What this worker did for a request still live (see [`RequestTrace`]).
+    pub fn request_trace(&self, req: &str) -> Option<&RequestTrace> {
+        self.traces.get(req)
+    }
+
+    /// Requests being traced, and requests not traced because too many were live.
+    pub fn traced_requests(&self) -> (usize, u64) {
+        (self.traces.len(), self.traces.untraced())
+    }
+
+    /// vLLM `get_block_ids_with_load_errors`: engine blocks whose load failed since the last
+    /// call.
+    pub fn get_block_ids_with_load_errors(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.load_errors).into_iter().collect()
+    }
+}
+
+/// Publishes the scheduler's counters shipped in the metadata (the scheduler process has no
+/// metrics endpoint of its own).
+fn record_scheduler_counters(c: &SchedulerCounters) {
+    metrics::counter!(telemetry::LOOKUP_BREAKER_MISSES).absolute(c.breaker_misses);
+    metrics::gauge!(telemetry::LOOKUP_BREAKERS_OPEN).set(f64::from(c.breakers_open));
+    metrics::counter!(telemetry::BROKEN_PROMISES).absolute(c.broken_promises);
+    metrics::counter!(telemetry::TRACKERS_DROPPED).absolute(c.trackers_dropped);
+}
+
+fn hex(b: &[u8; 16]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -1,0 +1,226 @@
+"""``KvpoolConnector``: kvpool as a vLLM KV connector (vLLM's ``KVConnectorBase_V1``). A thin
+class: each call goes to the scheduler side (``scheduler_side``, in EngineCore) or the worker
+side (``worker_side``, in each Worker), which drive kvpool's Rust halves."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvpool import _native
+from kvpool.vllm.identity import resolve_config
+from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
+from kvpool.vllm.scheduler_side import SchedulerSide
+from kvpool.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvpool.vllm")
+
+#: Worker connectors of this process (tests inspect what the pool stored through them).
+WORKERS: list["KvpoolConnector"] = []
+
+
+def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
+    """``always`` under vLLM's asynchronous scheduling (a failed synchronous load would already
+    have the next step computed on it); else ``auto`` (synchronous only for chunks leased in
+    memory), or ``never`` with ``"async_loads": false`` (every load before the forward pass)."""
+    async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+    if extra.get("async_loads", True) in (False, "false", 0):
+        if async_scheduling:
+            raise ValueError("kvpool: \"async_loads\": false needs vLLM's async_scheduling off "
+                             "(a failed synchronous load would have the next step computed on it)")
+        return "never"
+    return "always" if async_scheduling else "auto"
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers: kvpool's encoded metadata, and the requests preempted
+    in the step (``handle_preemptions`` needs them before the metadata is bound)."""
+
+    data: bytes = b""
+    preempted: list[str] = field(default_factory=list)
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """kvpool as a vLLM KV connector: see the package docs (``kvpool.vllm``)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._block_size = vllm_config.cache_config.block_size
+        self._config_text, self._config_format = resolve_config(extra)
+        _native.check_config(self._config_text, self._config_format)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError("kvpool: pipeline parallelism is not supported yet")
+        self._tp_size = parallel.tensor_parallel_size
+        socket_dir = extra.get("socket_dir") or tempfile.gettempdir()
+        engine_id = str(self._kv_transfer_config.engine_id)
+        self._socket_path_of = lambda rank: _native.lookup_socket_path(socket_dir, engine_id, rank)
+        self._save_decode_tokens = bool(extra.get("save_decode_tokens", False))
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
+        self._sched: SchedulerSide | None = None
+        self._work: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # vLLM reads the policy after it built this connector: a chunk kvpool cannot
+                # load (a tier down, a corrupt value) must be recomputed, never fail a request.
+                logger.warning(
+                    "kvpool: kv_load_failure_policy %r would fail a request whenever a chunk "
+                    "cannot be loaded (evicted from a lower tier, corrupt, tier down); kvpool "
+                    "sets it to \"recompute\"", self._kv_transfer_config.kv_load_failure_policy)
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._sched = SchedulerSide(
+                socket_paths=[self._socket_path_of(r) for r in range(self._tp_size)],
+                block_size=self._block_size,
+                save_decode_tokens=self._save_decode_tokens,
+                load_timing=load_timing(extra, vllm_config),
+                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+                timeout_ms=int(extra.get("lookup_timeout_ms", 5000)),
+                kv_events=self._kv_events,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a later miss, nothing else.
+        return False
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        data, preempted = self._sched.build_connector_meta(scheduler_output)
+        return KvpoolConnectorMetadata(data=data, preempted=preempted)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
+    def take_events(self):
+        if self._sched is not None:
+            yield from self._sched.take_events()
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is None:
+            return False, None
+        return self._sched.request_finished(request), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        # vLLM resets caches after a weight update: every later key is salted anew and no
+        # save computed before is ever committed, so nothing stored before (in any tier) is
+        # loaded again; old chunks age out by eviction.
+        if self._sched is not None:
+            self._sched.reset()
+        return True
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._work = WorkerSide(
+            self._vllm_config, kv_caches,
+            config_text=self._config_text, config_format=self._config_format,
+            tp_size=self._tp_size, block_size=self._block_size,
+            socket_path_of=self._socket_path_of, kv_events=self._kv_events)
+        WORKERS.append(self)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        if self._work is not None and isinstance(kv_connector_metadata, KvpoolConnectorMetadata):
+            self._work.handle_preemptions(kv_connector_metadata.preempted)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._work is not None and isinstance(connector_metadata, KvpoolConnectorMetadata):
+            self._work.bind(connector_metadata.data)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._work is not None:
+            self._work.clear()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        # Synchronous loads first (vLLM calls this before the forward pass in steps that
+        # have one), then asynchronous loads whose chunks arrived.
+        if self._work is not None:
+            self._work.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self):
+        # Copies the step's new chunks out of the blocks (on CUDA, queued on the side stream)
+        # and returns; kvpool commits them once every rank ran the step.
+        if self._work is not None:
+            self._work.save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._work is None:
+            return None, None
+        return self._work.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self._work is None else self._work.failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return None if self._work is None else self._work.worker_meta()
+
+    def get_kv_connector_kv_cache_events(self) -> KvpoolKVEvents | None:
+        return None if self._work is None else self._work.kv_cache_events()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self._work is None else self._work.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvpoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self):
+        if self._work is not None:
+            try:
+                self._work.shutdown()
+            finally:
+                if self in WORKERS:
+                    WORKERS.remove(self)

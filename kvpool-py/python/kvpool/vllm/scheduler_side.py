@@ -1,0 +1,191 @@
+"""The connector's scheduler side, in vLLM's EngineCore process: it asks every worker rank's
+pool over its Unix socket how much of a prompt it holds (loads are asynchronous unless every
+rank leased every promised chunk in memory), builds each step's metadata (encoded bytes),
+applies what the workers reported (failed blocks, ended loads, steps run), and turns the
+workers' tier events into vLLM KV events."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from kvpool import _native
+from kvpool.vllm.identity import extra_keys_of
+from kvpool.vllm.reports import KvpoolKVEvents, KvpoolWorkerMeta
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvpool.vllm")
+
+#: Block update kinds understood by ``Scheduler.build_connector_meta``.
+UNCHANGED, APPEND, REPLACE = 0, 1, 2
+
+#: Most bytes (estimated) of the chunk -> vLLM blocks map kept for KV events.
+MAX_CHUNK_BLOCKS_BYTES = 64 << 20
+
+
+class SchedulerSide:
+    """See the module docs."""
+
+    def __init__(self, *, socket_paths: list[str], block_size: int, save_decode_tokens: bool,
+                 load_timing: str, async_scheduling: bool, timeout_ms: int, kv_events: bool):
+        self.block_size = block_size
+        self.save_decode_tokens = save_decode_tokens
+        self.native = _native.Scheduler(
+            socket_paths=socket_paths,
+            block_size=block_size,
+            save_decode_tokens=save_decode_tokens,
+            load_timing=load_timing,
+            async_scheduling=async_scheduling,
+            timeout_ms=timeout_ms,
+        )
+        self.kv_events = kv_events
+        self.requests: dict[str, "Request"] = {}
+        self.pending_events: KvpoolKVEvents | None = None
+        # Chunk hash -> (vLLM block hashes, parent hash, token ids, LoRA name, bytes estimate).
+        self.chunk_blocks: OrderedDict[bytes, tuple[list, Any, list[int], str | None, int]] = OrderedDict()
+        self.chunk_blocks_bytes = 0
+        logger.info("kvpool scheduler connected to %d worker rank(s), chunk size %d, loads: %s",
+                    len(socket_paths), self.native.chunk_size(), load_timing)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids
+        if prompt is None or getattr(request, "prompt_embeds", None) is not None:
+            # KV computed from embeddings is not determined by token ids: never cached.
+            return 0, False
+        self.requests[request.request_id] = request
+        return self.native.get_num_new_matched_tokens(
+            request.request_id, prompt, extra_keys_of(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()
+        self.native.update_state_after_alloc(
+            request.request_id, list(block_ids[0]) if block_ids else [], num_external_tokens)
+        if self.kv_events:
+            self._remember_chunk_blocks(request)
+
+    def _remember_chunk_blocks(self, request: "Request") -> None:
+        """Maps each full chunk of the request to vLLM's block hashes and token ids, for the
+        KV events of the tiers (bounded by bytes: the oldest entries go first)."""
+        hashes = self.native.chunk_hashes(request.request_id)
+        chunk = self.native.chunk_size()
+        if not hashes or chunk % self.block_size:
+            return
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        per_chunk = chunk // self.block_size
+        block_hashes = [maybe_convert_block_hash(b)
+                        for b in (getattr(request, "block_hashes", None) or [])]
+        prompt = request.prompt_token_ids or []
+        lora = getattr(request, "lora_request", None)
+        for i, h in enumerate(hashes):
+            blocks = block_hashes[i * per_chunk:(i + 1) * per_chunk]
+            if len(blocks) < per_chunk:
+                break
+            parent = block_hashes[i * per_chunk - 1] if i else None
+            tokens = list(prompt[i * chunk:(i + 1) * chunk])
+            # Python ints in a list cost about 36 bytes each, a block hash about 80.
+            cost = 200 + 36 * len(tokens) + 80 * len(blocks)
+            old = self.chunk_blocks.pop(h, None)
+            if old is not None:
+                self.chunk_blocks_bytes -= old[4]
+            self.chunk_blocks[h] = (blocks, parent, tokens,
+                                    lora.lora_name if lora is not None else None, cost)
+            self.chunk_blocks_bytes += cost
+        while self.chunk_blocks_bytes > MAX_CHUNK_BLOCKS_BYTES and self.chunk_blocks:
+            _, evicted = self.chunk_blocks.popitem(last=False)
+            self.chunk_blocks_bytes -= evicted[4]
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> tuple[bytes, list[str]]:
+        """The step's encoded metadata, and the requests preempted in it."""
+        scheduled = []
+        new_ids = [r.req_id for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        counts = {}
+        if self.save_decode_tokens:
+            ids = new_ids + list(cached.req_ids)
+            counts = dict(zip(ids, self.native.token_counts(ids)))
+
+        def new_tokens(req_id: str) -> tuple[int, list[int]]:
+            # From the scheduler's own count on: both sides agree on the sequence by
+            # construction (docs/keys.md).
+            known = counts.get(req_id)
+            request = self.requests.get(req_id)
+            if known is None or request is None:
+                return 0, []
+            return known, list(request.all_token_ids[known:])
+
+        for r in so.scheduled_new_reqs:
+            computed = r.num_computed_tokens + so.num_scheduled_tokens.get(r.req_id, 0)
+            start, tokens = new_tokens(r.req_id)
+            scheduled.append((r.req_id, start, tokens, REPLACE,
+                              list(r.block_ids[0]) if r.block_ids else [], computed))
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if blocks is None:
+                kind, ids = UNCHANGED, []
+            else:
+                kind = REPLACE if req_id in cached.resumed_req_ids else APPEND
+                ids = list(blocks[0])
+            computed = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            start, tokens = new_tokens(req_id)
+            scheduled.append((req_id, start, tokens, kind, ids, computed))
+        preempted = list(so.preempted_req_ids or ())
+        return self.native.build_connector_meta(scheduled, preempted), preempted
+
+    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        meta = getattr(out, "kv_connector_worker_meta", None)
+        executed, copied = [], []
+        if isinstance(meta, KvpoolWorkerMeta):
+            executed = sorted(meta.executed.items())
+            copied = sorted(meta.copied.items())
+        failed = sorted(out.invalid_block_ids or ())
+        recving = sorted(out.finished_recving or ())
+        if failed or recving or executed or copied:
+            self.native.update_connector_output(failed, recving, executed, copied)
+        events = getattr(out, "kv_cache_events", None)
+        if isinstance(events, KvpoolKVEvents):
+            if self.pending_events is None:
+                self.pending_events = events
+            else:
+                self.pending_events.add_events(events.get_all_events())
+                self.pending_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self):
+        """The workers' tier events as vLLM KV events."""
+        pending, self.pending_events = self.pending_events, None
+        if pending is None:
+            return
+        for tier, stored, hashes in pending.aggregate().get_all_events():
+            medium = "CPU" if tier == "cpu" else tier.upper()
+            for h in hashes:
+                known = self.chunk_blocks.get(h)
+                if known is None:
+                    continue
+                blocks, parent, tokens, lora_name, _ = known
+                if stored:
+                    yield BlockStored(block_hashes=blocks, parent_block_hash=parent,
+                                      token_ids=tokens, block_size=self.block_size,
+                                      lora_id=None, medium=medium, lora_name=lora_name)
+                else:
+                    yield BlockRemoved(block_hashes=blocks, medium=medium)
+
+    def request_finished(self, request: "Request") -> bool:
+        """Whether vLLM must hold the request's blocks until the workers report it."""
+        self.requests.pop(request.request_id, None)
+        return self.native.request_finished(request.request_id)
+
+    def has_pending_work(self) -> bool:
+        return self.native.has_pending_work()
+
+    def reset(self) -> None:
+        self.native.reset()

@@ -1,0 +1,130 @@
+"""The connector's worker side, in each vLLM Worker process: it owns the pool (CPU memory,
+then disk / Redis / S3 tiers from the config), answers the scheduler's lookups, and runs the
+copy jobs the Rust worker plans with the transfer path (``kvpool.vllm.transfer``):
+synchronous loads before the forward pass, asynchronous loads as their chunks arrive, saves
+after the forward pass."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpool import _native
+from kvpool.vllm.identity import model_identity
+from kvpool.vllm.layouts import detect
+from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
+from kvpool.vllm.transfer import BlockMover, CopyJob
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvpool.vllm")
+
+
+class WorkerSide:
+    """See the module docs."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor], *,
+                 config_text: str, config_format: str, tp_size: int, block_size: int,
+                 socket_path_of, kv_events: bool):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        layout = detect(kv_caches, block_size)
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.kv_caches = kv_caches
+        self.mover = BlockMover(layout.planes)
+        self.model, self.weights = model_identity(vllm_config)
+        self.native = _native.Worker(
+            config_text=config_text,
+            config_format=config_format,
+            model=self.model,
+            weights=self.weights,
+            tp_size=tp_size,
+            tp_rank=self.tp_rank,
+            pp_rank=0,
+            block_size=block_size,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_size=layout.head_size,
+            dtype=str(layout.dtype),
+            kv_format=layout.kv_format,
+            kind=layout.kind,
+            socket_path=socket_path_of(self.tp_rank),
+        )
+        self.kv_events = kv_events
+        if kv_events:
+            self.native.enable_tier_events()
+        self.last_stats: dict[str, int] = {}
+        logger.info("kvpool worker rank %d: %d layers, model %s, weights %s, format %s",
+                    self.tp_rank, layout.num_layers, self.model, self.weights, layout.kv_format)
+
+    def _run(self, jobs: list[tuple]) -> None:
+        for t in jobs:
+            job = CopyJob.from_native(t)
+            try:
+                self.mover.run(job)
+            except Exception:  # noqa: BLE001 - a failed copy is reported, never raised
+                logger.exception("kvpool: copy job %d (%s) failed", job.id, job.req_id)
+                self.native.copy_done(job.id, False)
+                continue
+            if not self.mover.cuda:
+                self.native.copy_done(job.id, True)
+
+    def _poll(self) -> None:
+        for job_id in self.mover.poll():
+            self.native.copy_done(job_id, True)
+
+    def handle_preemptions(self, preempted: list[str]) -> None:
+        """Before vLLM reuses a preempted request's blocks: copies still reading or writing
+        them finish first."""
+        if preempted:
+            self.mover.wait(self.native.jobs_in_flight_for(preempted))
+
+    def bind(self, data: bytes) -> None:
+        self.native.bind(data)
+
+    def start_load(self) -> None:
+        self._poll()
+        self._run(self.native.load_jobs())
+
+    def save(self) -> None:
+        self._run(self.native.save_jobs())
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        sending, recving = self.native.transfer_results(list(finished_req_ids or ()))
+        return (set(sending) or None, set(recving) or None)
+
+    def failed_blocks(self) -> set[int]:
+        return set(self.native.failed_blocks())
+
+    def worker_meta(self) -> KvpoolWorkerMeta:
+        executed, copied = self.native.step_report()
+        return KvpoolWorkerMeta(executed=_count(executed), copied=_count(copied))
+
+    def clear(self) -> None:
+        self.native.clear()
+
+    def kv_cache_events(self) -> KvpoolKVEvents | None:
+        if not self.kv_events:
+            return None
+        events = [(tier, stored, tuple(hashes))
+                  for tier, stored, hashes in self.native.take_tier_events()]
+        return KvpoolKVEvents(events) if events else None
+
+    def stats(self) -> KvpoolConnectorStats:
+        now = self.native.stats()
+        delta = {k: v - self.last_stats.get(k, 0) for k, v in now.items()}
+        self.last_stats = now
+        return KvpoolConnectorStats(data=delta)
+
+    def shutdown(self) -> None:
+        self.native.shutdown()
+
+
+def _count(steps: list[int]):
+    from collections import Counter
+
+    return Counter(steps)
