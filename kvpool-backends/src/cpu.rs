@@ -135,6 +135,10 @@ impl ChunkAllocator for LocalCpuBackend {
         let mut st = self.state.lock();
         self.allocate_locked(&mut st, len)
     }
+
+    fn host_region(&self) -> Option<(usize, usize)> {
+        Some(self.pool.arena_region())
+    }
 }
 
 #[async_trait]

@@ -39,7 +39,7 @@ pub async fn build_pool(config: &PoolConfig) -> Result<Pool, ConfigError> {
     build_pool_with_allocator(config, &HeapAllocator).await
 }
 
-/// Builds a pool whose L1 arena comes from `allocator` (e.g. pinned memory from kvpool-cuda).
+/// Builds a pool whose L1 arena comes from `allocator` (e.g. pinned or shared memory).
 pub async fn build_pool_with_allocator(
     config: &PoolConfig,
     allocator: &dyn HostAllocator,

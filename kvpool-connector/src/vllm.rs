@@ -31,6 +31,9 @@ pub struct VllmEngineFacts {
     pub dtype: Dtype,
     /// K and V per token, or one latent vector (MLA).
     pub kind: KvKind,
+    /// The KV is the same on every tensor-parallel rank (MLA's latent): the key scope leaves
+    /// the rank out, so every rank names a chunk alike and a shared tier holds it once.
+    pub replicated: bool,
     /// A description of how the engine lays out bytes inside a block (attention backend,
     /// instruction set, tensor shape and strides). Blocks are moved as opaque bytes, so two
     /// engines with different tags must never share chunks: the tag is part of every key.
@@ -57,8 +60,11 @@ pub fn pool_config_for_vllm(
     };
     let digest = xxhash_rust::xxh3::xxh3_64(facts.kv_format.as_bytes());
     config.model.name = format!("{name}@w={}|kv={digest:016x}", facts.weights);
-    config.model.world_size = facts.tp_size;
-    config.model.rank = facts.tp_rank;
+    (config.model.world_size, config.model.rank) = if facts.replicated {
+        (1, 0)
+    } else {
+        (facts.tp_size, facts.tp_rank)
+    };
     config.model.pp_rank = facts.pp_rank;
     config.layout.num_layers = facts.num_layers;
     config.layout.num_kv_heads = facts.num_kv_heads;
@@ -132,6 +138,7 @@ mod tests {
             head_size: 64,
             dtype: Dtype::F32,
             kind: KvKind::KeyValue,
+            replicated: false,
             kv_format: "cpu|avx512|[32768,2,32,128]".into(),
         }
     }
@@ -167,6 +174,15 @@ mod tests {
             pool_config_for_vllm(&named, &facts()).unwrap().model.name,
             "other weights never share keys"
         );
+    }
+
+    #[test]
+    fn replicated_kv_leaves_the_rank_out_of_the_scope() {
+        let mut mla = facts();
+        mla.kind = KvKind::MlaLatent;
+        mla.replicated = true;
+        let c = pool_config_for_vllm(&PoolConfig::default(), &mla).unwrap();
+        assert_eq!((c.model.world_size, c.model.rank), (1, 0));
     }
 
     #[test]

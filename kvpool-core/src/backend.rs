@@ -129,6 +129,12 @@ pub trait StorageBackend: Send + Sync + 'static {
 pub trait ChunkAllocator: Send + Sync {
     /// A writable buffer of exactly `len` bytes, or an error the caller handles (skip).
     fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError>;
+
+    /// The one host memory region every buffer comes from, if there is one: `(first byte,
+    /// length)` (an L1 pool's arena, which a GPU engine page-locks once for DMA).
+    fn host_region(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// Plain heap buffers: for setups without an L1 pool.
@@ -147,5 +153,9 @@ impl ChunkAllocator for HeapChunkAllocator {
 impl ChunkAllocator for MemoryPool {
     fn allocate(&self, len: usize) -> Result<MemoryObjMut, PoolError> {
         MemoryPool::allocate(self, len)
+    }
+
+    fn host_region(&self) -> Option<(usize, usize)> {
+        Some(self.arena_region())
     }
 }

@@ -592,7 +592,7 @@ impl LayerwiseRetrieve {
 
     /// Every fetched chunk with the window of it to write and where: what
     /// [`LayerwiseRetrieve::load_layer`] writes, for a transfer engine that queues all layers
-    /// at once and signals each (kvpool-cuda's `GpuTransferEngine::retrieve_layerwise`).
+    /// at once and signals each.
     /// Using them does not advance this plan's layer-by-layer state.
     pub fn windows(&self) -> Vec<ChunkWindow<'_>> {
         self.chunks

@@ -14,16 +14,14 @@
 //! - [`telemetry`]: every Prometheus metric kvpool records, with help texts;
 //! - [`tier_events`]: chunks entering and leaving each tier, for an engine's KV-event stream;
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences;
-//! - [`transfer`]: moving KV between a paged cache and chunk memory;
-//! - [`block_transfer`]: the same for engine-owned caches moved as whole opaque blocks (vLLM CPU);
-//! - [`layerwise`]: the one load/store path (submit, wait per layer, fence) for host and GPU;
+//! - [`transfer`]: moving KV between a paged cache and chunk memory by slot mapping (the
+//!   library's store / retrieve; the vLLM connector moves whole blocks with copy jobs instead);
 //! - [`config`]: the TOML configuration ([`byte_size`]: sizes such as `"2GiB"`);
 //! - [`tier_options`]: a tier's backend-owned options, read with typed getters.
 
 #![warn(missing_docs)]
 
 pub mod backend;
-pub mod block_transfer;
 pub mod byte_size;
 pub mod cache_engine;
 pub mod chunk_format;
@@ -33,7 +31,6 @@ pub mod counter;
 pub mod error;
 pub mod eviction;
 pub mod key;
-pub mod layerwise;
 pub mod layout;
 pub mod memory_pool;
 pub mod remote;
@@ -51,7 +48,6 @@ pub use backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
-pub use block_transfer::BlockKvCache;
 pub use cache_engine::{
     CacheEngine, EngineStats, FetchedChunks, LayerwiseRetrieve, LayerwiseStore, StoreReport,
 };
@@ -65,9 +61,6 @@ pub use error::{
 };
 pub use eviction::{EvictionKind, EvictionPolicy};
 pub use key::{CacheKey, KeyScope};
-pub use layerwise::{
-    ChunkWindows, CompletedLoad, LayerLoad, LayerwiseTransfer, OwnedChunkWindow, load_now,
-};
 pub use layout::{Dtype, KvKind, KvLayout};
 pub use memory_pool::{
     HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool,

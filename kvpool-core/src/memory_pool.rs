@@ -1,7 +1,7 @@
 //! The bounded host memory pool: one arena up front, a coalescing free list, ref-counted handles.
 //!
 //! [`MemoryPool`] carves variable-size regions out of a single arena obtained from a
-//! [`HostAllocator`] (page-aligned heap memory by default; `kvpool-cuda` supplies pinned
+//! [`HostAllocator`] (page-aligned heap memory by default; another allocator may supply pinned
 //! memory). A region is first a unique, writable [`MemoryObjMut`]; `freeze` turns it into a
 //! shared, read-only [`MemoryObj`] whose space returns to the pool when the last clone drops.
 //! A full pool answers [`PoolError::OutOfMemory`]; the caller evicts or skips.
@@ -38,7 +38,7 @@ pub unsafe trait HostArena: Send + Sync {
     }
 }
 
-/// Supplies arenas: the hook through which `kvpool-cuda` provides pinned memory.
+/// Supplies arenas: the hook through which a caller provides pinned (or shared) memory.
 pub trait HostAllocator: Send + Sync {
     /// Short name for logs ("heap", "cuda-pinned").
     fn name(&self) -> &str;
@@ -205,6 +205,15 @@ impl MemoryPool {
     /// Arena size in bytes.
     pub fn capacity(&self) -> usize {
         self.inner.capacity
+    }
+
+    /// The arena's first byte and length (for a caller that registers it with a device, e.g.
+    /// page-locks it for DMA).
+    pub fn arena_region(&self) -> (usize, usize) {
+        (
+            self.inner.arena.as_ptr().as_ptr() as usize,
+            self.inner.capacity,
+        )
     }
 
     /// Whether the arena is pinned memory.

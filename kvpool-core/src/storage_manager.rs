@@ -174,6 +174,11 @@ impl StorageManager {
         self.allocator.allocate(len)
     }
 
+    /// The host memory region every buffer comes from (L1's arena), if there is one.
+    pub fn host_region(&self) -> Option<(usize, usize)> {
+        self.allocator.host_region()
+    }
+
     /// Number of tiers.
     pub fn tier_count(&self) -> usize {
         self.tiers.len()

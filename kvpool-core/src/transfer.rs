@@ -91,8 +91,8 @@ pub fn check_chunk_window(
 
 /// One chunk to write into a paged cache: its bytes (a whole `chunk_tokens`-token chunk,
 /// layer-major) and the slots of its tokens `token_offset..token_offset + slots.len()`.
-/// Transfer engines that queue every layer at once take a list of these (kvpool-cuda's
-/// `GpuTransferEngine::retrieve_layerwise`); [`crate::LayerwiseRetrieve::windows`] makes them.
+/// Transfer engines that queue every layer at once take a list of these;
+/// [`crate::LayerwiseRetrieve::windows`] makes them.
 #[derive(Debug, Clone, Copy)]
 pub struct ChunkWindow<'a> {
     /// The chunk's bytes.

@@ -293,6 +293,7 @@ mod tests {
                 head_size: 2,
                 dtype: Dtype::F32,
                 kind: KvKind::KeyValue,
+                replicated: false,
                 kv_format: "test".into(),
             },
             socket_path: Some(socket),

@@ -161,9 +161,10 @@ fn core_guard(w: &PyWorker) -> PyResult<std::sync::MutexGuard<'_, WorkerCore>> {
 impl PyWorker {
     /// Builds the pool for this worker and starts answering lookups on `socket_path`.
     /// `weights` is the digest of the weights loaded (bound into every key); `kind` is `"kv"`
-    /// (K and V per token) or `"latent"` (MLA: one latent vector per token).
+    /// (K and V per token) or `"latent"` (MLA: one latent vector per token); `replicated`: the
+    /// KV is the same on every tensor-parallel rank (MLA), so keys leave the rank out.
     #[new]
-    #[pyo3(signature = (*, config_text, config_format, model, weights, tp_size, tp_rank, pp_rank, block_size, num_layers, num_kv_heads, head_size, dtype, kv_format, kind="kv", socket_path=None))]
+    #[pyo3(signature = (*, config_text, config_format, model, weights, tp_size, tp_rank, pp_rank, block_size, num_layers, num_kv_heads, head_size, dtype, kv_format, kind="kv", replicated=false, socket_path=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -181,6 +182,7 @@ impl PyWorker {
         dtype: &str,
         kv_format: String,
         kind: &str,
+        replicated: bool,
         socket_path: Option<String>,
     ) -> PyResult<Self> {
         let dtype: Dtype = dtype
@@ -211,6 +213,7 @@ impl PyWorker {
                 head_size,
                 dtype,
                 kind,
+                replicated,
                 kv_format,
             },
             socket_path: socket_path.map(PathBuf::from),
@@ -299,6 +302,12 @@ impl PyWorker {
     fn step_report(&self) -> PyResult<(Vec<u64>, Vec<u64>)> {
         let r = core_guard(self)?.worker.step_report();
         Ok((r.executed, r.copied))
+    }
+
+    /// `(address, length)` of the host memory kvpool's chunks live in (L1's arena), for the
+    /// engine side to page-lock once (CUDA); `None` without an L1 pool.
+    fn host_memory(&self) -> PyResult<Option<(usize, usize)>> {
+        Ok(core_guard(self)?.worker.engine().storage().host_region())
     }
 
     /// `(copy jobs in flight, async loads, staged save bytes, held requests)`.

@@ -16,6 +16,8 @@
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
 //! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
+//! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
+//!   TTFT from L1, disk and Redis, and a decoding request's token gaps while another loads.
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
 //!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
@@ -27,7 +29,6 @@
 mod fuzz;
 mod matrix;
 mod module_cycles;
-mod nvrtc;
 mod sanitize;
 mod servers;
 mod soak;
@@ -152,7 +153,6 @@ fn ci() -> Result<(), String> {
         "0.15".into(),
     ])?;
     third_party::example_backend()?;
-    nvrtc::nvrtc_check()?;
     matrix::matrix()?;
     vllm::vllm(&[])
 }
@@ -427,104 +427,6 @@ fn bench_mooncake(inside_namespace: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// `cargo xtask gpu-bundle`: kvpool-cuda's test and benchmark binaries, release-built and
-/// stripped, in `target/gpu-bundle/` with a `run.sh`, to carry to a GPU machine that has no
-/// Rust toolchain (CI never has a GPU; there the GPU tests skip).
-fn gpu_bundle() -> Result<(), String> {
-    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let bundle = workspace_root().join("target/gpu-bundle");
-    let _ = std::fs::remove_dir_all(&bundle);
-    std::fs::create_dir_all(&bundle).map_err(|e| e.to_string())?;
-    let mut names = Vec::new();
-    // Tests in the release profile; benches use the bench profile (release settings).
-    for (kind, profile) in [("test", "--release"), ("bench", "--profile=bench")] {
-        let out = Command::new(&cargo)
-            .args([
-                kind,
-                "-p",
-                "kvpool-cuda",
-                profile,
-                "--no-run",
-                "--message-format=json",
-            ])
-            .current_dir(workspace_root())
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| format!("cannot run cargo: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("cargo {kind} --no-run failed"));
-        }
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let Some(at) = line.find("\"executable\":\"") else {
-                continue;
-            };
-            let rest = &line[at + "\"executable\":\"".len()..];
-            let Some(end) = rest.find('"') else { continue };
-            let path = PathBuf::from(&rest[..end]);
-            let stem = path.file_name().and_then(|n| n.to_str()).unwrap_or("bin");
-            let name = format!("{kind}-{}", stem.rsplit_once('-').map_or(stem, |(n, _)| n));
-            if name == "bench-kvpool_cuda" {
-                continue; // the library's unit tests built as a bench: nothing to measure
-            }
-            if name == "test-kernels_on_cpu" {
-                continue; // needs a C++ compiler and this tree's target dir; CI runs it
-            }
-            std::fs::copy(&path, bundle.join(&name)).map_err(|e| e.to_string())?;
-            run(
-                "strip",
-                &[bundle.join(&name).to_str().ok_or("non-UTF-8 path")?],
-            )?;
-            names.push(name);
-        }
-    }
-    // cudarc finds libcuda and libnvrtc by name only: put the toolkit's libraries (or pip's
-    // NVRTC next to PyTorch) on the search path, and say which device and driver ran.
-    let mut script = String::from(
-        r#"#!/bin/sh
-# Runs kvpool-cuda's GPU tests, then its benchmarks; every step runs, and the exit status says
-# whether any failed. KVPOOL_SANITIZE=1 also runs the GPU tests under compute-sanitizer.
-cd "$(dirname "$0")"
-failed=""
-for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
-    if [ -e "$dir/libnvrtc.so.13" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-done
-export LD_LIBRARY_PATH
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-    || echo "no NVIDIA GPU visible: the GPU tests and benchmarks will only SKIP"
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-"#,
-    );
-    for name in names.iter().filter(|n| n.starts_with("test-")) {
-        script.push_str(&format!(
-            "./{name} --test-threads 1 --nocapture || failed=\"$failed {name}\"\n"
-        ));
-    }
-    script.push_str(
-        r#"if [ -n "$KVPOOL_SANITIZE" ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 99 ./test-gpu --test-threads 1 \
-        || failed="$failed compute-sanitizer"
-fi
-"#,
-    );
-    for name in names.iter().filter(|n| n.starts_with("bench-")) {
-        script.push_str(&format!("./{name} --bench || failed=\"$failed {name}\"\n"));
-    }
-    script.push_str(
-        "if [ -n \"$failed\" ]; then echo \"FAILED:$failed\"; exit 1; fi\necho \"all passed\"\n",
-    );
-    std::fs::write(bundle.join("run.sh"), script).map_err(|e| e.to_string())?;
-    run(
-        "chmod",
-        &[
-            "+x",
-            bundle.join("run.sh").to_str().ok_or("non-UTF-8 path")?,
-        ],
-    )?;
-    println!("{}: {}", bundle.display(), names.join(" "));
-    Ok(())
-}
-
 fn main() -> ExitCode {
     system::use_system_rocksdb_if_compatible();
     let task = env::args().nth(1);
@@ -536,17 +438,18 @@ fn main() -> ExitCode {
         Some("bench-mooncake") => {
             bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
-        Some("gpu-bundle") => gpu_bundle(),
+        Some("gpu-bundle") => vllm::gpu_bundle(),
         Some("sanitize") => sanitize::sanitize(),
         Some("module-cycles") => module_cycles::module_cycles(),
         Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -17,7 +17,6 @@ use crate::workspace_root;
 /// The crates checked (every workspace member with Rust sources).
 const CRATES: &[&str] = &[
     "kvpool-core",
-    "kvpool-cuda",
     "kvpool-backends",
     "kvpool-connector",
     "kvpool-sim",

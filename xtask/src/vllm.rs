@@ -117,31 +117,42 @@ fn ensure_vllm_venv(python: &Path, tools: &Path) -> Result<PathBuf, String> {
     Ok(venv_python)
 }
 
-/// Builds the kvpool wheel in `profile` (`dev` for tests: it shares the test build's
-/// artifacts; `release` for benchmarks) and installs it into the vLLM virtualenv.
-fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
-    let wheels = target_dir().join("wheels");
-    let _ = std::fs::remove_dir_all(&wheels);
-    run(
-        path_str(&tools.join("maturin"))?,
-        &[
-            "build",
-            "--profile",
-            profile,
-            "-m",
-            "kvpool-py/Cargo.toml",
-            "-o",
-            path_str(&wheels)?,
-            "-i",
-            path_str(venv_python)?,
-        ],
-    )?;
-    let wheel = std::fs::read_dir(&wheels)
+/// Builds the kvpool wheel in `profile` into `out` (emptied first) for `python`, with
+/// `extra` maturin arguments; returns its path.
+fn build_wheel(
+    tools: &Path,
+    python: &Path,
+    profile: &str,
+    out: &Path,
+    extra: &[&str],
+) -> Result<PathBuf, String> {
+    let _ = std::fs::remove_dir_all(out);
+    let mut args = vec![
+        "build",
+        "--profile",
+        profile,
+        "-m",
+        "kvpool-py/Cargo.toml",
+        "-o",
+        path_str(out)?,
+        "-i",
+        path_str(python)?,
+    ];
+    args.extend(extra);
+    run(path_str(&tools.join("maturin"))?, &args)?;
+    std::fs::read_dir(out)
         .map_err(|e| e.to_string())?
         .filter_map(Result::ok)
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or("maturin built no wheel")?;
+        .ok_or_else(|| "maturin built no wheel".to_string())
+}
+
+/// Builds the kvpool wheel in `profile` (`dev` for tests: it shares the test build's
+/// artifacts; `release` for benchmarks) and installs it into the vLLM virtualenv.
+fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
+    let wheels = target_dir().join("wheels");
+    let wheel = build_wheel(tools, venv_python, profile, &wheels, &[])?;
     let venv = venv_python
         .parent()
         .and_then(Path::parent)
@@ -208,5 +219,80 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
     run_with_env(path_str(&venv_python)?, &cmd, &[("HF_HUB_OFFLINE", "1")])?;
     eprintln!("results in {}", out.display());
+    Ok(())
+}
+
+/// `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM (TTFT of a repeated
+/// 8K prefix from L1, disk and Redis; a decoding request's token gaps while another loads),
+/// with a loopback Redis started and stopped here (release wheel).
+pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
+    ensure_system_packages(PACKAGES)?;
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python, "release")?;
+    let port = kvpool_testservers::free_port()?;
+    let _redis = kvpool_testservers::Server::start(
+        "redis",
+        Command::new("redis-server").args(kvpool_testservers::redis_args(port, &[])),
+        port,
+        None,
+        std::time::Duration::from_secs(20),
+    )?;
+    let out = target_dir().join("bench-async.json");
+    let mut cmd = vec![
+        "kvpool-py/bench/bench_async.py".to_string(),
+        "--out".into(),
+        path_str(&out)?.to_string(),
+        "--redis-port".into(),
+        port.to_string(),
+    ];
+    cmd.extend(args.iter().cloned());
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    run_with_env(path_str(&venv_python)?, &cmd, &[("HF_HUB_OFFLINE", "1")])?;
+    eprintln!("results in {}", out.display());
+    Ok(())
+}
+
+/// `cargo xtask gpu-bundle`: what a GPU machine without a Rust toolchain or vLLM needs to check
+/// kvpool's GPU path, in `target/gpu-bundle/`: a release wheel with the memory tier only (no
+/// system library to install; abi3, any CPython 3.10+), `gpu_check.py` (torch alone: CUDA
+/// layouts, page-locked memory, the side stream and events, saves and loads byte for byte,
+/// throughput against plain torch copies) and `run.sh`.
+pub(crate) fn gpu_bundle() -> Result<(), String> {
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let bundle = target_dir().join("gpu-bundle");
+    let wheel = build_wheel(
+        &tools,
+        &python,
+        "release",
+        &bundle,
+        &["--no-default-features", "--strip"],
+    )?;
+    let root = workspace_root();
+    std::fs::copy(
+        root.join("kvpool-py/gpu/gpu_check.py"),
+        bundle.join("gpu_check.py"),
+    )
+    .map_err(|e| format!("cannot copy gpu_check.py: {e}"))?;
+    let script = r#"#!/bin/sh
+# Installs the kvpool wheel next to this script (no network needed) and checks the GPU path
+# with torch alone. Results go to stdout and, as JSON, to $OUT/gpu-check.json when OUT is set.
+set -e
+cd "$(dirname "$0")"
+python3 -m pip install --quiet --no-deps --target ./site kvpool-*.whl
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
+"#;
+    std::fs::write(bundle.join("run.sh"), script).map_err(|e| e.to_string())?;
+    run("chmod", &["+x", path_str(&bundle.join("run.sh"))?])?;
+    let size = std::fs::metadata(&wheel).map_err(|e| e.to_string())?.len();
+    println!(
+        "{}: {} ({:.1} MiB), gpu_check.py, run.sh",
+        bundle.display(),
+        wheel.display(),
+        size as f64 / (1 << 20) as f64
+    );
     Ok(())
 }

@@ -7,10 +7,13 @@
 | ``connector.py`` | the connector class: each vLLM call, to the scheduler or worker side |
 | ``scheduler_side.py`` | EngineCore's half: lookups over the workers' sockets, metadata, commits, KV events |
 | ``worker_side.py`` | each Worker's half: the pool, the lookup server, running the copy jobs |
-| ``transfer.py`` | the one transfer path: torch block copies, the same code for CPU and CUDA tensors |
 | ``layouts.py`` | which KV cache layouts kvpool knows and how each becomes planes |
 | ``identity.py`` | what keys are bound to: the weights loaded, LoRA adapters, extra keys; the config |
 | ``reports.py`` | worker metadata, connector stats, Prometheus series, KV events |
+
+The transfer path itself (torch block copies, the same code for CPU and CUDA tensors) is
+engine-agnostic: ``kvpool.transfer``. The connector's classes are imported on first use, so
+``kvpool.vllm.layouts`` and ``kvpool.vllm.identity`` load without vLLM.
 
 Options (``kv_connector_extra_config``): ``config`` (a path to a TOML file, TOML text, or a
 dict; else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier),
@@ -26,12 +29,26 @@ with no failed load touching them. A chunk that cannot be loaded is reported thr
 ``"recompute"``).
 """
 
-from kvpool.vllm.connector import WORKERS, KvpoolConnector, KvpoolConnectorMetadata  # noqa: F401
-from kvpool.vllm.identity import extra_keys_of, resolve_config  # noqa: F401
-from kvpool.vllm.reports import (  # noqa: F401
-    PROM_COUNTERS,
-    KvpoolConnectorStats,
-    KvpoolKVEvents,
-    KvpoolPromMetrics,
-    KvpoolWorkerMeta,
-)
+_EXPORTS = {
+    "WORKERS": "kvpool.vllm.connector",
+    "KvpoolConnector": "kvpool.vllm.connector",
+    "KvpoolConnectorMetadata": "kvpool.vllm.connector",
+    "extra_keys_of": "kvpool.vllm.identity",
+    "resolve_config": "kvpool.vllm.identity",
+    "PROM_COUNTERS": "kvpool.vllm.reports",
+    "KvpoolConnectorStats": "kvpool.vllm.reports",
+    "KvpoolKVEvents": "kvpool.vllm.reports",
+    "KvpoolPromMetrics": "kvpool.vllm.reports",
+    "KvpoolWorkerMeta": "kvpool.vllm.reports",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpool.vllm' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -40,16 +40,23 @@ WORKERS: list["KvpoolConnector"] = []
 
 
 def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
-    """``always`` under vLLM's asynchronous scheduling (a failed synchronous load would already
-    have the next step computed on it); else ``auto`` (synchronous only for chunks leased in
-    memory), or ``never`` with ``"async_loads": false`` (every load before the forward pass)."""
+    """When loads are asynchronous (``async_loads`` in ``kv_connector_extra_config``):
+    ``true`` (the default: synchronous only for chunks leased in memory, asynchronous for
+    anything from a lower tier), ``"always"``, or ``false`` (every load before the forward
+    pass). Under vLLM's asynchronous scheduling every load is asynchronous (a failed
+    synchronous load would already have the next step computed on it)."""
     async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-    if extra.get("async_loads", True) in (False, "false", 0):
+    value = extra.get("async_loads", True)
+    if value in (False, "false", 0):
         if async_scheduling:
             raise ValueError("kvpool: \"async_loads\": false needs vLLM's async_scheduling off "
                              "(a failed synchronous load would have the next step computed on it)")
         return "never"
-    return "always" if async_scheduling else "auto"
+    if value == "always" or async_scheduling:
+        return "always"
+    if value in (True, "true", 1, "auto"):
+        return "auto"
+    raise ValueError(f"kvpool: async_loads must be true, false or \"always\", not {value!r}")
 
 
 @dataclass
@@ -156,7 +163,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._vllm_config, kv_caches,
             config_text=self._config_text, config_format=self._config_format,
             tp_size=self._tp_size, block_size=self._block_size,
-            socket_path_of=self._socket_path_of, kv_events=self._kv_events)
+            socket_path_of=self._socket_path_of, kv_events=self._kv_events,
+            kv_cache_config=self._kv_cache_config)
         WORKERS.append(self)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):

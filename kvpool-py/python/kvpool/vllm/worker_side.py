@@ -13,9 +13,9 @@ import torch
 
 from kvpool import _native
 from kvpool.vllm.identity import model_identity
-from kvpool.vllm.layouts import detect
+from kvpool.vllm.layouts import detect_for
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
-from kvpool.vllm.transfer import BlockMover, CopyJob
+from kvpool.transfer import BlockMover, CopyJob, pin_host_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,10 +28,10 @@ class WorkerSide:
 
     def __init__(self, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor], *,
                  config_text: str, config_format: str, tp_size: int, block_size: int,
-                 socket_path_of, kv_events: bool):
+                 socket_path_of, kv_events: bool, kv_cache_config=None):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        layout = detect(kv_caches, block_size)
+        layout = detect_for(vllm_config, kv_caches, block_size, kv_cache_config)
         self.tp_rank = get_tensor_model_parallel_rank()
         self.kv_caches = kv_caches
         self.mover = BlockMover(layout.planes)
@@ -51,8 +51,15 @@ class WorkerSide:
             dtype=str(layout.dtype),
             kv_format=layout.kv_format,
             kind=layout.kind,
+            replicated=layout.replicated,
             socket_path=socket_path_of(self.tp_rank),
         )
+        if self.mover.cuda:
+            # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here.
+            region = self.native.host_memory()
+            if region is None or not pin_host_memory(*region):
+                logger.warning("kvpool: could not page-lock kvpool's host memory; copies to and "
+                               "from the GPU go through pageable memory (slower)")
         self.kv_events = kv_events
         if kv_events:
             self.native.enable_tier_events()

@@ -3,18 +3,19 @@ with torch's own ops, the same code for CPU and CUDA tensors.
 
 A copy job (planned by the Rust worker) names engine block ids and the addresses of kvpool's
 host chunks; a chunk holds its blocks plane by plane (``[planes, blocks_per_chunk,
-plane_block_bytes]``, a plane being one layer's blocks, or its K or V half). Per batch of
-chunks a job takes a few ops per plane, never one per block:
+plane_block_bytes]``, a plane being one layer's pages). Per chunk and plane a job takes two
+ops, never one per block:
 
-- save: ``index_select`` the blocks of each plane into a stage on the engine's device, then
-  one ``copy_`` per chunk into its host buffer;
-- load: one ``copy_`` per chunk into a stage on the device, then ``index_copy_`` into each
-  plane's blocks.
+- save: ``index_select`` the chunk's blocks of the plane on the engine's device, then
+  ``copy_`` them into the chunk's host buffer;
+- load: ``to`` the engine's device (a no-op on CPU), then ``index_copy_`` into the plane.
 
-On CPU the stage is host memory and every copy completes before the call returns. On CUDA
-(the only differences): the copies run on a side stream ordered after the compute stream
-(saves) and waited for by it (loads), and each job records an event that ``poll`` checks; no
-call synchronizes the device. kvpool's host memory is page-locked for the DMA
+On CPU every copy is done when the call returns, and each byte is copied once. (A first
+version staged a whole batch on the device and regrouped it with one op per plane: ten times
+slower on CPU, where the regrouping copies are not free; measured in docs/benchmarks.md.) On
+CUDA (the only differences): the copies run on a side stream ordered after the compute stream
+(saves) and waited for by it (loads), and each job records an event that ``poll`` checks;
+nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
 (``pin_host_memory``).
 """
 
@@ -26,10 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-#: Most bytes staged on the engine's device at once (larger jobs go in batches of chunks).
-MAX_STAGE_BYTES = 256 << 20
-
 
 @dataclass(frozen=True)
 class CopyJob:
@@ -56,8 +53,9 @@ def host_tensor(ptr: int, nbytes: int) -> torch.Tensor:
 
 
 class BlockMover:
-    """Runs copy jobs against one worker's KV planes (each ``[num_blocks, plane_block_bytes]``
-    uint8 views of vLLM's tensors, all on one device)."""
+    """Runs copy jobs against one worker's KV planes: ``[num_blocks, plane_block_bytes]`` uint8
+    views of the engine's tensors, all on one device, each block's bytes contiguous (rows may
+    be further apart than their length: vLLM pads pages)."""
 
     def __init__(self, planes: list[torch.Tensor]):
         if not planes:
@@ -67,9 +65,11 @@ class BlockMover:
         self.plane_block_bytes = int(planes[0].shape[1])
         for p in planes:
             if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != self.plane_block_bytes \
-                    or p.device != self.device or not p.is_contiguous():
-                raise ValueError(f"kvpool: KV plane {tuple(p.shape)} {p.dtype} {p.device} is not "
-                                 f"a contiguous uint8 [blocks, {self.plane_block_bytes}] view")
+                    or p.device != self.device or p.stride(1) != 1 \
+                    or p.stride(0) < self.plane_block_bytes:
+                raise ValueError(f"kvpool: KV plane {tuple(p.shape)} {p.stride()} {p.dtype} "
+                                 f"{p.device} is not a uint8 [blocks, {self.plane_block_bytes}] "
+                                 "view with each block's bytes contiguous")
         self.cuda = self.device.type == "cuda"
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list[tuple[int, Any]] = []
@@ -86,7 +86,6 @@ class BlockMover:
         if job.chunk_bytes != expected:
             raise ValueError(f"kvpool: chunks of {job.chunk_bytes} bytes for {planes} planes of "
                              f"{bpc} blocks of {self.plane_block_bytes} bytes")
-        per_batch = max(1, MAX_STAGE_BYTES // max(job.chunk_bytes, 1))
         ids = torch.tensor(job.block_ids, dtype=torch.long)
         if self.cuda:
             # The side stream starts after everything the compute stream queued (this step's
@@ -95,19 +94,18 @@ class BlockMover:
         with self._stream_ctx():
             ids = ids.to(self.device, non_blocking=True)
             first = 0
-            for start in range(0, len(job.chunk_ptrs), per_batch):
-                ptrs = job.chunk_ptrs[start:start + per_batch]
-                # Chunk blocks `start * bpc + skip ..` of the job; the first batch skips.
-                skip = job.skip_blocks if start == 0 else 0
-                count = len(ptrs) * bpc - skip
-                batch_ids = ids[first:first + count]
-                first += count
-                hosts = [host_tensor(p, job.chunk_bytes).view(planes, bpc, self.plane_block_bytes)
-                         for p in ptrs]
-                if job.is_load:
-                    self._load(hosts, batch_ids, skip)
-                else:
-                    self._save(hosts, batch_ids)
+            for c, ptr in enumerate(job.chunk_ptrs):
+                host = host_tensor(ptr, job.chunk_bytes).view(planes, bpc, self.plane_block_bytes)
+                # The first chunk may start part-way (blocks the engine already holds).
+                skip = job.skip_blocks if c == 0 else 0
+                chunk_ids = ids[first:first + bpc - skip]
+                first += bpc - skip
+                for p, plane in enumerate(self.planes):
+                    if job.is_load:
+                        plane.index_copy_(0, chunk_ids, host[p, skip:].to(self.device,
+                                                                          non_blocking=True))
+                    else:
+                        host[p].copy_(plane.index_select(0, chunk_ids), non_blocking=True)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -115,23 +113,6 @@ class BlockMover:
                 if job.is_load:
                     # The engine reads loaded blocks only after the copy (a device-side wait).
                     torch.cuda.current_stream(self.device).wait_event(event)
-
-    def _save(self, hosts: list[torch.Tensor], ids: torch.Tensor) -> None:
-        n, bpc, b = len(hosts), hosts[0].shape[1], self.plane_block_bytes
-        stage = torch.empty((n, len(self.planes), bpc, b), dtype=torch.uint8, device=self.device)
-        for p, plane in enumerate(self.planes):
-            stage[:, p] = plane.index_select(0, ids).view(n, bpc, b)
-        for c, host in enumerate(hosts):
-            host.copy_(stage[c], non_blocking=True)
-
-    def _load(self, hosts: list[torch.Tensor], ids: torch.Tensor, skip: int) -> None:
-        n, bpc, b = len(hosts), hosts[0].shape[1], self.plane_block_bytes
-        stage = torch.empty((n, len(self.planes), bpc, b), dtype=torch.uint8, device=self.device)
-        for c, host in enumerate(hosts):
-            stage[c].copy_(host, non_blocking=True)
-        by_plane = stage.transpose(0, 1).reshape(len(self.planes), n * bpc, b)
-        for p, plane in enumerate(self.planes):
-            plane.index_copy_(0, ids, by_plane[p, skip:])
 
     def poll(self) -> list[int]:
         """Ids of jobs whose copies ended since the last call (on CPU: every job run)."""

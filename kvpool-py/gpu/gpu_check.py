@@ -1,0 +1,276 @@
+"""kvpool's GPU check: the connector's GPU path with torch alone (no vLLM), on a CUDA device.
+
+Shipped by ``cargo xtask gpu-bundle`` with a wheel (memory tier only) and ``run.sh``. It drives
+kvpool's Rust scheduler and worker (the same halves the vLLM connector drives, joined by the
+lookup socket) over KV caches shaped as vLLM 0.32 hands them to a connector on CUDA
+(FlashAttention's ``LBNHC`` view ``[blocks, kv_heads, block_size, 2 * head_size]``, and MLA's
+``[blocks, 1, block_size, 576]``), and checks:
+
+1. the layout is recognised and each block becomes one page;
+2. kvpool's L1 memory is page-locked (``cudaHostRegister``);
+3. a save copies exactly the blocks the compute stream wrote just before it (the side stream
+   waits for the compute stream; nothing synchronizes the device), and a synchronous and an
+   asynchronous load put those bytes into other blocks, byte for byte;
+4. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the same bytes
+   between contiguous device memory and page-locked host memory (median of 5; a ratio of 1
+   means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
+
+Prints a JSON report (also written to ``$OUT/gpu-check.json`` when ``OUT`` is set); exits 1 if
+a check fails. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
+own test, where no GPU is; page-locking is then not checked).
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from kvpool import _native
+from kvpool.transfer import BlockMover, CopyJob, pin_host_memory
+from kvpool.vllm.layouts import detect
+
+BLOCK = 16
+CHUNK = 256
+DEVICE = os.environ.get("KVPOOL_CHECK_DEVICE", "cuda")
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def fa_caches(layers, blocks, heads, head, dtype, device):
+    """FlashAttention's view: logical [B, H, N, 2D] over physical [B, N, H, 2D] (LBNHC)."""
+    out = {}
+    for i in range(layers):
+        phys = torch.randn(blocks, BLOCK, heads, 2 * head, device=device).to(dtype)
+        out[f"model.layers.{i}.self_attn.attn"] = phys.permute(0, 2, 1, 3)
+    return out
+
+
+def mla_caches(layers, blocks, device):
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.randn(blocks, 1, BLOCK, 576, device=device).to(torch.bfloat16)
+            for i in range(layers)}
+
+
+class Engine:
+    """A scheduler and a worker of kvpool around one set of KV caches."""
+
+    def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB"):
+        self.caches = caches
+        layout = detect(caches, BLOCK, use_mla=use_mla, backend="FLASH_ATTN" if not use_mla
+                        else "FLASHMLA", layout_name="LBNHC")
+        self.layout = layout
+        self.mover = BlockMover(layout.planes)
+        sock = os.path.join(tmp, f"w{id(self)}.sock")
+        self.sock = sock
+        self.worker = _native.Worker(
+            config_text=f'[local_cpu]\nmax_size = "{l1}"\n[chunking]\nchunk_size = {CHUNK}\n',
+            config_format="toml", model="gpu-check", weights="w", tp_size=1, tp_rank=0,
+            pp_rank=0, block_size=BLOCK, num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
+            dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
+            socket_path=sock)
+        self.pinned = pin_host_memory(*self.worker.host_memory())
+        self.sched = _native.Scheduler(socket_paths=[sock], block_size=BLOCK,
+                                       load_timing=load_timing)
+
+    def run_jobs(self, jobs):
+        for t in jobs:
+            self.mover.run(CopyJob.from_native(t))
+        if not self.mover.cuda:
+            for t in jobs:
+                self.worker.copy_done(t[0], True)
+
+    def drain(self, timeout=30.0):
+        """Polls events until every job handed out ended."""
+        deadline = time.monotonic() + timeout
+        while self.worker.in_flight()[0] and time.monotonic() < deadline:
+            for job in self.mover.poll():
+                self.worker.copy_done(job, True)
+            time.sleep(0.0005)
+
+    def step(self, scheduled, before_save=None):
+        meta = self.sched.build_connector_meta(scheduled, [])
+        self.worker.bind(meta)
+        self.run_jobs(self.worker.load_jobs())
+        if before_save:
+            before_save()
+        self.run_jobs(self.worker.save_jobs())
+        self.drain()
+        sending, recving = self.worker.transfer_results([])
+        self.worker.failed_blocks()
+        self.worker.step_report()
+        self.worker.clear()
+        return recving
+
+
+def blocks_equal(caches, a, b):
+    return all(torch.equal(t[a], t[b]) for t in caches.values())
+
+
+def correctness(report, caches, tmp, use_mla=False):
+    e = Engine(caches, tmp, use_mla=use_mla)
+    report["pinned"] = e.pinned
+    n = 4 * CHUNK + 1
+    prompt = list(range(100, 100 + n))
+    nblocks = (n + BLOCK - 1) // BLOCK
+    a_blocks = list(range(0, nblocks))
+    b_blocks = list(range(nblocks, 2 * nblocks))
+    c_blocks = list(range(2 * nblocks, 3 * nblocks))
+    assert e.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
+    e.sched.update_state_after_alloc("a", a_blocks, 0)
+    fresh = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) for k, v in caches.items()}
+
+    def write_on_compute_stream():
+        # The forward pass's writes, queued on the compute stream right before the save.
+        for k, t in caches.items():
+            t[a_blocks[0]:a_blocks[-1] + 1].copy_(fresh[k][a_blocks[0]:a_blocks[-1] + 1])
+
+    e.step([("a", n, [], 2, a_blocks, n)], before_save=write_on_compute_stream)
+    sync()
+    got = e.sched.get_num_new_matched_tokens("b", prompt, b"", 0)
+    report["sync_hit"] = list(got)
+    e.sched.update_state_after_alloc("b", b_blocks, got[0])
+    e.step([("b", n, [], 2, b_blocks, n)])
+    sync()
+    loaded = got[0] // BLOCK
+    report["sync_load_exact"] = all(blocks_equal(caches, a_blocks[i], b_blocks[i])
+                                    for i in range(loaded))
+    # The same chunks loaded asynchronously (a second scheduler that makes every load so).
+    asy = _native.Scheduler(socket_paths=[e.sock], block_size=BLOCK, load_timing="always")
+    got = asy.get_num_new_matched_tokens("c", prompt, b"", 0)
+    report["async_hit"] = list(got)
+    asy.update_state_after_alloc("c", c_blocks, got[0])
+    meta = asy.build_connector_meta([], [])
+    e.worker.bind(meta)
+    done = []
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        e.run_jobs(e.worker.load_jobs())
+        for job in e.mover.poll():
+            e.worker.copy_done(job, True)
+        done = e.worker.transfer_results([])[1]
+        time.sleep(0.001)
+    e.worker.clear()
+    sync()
+    report["async_finished"] = done
+    report["async_load_exact"] = bool(done) and all(
+        blocks_equal(caches, a_blocks[i], c_blocks[i]) for i in range(got[0] // BLOCK))
+    report["in_flight_after"] = list(e.worker.in_flight())
+    e.worker.shutdown()
+
+
+def throughput(report, tmp):
+    # Llama-3-8B-like per layer: 8 KV heads x 128, bf16: 4 KiB per token and layer; 8 layers
+    # x 16-token blocks x 2048 blocks... sized so one transfer moves 512 MiB.
+    layers, heads, head, dtype = 8, 8, 128, torch.bfloat16
+    page = BLOCK * heads * 2 * head * 2
+    size = (512 << 20) if DEVICE == "cuda" else (64 << 20)
+    nblocks = size // (page * layers)
+    total = 2 * nblocks + 8
+    caches = fa_caches(layers, total, heads, head, dtype, DEVICE)
+    e = Engine(caches, tmp, l1="3GiB")
+    n = nblocks * BLOCK
+    prompt = list(range(7, 7 + n + 1))
+    src = list(range(nblocks + 1))
+    dst = list(range(nblocks + 1, 2 * nblocks + 2))
+    e.sched.get_num_new_matched_tokens("s", prompt, b"", 0)
+    e.sched.update_state_after_alloc("s", src, 0)
+    meta = e.sched.build_connector_meta([("s", n + 1, [], 2, src, n + 1)], [])
+    e.worker.bind(meta)
+    jobs = e.worker.save_jobs()
+    sync()
+    t0 = time.perf_counter()
+    e.run_jobs(jobs)
+    sync()
+    save_s = time.perf_counter() - t0
+    e.drain()
+    e.worker.step_report()
+    e.worker.clear()
+    nbytes = sum(len(j[7]) * j[6] for j in jobs)
+    saves, loads = [save_s], []
+    for i in range(5):
+        got = e.sched.get_num_new_matched_tokens(f"l{i}", prompt, b"", 0)
+        e.sched.update_state_after_alloc(f"l{i}", dst, got[0])
+        meta = e.sched.build_connector_meta([(f"l{i}", n + 1, [], 2, dst, n + 1)], [])
+        e.worker.bind(meta)
+        jobs = e.worker.load_jobs()
+        sync()
+        t0 = time.perf_counter()
+        e.run_jobs(jobs)
+        sync()
+        loads.append(time.perf_counter() - t0)
+        e.drain()
+        e.worker.transfer_results([])
+        e.worker.step_report()
+        e.worker.clear()
+    # Baseline: torch's own DMA of the same bytes, contiguous device <-> pinned host.
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    d2h, h2d = [], []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        sync()
+        d2h.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync()
+        h2d.append(time.perf_counter() - t0)
+    gbps = lambda s: nbytes / s / 1e9  # noqa: E731
+    report["throughput"] = {
+        "bytes": nbytes, "pinned": e.pinned,
+        "kvpool_save_GBps": gbps(save_s), "torch_d2h_GBps": gbps(statistics.median(d2h)),
+        "kvpool_load_GBps_median": gbps(statistics.median(loads)),
+        "torch_h2d_GBps": gbps(statistics.median(h2d)),
+        "save_vs_torch": statistics.median(d2h) / save_s,
+        "load_vs_torch": statistics.median(h2d) / statistics.median(loads),
+    }
+    e.worker.shutdown()
+
+
+def main():
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "check_device": DEVICE,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    failures = []
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        failures.append("no CUDA device")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, caches, mla in (
+                    ("flash_attn", fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE), False),
+                    ("mla", mla_caches(2, 256, DEVICE), True)):
+                r = report.setdefault(name, {})
+                try:
+                    correctness(r, caches, tmp, use_mla=mla)
+                except Exception as e:  # noqa: BLE001 - reported, then the run fails
+                    r["error"] = repr(e)
+                checks = ("sync_load_exact", "async_load_exact") + (
+                    ("pinned",) if DEVICE == "cuda" else ())
+                for key in checks:
+                    if not r.get(key):
+                        failures.append(f"{name}: {key} {r.get(key)!r} {r.get('error', '')}")
+                if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
+                    failures.append(f"{name}: left in flight {r.get('in_flight_after')}")
+            try:
+                throughput(report, tmp)
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"throughput: {e!r}")
+    report["failures"] = failures
+    text = json.dumps(report, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu-check.json"), "w") as f:
+            f.write(text)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""The GPU bundle's check (``kvpool-py/gpu/gpu_check.py``), run on CPU tensors so it cannot rot
+between the rare sessions that have a GPU: the same layouts (FlashAttention's LBNHC view and
+MLA's latent), saves and loads through kvpool's Rust halves byte for byte, synchronous and
+asynchronous, nothing left in flight."""
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_gpu_check_passes_on_cpu_tensors(tmp_path):
+    env = {**os.environ, "KVPOOL_CHECK_DEVICE": "cpu", "OUT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "gpu", "gpu_check.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert report["failures"] == []
+    for layout in ("flash_attn", "mla"):
+        r = report[layout]
+        assert r["sync_load_exact"] and r["async_load_exact"], r
+        assert r["sync_hit"] == [1024, False] and r["async_hit"] == [1024, True], r
