@@ -277,11 +277,12 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     )
     .map_err(|e| format!("cannot copy gpu_check.py: {e}"))?;
     let script = r#"#!/bin/sh
-# Installs the kvpool wheel next to this script (no network needed) and checks the GPU path
+# Unpacks the kvpool wheel next to this script and checks the GPU path
 # with torch alone. Results go to stdout and, as JSON, to $OUT/gpu-check.json when OUT is set.
 set -e
 cd "$(dirname "$0")"
-python3 -m pip install --quiet --no-deps --target ./site kvpool-*.whl
+# A wheel is a zip: unpacked with the standard library, no pip or network needed.
+python3 -c "import glob, zipfile; zipfile.ZipFile(glob.glob('kvpool-*.whl')[0]).extractall('site')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
 "#;
