@@ -3,20 +3,21 @@
 Shipped by ``cargo xtask gpu-bundle`` with a wheel (memory tier only) and ``run.sh``. It drives
 kvpool's Rust scheduler and worker (the same halves the vLLM connector drives, joined by the
 lookup socket) over KV caches shaped as vLLM 0.32 hands them to a connector on CUDA
-(FlashAttention's ``LBNHC`` view ``[blocks, kv_heads, block_size, 2 * head_size]``, and MLA's
-``[blocks, 1, block_size, 576]``), and checks:
+(FlashAttention's ``LBNHC`` view ``[blocks, kv_heads, block_size, 2 * head_size]``,
+FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
 
 1. the layout is recognised and each block becomes one page;
 2. kvpool's L1 memory is page-locked (``cudaHostRegister``);
 3. a save copies exactly the blocks the compute stream wrote just before it (the side stream
-   waits for the compute stream; nothing synchronizes the device), and a synchronous and an
-   asynchronous load put those bytes into other blocks, byte for byte;
+   waits for the compute stream), and a synchronous and an asynchronous load put those bytes
+   into other blocks, byte for byte; no copy synchronizes with the device (torch's sync debug
+   mode set to raise while the copies are queued);
 4. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the same bytes
    between contiguous device memory and page-locked host memory (median of 5; a ratio of 1
    means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
 
 Prints a JSON report (also written to ``$OUT/gpu-check.json`` when ``OUT`` is set); exits 1 if
-a check fails. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
+a check fails; without a CUDA device it says it skipped and exits 0. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
 own test, where no GPU is; page-locking is then not checked).
 """
 
@@ -52,6 +53,13 @@ def fa_caches(layers, blocks, heads, head, dtype, device):
     return out
 
 
+def flashinfer_hnd_caches(layers, blocks, heads, head, dtype, device):
+    """FlashInfer's HND order on Blackwell (LBHNC): the logical view is the physical one."""
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.randn(blocks, heads, BLOCK, 2 * head, device=device).to(dtype)
+            for i in range(layers)}
+
+
 def mla_caches(layers, blocks, device):
     return {f"model.layers.{i}.self_attn.attn":
             torch.randn(blocks, 1, BLOCK, 576, device=device).to(torch.bfloat16)
@@ -81,8 +89,16 @@ class Engine:
                                        load_timing=load_timing)
 
     def run_jobs(self, jobs):
-        for t in jobs:
-            self.mover.run(CopyJob.from_native(t))
+        # On CUDA, any operation that synchronizes with the device raises here: the step path
+        # must queue its copies and return.
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in jobs:
+                self.mover.run(CopyJob.from_native(t))
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
         if not self.mover.cuda:
             for t in jobs:
                 self.worker.copy_done(t[0], True)
@@ -241,11 +257,15 @@ def main():
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     failures = []
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        failures.append("no CUDA device")
+        report["skipped"] = "SKIP: no CUDA device (KVPOOL_CHECK_DEVICE=cpu runs the checks on CPU)"
+        print(json.dumps(report, indent=2))
+        return
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for name, caches, mla in (
                     ("flash_attn", fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE), False),
+                    ("flashinfer_hnd", flashinfer_hnd_caches(2, 256, 8, 128, torch.float16,
+                                                             DEVICE), False),
                     ("mla", mla_caches(2, 256, DEVICE), True)):
                 r = report.setdefault(name, {})
                 try:

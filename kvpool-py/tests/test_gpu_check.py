@@ -18,7 +18,7 @@ def test_gpu_check_passes_on_cpu_tensors(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["failures"] == []
-    for layout in ("flash_attn", "mla"):
+    for layout in ("flash_attn", "flashinfer_hnd", "mla"):
         r = report[layout]
         assert r["sync_load_exact"] and r["async_load_exact"], r
         assert r["sync_hit"] == [1024, False] and r["async_hit"] == [1024, True], r
