@@ -228,9 +228,7 @@ async fn retrieve_windows_write_what_load_layer_writes() {
     assert_eq!(windows[0].slots, &stored.dst_slots[skip..2 * CHUNK]);
     let mut via_windows = HostPagedKvCache::new(layout(), 100);
     for w in &windows {
-        via_windows
-            .scatter(w.data, w.chunk_tokens, w.token_offset, w.slots)
-            .unwrap();
+        via_windows.scatter(*w).unwrap();
     }
     let mut via_layers = HostPagedKvCache::new(layout(), 100);
     plan.load_all(&mut via_layers).unwrap();

@@ -7,17 +7,14 @@
 mod common;
 mod servers;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{
-    StoredPrompt, assert_outage_is_misses, engine_over, recovers, small_layout, store_prompt,
-};
-use kvpool_backends::conformance::{self, Outcome};
+use common::remote_tier::{assert_outage_then_recovery, assert_passes_the_kit};
+use common::{StoredPrompt, engine_over, small_layout, store_prompt};
 use kvpool_backends::mooncake::{MooncakeConfig, MooncakeConnector};
 use kvpool_backends::registry::open_tier;
-use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector, TierConfig};
+use kvpool_core::{ChunkCodec, RemoteConnector, TierConfig};
 use servers::{MooncakeCluster, free_port, server_url};
 
 /// The venv with Mooncake's wheel, or `None` after saying how to enable these tests.
@@ -51,16 +48,11 @@ async fn mooncake_passes_the_kit() {
     let Some(venv) = venv() else { return };
     let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let config = config_for(&cluster);
-    let results = conformance::run_all(&|| {
+    assert_passes_the_kit("mooncake", || {
         let config = config.clone();
-        async move {
-            let connector = MooncakeConnector::connect(&config).await.unwrap();
-            common::chunk_format_subject(connector)
-        }
+        async move { MooncakeConnector::connect(&config).await.unwrap() }
     })
     .await;
-    conformance::assert_all_passed("mooncake", &results);
-    assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
 }
 
 /// Bytes written by this process are read back from the holder's segment, byte for byte, and
@@ -191,46 +183,19 @@ async fn bad_configuration_is_a_clear_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_master_turns_into_misses_and_dropped_writes_then_recovers() {
     let Some(venv) = venv() else { return };
-    let mut cluster =
-        MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
-    let layout = small_layout();
-    let mooncake = MooncakeConnector::connect(&config_for(&cluster))
-        .await
-        .unwrap();
-    let bounded = kvpool_backends::TimeoutConnector::new(mooncake, Duration::from_millis(1500));
-    let engine = engine_over(
-        Arc::new(RemoteBackend::new(bounded, ChunkCodec::default(), 64 << 20)),
-        "mooncake-fault",
+    let cluster = std::cell::RefCell::new(
+        MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap(),
     );
-    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 3).await;
-
-    cluster.kill_master();
-    let other: Vec<u32> = (1000..1064).collect();
-    assert_outage_is_misses(
-        &engine,
-        &tokens,
-        &other,
-        &kv,
-        &slots,
+    let config = config_for(&cluster.borrow());
+    let mooncake = MooncakeConnector::connect(&config).await.unwrap();
+    let bounded = kvpool_backends::TimeoutConnector::new(mooncake, Duration::from_millis(1500));
+    // A restarted master starts empty; the holder remounts its segment and writes work again.
+    assert_outage_then_recovery(
+        bounded,
+        "mooncake-fault",
+        || cluster.borrow_mut().kill_master(),
         Duration::from_secs(30),
+        || cluster.borrow_mut().start_master().unwrap(),
     )
     .await;
-
-    // A restarted master starts empty; the holder remounts its segment and writes work again.
-    cluster.start_master().unwrap();
-    let mut recovered = false;
-    for _ in 0..3 {
-        if recovers(&engine, &other, &kv, &slots).await {
-            recovered = true;
-            break;
-        }
-    }
-    assert!(recovered, "no recovery after the master came back");
-    let mut dst = kvpool_core::HostPagedKvCache::new(layout, 32);
-    let mask = engine
-        .retrieve(&other, None, &mut dst, &slots)
-        .await
-        .unwrap();
-    assert!(mask.iter().all(|m| *m));
-    common::assert_rows_equal(&kv, &slots, &dst, &slots, &mask);
 }

@@ -10,24 +10,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{
-    StoredPrompt, assert_outage_is_misses, engine_over, recovers, small_layout, store_prompt,
+use common::remote_tier::{
+    assert_outage_then_recovery, assert_passes_the_kit,
+    assert_pool_opens_tier_and_rejects_a_bad_url,
 };
-use kvpool_backends::conformance::{self, Outcome};
+use common::{StoredPrompt, engine_over, recovers, small_layout, store_prompt};
 use kvpool_backends::redis::{RedisConfig, RedisConnector};
 use kvpool_core::{ChunkCodec, RemoteBackend, RemoteConnector};
 use servers::{free_port, server_url};
 
 async fn kit(name: &str, url: &str) {
-    let results = conformance::run_all(&|| async {
-        let connector = RedisConnector::connect(&RedisConfig::new(url))
+    assert_passes_the_kit(name, || async {
+        RedisConnector::connect(&RedisConfig::new(url))
             .await
-            .unwrap();
-        common::chunk_format_subject(connector)
+            .unwrap()
     })
     .await;
-    conformance::assert_all_passed(name, &results);
-    assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,30 +115,15 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
     config.timeout = Duration::from_millis(500);
     let redis = RedisConnector::connect(&config).await.unwrap();
-    let engine = engine_over(
-        Arc::new(RemoteBackend::new(redis, ChunkCodec::default(), 64 << 20)),
+    // Restarted on the same port, the server is reached again without rebuilding anything.
+    let _server = assert_outage_then_recovery(
+        redis,
         "redis-fault",
-    );
-    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 1).await;
-
-    server.kill();
-    let other: Vec<u32> = (1000..1064).collect();
-    assert_outage_is_misses(
-        &engine,
-        &tokens,
-        &other,
-        &kv,
-        &slots,
+        || server.kill(),
         Duration::from_secs(20),
+        || servers::redis(&binary, port),
     )
     .await;
-
-    // Restart on the same port: traffic recovers without rebuilding anything.
-    let _server = servers::redis(&binary, port);
-    assert!(
-        recovers(&engine, &other, &kv, &slots).await,
-        "no recovery after the server came back"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,22 +131,15 @@ async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
     let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
         return;
     };
-    let mut config = kvpool_core::PoolConfig::default();
-    config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
-    config.tiers.push(kvpool_core::TierConfig::new(url.clone()));
-    let pool = kvpool_backends::build_pool(&config).await.unwrap();
-    assert_eq!(pool.engine.storage().tier_names(), ["cpu", "redis"]);
     let at = url.rfind('@').unwrap();
-    config.tiers[0].url = format!("redis://:nope@{}", &url[at + 1..]);
-    let err = kvpool_backends::build_pool(&config)
-        .await
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        err.contains("tier.url") && err.to_lowercase().contains("auth"),
-        "{err}"
-    );
+    let wrong_password = format!("redis://:nope@{}", &url[at + 1..]);
+    assert_pool_opens_tier_and_rejects_a_bad_url(
+        kvpool_core::TierConfig::new(url.clone()),
+        "redis",
+        wrong_password,
+        "auth",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,13 +5,13 @@
 mod common;
 mod servers;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{StoredPrompt, assert_outage_is_misses, engine_over, recovers, store_prompt};
-use kvpool_backends::conformance::{self, Outcome};
+use common::remote_tier::{
+    assert_outage_then_recovery, assert_passes_the_kit,
+    assert_pool_opens_tier_and_rejects_a_bad_url,
+};
 use kvpool_backends::s3::{S3Config, S3Connector};
-use kvpool_core::{ChunkCodec, RemoteBackend};
 use servers::{free_port, server_url};
 
 fn config(url: &str, endpoint: &str) -> S3Config {
@@ -29,15 +29,12 @@ async fn s3_passes_the_kit() {
     ) else {
         return;
     };
-    let results = conformance::run_all(&|| async {
-        let connector = S3Connector::connect(&config(&url, &endpoint))
+    assert_passes_the_kit("s3", || async {
+        S3Connector::connect(&config(&url, &endpoint))
             .await
-            .unwrap();
-        common::chunk_format_subject(connector)
+            .unwrap()
     })
     .await;
-    conformance::assert_all_passed("s3", &results);
-    assert!(results.iter().all(|r| r.outcome == Outcome::Passed));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,29 +75,15 @@ async fn killed_server_turns_into_misses_and_then_recovers() {
     let mut cfg = config("s3://fault/kv", &endpoint);
     cfg.timeout = Duration::from_millis(1000);
     let s3 = S3Connector::connect(&cfg).await.unwrap();
-    let engine = engine_over(
-        Arc::new(RemoteBackend::new(s3, ChunkCodec::default(), 64 << 20)),
+    // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
+    let _server = assert_outage_then_recovery(
+        s3,
         "s3-fault",
-    );
-    let StoredPrompt { tokens, slots, kv } = store_prompt(&engine, 64, 1).await;
-
-    server.kill();
-    assert_outage_is_misses(
-        &engine,
-        &tokens,
-        &tokens,
-        &kv,
-        &slots,
+        || server.kill(),
         Duration::from_secs(30),
+        || servers::moto(&binary, port, "fault"),
     )
     .await;
-
-    // moto keeps everything in memory: the restarted server is empty, with the bucket re-made.
-    let _server = servers::moto(&binary, port, "fault");
-    assert!(
-        recovers(&engine, &tokens, &kv, &slots).await,
-        "no recovery after the server came back"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,21 +99,13 @@ async fn pool_config_selects_s3_by_url_and_fails_fast_on_a_missing_bucket() {
         .with_option("region", "us-east-1")
         .with_option("access_key_id", "from-config")
         .with_option("secret_access_key", "from-config");
-    let mut config = kvpool_core::PoolConfig::default();
-    config.local_cpu.max_size = kvpool_core::ByteSize::mib(64);
-    config.tiers.push(tier);
-    let pool = kvpool_backends::build_pool(&config).await.unwrap();
-    assert_eq!(pool.engine.storage().tier_names(), ["cpu", "s3"]);
-    config.tiers[0].url = "s3://kvpool-no-such-bucket/x".into();
-    let err = kvpool_backends::build_pool(&config)
-        .await
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        err.contains("tier.url") && err.contains("kvpool-no-such-bucket"),
-        "{err}"
-    );
+    assert_pool_opens_tier_and_rejects_a_bad_url(
+        tier,
+        "s3",
+        "s3://kvpool-no-such-bucket/x".into(),
+        "kvpool-no-such-bucket",
+    )
+    .await;
 }
 
 /// An object larger than any chunk is never downloaded (its size is in the response head).

@@ -1,11 +1,12 @@
 //! The engine side of [`CopyJob`]s for an engine whose KV lives in a [`HostPagedKvCache`]:
-//! what the Python connector does with torch, done in Rust for the tests and the simulator.
+//! what the Python connector does with torch, done in Rust for the tests and the simulator,
+//! through kvpool-core's one host transfer ([`KvTransfer`]).
 //!
-//! A [`HostPagedKvCache`] layer is `[planes, num_blocks, block_size, kv_heads, head_size]`, so
-//! each (layer, plane) is one engine plane of `num_blocks` blocks, in the chunk order
-//! [`CopyJob`] describes.
+//! A copy job's chunk byte order (planes, then blocks, then a block's token rows) is the chunk
+//! layout [`KvTransfer`] reads and writes, and an engine block `e` is the slots
+//! `e * block_size ..`, so a job is one gather (save) or scatter (load) per chunk.
 
-use kvpool_core::{HostPagedKvCache, KvTransfer, TransferError};
+use kvpool_core::{ChunkWindow, HostPagedKvCache, KvTransfer, TransferError};
 
 use crate::worker::{CopyDirection, CopyJob};
 
@@ -19,57 +20,65 @@ use crate::worker::{CopyDirection, CopyJob};
 /// `job.chunk_bytes` bytes that the worker owns and nobody else touches.
 pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(), TransferError> {
     let layout = *kv.layout();
-    let planes = layout.kind.planes();
     let bs = layout.block_size;
-    let num_blocks = kv.num_slots() / bs;
-    let plane_block = bs * layout.bytes_per_token_per_plane();
     let bpc = job.blocks_per_chunk;
-    let expected = layout.num_layers * planes * bpc * plane_block;
+    let chunk_tokens = bpc * bs;
+    let expected = layout.chunk_bytes(chunk_tokens);
     if job.chunk_bytes != expected {
         return Err(TransferError::BufferSize {
             actual: job.chunk_bytes,
             expected,
-            tokens: bpc * bs,
+            tokens: chunk_tokens,
         });
     }
-    for (i, &block) in job.block_ids.iter().enumerate() {
-        let e = block as usize;
-        if e >= num_blocks {
-            return Err(TransferError::SlotOutOfRange {
-                slot: (e * bs) as i64,
-                num_slots: num_blocks * bs,
-            });
+    let chunks = job.chunk_ptrs.len();
+    if job.skip_blocks + job.block_ids.len() > chunks * bpc {
+        return Err(TransferError::TokenRange {
+            start: job.skip_blocks * bs,
+            end: (job.skip_blocks + job.block_ids.len()) * bs,
+            tokens: chunks * chunk_tokens,
+        });
+    }
+    for (c, &ptr) in job.chunk_ptrs.iter().enumerate() {
+        // The chunk blocks this job copies: `first..end` of chunk `c`.
+        let first = job.skip_blocks.saturating_sub(c * bpc).min(bpc);
+        let end = (job.skip_blocks + job.block_ids.len())
+            .saturating_sub(c * bpc)
+            .min(bpc);
+        if first >= end {
+            continue;
         }
-        let cb = job.skip_blocks + i;
-        let (c, b) = (cb / bpc, cb % bpc);
-        let Some(&ptr) = job.chunk_ptrs.get(c) else {
-            return Err(TransferError::TokenRange {
-                start: cb * bs,
-                end: (cb + 1) * bs,
-                tokens: job.chunk_ptrs.len() * bpc * bs,
-            });
-        };
-        for layer in 0..layout.num_layers {
-            for p in 0..planes {
-                let in_chunk = ((layer * planes + p) * bpc + b) * plane_block;
-                let in_engine = (p * num_blocks + e) * plane_block;
+        let ids =
+            &job.block_ids[c * bpc + first - job.skip_blocks..c * bpc + end - job.skip_blocks];
+        let slots: Vec<i64> = ids
+            .iter()
+            .flat_map(|&e| (0..bs).map(move |t| (e as usize * bs + t) as i64))
+            .collect();
+        match job.direction {
+            CopyDirection::Load => {
                 // SAFETY: the caller promised `ptr` addresses `chunk_bytes` bytes owned by the
-                // worker for the job's life; `in_chunk + plane_block <= chunk_bytes` by the
-                // size check above.
-                let chunk = unsafe { (ptr as *mut u8).add(in_chunk) };
-                let engine = &mut kv.layer_mut(layer)[in_engine..in_engine + plane_block];
-                match job.direction {
-                    CopyDirection::Load => {
-                        // SAFETY: as above, read-only for a load.
-                        let src = unsafe { std::slice::from_raw_parts(chunk, plane_block) };
-                        engine.copy_from_slice(src);
-                    }
-                    CopyDirection::Save => {
-                        // SAFETY: as above; a save's buffer is written by this job alone.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(chunk, plane_block) };
-                        dst.copy_from_slice(engine);
-                    }
+                // worker for the job's life, read-only for a load.
+                let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, job.chunk_bytes) };
+                kv.scatter(ChunkWindow {
+                    data,
+                    chunk_tokens,
+                    token_offset: first * bs,
+                    slots: &slots,
+                })?;
+            }
+            CopyDirection::Save => {
+                if first != 0 || end != bpc {
+                    // A save fills whole chunks (only a load skips blocks the engine holds).
+                    return Err(TransferError::TokenRange {
+                        start: (c * bpc + first) * bs,
+                        end: (c * bpc + end) * bs,
+                        tokens: chunks * chunk_tokens,
+                    });
                 }
+                // SAFETY: as above; a save's buffer is written by this job alone.
+                let data =
+                    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, job.chunk_bytes) };
+                kv.gather(&slots, data)?;
             }
         }
     }

@@ -4,17 +4,17 @@ use std::sync::Arc;
 
 use tracing::warn;
 
-use crate::backend::Chunk;
-use crate::chunk_format::ChunkMeta;
-use crate::chunk_hash::ChunkHash;
-use crate::counter::StatCounter;
 use crate::error::{ConfigError, EngineError, FormatError, TransferError};
-use crate::key::CacheKey;
+use crate::format::chunk_format::ChunkMeta;
+use crate::keys::cache_key::CacheKey;
+use crate::keys::chunk_hash::ChunkHash;
+use crate::keys::token_database::{ChunkSpan, ChunkedTokenDatabase};
 use crate::layout::KvLayout;
-use crate::memory_pool::MemoryObjMut;
-use crate::storage_manager::StorageManager;
+use crate::memory::pool::MemoryObjMut;
+use crate::storage::backend::Chunk;
+use crate::storage::manager::StorageManager;
 use crate::telemetry;
-use crate::token_database::{ChunkSpan, ChunkedTokenDatabase};
+use crate::telemetry::counter::StatCounter;
 use crate::transfer::{ChunkWindow, KvTransfer};
 
 /// What a store did.
@@ -30,7 +30,7 @@ pub struct StoreReport {
     pub skipped_no_space: usize,
     /// Keys of the chunks written, in order. Empty when any write was skipped, as it is then
     /// unknown which ones went in (for event streams: a missing event beats a false one).
-    pub stored_keys: Vec<crate::key::CacheKey>,
+    pub stored_keys: Vec<crate::keys::cache_key::CacheKey>,
 }
 
 /// Counters of the engine, in tokens.
@@ -616,7 +616,7 @@ impl LayerwiseRetrieve {
         }
         self.check(kv)?;
         for w in self.windows() {
-            kv.scatter_layer(layer, w.data, w.chunk_tokens, w.token_offset, w.slots)?;
+            kv.scatter_layer(layer, w)?;
         }
         self.next_layer += 1;
         Ok(())

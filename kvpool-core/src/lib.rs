@@ -1,72 +1,73 @@
-//! kvpool-core: the pieces every kvpool deployment shares.
+//! kvpool-core: the pieces every kvpool deployment shares, one folder per concept.
 //!
+//! - [`keys`]: chained chunk hashes, cache keys and the chunked token database (token ids or
+//!   engine block hashes to chunk spans and keys);
+//! - [`format`](mod@format): the checksummed, versioned stored-chunk encoding, bound to its key;
 //! - [`layout`]: the KV layout of a model and its fingerprint;
-//! - [`key`] and [`chunk_hash`]: chained chunk hashes and storage keys;
-//! - [`token_database`]: token ids (or engine block hashes) to chunk spans and keys;
-//! - [`backend`] and [`remote`]: the `StorageBackend` and `RemoteConnector` traits and the
-//!   adapter between them;
-//! - [`chunk_format`]: the checksummed, versioned stored-chunk encoding;
-//! - [`memory_pool`]: the bounded host memory pool and ref-counted chunk memory;
-//! - [`eviction`]: LRU, FIFO and S3-FIFO;
-//! - [`storage_manager`]: ordered tiers, prefix lookup, promotion and write-behind (each tier
-//!   in `tier.rs`, its counters in `tier_stats.rs`, write-behind in `write_behind.rs`);
-//! - [`counter`]: `StatCounter`, the lock-free counter behind every `stats()` snapshot;
-//! - [`telemetry`]: every Prometheus metric kvpool records, with help texts;
-//! - [`tier_events`]: chunks entering and leaving each tier, for an engine's KV-event stream;
-//! - [`cache_engine`]: lookup / store / retrieve of token sequences;
+//! - [`memory`]: the bounded host memory pool with ref-counted chunk memory, and the eviction
+//!   policies (LRU, FIFO, S3-FIFO);
+//! - [`storage`]: the `StorageBackend` and `RemoteConnector` traits, and the storage manager
+//!   (ordered tiers, prefix lookup, promotion, write-behind, per-tier counters and KV events);
 //! - [`transfer`]: moving KV between a paged cache and chunk memory by slot mapping (the
 //!   library's store / retrieve; the vLLM connector moves whole blocks with copy jobs instead);
-//! - [`config`]: the TOML configuration ([`byte_size`]: sizes such as `"2GiB"`);
-//! - [`tier_options`]: a tier's backend-owned options, read with typed getters.
+//! - [`cache_engine`]: lookup / store / retrieve of token sequences over all of the above;
+//! - [`telemetry`]: every Prometheus metric kvpool records, and the counters behind `stats()`;
+//! - [`config`]: the TOML configuration, sizes such as `"2GiB"`, a tier's backend-owned options;
+//! - [`error`]: the error types.
+//!
+//! The flat paths of earlier releases (`kvpool_core::storage_manager`, `kvpool_core::key`, …)
+//! are kept as re-exports of the modules that now live in these folders.
 
 #![warn(missing_docs)]
 
-pub mod backend;
-pub mod byte_size;
 pub mod cache_engine;
-pub mod chunk_format;
-pub mod chunk_hash;
 pub mod config;
-pub mod counter;
 pub mod error;
-pub mod eviction;
-pub mod key;
+pub mod format;
+pub mod keys;
 pub mod layout;
-pub mod memory_pool;
-pub mod remote;
-pub mod storage_manager;
+pub mod memory;
+pub mod storage;
 pub mod telemetry;
-mod tier;
-pub mod tier_events;
-pub mod tier_options;
-mod tier_stats;
-pub mod token_database;
 pub mod transfer;
-mod write_behind;
 
-pub use backend::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
-    StorageBackend,
-};
+// The flat module paths of earlier releases, kept so downstream crates build unchanged.
+#[doc(no_inline)]
+pub use config::{byte_size, tier_options};
+#[doc(no_inline)]
+pub use format::chunk_format;
+#[doc(no_inline)]
+pub use keys::{cache_key as key, chunk_hash, token_database};
+#[doc(no_inline)]
+pub use memory::{eviction, pool as memory_pool};
+#[doc(no_inline)]
+pub use storage::{backend, manager as storage_manager, remote, tier_events};
+#[doc(no_inline)]
+pub use telemetry::counter;
+
 pub use cache_engine::{
     CacheEngine, EngineStats, FetchedChunks, LayerwiseRetrieve, LayerwiseStore, StoreReport,
 };
-pub use chunk_format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
-pub use chunk_hash::{ChunkHash, HashAlgorithm};
 pub use config::{AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
-pub use counter::StatCounter;
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,
 };
-pub use eviction::{EvictionKind, EvictionPolicy};
-pub use key::{CacheKey, KeyScope};
-pub use layout::{Dtype, KvKind, KvLayout};
-pub use memory_pool::{
-    HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool,
+pub use format::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression};
+pub use keys::{
+    CacheKey, ChunkHash, ChunkHasher, ChunkSpan, ChunkedTokenDatabase, ChunkingConfig,
+    HashAlgorithm, KeyScope,
 };
-pub use remote::{RemoteBackend, RemoteConnector};
-pub use storage_manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use layout::{Dtype, KvKind, KvLayout};
+pub use memory::{
+    EvictionKind, EvictionPolicy, HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut,
+    MemoryPool,
+};
+pub use storage::{
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, ManagerStats,
+    PutOutcome, RemoteBackend, RemoteConnector, StorageBackend, StorageManager,
+    StorageManagerConfig, TierStats,
+};
+pub use telemetry::StatCounter;
 pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
-pub use token_database::{ChunkHasher, ChunkSpan, ChunkedTokenDatabase, ChunkingConfig};
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

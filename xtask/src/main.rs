@@ -7,6 +7,7 @@
 //!   what CI runs. Every task links the system's librocksdb when a compatible one is installed
 //!   (`system.rs`), else the `disk` feature builds RocksDB from source.
 //! - `cargo xtask module-cycles`: fails on an import cycle between the modules of a crate.
+//! - `cargo xtask diagrams`: renders `docs/diagrams/*.dot` (Graphviz) to the SVGs beside them.
 //! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
 //!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
 //! - `cargo xtask soak [--minutes N]`: a chaos soak: `kvpool sim` through L1 + disk + Redis +
@@ -26,6 +27,7 @@
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
 
+mod diagrams;
 mod fuzz;
 mod matrix;
 mod module_cycles;
@@ -441,6 +443,7 @@ fn main() -> ExitCode {
         Some("gpu-bundle") => vllm::gpu_bundle(),
         Some("sanitize") => sanitize::sanitize(),
         Some("module-cycles") => module_cycles::module_cycles(),
+        Some("diagrams") => diagrams::diagrams(),
         Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
@@ -449,7 +452,7 @@ fn main() -> ExitCode {
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

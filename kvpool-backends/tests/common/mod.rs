@@ -1,6 +1,7 @@
 //! Shared test fixtures: the in-memory store behind fault switches, and KV helpers.
 #![allow(dead_code)]
 
+pub mod remote_tier;
 pub mod tiered;
 
 use std::sync::Arc;

@@ -9,7 +9,7 @@ use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorMetadata, ConnectorScheduler, EngineRequest, LeaseTable,
     ScheduledRequest,
 };
-use kvpool_core::{ByteSize, CacheEngine, HostPagedKvCache, KvTransfer, PoolConfig};
+use kvpool_core::{ByteSize, CacheEngine, ChunkWindow, HostPagedKvCache, KvTransfer, PoolConfig};
 use kvpool_sim::engine_side::{EngineWorker, OutputAggregator, RanksLookup, StepOutput};
 use kvpool_sim::kv_model::{model_compute, model_mismatches};
 
@@ -240,7 +240,7 @@ impl Setup {
                 let mut check = HostPagedKvCache::new(*engine.layout(), blocks.len());
                 let slots: Vec<i64> = (span.start as i64..span.end as i64).collect();
                 check
-                    .scatter(chunk.data.as_slice(), span.len(), 0, &slots)
+                    .scatter(ChunkWindow::whole(chunk.data.as_slice(), &slots))
                     .unwrap();
                 // Only the chunk's own rows are compared (the rows before it are left zero).
                 let own = model_mismatches(&check, &p[..span.end], &blocks)

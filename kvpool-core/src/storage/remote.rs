@@ -7,17 +7,17 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tracing::warn;
 
-use crate::backend::{
+use crate::error::{BackendError, FormatError};
+use crate::format::chunk_format::{
+    ChunkCodec, DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
+};
+use crate::keys::cache_key::CacheKey;
+use crate::memory::pool::MemoryObjMut;
+use crate::storage::backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
-use crate::chunk_format::{
-    ChunkCodec, DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
-};
-use crate::error::{BackendError, FormatError};
-use crate::key::CacheKey;
-use crate::memory_pool::MemoryObjMut;
-use crate::tier_events::TierEventLog;
+use crate::storage::tier_events::TierEventLog;
 
 /// The small surface a third-party store implements: opaque values under string keys.
 ///

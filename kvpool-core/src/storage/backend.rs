@@ -2,11 +2,11 @@
 
 use async_trait::async_trait;
 
-use crate::chunk_format::ChunkMeta;
-use crate::counter::StatCounter;
 use crate::error::{BackendError, PoolError};
-use crate::key::CacheKey;
-use crate::memory_pool::{MemoryObj, MemoryObjMut, MemoryPool};
+use crate::format::chunk_format::ChunkMeta;
+use crate::keys::cache_key::CacheKey;
+use crate::memory::pool::{MemoryObj, MemoryObjMut, MemoryPool};
+use crate::telemetry::counter::StatCounter;
 
 /// One stored chunk: its metadata and its decoded KV bytes (layer-major, see [`crate::KvLayout`]).
 #[derive(Debug, Clone)]
@@ -122,7 +122,7 @@ pub trait StorageBackend: Send + Sync + 'static {
     /// The manager's KV-event log, for chunks that leave this tier on its own initiative
     /// (evictions). The default ignores it: writes and removals the manager makes are recorded
     /// by the manager.
-    fn set_event_log(&self, _events: std::sync::Arc<crate::tier_events::TierEventLog>) {}
+    fn set_event_log(&self, _events: std::sync::Arc<crate::storage::tier_events::TierEventLog>) {}
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -20,7 +20,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::byte_size::ByteSize;
+use crate::config::byte_size::ByteSize;
 use crate::error::ConfigError;
 
 /// `url` with any password (`scheme://user:password@host`) replaced by `***`, for logs, `Debug`

@@ -1,18 +1,22 @@
-//! The pool configuration (TOML): model scope, layout, chunking, tiers, codec, write-behind.
+//! The pool configuration (TOML): model scope, layout, chunking, tiers, codec, write-behind;
+//! sizes such as `"2GiB"` ([`byte_size`]) and a tier's backend-owned options ([`tier_options`]).
+
+pub mod byte_size;
+pub mod tier_options;
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::byte_size::ByteSize;
-use crate::chunk_format::ChunkCodec;
+pub use crate::config::byte_size::ByteSize;
+pub use crate::config::tier_options::redact_url;
+use crate::config::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 use crate::error::ConfigError;
-use crate::eviction::EvictionKind;
-use crate::key::KeyScope;
+use crate::format::chunk_format::ChunkCodec;
+use crate::keys::cache_key::KeyScope;
+use crate::keys::token_database::ChunkingConfig;
 use crate::layout::KvLayout;
-pub use crate::tier_options::redact_url;
-use crate::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
-use crate::token_database::ChunkingConfig;
+use crate::memory::eviction::EvictionKind;
 
 /// Who is caching: model and parallel ranks (part of every key).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -294,7 +298,7 @@ impl PoolConfig {
                 reason: "must be at least 1 token (256 is typical)".into(),
             });
         }
-        if let crate::chunk_format::Compression::Zstd { level } = self.codec.compression
+        if let crate::format::chunk_format::Compression::Zstd { level } = self.codec.compression
             && !(1..=22).contains(&level)
         {
             return Err(ConfigError::Invalid {

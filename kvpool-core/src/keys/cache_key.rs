@@ -4,8 +4,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use crate::chunk_hash::ChunkHash;
 use crate::error::{KeyParseError, LayoutError};
+use crate::keys::chunk_hash::ChunkHash;
 
 /// Longest model name a key can hold (the binary key form stores its length in 16 bits, and two
 /// names must never share a key by being cut to the same prefix).

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::chunk_hash::{ChunkHash, HashAlgorithm};
 use crate::error::TokenError;
-use crate::key::{CacheKey, KeyScope};
+use crate::keys::cache_key::{CacheKey, KeyScope};
+use crate::keys::chunk_hash::{ChunkHash, HashAlgorithm};
 
 /// Default tokens per chunk (as in LMCache).
 pub const DEFAULT_CHUNK_SIZE: usize = 256;

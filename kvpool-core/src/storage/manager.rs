@@ -9,15 +9,17 @@ use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
 use tracing::warn;
 
-use crate::backend::{Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend};
 use crate::error::{BackendError, ConfigError, PoolError};
-use crate::key::CacheKey;
-use crate::memory_pool::MemoryObjMut;
-use crate::tier::Tier;
-use crate::tier_events::{TierEventKind, TierEventLog};
-use crate::tier_stats::{ManagerCounters, TierOp};
-pub use crate::tier_stats::{ManagerStats, TierStats};
-use crate::write_behind::{self, Pending};
+use crate::keys::cache_key::CacheKey;
+use crate::memory::pool::MemoryObjMut;
+use crate::storage::backend::{
+    Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend,
+};
+use crate::storage::tier::Tier;
+use crate::storage::tier_events::{TierEventKind, TierEventLog};
+use crate::storage::tier_stats::{ManagerCounters, TierOp};
+pub use crate::storage::tier_stats::{ManagerStats, TierStats};
+use crate::storage::write_behind::{self, Pending};
 
 /// Knobs of the storage manager.
 #[derive(Debug, Clone, Copy)]
@@ -193,7 +195,7 @@ impl StorageManager {
     }
 
     /// Each tier's own counters (hits, bytes, errors, corrupt values), in lookup order.
-    pub fn backend_stats(&self) -> Vec<crate::backend::BackendStats> {
+    pub fn backend_stats(&self) -> Vec<crate::storage::backend::BackendStats> {
         self.tiers.iter().map(|t| t.backend.stats()).collect()
     }
 

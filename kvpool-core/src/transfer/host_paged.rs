@@ -1,109 +1,9 @@
-//! `KvTransfer`: moving KV between an engine's paged cache and chunk memory via a slot mapping,
-//! and the host (CPU) implementation over a vLLM-style paged layout.
+//! `HostPagedKvCache`: a paged KV cache in host memory, the [`KvTransfer`] of tests, benchmarks
+//! and CPU engines.
 
+use super::{ChunkWindow, KvTransfer, check_chunk_window};
 use crate::error::TransferError;
 use crate::layout::KvLayout;
-
-/// Moves KV between an engine's paged cache and contiguous chunk buffers.
-///
-/// A token's place in the paged cache is its *slot*: `block_id * block_size + offset`. Chunk
-/// buffers are layer-major (see [`KvLayout`]): for layer `l` and plane `p` of an `n`-token
-/// chunk, token `t`'s row starts at `((l * planes + p) * n + t) * row_bytes`.
-pub trait KvTransfer: Send + Sync {
-    /// The layout of the paged cache.
-    fn layout(&self) -> &KvLayout;
-
-    /// Copies layer `layer` of the tokens at `slots` (one per chunk token, in order) into
-    /// that layer's region of `chunk`, a buffer of `slots.len()` tokens.
-    fn gather_layer(
-        &self,
-        layer: usize,
-        slots: &[i64],
-        chunk: &mut [u8],
-    ) -> Result<(), TransferError>;
-
-    /// Copies layer `layer` of chunk tokens `token_offset..token_offset + slots.len()` from
-    /// `chunk` (a buffer of `chunk_tokens` tokens) into the paged cache at `slots`.
-    fn scatter_layer(
-        &mut self,
-        layer: usize,
-        chunk: &[u8],
-        chunk_tokens: usize,
-        token_offset: usize,
-        slots: &[i64],
-    ) -> Result<(), TransferError>;
-
-    /// All layers of [`KvTransfer::gather_layer`].
-    fn gather(&self, slots: &[i64], chunk: &mut [u8]) -> Result<(), TransferError> {
-        for layer in 0..self.layout().num_layers {
-            self.gather_layer(layer, slots, chunk)?;
-        }
-        Ok(())
-    }
-
-    /// All layers of [`KvTransfer::scatter_layer`].
-    fn scatter(
-        &mut self,
-        chunk: &[u8],
-        chunk_tokens: usize,
-        token_offset: usize,
-        slots: &[i64],
-    ) -> Result<(), TransferError> {
-        for layer in 0..self.layout().num_layers {
-            self.scatter_layer(layer, chunk, chunk_tokens, token_offset, slots)?;
-        }
-        Ok(())
-    }
-}
-
-/// Checks a chunk buffer and token window against a layout and layer; shared by implementations.
-pub fn check_chunk_window(
-    layout: &KvLayout,
-    layer: usize,
-    chunk_len: usize,
-    chunk_tokens: usize,
-    token_offset: usize,
-    count: usize,
-) -> Result<(), TransferError> {
-    if layer >= layout.num_layers {
-        return Err(TransferError::LayerOutOfRange {
-            layer,
-            layers: layout.num_layers,
-        });
-    }
-    let expected = layout.chunk_bytes(chunk_tokens);
-    if chunk_len != expected {
-        return Err(TransferError::BufferSize {
-            actual: chunk_len,
-            expected,
-            tokens: chunk_tokens,
-        });
-    }
-    if token_offset + count > chunk_tokens {
-        return Err(TransferError::TokenRange {
-            start: token_offset,
-            end: token_offset + count,
-            tokens: chunk_tokens,
-        });
-    }
-    Ok(())
-}
-
-/// One chunk to write into a paged cache: its bytes (a whole `chunk_tokens`-token chunk,
-/// layer-major) and the slots of its tokens `token_offset..token_offset + slots.len()`.
-/// Transfer engines that queue every layer at once take a list of these;
-/// [`crate::LayerwiseRetrieve::windows`] makes them.
-#[derive(Debug, Clone, Copy)]
-pub struct ChunkWindow<'a> {
-    /// The chunk's bytes.
-    pub data: &'a [u8],
-    /// Tokens in the chunk.
-    pub chunk_tokens: usize,
-    /// First chunk token to write.
-    pub token_offset: usize,
-    /// Destination slots, one per token written.
-    pub slots: &'a [i64],
-}
 
 /// A paged KV cache in host memory, laid out as vLLM's per-layer tensors
 /// `[planes (2 for K/V, 1 for MLA), num_blocks, block_size, kv_heads, head_size]`.
@@ -202,19 +102,15 @@ impl KvTransfer for HostPagedKvCache {
     fn scatter_layer(
         &mut self,
         layer: usize,
-        chunk: &[u8],
-        chunk_tokens: usize,
-        token_offset: usize,
-        slots: &[i64],
+        window: ChunkWindow<'_>,
     ) -> Result<(), TransferError> {
-        check_chunk_window(
-            &self.layout,
-            layer,
-            chunk.len(),
+        window.check(&self.layout, layer)?;
+        let ChunkWindow {
+            data: chunk,
             chunk_tokens,
             token_offset,
-            slots.len(),
-        )?;
+            slots,
+        } = window;
         // Validate every slot before writing anything: a failed scatter leaves the cache as it was.
         let indices: Vec<usize> = slots
             .iter()
@@ -265,7 +161,7 @@ mod tests {
             src.gather(&slots, &mut chunk).unwrap();
             let mut dst = HostPagedKvCache::new(layout, 4);
             let new_slots = [1i64, 2, 3, 4];
-            dst.scatter(&chunk, 4, 0, &new_slots).unwrap();
+            dst.scatter(ChunkWindow::whole(&chunk, &new_slots)).unwrap();
             for l in 0..3 {
                 for p in 0..kind.planes() {
                     for (a, b) in slots.iter().zip(new_slots) {
@@ -285,7 +181,13 @@ mod tests {
         let mut chunk = vec![0u8; layout.chunk_bytes(4)];
         src.gather(&[0, 1, 2, 3], &mut chunk).unwrap();
         let mut dst = HostPagedKvCache::new(layout, 2);
-        dst.scatter(&chunk, 4, 2, &[2, 3]).unwrap();
+        dst.scatter(ChunkWindow {
+            data: &chunk,
+            chunk_tokens: 4,
+            token_offset: 2,
+            slots: &[2, 3],
+        })
+        .unwrap();
         assert_eq!(dst.row(0, 1, 3), src.row(0, 1, 3));
         assert!(dst.row(0, 0, 0).iter().all(|&b| b == 0));
         assert!(dst.row(0, 1, 1).iter().all(|&b| b == 0));
@@ -297,20 +199,40 @@ mod tests {
         let mut c = HostPagedKvCache::new(layout, 2);
         let chunk = vec![1u8; layout.chunk_bytes(2)];
         assert!(matches!(
-            c.scatter(&chunk, 2, 0, &[0, -1]),
+            c.scatter(ChunkWindow {
+                data: &chunk,
+                chunk_tokens: 2,
+                token_offset: 0,
+                slots: &[0, -1]
+            }),
             Err(TransferError::SlotOutOfRange { slot: -1, .. })
         ));
         assert!(c.layer(0).iter().all(|&b| b == 0));
         assert!(matches!(
-            c.scatter(&chunk, 2, 0, &[0, 4]),
+            c.scatter(ChunkWindow {
+                data: &chunk,
+                chunk_tokens: 2,
+                token_offset: 0,
+                slots: &[0, 4]
+            }),
             Err(TransferError::SlotOutOfRange { .. })
         ));
         assert!(matches!(
-            c.scatter(&chunk[1..], 2, 0, &[0, 1]),
+            c.scatter(ChunkWindow {
+                data: &chunk[1..],
+                chunk_tokens: 2,
+                token_offset: 0,
+                slots: &[0, 1]
+            }),
             Err(TransferError::BufferSize { .. })
         ));
         assert!(matches!(
-            c.scatter(&chunk, 2, 1, &[0, 1]),
+            c.scatter(ChunkWindow {
+                data: &chunk,
+                chunk_tokens: 2,
+                token_offset: 1,
+                slots: &[0, 1]
+            }),
             Err(TransferError::TokenRange { .. })
         ));
         let mut out = vec![0u8; layout.chunk_bytes(2)];

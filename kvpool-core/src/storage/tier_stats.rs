@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 
-use crate::backend::{BackendStats, StorageBackend};
-use crate::counter::StatCounter;
+use crate::storage::backend::{BackendStats, StorageBackend};
 use crate::telemetry as t;
+use crate::telemetry::counter::StatCounter;
 
 /// A tier call, for its latency histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

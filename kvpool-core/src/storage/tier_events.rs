@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::chunk_hash::ChunkHash;
-use crate::key::CacheKey;
+use crate::keys::cache_key::CacheKey;
+use crate::keys::chunk_hash::ChunkHash;
 
 /// What happened to the chunks of a [`TierEvent`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -124,7 +124,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::key::KeyScope;
+    use crate::keys::cache_key::KeyScope;
 
     fn key(i: u8) -> CacheKey {
         CacheKey::new(

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::backend::StorageBackend;
-use crate::key::CacheKey;
-use crate::tier_stats::TierCounters;
+use crate::keys::cache_key::CacheKey;
+use crate::storage::backend::StorageBackend;
+use crate::storage::tier_stats::TierCounters;
 
 /// One tier as the storage manager drives it: the backend, its counters, and its write-behind
 /// state (keys in flight, byte quota).

@@ -10,11 +10,11 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use crate::backend::Chunk;
-use crate::key::CacheKey;
-use crate::tier::Tier;
-use crate::tier_events::{TierEventKind, TierEventLog};
-use crate::tier_stats::TierOp;
+use crate::keys::cache_key::CacheKey;
+use crate::storage::backend::Chunk;
+use crate::storage::tier::Tier;
+use crate::storage::tier_events::{TierEventKind, TierEventLog};
+use crate::storage::tier_stats::TierOp;
 
 /// Counts spawned write-behind batches; `wait_idle` returns once none is left.
 #[derive(Debug, Default)]

@@ -375,7 +375,7 @@ mod tests {
     /// records, and groups by `tier` only those that carry it.
     #[test]
     fn the_dashboard_queries_only_recorded_metrics() {
-        let dashboard = include_str!("../../docs/grafana/kvpool-dashboard.json");
+        let dashboard = include_str!("../../../docs/grafana/kvpool-dashboard.json");
         let mut used = 0;
         for (at, _) in dashboard.match_indices("kvpool_") {
             let name: String = dashboard[at..]
@@ -411,7 +411,7 @@ mod tests {
     /// docs/metrics.md lists every metric of core's catalogue.
     #[test]
     fn docs_list_every_metric() {
-        let doc = include_str!("../../docs/metrics.md");
+        let doc = include_str!("../../../docs/metrics.md");
         for m in METRICS {
             assert!(
                 doc.contains(&format!("`{}`", m.name)),

@@ -47,7 +47,7 @@ pub struct KeyBinding {
 
 impl KeyBinding {
     /// The binding of `key`.
-    pub fn of(key: &crate::key::CacheKey) -> Self {
+    pub fn of(key: &crate::keys::cache_key::CacheKey) -> Self {
         KeyBinding {
             chunk_hash: key.hash.0,
             scope_digest: key.scope.digest(),

@@ -1,0 +1,8 @@
+//! Host memory: the bounded pool that every L1 chunk lives in, and the eviction policies that
+//! decide what a bounded tier drops.
+
+pub mod eviction;
+pub mod pool;
+
+pub use eviction::{EvictionKind, EvictionPolicy};
+pub use pool::{HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool};

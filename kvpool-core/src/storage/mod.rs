@@ -1,0 +1,18 @@
+//! Storage: the `StorageBackend` and `RemoteConnector` traits a tier implements, and the storage
+//! manager that orders tiers, looks up prefixes, promotes into L1 and writes behind, with each
+//! tier's counters and KV events.
+
+pub mod backend;
+pub mod manager;
+pub mod remote;
+mod tier;
+pub mod tier_events;
+mod tier_stats;
+mod write_behind;
+
+pub use backend::{
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
+    StorageBackend,
+};
+pub use manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use remote::{RemoteBackend, RemoteConnector};
