@@ -73,6 +73,7 @@ pub mod host_blocks;
 pub mod leases;
 pub mod lookup_service;
 pub mod metadata;
+pub mod offload_tier;
 pub mod request_trace;
 pub mod scheduler;
 pub mod vllm;

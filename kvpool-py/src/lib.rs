@@ -1,31 +1,41 @@
 //! kvpool's Python extension (`kvpool._native`): the connector's scheduler and worker for
-//! `kvpool.vllm.KvpoolConnector`. No KV bytes become Python objects: the worker hands out copy
+//! `kvpool.vllm.KvpoolConnector`, and the secondary tier for vLLM's native offloading
+//! (`kvpool.vllm.tier.KvpoolTier`). No KV bytes become Python objects: the worker hands out copy
 //! jobs (engine block ids and the addresses of kvpool's host chunks) that the Python side runs
 //! with torch, and the metadata between the two halves is kvpool's own encoded bytes.
 
 #![warn(missing_docs)]
 
 mod py_scheduler;
+mod py_tier;
 mod py_worker;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 pub use py_scheduler::PyScheduler;
+pub use py_tier::PyOffloadTier;
 pub use py_worker::{PyWorker, WorkerSpec};
 
 /// Parses the user's pool config: `format` is `"toml"` (text of a TOML file), `"json"` (a
 /// JSON object, as vLLM's `kv_connector_extra_config` gives it) or `"default"` (embedded
 /// defaults: 2 GiB of CPU memory, no lower tier).
 pub fn parse_pool_config(text: &str, format: &str) -> Result<kvpool_core::PoolConfig, String> {
+    let config = parse_pool_config_unchecked(text, format)?;
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+/// [`parse_pool_config`] without validation, for a config the caller fits to the engine (its
+/// layout and chunking) and validates afterwards.
+pub fn parse_pool_config_unchecked(
+    text: &str,
+    format: &str,
+) -> Result<kvpool_core::PoolConfig, String> {
     match format {
-        "toml" => kvpool_core::PoolConfig::from_toml(text).map_err(|e| e.to_string()),
-        "json" => {
-            let config: kvpool_core::PoolConfig = serde_json::from_str(text)
-                .map_err(|e| format!("cannot parse the kvpool config (JSON): {e}"))?;
-            config.validate().map_err(|e| e.to_string())?;
-            Ok(config)
-        }
+        "toml" => kvpool_core::PoolConfig::parse_toml(text).map_err(|e| e.to_string()),
+        "json" => serde_json::from_str(text)
+            .map_err(|e| format!("cannot parse the kvpool config (JSON): {e}")),
         "default" => Ok(kvpool_core::PoolConfig::default()),
         other => Err(format!(
             "unknown config format `{other}` (expected toml, json or default)"
@@ -126,6 +136,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
+    m.add_class::<PyOffloadTier>()?;
     m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;
     m.add_function(wrap_pyfunction!(lookup_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;

@@ -233,10 +233,15 @@ pub struct PoolConfig {
 impl PoolConfig {
     /// Parses TOML and validates it.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let cfg: PoolConfig =
-            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let cfg = Self::parse_toml(text)?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Parses TOML without validating: for callers that fit the config to an engine (layout,
+    /// chunking) and validate the result.
+    pub fn parse_toml(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))
     }
 
     /// Reads, parses and validates a TOML file.

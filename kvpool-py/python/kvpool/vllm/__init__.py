@@ -10,6 +10,7 @@
 | ``layouts.py`` | which KV cache layouts kvpool knows and how each becomes planes |
 | ``identity.py`` | what keys are bound to: the weights loaded, LoRA adapters, extra keys; the config |
 | ``reports.py`` | worker metadata, connector stats, Prometheus series, KV events |
+| ``tier.py`` | ``KvpoolTier``: kvpool as a secondary tier under vLLM's native offloading |
 
 The transfer path itself (torch block copies, the same code for CPU and CUDA tensors) is
 engine-agnostic: ``kvpool.transfer``. The connector's classes are imported on first use, so

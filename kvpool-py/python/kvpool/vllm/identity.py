@@ -119,23 +119,29 @@ def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
     name = mc.served_model_name or mc.model
     if isinstance(name, (list, tuple)):
         name = name[0]
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    return str(name), weights_digest(str(mc.model), getattr(mc, "revision", None), load_format)
+
+
+def weights_digest(model: str, revision: str | None = None, load_format: str = "auto") -> str:
+    """The digest of the weights a model path or Hugging Face id loads from its local files,
+    or a digest unique to this process when there are none (random weights, nothing local)."""
     pinned = os.environ.get(WEIGHTS_DIGEST_ENV)
     if pinned:
         logger.warning("kvpool: %s=%s pins the weights digest: checkpoints that differ share "
                        "keys (a test setting)", WEIGHTS_DIGEST_ENV, pinned)
-        return str(name), pinned
-    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+        return pinned
     if "dummy" in load_format:
         logger.warning("kvpool: load_format=%s gives random weights; this engine shares no "
                        "chunk with any other process", load_format)
-        return str(name), f"process-{_PROCESS_NONCE}"
-    directory = _local_checkpoint(str(mc.model), getattr(mc, "revision", None))
+        return f"process-{_PROCESS_NONCE}"
+    directory = _local_checkpoint(model, revision)
     digest = directory_digest(directory) if directory else None
     if digest is None:
         logger.warning("kvpool: no local weight files found for %s; keys are bound to this "
-                       "process only (nothing is shared across restarts)", mc.model)
-        return str(name), f"process-{_PROCESS_NONCE}"
-    return str(name), digest
+                       "process only (nothing is shared across restarts)", model)
+        return f"process-{_PROCESS_NONCE}"
+    return digest
 
 
 def _lora_identity(lora: Any) -> str:

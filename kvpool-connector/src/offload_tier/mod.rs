@@ -1,0 +1,433 @@
+//! kvpool as a secondary tier under vLLM's native offloading (`TieringOffloadingSpec`): jobs
+//! that move whole chunks (rows) of vLLM's CPU primary region to and from kvpool's tiers on
+//! kvpool's runtime, and lookups that answer "retry" while a lower tier is asked.
+//!
+//! vLLM's primary tier is one host region of `rows × row_bytes`, one row per offloaded chunk
+//! holding every TP rank's part, addressed by row id; vLLM pins a job's rows until the job is
+//! reported finished. The Python side (`kvpool.vllm.tier.KvpoolTier`) only forwards vLLM's calls:
+//! no KV byte becomes a Python object, and no code here touches GPU memory.
+//!
+//! A row is stored as one kvpool chunk under vLLM's `OffloadKey` (block hash and group), in a
+//! scope bound to the model's weights, the TP world and the row's layout
+//! ([`pool_config_for_offload_tier`]). Lower tiers verify the value's header (key, scope,
+//! layout fingerprint, checksum) before a byte is handed out, and a load also checks the
+//! value's length: a value that does not match is a miss, never data.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvpool_core::{
+    CacheKey, Chunk, ChunkHash, ChunkMeta, ConfigError, Dtype, HashAlgorithm, KeyScope, KvKind,
+    PoolConfig, StorageManager,
+};
+use parking_lot::{Condvar, Mutex};
+use tokio::runtime::Runtime;
+
+/// How long a lookup's answer from a lower tier is reused before the tier is asked again.
+pub const LOOKUP_ANSWER_TTL: Duration = Duration::from_secs(2);
+
+/// At most this many lookup answers are remembered (pending or answered); past it, keys not
+/// in L1 are misses until answers expire.
+pub const MAX_REMEMBERED_LOOKUPS: usize = 65_536;
+
+/// Fits the user's pool config to vLLM's primary region: one chunk is one row of `row_bytes`
+/// (an opaque layout of one plane of `row_bytes / 2` two-byte elements, so the tiers' size
+/// bounds fit it exactly), and the key scope is `model_scope` (the served name bound to the
+/// weights and the row layout), the TP `world_size` (a row holds every rank's part) and rank 0.
+pub fn pool_config_for_offload_tier(
+    base: &PoolConfig,
+    model_scope: &str,
+    world_size: u32,
+    row_bytes: usize,
+) -> Result<PoolConfig, ConfigError> {
+    if row_bytes == 0 || !row_bytes.is_multiple_of(2) {
+        return Err(ConfigError::Invalid {
+            field: "offload row",
+            reason: format!(
+                "vLLM's primary rows must be a positive even number of bytes, not {row_bytes}"
+            ),
+        });
+    }
+    let mut config = base.clone();
+    config.model.name = model_scope.to_string();
+    config.model.world_size = world_size.max(1);
+    config.model.rank = 0;
+    config.model.pp_rank = 0;
+    config.layout.num_layers = 1;
+    config.layout.num_kv_heads = 1;
+    config.layout.head_size = row_bytes / 2;
+    config.layout.dtype = Dtype::F16;
+    config.layout.kind = KvKind::MlaLatent;
+    config.layout.block_size = 1;
+    config.chunking.chunk_size = 1;
+    config.chunking.save_unfull_chunk = false;
+    config.validate()?;
+    Ok(config)
+}
+
+/// vLLM's primary region: `rows` rows of `row_bytes` at `base`.
+#[derive(Debug, Clone, Copy)]
+pub struct PrimaryRegion {
+    base: usize,
+    rows: usize,
+    row_bytes: usize,
+}
+
+impl PrimaryRegion {
+    /// The region at `base`.
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + rows * row_bytes` must stay valid for reads and writes for as long as
+    /// any [`OffloadTier`] built on it lives, and a row named by a job must not be touched by
+    /// anyone else until that job is reported finished (vLLM pins a job's rows).
+    pub unsafe fn new(base: usize, rows: usize, row_bytes: usize) -> Self {
+        Self {
+            base,
+            rows,
+            row_bytes,
+        }
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// Rows in the region.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn row_ptr(&self, row: usize) -> *mut u8 {
+        debug_assert!(row < self.rows);
+        (self.base + row * self.row_bytes) as *mut u8
+    }
+}
+
+/// A lookup's answer, as vLLM's `LookupResult`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierLookup {
+    /// Not stored (or not answered in time to say otherwise).
+    Miss,
+    /// Stored and ready to load.
+    Hit,
+    /// A lower tier is being asked: ask again later.
+    Retry,
+}
+
+/// A finished job, as vLLM's `JobResult`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierJobResult {
+    /// vLLM's job id.
+    pub job_id: u64,
+    /// Every row of the job was stored (store) or loaded (load).
+    pub success: bool,
+    /// For a load: how many leading keys of the job were loaded into their rows.
+    pub loaded: Option<usize>,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Seconds from submission to completion.
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Remembered {
+    Pending,
+    Answered { hit: bool, at: Instant },
+}
+
+#[derive(Default)]
+struct Shared {
+    finished: Mutex<Vec<TierJobResult>>,
+    lookups: Mutex<HashMap<ChunkHash, Remembered>>,
+    in_flight: AtomicUsize,
+    idle: Condvar,
+    idle_lock: Mutex<()>,
+}
+
+impl Shared {
+    fn finish(&self, result: TierJobResult) {
+        self.finished.lock().push(result);
+        if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.idle_lock.lock();
+            self.idle.notify_all();
+        }
+    }
+}
+
+/// kvpool as one secondary tier of vLLM's offloading: every method returns at once; jobs run
+/// on kvpool's runtime and are collected with [`OffloadTier::finished`].
+pub struct OffloadTier {
+    storage: Arc<StorageManager>,
+    runtime: Arc<Runtime>,
+    scope: Arc<KeyScope>,
+    region: PrimaryRegion,
+    meta: ChunkMeta,
+    hasher: HashAlgorithm,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for OffloadTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadTier")
+            .field("scope", &self.scope)
+            .field("rows", &self.region.rows)
+            .field("row_bytes", &self.region.row_bytes)
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+impl OffloadTier {
+    /// A tier over `storage` (built from a config fitted by [`pool_config_for_offload_tier`],
+    /// whose key scope is `scope`) moving rows of `region`; `tokens_per_row` is only counted.
+    pub fn new(
+        storage: Arc<StorageManager>,
+        runtime: Arc<Runtime>,
+        scope: KeyScope,
+        region: PrimaryRegion,
+        tokens_per_row: u32,
+        hasher: HashAlgorithm,
+    ) -> Self {
+        let meta = ChunkMeta {
+            layout_fingerprint: scope.layout_fingerprint,
+            dtype: Dtype::F16,
+            token_count: tokens_per_row.max(1),
+        };
+        Self {
+            storage,
+            runtime,
+            scope: Arc::new(scope),
+            region,
+            meta,
+            hasher,
+            shared: Arc::new(Shared::default()),
+        }
+    }
+
+    /// The kvpool key of vLLM's `OffloadKey` bytes.
+    pub fn key_of(&self, offload_key: &[u8]) -> CacheKey {
+        let hash = self
+            .hasher
+            .chain_blocks(&self.hasher.root(), &[offload_key]);
+        CacheKey::new(self.scope.clone(), hash)
+    }
+
+    /// Whether a chunk is stored: L1 answers at once; otherwise the first call starts reading
+    /// it from the lower tiers (verified, and promoted into L1 for the load that follows) and
+    /// answers [`TierLookup::Retry`] until they have answered; the answer is reused for
+    /// [`LOOKUP_ANSWER_TTL`].
+    pub fn lookup(&self, offload_key: &[u8]) -> TierLookup {
+        let key = self.key_of(offload_key);
+        if self.storage.primary_tier().is_some()
+            && self
+                .runtime
+                .block_on(self.storage.primary_prefix(std::slice::from_ref(&key)))
+                == 1
+        {
+            return TierLookup::Hit;
+        }
+        if self.storage.tier_count() <= usize::from(self.storage.primary_tier().is_some()) {
+            return TierLookup::Miss;
+        }
+        let mut lookups = self.shared.lookups.lock();
+        match lookups.get(&key.hash) {
+            Some(Remembered::Pending) => return TierLookup::Retry,
+            Some(Remembered::Answered { hit, at }) if at.elapsed() < LOOKUP_ANSWER_TTL => {
+                return if *hit {
+                    TierLookup::Hit
+                } else {
+                    TierLookup::Miss
+                };
+            }
+            _ => {}
+        }
+        if lookups.len() >= MAX_REMEMBERED_LOOKUPS {
+            lookups.retain(|_, r| match r {
+                Remembered::Pending => true,
+                Remembered::Answered { at, .. } => at.elapsed() < LOOKUP_ANSWER_TTL,
+            });
+            if lookups.len() >= MAX_REMEMBERED_LOOKUPS {
+                return TierLookup::Miss;
+            }
+        }
+        lookups.insert(key.hash, Remembered::Pending);
+        drop(lookups);
+        let storage = self.storage.clone();
+        let shared = self.shared.clone();
+        self.runtime.spawn(async move {
+            // A get, not an existence check: the value is verified (a corrupt or misplaced one
+            // is a miss, and is deleted) and promoted into L1, where the load will find it.
+            let hit = storage.get(std::slice::from_ref(&key)).await.len() == 1;
+            shared.lookups.lock().insert(
+                key.hash,
+                Remembered::Answered {
+                    hit,
+                    at: Instant::now(),
+                },
+            );
+        });
+        TierLookup::Retry
+    }
+
+    /// Checks a job's shape; a bad one finishes at once as failed.
+    fn accept(&self, job_id: u64, keys: &[Vec<u8>], rows: &[usize]) -> bool {
+        self.shared.in_flight.fetch_add(1, Ordering::AcqRel);
+        let bad_row = rows.iter().find(|&&r| r >= self.region.rows);
+        if keys.len() != rows.len() || bad_row.is_some() {
+            tracing::warn!(
+                job_id,
+                keys = keys.len(),
+                rows = rows.len(),
+                ?bad_row,
+                region_rows = self.region.rows,
+                "offload tier: job refused (keys and rows differ, or a row is outside the region)"
+            );
+            self.shared.finish(TierJobResult {
+                job_id,
+                success: false,
+                loaded: None,
+                bytes: 0,
+                seconds: 0.0,
+            });
+            return false;
+        }
+        true
+    }
+
+    /// Stores rows `rows[i]` of the primary region under `keys[i]`, in the background: each row
+    /// is copied into kvpool memory, then put into L1 and written behind to the lower tiers.
+    pub fn submit_store(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
+        if !self.accept(job_id, &keys, &rows) {
+            return;
+        }
+        let started = Instant::now();
+        let cache_keys: Vec<CacheKey> = keys.iter().map(|k| self.key_of(k)).collect();
+        let (storage, shared, region, meta) = (
+            self.storage.clone(),
+            self.shared.clone(),
+            self.region,
+            self.meta,
+        );
+        self.runtime.spawn(async move {
+            let mut entries = Vec::with_capacity(rows.len());
+            for (key, &row) in cache_keys.into_iter().zip(&rows) {
+                let Ok(mut buf) = storage.allocate(region.row_bytes) else {
+                    break;
+                };
+                // SAFETY: `row < region.rows` (checked in `accept`), the region is valid for
+                // the tier's life and vLLM keeps this job's rows pinned until it is reported.
+                let src =
+                    unsafe { std::slice::from_raw_parts(region.row_ptr(row), region.row_bytes) };
+                buf.as_mut_slice().copy_from_slice(src);
+                entries.push((
+                    key,
+                    Chunk {
+                        meta,
+                        data: buf.freeze(),
+                    },
+                ));
+            }
+            let copied = entries.len();
+            let stored = copied == rows.len()
+                && match storage.put(entries).await {
+                    Ok(outcome) => outcome.skipped == 0,
+                    Err(e) => {
+                        tracing::warn!(job_id, error = %e, "offload tier: store failed");
+                        false
+                    }
+                };
+            shared.finish(TierJobResult {
+                job_id,
+                success: stored,
+                loaded: None,
+                bytes: (copied * region.row_bytes) as u64,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        });
+    }
+
+    /// Loads `keys[i]` into rows `rows[i]` of the primary region, in the background. The
+    /// longest available prefix of the keys is fetched (promoted into L1 on the way) and
+    /// written; a value of another length ends the prefix.
+    pub fn submit_load(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
+        if !self.accept(job_id, &keys, &rows) {
+            return;
+        }
+        let started = Instant::now();
+        let cache_keys: Vec<CacheKey> = keys.iter().map(|k| self.key_of(k)).collect();
+        let (storage, shared, region, meta) = (
+            self.storage.clone(),
+            self.shared.clone(),
+            self.region,
+            self.meta,
+        );
+        self.runtime.spawn(async move {
+            let chunks = storage.get(&cache_keys).await;
+            let mut loaded = 0;
+            for (chunk, &row) in chunks.iter().zip(&rows) {
+                if chunk.data.len() != region.row_bytes
+                    || chunk.meta.layout_fingerprint != meta.layout_fingerprint
+                {
+                    tracing::warn!(
+                        job_id,
+                        len = chunk.data.len(),
+                        row_bytes = region.row_bytes,
+                        "offload tier: a stored value does not fit the row; loading stops there"
+                    );
+                    break;
+                }
+                // SAFETY: as in `submit_store`; the destination row is pinned for this job
+                // and written by it alone.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(region.row_ptr(row), region.row_bytes)
+                };
+                dst.copy_from_slice(chunk.data.as_slice());
+                loaded += 1;
+            }
+            shared.finish(TierJobResult {
+                job_id,
+                success: loaded == rows.len(),
+                loaded: Some(loaded),
+                bytes: (loaded * region.row_bytes) as u64,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        });
+    }
+
+    /// Jobs finished since the last call.
+    pub fn finished(&self) -> Vec<TierJobResult> {
+        std::mem::take(&mut *self.shared.finished.lock())
+    }
+
+    /// Jobs submitted and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Blocks until no job is in flight (every tier call is bounded by its timeout, so this
+    /// ends). Results stay queued for [`OffloadTier::finished`].
+    pub fn drain(&self) {
+        let mut guard = self.shared.idle_lock.lock();
+        while self.in_flight() > 0 {
+            self.shared
+                .idle
+                .wait_for(&mut guard, Duration::from_millis(50));
+        }
+    }
+
+    /// Drains, then flushes write-behind and closes the tiers.
+    pub fn close(&self) -> Result<(), kvpool_core::BackendError> {
+        self.drain();
+        self.runtime.block_on(async {
+            self.storage.flush().await?;
+            self.storage.close().await
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,239 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvpool_backends::{ControlledFaults, InMemoryConnector, LocalCpuBackend, TimeoutConnector};
+use kvpool_core::{
+    ChunkCodec, EvictionKind, HashAlgorithm, KeyScope, PoolConfig, RemoteBackend, StorageManager,
+    TierConfig,
+};
+
+use super::*;
+
+const ROW: usize = 4096;
+const ROWS: usize = 8;
+
+type Lower = ControlledFaults<InMemoryConnector>;
+
+struct Fixture {
+    tier: OffloadTier,
+    region: Vec<u8>,
+    lower: Lower,
+    runtime: Arc<Runtime>,
+}
+
+fn runtime() -> Arc<Runtime> {
+    Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap(),
+    )
+}
+
+fn scope(model: &str) -> KeyScope {
+    let config = pool_config_for_offload_tier(&PoolConfig::default(), model, 2, ROW).unwrap();
+    config.key_scope().unwrap()
+}
+
+/// A tier over an optional L1 (`l1_rows` rows) and one lower tier in process memory behind
+/// fault switches, moving rows of a region of `ROWS` rows filled with `seed`-dependent bytes.
+fn fixture(model: &str, l1_rows: Option<usize>, lower: Lower) -> Fixture {
+    let runtime = runtime();
+    let bounded = TimeoutConnector::new(lower.clone(), Duration::from_millis(300));
+    let mut builder = StorageManager::builder();
+    if let Some(rows) = l1_rows {
+        let cpu = Arc::new(LocalCpuBackend::new(rows * ROW, EvictionKind::Lru).unwrap());
+        builder = builder.primary(cpu.clone(), cpu);
+    }
+    let _inside = runtime.enter();
+    let storage = Arc::new(
+        builder
+            .lower(Arc::new(RemoteBackend::new(
+                bounded,
+                ChunkCodec::default(),
+                ROW as u64,
+            )))
+            .build()
+            .unwrap(),
+    );
+    let mut region: Vec<u8> = (0..ROWS * ROW)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1])
+        .collect();
+    // SAFETY: the region outlives the tier in every test (the fixture owns both and the
+    // tier is drained before the region is read or dropped).
+    let primary = unsafe { PrimaryRegion::new(region.as_mut_ptr() as usize, ROWS, ROW) };
+    let tier = OffloadTier::new(
+        storage,
+        runtime.clone(),
+        scope(model),
+        primary,
+        16,
+        HashAlgorithm::default(),
+    );
+    Fixture {
+        tier,
+        region,
+        lower,
+        runtime,
+    }
+}
+
+fn wait_finished(tier: &OffloadTier, jobs: usize) -> Vec<TierJobResult> {
+    tier.drain();
+    let done = tier.finished();
+    assert_eq!(done.len(), jobs, "{done:?}");
+    done
+}
+
+fn lookup_until_answered(tier: &OffloadTier, key: &[u8]) -> TierLookup {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match tier.lookup(key) {
+            TierLookup::Retry if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            answer => return answer,
+        }
+    }
+}
+
+fn row(f: &Fixture, r: usize) -> &[u8] {
+    &f.region[r * ROW..(r + 1) * ROW]
+}
+
+fn keys(n: u8) -> Vec<Vec<u8>> {
+    (0..n).map(|i| vec![i; 36]).collect()
+}
+
+#[test]
+fn rows_stored_then_loaded_into_other_rows_are_byte_exact_through_l1_and_the_lower_tier() {
+    for l1 in [Some(ROWS), None] {
+        let f = fixture("m@w=1", l1, Lower::default());
+        let want: Vec<Vec<u8>> = (0..3).map(|r| row(&f, r).to_vec()).collect();
+        f.tier.submit_store(1, keys(3), vec![0, 1, 2]);
+        let done = wait_finished(&f.tier, 1);
+        assert!(
+            done[0].success && done[0].bytes == 3 * ROW as u64,
+            "{done:?}"
+        );
+        f.runtime.block_on(f.tier.storage.flush()).unwrap();
+        assert_eq!(f.lower.inner().len(), 3, "written behind to the lower tier");
+        for k in keys(3) {
+            assert_eq!(
+                lookup_until_answered(&f.tier, &k),
+                TierLookup::Hit,
+                "l1 {l1:?}"
+            );
+        }
+        assert_eq!(lookup_until_answered(&f.tier, &[9; 36]), TierLookup::Miss);
+
+        f.tier.submit_load(2, keys(3), vec![5, 6, 7]);
+        let done = wait_finished(&f.tier, 1);
+        assert_eq!(done[0].loaded, Some(3), "{done:?}");
+        assert!(done[0].success);
+        for (i, want) in want.iter().enumerate() {
+            assert_eq!(row(&f, 5 + i), &want[..], "row {i}, l1 {l1:?}");
+        }
+    }
+}
+
+#[test]
+fn another_checkpoint_and_a_misplaced_or_corrupt_value_are_misses_never_data() {
+    let lower = Lower::default();
+    let writer = fixture("m@w=1", None, lower.clone());
+    writer.tier.submit_store(1, keys(2), vec![0, 1]);
+    assert!(wait_finished(&writer.tier, 1)[0].success);
+    writer
+        .runtime
+        .block_on(writer.tier.storage.flush())
+        .unwrap();
+
+    // Same served name, other weights: a scope of its own, nothing shared.
+    let other = fixture("m@w=2", None, lower.clone());
+    assert_eq!(
+        lookup_until_answered(&other.tier, &keys(1)[0]),
+        TierLookup::Miss
+    );
+    let before = row(&other, 4).to_vec();
+    other.tier.submit_load(2, keys(1), vec![4]);
+    let done = wait_finished(&other.tier, 1);
+    assert_eq!((done[0].success, done[0].loaded), (false, Some(0)));
+    assert_eq!(row(&other, 4), &before[..], "nothing written into the row");
+
+    // Key 1's value copied under key 0 (a misplaced value), and key 1's corrupted.
+    let reader = fixture("m@w=1", None, lower.clone());
+    let k0 = reader.tier.key_of(&keys(1)[0]).to_string();
+    let k1 = reader.tier.key_of(&keys(2)[1]).to_string();
+    let v1 = lower.inner().raw(&k1).unwrap();
+    lower.inner().insert_raw(&k0, v1.clone());
+    let mut corrupt = v1.to_vec();
+    *corrupt.last_mut().unwrap() ^= 1;
+    lower.inner().insert_raw(&k1, Bytes::from(corrupt));
+    for k in keys(2) {
+        assert_eq!(lookup_until_answered(&reader.tier, &k), TierLookup::Miss);
+    }
+    let before = row(&reader, 6).to_vec();
+    reader.tier.submit_load(3, keys(2), vec![6, 7]);
+    let done = wait_finished(&reader.tier, 1);
+    assert_eq!((done[0].success, done[0].loaded), (false, Some(0)));
+    assert_eq!(row(&reader, 6), &before[..]);
+}
+
+#[test]
+fn a_dead_lower_tier_fails_jobs_within_its_timeout_then_recovers() {
+    let lower = Lower::default();
+    let f = fixture("m@w=1", None, lower.clone());
+    f.tier.submit_store(1, keys(2), vec![0, 1]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    f.runtime.block_on(f.tier.storage.flush()).unwrap();
+
+    lower
+        .switches()
+        .hang
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let started = Instant::now();
+    assert_eq!(lookup_until_answered(&f.tier, &[7; 36]), TierLookup::Miss);
+    f.tier.submit_load(2, keys(2), vec![4, 5]);
+    let done = wait_finished(&f.tier, 1);
+    assert!(!done[0].success, "{done:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "bounded by the tier's timeout"
+    );
+
+    lower
+        .switches()
+        .hang
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    std::thread::sleep(LOOKUP_ANSWER_TTL);
+    assert_eq!(lookup_until_answered(&f.tier, &keys(1)[0]), TierLookup::Hit);
+    f.tier.submit_load(3, keys(2), vec![4, 5]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    assert_eq!(row(&f, 4), row(&f, 0));
+}
+
+#[test]
+fn a_job_with_a_row_outside_the_region_fails_at_once() {
+    let f = fixture("m@w=1", Some(ROWS), Lower::default());
+    f.tier.submit_store(1, keys(2), vec![0, ROWS]);
+    f.tier.submit_load(2, keys(1), vec![0, 1]);
+    let done = wait_finished(&f.tier, 2);
+    assert!(done.iter().all(|d| !d.success), "{done:?}");
+    assert_eq!(f.tier.in_flight(), 0);
+}
+
+#[test]
+fn the_pool_config_is_fitted_to_one_row_per_chunk_and_a_bad_one_is_refused() {
+    let mut base = PoolConfig::default();
+    base.tiers.push(TierConfig::new("memory://"));
+    let config = pool_config_for_offload_tier(&base, "m@w=1|kv=ab", 4, 1 << 20).unwrap();
+    assert_eq!(config.chunk_bytes().unwrap(), 1 << 20);
+    assert_eq!(config.key_scope().unwrap().world_size, 4);
+    assert!(pool_config_for_offload_tier(&base, "m", 1, 3).is_err());
+    let mut small = base.clone();
+    small.local_cpu.max_size = kvpool_core::ByteSize(64 << 10);
+    let err = pool_config_for_offload_tier(&small, "m", 1, 1 << 20).unwrap_err();
+    assert!(err.to_string().contains("local_cpu.max_size"), "{err}");
+}

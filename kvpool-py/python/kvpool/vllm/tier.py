@@ -1,0 +1,211 @@
+"""kvpool as a secondary tier under vLLM's native offloading (``TieringOffloadingSpec``).
+
+vLLM's offloading connector keeps a CPU primary tier that it fills from the GPU with its own
+copy kernels; below it, *secondary tiers* receive chunks from that CPU region ("cascade") and
+give them back ("promotion"). ``KvpoolTier`` is such a tier: kvpool's L1, RocksDB disk, Redis,
+S3 or Mooncake Store, with its integrity checks and timeouts. No code of kvpool's touches GPU
+memory on this route. Select it in the offloading connector's extra config::
+
+    "kv_connector": "OffloadingConnector",
+    "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 8589934592,
+        "secondary_tiers": [
+            {"type": "KvpoolTier", "module_path": "kvpool.vllm.tier",
+             "config": "/etc/kvpool/kvpool.toml"}
+        ]
+    }
+
+``config`` is what the connector takes (a path, TOML text or a dict; else ``KVPOOL_CONFIG``;
+else embedded defaults). Every method returns at once: jobs run on kvpool's runtime and are
+collected in ``get_finished_jobs``; a lookup that must ask a lower tier answers ``RETRY`` until
+it has the answer (the chunk is then already verified and in kvpool's L1). A value stored under
+another model, weights, TP size or row layout, or one that fails its checksum, is a ``MISS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import platform
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvpool import _native
+from kvpool.vllm.identity import model_identity, resolve_config, weights_digest
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+logger = logging.getLogger("kvpool.vllm")
+
+_LOOKUP = {0: LookupResult.MISS, 1: LookupResult.HIT, 2: LookupResult.RETRY}
+
+#: At most this many stored-chunk events wait for ``take_events`` (older ones are dropped).
+MAX_PENDING_EVENTS = 65_536
+
+
+def _scope_of(spec: "OffloadingSpec", row_bytes: int) -> tuple[str, int, int]:
+    """(model scope, world size, tokens per row): the served model bound to its weights and to
+    everything that decides a row's bytes (vLLM's offloading layout, dtype, parallelism)."""
+    config = spec.config
+    vllm_config = _current_vllm_config()
+    if vllm_config is not None:
+        name, weights = model_identity(vllm_config)
+    else:
+        name, weights = config.model.name, weights_digest(config.model.name)
+    parallel = config.parallel
+    layout = {
+        "kind": "vllm-offload-row",
+        "row_bytes": row_bytes,
+        "groups": [(g.tokens_per_block, list(g.layer_names), g.group_id) for g in config.groups],
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "dtype": config.model.dtype,
+        "cache": dataclasses.asdict(config.cache),
+        "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size,
+                     parallel.dcp_size],
+        "replicated_layout": config.replicated_layout,
+        "canonical_layout": config.canonical_layout,
+        "kv_cache_layout": config.kv_cache_layout,
+        "vllm": _vllm_version(),
+        "machine": platform.machine(),
+    }
+    digest = _native.digest_text(json.dumps(layout, sort_keys=True))
+    tokens = max((g.tokens_per_block for g in config.groups), default=1) * config.cache.blocks_per_chunk
+    return f"{name}@w={weights}|offload={digest[:16]}", max(1, parallel.world_size), tokens
+
+
+def _current_vllm_config():
+    try:
+        from vllm.config import get_current_vllm_config
+
+        current = get_current_vllm_config()
+    except Exception:  # noqa: BLE001 - no current config: fall back to the model path
+        return None
+    return current if getattr(current, "model_config", None) is not None else None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+class KvpoolTier(SecondaryTierManager):
+    """kvpool's tiers as one secondary tier of vLLM's offloading (see the module docs)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: "BackpressureDetector | None" = None,
+        config: Any = None,
+        locality: Any = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(
+                f"kvpool tier: unknown option(s) {sorted(unknown)}; it takes `config` (a path, "
+                "TOML text or a dict) besides vLLM's own `type`, `module_path`, `locality` and "
+                "`backpressure`"
+            )
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        rows = np.asarray(primary_kv_view)
+        if rows.ndim != 2 or not rows.flags.c_contiguous or not rows.flags.writeable:
+            raise ValueError(
+                "kvpool tier: vLLM's primary view must be a writable C-contiguous "
+                f"(chunks, bytes) array, not shape {rows.shape} flags {rows.flags}"
+            )
+        # The tier keeps the array (and through it vLLM's memoryview) alive: Rust holds its
+        # address.
+        self._rows = rows
+        row_bytes = int(rows.shape[1]) * rows.itemsize
+        text, fmt = resolve_config({} if config is None else {"config": config})
+        scope, world, tokens = _scope_of(offloading_spec, row_bytes)
+        self._native = _native.OffloadTier(
+            text, fmt, scope, world, int(rows.ctypes.data), int(rows.shape[0]), row_bytes, tokens
+        )
+        self._jobs: dict[int, list[OffloadKey]] = {}
+        self._stored_jobs: set[int] = set()
+        events_config = getattr(offloading_spec, "kv_events_config", None)
+        self._events_enabled = bool(getattr(events_config, "enable_kv_cache_events", False))
+        self._events: list[OffloadingEvent] = []
+        logger.info("kvpool tier: %d rows of %d bytes, tiers %s, scope %s", rows.shape[0],
+                    row_bytes, self._native.tier_names(), scope)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self._native.lookup(bytes(key))]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._jobs[job_metadata.job_id] = keys
+        self._stored_jobs.add(job_metadata.job_id)
+        self._native.submit_store(job_metadata.job_id, [bytes(k) for k in keys],
+                                  [int(c) for c in job_metadata.chunk_ids])
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._jobs[job_metadata.job_id] = keys
+        self._native.submit_load(job_metadata.job_id, [bytes(k) for k in keys],
+                                 [int(c) for c in job_metadata.chunk_ids])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id, success, loaded, nbytes, seconds in self._native.finished():
+            keys = self._jobs.pop(job_id, [])
+            is_store = job_id in self._stored_jobs
+            self._stored_jobs.discard(job_id)
+            successful = None
+            if not is_store and not success and loaded:
+                successful = keys[:loaded]
+            if is_store and success and self._events_enabled and keys:
+                self._record_event(keys)
+            results.append(JobResult(job_id=job_id, success=success, successful_keys=successful,
+                                     transfer_time=seconds, transfer_bytes=nbytes))
+        return results
+
+    def _record_event(self, keys: list[OffloadKey]) -> None:
+        self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
+                                            locality=self.locality, ownership=self.tier_type))
+        if len(self._events) > MAX_PENDING_EVENTS:
+            del self._events[: len(self._events) - MAX_PENDING_EVENTS]
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def has_pending_work(self) -> bool:
+        return self._native.in_flight() > 0
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        self._native.drain()
+
+    def shutdown(self) -> None:
+        self._native.close()

@@ -1,0 +1,136 @@
+//! `kvpool._native.OffloadTier`: kvpool as a secondary tier of vLLM's native offloading, for
+//! `kvpool.vllm.tier.KvpoolTier` (the Rust side is `kvpool_connector::offload_tier`).
+
+use std::sync::Arc;
+
+use kvpool_connector::offload_tier::{
+    OffloadTier, PrimaryRegion, TierLookup, pool_config_for_offload_tier,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// One finished job: (job id, success, leading keys loaded (loads only), bytes, seconds).
+type FinishedJob = (u64, bool, Option<usize>, u64, f64);
+
+/// kvpool's tiers behind vLLM's CPU primary region: lookups, store and load jobs by row id.
+#[pyclass(name = "OffloadTier", module = "kvpool._native", frozen)]
+pub struct PyOffloadTier {
+    tier: OffloadTier,
+    tier_names: Vec<String>,
+}
+
+#[pymethods]
+impl PyOffloadTier {
+    /// Builds the pool from the user's config fitted to the region (`rows` rows of
+    /// `row_bytes` at address `base`) and the key scope `model_scope` / `world_size`.
+    ///
+    /// Only `kvpool.vllm.tier` constructs this: it passes the address of vLLM's primary
+    /// memoryview and keeps the view alive for the tier's life, and vLLM pins a job's rows
+    /// until the job is reported finished.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        config_text: &str,
+        config_format: &str,
+        model_scope: &str,
+        world_size: u32,
+        base: usize,
+        rows: usize,
+        row_bytes: usize,
+        tokens_per_row: u32,
+    ) -> PyResult<Self> {
+        if base == 0 || rows == 0 {
+            return Err(PyValueError::new_err(
+                "kvpool: vLLM's primary region is empty (no address or no rows)",
+            ));
+        }
+        py.detach(|| {
+            let base_config =
+                crate::parse_pool_config_unchecked(config_text, config_format).map_err(PyValueError::new_err)?;
+            let config = pool_config_for_offload_tier(&base_config, model_scope, world_size, row_bytes)
+                .map_err(|e| PyValueError::new_err(format!("kvpool tier: {e}")))?;
+            let runtime = Arc::new(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("kvpool-tier")
+                    .enable_all()
+                    .build()
+                    .map_err(|e| PyRuntimeError::new_err(format!("cannot start kvpool's runtime: {e}")))?,
+            );
+            let pool = runtime
+                .block_on(kvpool_backends::build_pool(&config))
+                .map_err(|e| PyRuntimeError::new_err(format!("kvpool tier: {e}")))?;
+            let scope = config
+                .key_scope()
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let storage = pool.engine.storage().clone();
+            let tier_names = storage.tier_names();
+            // SAFETY: see this constructor's doc: the caller keeps the region alive and vLLM
+            // pins a job's rows until it is reported.
+            let region = unsafe { PrimaryRegion::new(base, rows, row_bytes) };
+            tracing::info!(scope = %config.model.name, tiers = ?tier_names, rows, row_bytes, "kvpool offload tier ready");
+            Ok(PyOffloadTier {
+                tier: OffloadTier::new(
+                    storage,
+                    runtime,
+                    scope,
+                    region,
+                    tokens_per_row,
+                    config.chunking.hash_algorithm,
+                ),
+                tier_names,
+            })
+        })
+    }
+
+    /// 0 miss, 1 hit, 2 retry (a lower tier is being asked).
+    fn lookup(&self, py: Python<'_>, key: &[u8]) -> u8 {
+        let key = key.to_vec();
+        match py.detach(|| self.tier.lookup(&key)) {
+            TierLookup::Miss => 0,
+            TierLookup::Hit => 1,
+            TierLookup::Retry => 2,
+        }
+    }
+
+    /// Starts storing rows `rows[i]` under `keys[i]`; returns at once.
+    fn submit_store(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
+        self.tier.submit_store(job_id, keys, rows);
+    }
+
+    /// Starts loading `keys[i]` into rows `rows[i]`; returns at once.
+    fn submit_load(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
+        self.tier.submit_load(job_id, keys, rows);
+    }
+
+    /// Jobs finished since the last call.
+    fn finished(&self) -> Vec<FinishedJob> {
+        self.tier
+            .finished()
+            .into_iter()
+            .map(|r| (r.job_id, r.success, r.loaded, r.bytes, r.seconds))
+            .collect()
+    }
+
+    /// Jobs submitted and not yet finished.
+    fn in_flight(&self) -> usize {
+        self.tier.in_flight()
+    }
+
+    /// Blocks until no job is in flight.
+    fn drain(&self, py: Python<'_>) {
+        py.detach(|| self.tier.drain());
+    }
+
+    /// Drains, flushes write-behind and closes the tiers.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.tier.close())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// The pool's tiers, in lookup order.
+    fn tier_names(&self) -> Vec<String> {
+        self.tier_names.clone()
+    }
+}
