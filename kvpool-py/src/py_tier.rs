@@ -123,7 +123,13 @@ impl PyOffloadTier {
         py.detach(|| self.tier.drain());
     }
 
-    /// Drains, flushes write-behind and closes the tiers.
+    /// vLLM's `reset_cache`: drains, then nothing stored before is found again (a fresh key
+    /// root; weights may have been pushed into the running engine).
+    fn reset(&self, py: Python<'_>) {
+        py.detach(|| self.tier.reset());
+    }
+
+    /// Refuses later jobs and lookups, drains, flushes write-behind and closes the tiers.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.tier.close())
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))

@@ -122,8 +122,8 @@ def free_port():
 class RedisServer:
     """A redis-server on 127.0.0.1, started and stopped by PID."""
 
-    def __init__(self, workdir):
-        self.port = free_port()
+    def __init__(self, workdir, port=None):
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(dir=workdir, prefix="redis-")
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",

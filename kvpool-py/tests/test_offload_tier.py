@@ -11,6 +11,7 @@ import uuid
 
 import numpy as np
 import pytest
+from conftest import RedisServer
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -150,16 +151,63 @@ def test_chunks_cascaded_into_redis_are_promoted_byte_exact_in_another_engine(re
         reader.close()
 
 
-def test_chunks_on_disk_come_back_after_the_primary_tier_was_reset(tmp_path):
+def test_chunks_evicted_from_vllms_cpu_tier_come_back_from_disk(tmp_path):
     keys = _keys(6, salt=1)
     payloads = _payloads(keys, seed=2)
     # No kvpool L1: every chunk lives on disk only.
     engine = Engine(_tier(f"file://{tmp_path}/kvpool-tier", l1=False))
     try:
         engine.store(keys, payloads)
-        engine.manager.reset_cache()  # vLLM's CPU tier forgets everything (drains our jobs first)
-        engine.rows[:] = 0
+        others = _keys(CHUNKS, salt=2)  # fills vLLM's CPU tier: the first six are evicted
+        engine.store(others, _payloads(others, seed=3))
+        assert all(engine.primary.lookup(k, ReqContext(req_id="p")) is LookupResult.MISS
+                   for k in keys)
         _assert_promoted_byte_exact(engine, keys, payloads)
+    finally:
+        engine.close()
+
+
+def test_after_vllms_reset_cache_nothing_stored_before_is_found(tmp_path):
+    keys = _keys(2, salt=11)
+    engine = Engine(_tier(f"file://{tmp_path}/reset", l1=False))
+    try:
+        engine.store(keys, _payloads(keys))
+        # Weights pushed into the running engine change no file: reset_cache must be enough.
+        engine.manager.reset_cache()
+        assert [engine.lookup(k) for k in keys] == [LookupResult.MISS] * 2
+    finally:
+        engine.close()
+
+
+def _finished(tier, timeout=10.0):
+    deadline = time.time() + timeout
+    while True:
+        results = list(tier.get_finished_jobs())
+        if results or time.time() > deadline:
+            return results
+        time.sleep(0.01)
+
+
+def _promotion(job_id, keys, rows):
+    return TransferJob(job_id=job_id, keys=keys, chunk_ids=np.array(rows, dtype=np.int32),
+                       is_promotion=True, req_context=ReqContext(req_id=f"job-{job_id}"))
+
+
+def test_a_partial_promotion_names_the_keys_that_loaded(tmp_path):
+    stored = _keys(2, salt=12)
+    payloads = _payloads(stored)
+    missing = make_offload_key(b"\x0e" * 32, 0)
+    engine = Engine(_tier(f"file://{tmp_path}/partial", l1=False))
+    try:
+        engine.store(stored, payloads)
+        before = engine.rows[14:16].copy()
+        engine.tier.submit_load(_promotion(20_000, [stored[0], missing, stored[1]], [13, 14, 15]))
+        (result,) = _finished(engine.tier)
+        assert not result.success
+        assert list(result.successful_keys) == [stored[0]]
+        assert result.transfer_bytes == ROW
+        assert bytes(engine.rows[13]) == payloads[stored[0]].tobytes()
+        assert (engine.rows[14:16] == before).all(), "rows after the prefix untouched"
     finally:
         engine.close()
 
@@ -167,55 +215,68 @@ def test_chunks_on_disk_come_back_after_the_primary_tier_was_reset(tmp_path):
 def test_other_weights_and_corrupt_or_misplaced_values_are_misses(redis_server, monkeypatch):
     keys = _keys(3, salt=7)
     monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", "weights-a")
+    payloads = _payloads(keys)
     writer = Engine(_tier(redis_server.url))
-    writer.store(keys, _payloads(keys))
+    writer.store(keys, payloads)
     writer.close()
     stored = redis_server.keys()
     assert len(stored) == 3
 
-    monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", "weights-b")
-    other = Engine(_tier(redis_server.url))
-    try:
-        assert all(other.lookup(k) is LookupResult.MISS for k in keys)
-    finally:
-        other.close()
+    def lookups(weights, check_bytes=False):
+        monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", weights)
+        engine = Engine(_tier(redis_server.url))
+        try:
+            answers = [engine.lookup(k) for k in keys]
+            if check_bytes:  # whatever is found is the key's own bytes, never another's
+                found = [k for k, a in zip(keys, answers) if a is LookupResult.HIT]
+                for key, row in zip(found, engine.read(found)):
+                    assert row == payloads[key].tobytes()
+            return answers
+        finally:
+            engine.close()
 
-    # Same weights again, but one value corrupted and another's bytes copied over the third.
-    monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", "weights-a")
-    reader = Engine(_tier(redis_server.url))
-    try:
-        # Find which stored Redis key holds which offload key by loading them first.
-        assert all(reader.lookup(k) is LookupResult.HIT for k in keys)
-    finally:
-        reader.close()
+    assert lookups("weights-b") == [LookupResult.MISS] * 3, "other weights share nothing"
+    assert lookups("weights-a") == [LookupResult.HIT] * 3, "the same weights find them all"
+    # One value corrupted, and another's bytes copied over the third.
     redis_server.cli("SETRANGE", stored[0], "100", "garbage")
     redis_server.cli("COPY", stored[1], stored[2], "REPLACE")
-    reader = Engine(_tier(redis_server.url))
-    try:
-        hits = [reader.lookup(k) for k in keys]
-        assert hits.count(LookupResult.HIT) == 1, hits
-    finally:
-        reader.close()
+    hits = lookups("weights-a", check_bytes=True)
+    assert hits.count(LookupResult.HIT) == 1, hits
 
 
-def test_a_dead_tier_fails_jobs_within_its_timeout_never_hangs(redis_server):
+def test_a_dead_tier_fails_jobs_within_its_timeout_then_recovers(redis_server, scratch):
     keys = _keys(2, salt=9)
-    engine = Engine(_tier(redis_server.url))
+    engine = Engine(_tier(redis_server.url, l1=False))
+    restarted = None
     try:
         engine.store(keys, _payloads(keys))
         redis_server.stop()
         started = time.time()
         assert engine.lookup(make_offload_key(b"\x01" * 32, 0)) is LookupResult.MISS
-        tier = engine.tier
-        tier.submit_load(TransferJob(job_id=10_000, keys=[make_offload_key(b"\x02" * 32, 0)],
-                                     chunk_ids=np.array([3], dtype=np.int32), is_promotion=True,
-                                     req_context=ReqContext(req_id="x")))
-        tier.drain_jobs()
-        results = list(tier.get_finished_jobs())
+        engine.tier.submit_load(_promotion(10_000, keys[:1], [3]))
+        results = _finished(engine.tier)
         assert [(r.job_id, r.success) for r in results] == [(10_000, False)]
-        assert time.time() - started < 10
+        assert time.time() - started < 10, "bounded by the tier's timeout"
+
+        # The same server back (empty): new chunks are stored and another engine loads them.
+        restarted = RedisServer(scratch, port=redis_server.port)
+        reader = Engine(_tier(redis_server.url, l1=False))
+        try:
+            deadline = time.time() + 30
+            for salt in itertools.count(20):  # until the tier's client has reconnected
+                fresh = _keys(2, salt=salt)
+                payloads = _payloads(fresh, seed=salt)
+                engine.store(fresh, payloads)
+                if reader.lookup(fresh[0]) is LookupResult.HIT or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            _assert_promoted_byte_exact(reader, fresh, payloads)
+        finally:
+            reader.close()
     finally:
         engine.close()
+        if restarted is not None:
+            restarted.stop()
 
 
 def test_stored_chunks_are_reported_as_events_of_the_tier(tmp_path):
@@ -226,6 +287,26 @@ def test_stored_chunks_are_reported_as_events_of_the_tier(tmp_path):
         events = [e for e in engine.manager.take_events() if e.ownership == "KvpoolTier"]
         assert [sorted(e.keys) for e in events] == [sorted(keys)]
         assert not events[0].removed
+    finally:
+        engine.close()
+
+
+def test_the_tiers_series_reach_vllms_metrics(tmp_path):
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    tier_config = _tier(f"file://{tmp_path}/m")
+    names = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": [tier_config]})
+    assert {"vllm:kvpool_tier_lookups", "vllm:kvpool_tier_jobs", "vllm:kvpool_tier_bytes"} <= set(names)
+    keys = _keys(2, salt=4)
+    engine = Engine(tier_config)
+    try:
+        engine.store(keys, _payloads(keys))
+        engine.lookup(make_offload_key(b"\x03" * 32, 0))
+        reduced = engine.tier.get_stats().reduce()
+        assert reduced["vllm:kvpool_tier_jobs:('store', 'ok')"] == 1
+        assert reduced["vllm:kvpool_tier_bytes:('store',)"] == 2 * ROW
+        assert reduced["vllm:kvpool_tier_lookups:('miss',)"] == 1
+        assert engine.tier.get_stats() is None, "stats are reset once taken"
     finally:
         engine.close()
 

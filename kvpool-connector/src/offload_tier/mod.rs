@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpool_core::{
@@ -139,10 +139,37 @@ enum Remembered {
     Answered { hit: bool, at: Instant },
 }
 
+/// Lookup answers remembered per chunk hash, and when they were last swept.
+struct Lookups {
+    answers: HashMap<ChunkHash, Remembered>,
+    last_sweep: Instant,
+}
+
+impl Default for Lookups {
+    fn default() -> Self {
+        Lookups {
+            answers: HashMap::new(),
+            last_sweep: Instant::now(),
+        }
+    }
+}
+
+impl Lookups {
+    fn answer(&mut self, hash: ChunkHash, hit: bool) {
+        self.answers.insert(
+            hash,
+            Remembered::Answered {
+                hit,
+                at: Instant::now(),
+            },
+        );
+    }
+}
+
 #[derive(Default)]
 struct Shared {
     finished: Mutex<Vec<TierJobResult>>,
-    lookups: Mutex<HashMap<ChunkHash, Remembered>>,
+    lookups: Mutex<Lookups>,
     in_flight: AtomicUsize,
     idle: Condvar,
     idle_lock: Mutex<()>,
@@ -158,6 +185,83 @@ impl Shared {
     }
 }
 
+/// A job on its way: what its background task needs, and its report. A job dropped without
+/// a report (its task panicked, or the runtime shut down) reports itself failed, so vLLM never
+/// waits for it (its rows stay pinned until then) and `drain` ends.
+struct Job {
+    id: u64,
+    started: Instant,
+    keys: Vec<CacheKey>,
+    rows: Vec<usize>,
+    storage: Arc<StorageManager>,
+    shared: Arc<Shared>,
+    region: PrimaryRegion,
+    meta: ChunkMeta,
+    is_load: bool,
+    reported: bool,
+}
+
+impl Job {
+    /// Reports the job finished, having moved `rows_moved` rows.
+    fn finish(mut self, success: bool, loaded: Option<usize>, rows_moved: usize) {
+        self.report(success, loaded, rows_moved);
+    }
+
+    fn report(&mut self, success: bool, loaded: Option<usize>, rows_moved: usize) {
+        self.reported = true;
+        if self.is_load && !success {
+            // What did not load must not stay a remembered hit: vLLM would promote it again.
+            let mut lookups = self.shared.lookups.lock();
+            for key in self.keys.iter().skip(loaded.unwrap_or(0)) {
+                lookups.answer(key.hash, false);
+            }
+        }
+        self.shared.finish(TierJobResult {
+            job_id: self.id,
+            success,
+            loaded,
+            bytes: (rows_moved * self.region.row_bytes) as u64,
+            seconds: self.started.elapsed().as_secs_f64(),
+        });
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if !self.reported {
+            tracing::warn!(
+                job_id = self.id,
+                "offload tier: job ended without a result; reported failed"
+            );
+            let loaded = self.is_load.then_some(0);
+            self.report(false, loaded, 0);
+        }
+    }
+}
+
+/// A lookup's background read: dropped without an answer (panic, shutdown), it answers "miss",
+/// so the key does not stay "retry" for ever.
+struct LookupRead {
+    shared: Arc<Shared>,
+    hash: ChunkHash,
+    answered: bool,
+}
+
+impl LookupRead {
+    fn answer(mut self, hit: bool) {
+        self.answered = true;
+        self.shared.lookups.lock().answer(self.hash, hit);
+    }
+}
+
+impl Drop for LookupRead {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.shared.lookups.lock().answer(self.hash, false);
+        }
+    }
+}
+
 /// kvpool as one secondary tier of vLLM's offloading: every method returns at once; jobs run
 /// on kvpool's runtime and are collected with [`OffloadTier::finished`].
 pub struct OffloadTier {
@@ -167,6 +271,9 @@ pub struct OffloadTier {
     region: PrimaryRegion,
     meta: ChunkMeta,
     hasher: HashAlgorithm,
+    /// What every key's hash chains from: the fixed root, or a random one after a reset.
+    root: Mutex<ChunkHash>,
+    closed: AtomicBool,
     shared: Arc<Shared>,
 }
 
@@ -204,15 +311,28 @@ impl OffloadTier {
             region,
             meta,
             hasher,
+            root: Mutex::new(hasher.root()),
+            closed: AtomicBool::new(false),
             shared: Arc::new(Shared::default()),
         }
     }
 
+    /// What vLLM's `reset_cache` means for the tier (sleep, resume, or new weights pushed into
+    /// the running engine, which change no file and so no scope): waits for the jobs in flight,
+    /// then chains every later key from a fresh random root and forgets remembered lookups, so
+    /// nothing stored before is ever loaded again. Restarted engines start from the fixed root
+    /// and share what their weights' files allow.
+    pub fn reset(&self) {
+        self.drain();
+        let salt: [u8; 16] = rand::random();
+        *self.root.lock() = self.hasher.chain_extra(&self.hasher.root(), &salt);
+        self.shared.lookups.lock().answers.clear();
+    }
+
     /// The kvpool key of vLLM's `OffloadKey` bytes.
     pub fn key_of(&self, offload_key: &[u8]) -> CacheKey {
-        let hash = self
-            .hasher
-            .chain_blocks(&self.hasher.root(), &[offload_key]);
+        let root = *self.root.lock();
+        let hash = self.hasher.chain_blocks(&root, &[offload_key]);
         CacheKey::new(self.scope.clone(), hash)
     }
 
@@ -221,6 +341,9 @@ impl OffloadTier {
     /// answers [`TierLookup::Retry`] until they have answered; the answer is reused for
     /// [`LOOKUP_ANSWER_TTL`].
     pub fn lookup(&self, offload_key: &[u8]) -> TierLookup {
+        if self.closed.load(Ordering::Acquire) {
+            return TierLookup::Miss;
+        }
         let key = self.key_of(offload_key);
         if self.storage.primary_tier().is_some()
             && self
@@ -234,7 +357,7 @@ impl OffloadTier {
             return TierLookup::Miss;
         }
         let mut lookups = self.shared.lookups.lock();
-        match lookups.get(&key.hash) {
+        match lookups.answers.get(&key.hash) {
             Some(Remembered::Pending) => return TierLookup::Retry,
             Some(Remembered::Answered { hit, at }) if at.elapsed() < LOOKUP_ANSWER_TTL => {
                 return if *hit {
@@ -245,108 +368,111 @@ impl OffloadTier {
             }
             _ => {}
         }
-        if lookups.len() >= MAX_REMEMBERED_LOOKUPS {
-            lookups.retain(|_, r| match r {
+        if lookups.answers.len() >= MAX_REMEMBERED_LOOKUPS {
+            // Expired answers go at most once per TTL: a full map costs a scheduler step one
+            // sweep, not one per lookup; while it stays full, new keys are misses.
+            if lookups.last_sweep.elapsed() < LOOKUP_ANSWER_TTL {
+                return TierLookup::Miss;
+            }
+            lookups.last_sweep = Instant::now();
+            lookups.answers.retain(|_, r| match r {
                 Remembered::Pending => true,
                 Remembered::Answered { at, .. } => at.elapsed() < LOOKUP_ANSWER_TTL,
             });
-            if lookups.len() >= MAX_REMEMBERED_LOOKUPS {
+            if lookups.answers.len() >= MAX_REMEMBERED_LOOKUPS {
                 return TierLookup::Miss;
             }
         }
-        lookups.insert(key.hash, Remembered::Pending);
+        lookups.answers.insert(key.hash, Remembered::Pending);
         drop(lookups);
         let storage = self.storage.clone();
-        let shared = self.shared.clone();
+        let read = LookupRead {
+            shared: self.shared.clone(),
+            hash: key.hash,
+            answered: false,
+        };
         self.runtime.spawn(async move {
             // A get, not an existence check: the value is verified (a corrupt or misplaced one
             // is a miss, and is deleted) and promoted into L1, where the load will find it.
             let hit = storage.get(std::slice::from_ref(&key)).await.len() == 1;
-            shared.lookups.lock().insert(
-                key.hash,
-                Remembered::Answered {
-                    hit,
-                    at: Instant::now(),
-                },
-            );
+            read.answer(hit);
         });
         TierLookup::Retry
     }
 
-    /// Checks a job's shape; a bad one finishes at once as failed.
-    fn accept(&self, job_id: u64, keys: &[Vec<u8>], rows: &[usize]) -> bool {
+    /// Starts a job: checks its shape (a bad one finishes at once as failed) and gathers what
+    /// its background task needs.
+    fn start(&self, job_id: u64, keys: &[Vec<u8>], rows: Vec<usize>, is_load: bool) -> Option<Job> {
         self.shared.in_flight.fetch_add(1, Ordering::AcqRel);
-        let bad_row = rows.iter().find(|&&r| r >= self.region.rows);
-        if keys.len() != rows.len() || bad_row.is_some() {
+        let job = Job {
+            is_load,
+            reported: false,
+            id: job_id,
+            started: Instant::now(),
+            keys: keys.iter().map(|k| self.key_of(k)).collect(),
+            rows,
+            storage: self.storage.clone(),
+            shared: self.shared.clone(),
+            region: self.region,
+            meta: self.meta,
+        };
+        if self.closed.load(Ordering::Acquire) {
+            tracing::warn!(job_id, "offload tier: job after close; reported failed");
+            job.finish(false, is_load.then_some(0), 0);
+            return None;
+        }
+        let bad_row = job.rows.iter().find(|&&r| r >= self.region.rows);
+        if job.keys.len() != job.rows.len() || bad_row.is_some() {
             tracing::warn!(
                 job_id,
-                keys = keys.len(),
-                rows = rows.len(),
+                keys = job.keys.len(),
+                rows = job.rows.len(),
                 ?bad_row,
                 region_rows = self.region.rows,
                 "offload tier: job refused (keys and rows differ, or a row is outside the region)"
             );
-            self.shared.finish(TierJobResult {
-                job_id,
-                success: false,
-                loaded: None,
-                bytes: 0,
-                seconds: 0.0,
-            });
-            return false;
+            job.finish(false, is_load.then_some(0), 0);
+            return None;
         }
-        true
+        Some(job)
     }
 
     /// Stores rows `rows[i]` of the primary region under `keys[i]`, in the background: each row
     /// is copied into kvpool memory, then put into L1 and written behind to the lower tiers.
     pub fn submit_store(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
-        if !self.accept(job_id, &keys, &rows) {
+        let Some(job) = self.start(job_id, &keys, rows, false) else {
             return;
-        }
-        let started = Instant::now();
-        let cache_keys: Vec<CacheKey> = keys.iter().map(|k| self.key_of(k)).collect();
-        let (storage, shared, region, meta) = (
-            self.storage.clone(),
-            self.shared.clone(),
-            self.region,
-            self.meta,
-        );
+        };
         self.runtime.spawn(async move {
-            let mut entries = Vec::with_capacity(rows.len());
-            for (key, &row) in cache_keys.into_iter().zip(&rows) {
-                let Ok(mut buf) = storage.allocate(region.row_bytes) else {
+            let row_bytes = job.region.row_bytes;
+            let mut entries = Vec::with_capacity(job.rows.len());
+            for (key, &row) in job.keys.iter().zip(&job.rows) {
+                let Ok(mut buf) = job.storage.allocate(row_bytes) else {
                     break;
                 };
-                // SAFETY: `row < region.rows` (checked in `accept`), the region is valid for
+                // SAFETY: `row < region.rows` (checked in `start`), the region is valid for
                 // the tier's life and vLLM keeps this job's rows pinned until it is reported.
-                let src =
-                    unsafe { std::slice::from_raw_parts(region.row_ptr(row), region.row_bytes) };
+                let src = unsafe { std::slice::from_raw_parts(job.region.row_ptr(row), row_bytes) };
                 buf.as_mut_slice().copy_from_slice(src);
+                let data = buf.freeze();
                 entries.push((
-                    key,
+                    key.clone(),
                     Chunk {
-                        meta,
-                        data: buf.freeze(),
+                        meta: job.meta,
+                        data,
                     },
                 ));
             }
             let copied = entries.len();
-            let stored = copied == rows.len()
-                && match storage.put(entries).await {
+            let stored = copied == job.rows.len()
+                && match job.storage.put(entries).await {
                     Ok(outcome) => outcome.skipped == 0,
                     Err(e) => {
-                        tracing::warn!(job_id, error = %e, "offload tier: store failed");
+                        tracing::warn!(job_id = job.id, error = %e, "offload tier: store failed");
                         false
                     }
                 };
-            shared.finish(TierJobResult {
-                job_id,
-                success: stored,
-                loaded: None,
-                bytes: (copied * region.row_bytes) as u64,
-                seconds: started.elapsed().as_secs_f64(),
-            });
+            job.finish(stored, None, copied);
         });
     }
 
@@ -354,47 +480,34 @@ impl OffloadTier {
     /// longest available prefix of the keys is fetched (promoted into L1 on the way) and
     /// written; a value of another length ends the prefix.
     pub fn submit_load(&self, job_id: u64, keys: Vec<Vec<u8>>, rows: Vec<usize>) {
-        if !self.accept(job_id, &keys, &rows) {
+        let Some(job) = self.start(job_id, &keys, rows, true) else {
             return;
-        }
-        let started = Instant::now();
-        let cache_keys: Vec<CacheKey> = keys.iter().map(|k| self.key_of(k)).collect();
-        let (storage, shared, region, meta) = (
-            self.storage.clone(),
-            self.shared.clone(),
-            self.region,
-            self.meta,
-        );
+        };
         self.runtime.spawn(async move {
-            let chunks = storage.get(&cache_keys).await;
+            let row_bytes = job.region.row_bytes;
+            let chunks = job.storage.get(&job.keys).await;
             let mut loaded = 0;
-            for (chunk, &row) in chunks.iter().zip(&rows) {
-                if chunk.data.len() != region.row_bytes
-                    || chunk.meta.layout_fingerprint != meta.layout_fingerprint
+            for (chunk, &row) in chunks.iter().zip(&job.rows) {
+                if chunk.data.len() != row_bytes
+                    || chunk.meta.layout_fingerprint != job.meta.layout_fingerprint
                 {
                     tracing::warn!(
-                        job_id,
+                        job_id = job.id,
                         len = chunk.data.len(),
-                        row_bytes = region.row_bytes,
+                        row_bytes,
                         "offload tier: a stored value does not fit the row; loading stops there"
                     );
                     break;
                 }
                 // SAFETY: as in `submit_store`; the destination row is pinned for this job
                 // and written by it alone.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(region.row_ptr(row), region.row_bytes)
-                };
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(job.region.row_ptr(row), row_bytes) };
                 dst.copy_from_slice(chunk.data.as_slice());
                 loaded += 1;
             }
-            shared.finish(TierJobResult {
-                job_id,
-                success: loaded == rows.len(),
-                loaded: Some(loaded),
-                bytes: (loaded * region.row_bytes) as u64,
-                seconds: started.elapsed().as_secs_f64(),
-            });
+            let all = loaded == job.rows.len();
+            job.finish(all, Some(loaded), loaded);
         });
     }
 
@@ -419,8 +532,10 @@ impl OffloadTier {
         }
     }
 
-    /// Drains, then flushes write-behind and closes the tiers.
+    /// Refuses every later job and lookup, drains, then flushes write-behind and closes the
+    /// tiers. After it returns nothing reads or writes the primary region.
     pub fn close(&self) -> Result<(), kvpool_core::BackendError> {
+        self.closed.store(true, Ordering::Release);
         self.drain();
         self.runtime.block_on(async {
             self.storage.flush().await?;

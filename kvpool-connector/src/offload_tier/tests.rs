@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvpool_backends::{ControlledFaults, InMemoryConnector, LocalCpuBackend, TimeoutConnector};
 use kvpool_core::{
-    ChunkCodec, EvictionKind, HashAlgorithm, KeyScope, PoolConfig, RemoteBackend, StorageManager,
-    TierConfig,
+    ChunkCodec, EvictionKind, HashAlgorithm, KeyScope, PoolConfig, RemoteBackend, RemoteConnector,
+    StorageManager, TierConfig,
 };
 
 use super::*;
@@ -103,6 +103,11 @@ fn row(f: &Fixture, r: usize) -> &[u8] {
     &f.region[r * ROW..(r + 1) * ROW]
 }
 
+fn region_copy(f: &Fixture) -> Vec<u8> {
+    f.tier.drain();
+    f.region.clone()
+}
+
 fn keys(n: u8) -> Vec<Vec<u8>> {
     (0..n).map(|i| vec![i; 36]).collect()
 }
@@ -170,15 +175,19 @@ fn another_checkpoint_and_a_misplaced_or_corrupt_value_are_misses_never_data() {
     lower.inner().insert_raw(&k0, v1.clone());
     let mut corrupt = v1.to_vec();
     *corrupt.last_mut().unwrap() ^= 1;
-    lower.inner().insert_raw(&k1, Bytes::from(corrupt));
-    for k in keys(2) {
-        assert_eq!(lookup_until_answered(&reader.tier, &k), TierLookup::Miss);
-    }
-    let before = row(&reader, 6).to_vec();
+    let corrupt = Bytes::from(corrupt);
+    lower.inner().insert_raw(&k1, corrupt.clone());
+    let before = region_copy(&reader);
     reader.tier.submit_load(3, keys(2), vec![6, 7]);
     let done = wait_finished(&reader.tier, 1);
     assert_eq!((done[0].success, done[0].loaded), (false, Some(0)));
-    assert_eq!(row(&reader, 6), &before[..]);
+    assert_eq!(region_copy(&reader), before, "nothing written");
+    // The load deleted both bad values; put them back and ask the lookups too.
+    lower.inner().insert_raw(&k0, v1);
+    lower.inner().insert_raw(&k1, corrupt);
+    for k in keys(2) {
+        assert_eq!(lookup_until_answered(&reader.tier, &k), TierLookup::Miss);
+    }
 }
 
 #[test]
@@ -195,9 +204,11 @@ fn a_dead_lower_tier_fails_jobs_within_its_timeout_then_recovers() {
         .store(true, std::sync::atomic::Ordering::SeqCst);
     let started = Instant::now();
     assert_eq!(lookup_until_answered(&f.tier, &[7; 36]), TierLookup::Miss);
+    let before = region_copy(&f);
     f.tier.submit_load(2, keys(2), vec![4, 5]);
     let done = wait_finished(&f.tier, 1);
     assert!(!done[0].success, "{done:?}");
+    assert_eq!(region_copy(&f), before, "a failed load writes nothing");
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "bounded by the tier's timeout"
@@ -212,6 +223,7 @@ fn a_dead_lower_tier_fails_jobs_within_its_timeout_then_recovers() {
     f.tier.submit_load(3, keys(2), vec![4, 5]);
     assert!(wait_finished(&f.tier, 1)[0].success);
     assert_eq!(row(&f, 4), row(&f, 0));
+    assert_eq!(row(&f, 5), row(&f, 1));
 }
 
 #[test]
@@ -236,4 +248,95 @@ fn the_pool_config_is_fitted_to_one_row_per_chunk_and_a_bad_one_is_refused() {
     small.local_cpu.max_size = kvpool_core::ByteSize(64 << 10);
     let err = pool_config_for_offload_tier(&small, "m", 1, 1 << 20).unwrap_err();
     assert!(err.to_string().contains("local_cpu.max_size"), "{err}");
+}
+
+#[test]
+fn a_load_with_a_missing_middle_key_loads_the_prefix_only_and_forgets_the_rest() {
+    let lower = Lower::default();
+    let f = fixture("m@w=1", None, lower.clone());
+    f.tier.submit_store(1, keys(3), vec![0, 1, 2]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    f.runtime.block_on(f.tier.storage.flush()).unwrap();
+    for k in keys(3) {
+        assert_eq!(lookup_until_answered(&f.tier, &k), TierLookup::Hit);
+    }
+    let middle = f.tier.key_of(&keys(3)[1]).to_string();
+    f.runtime
+        .block_on(lower.inner().batch_delete(&[middle]))
+        .unwrap();
+    let before = region_copy(&f);
+    f.tier.submit_load(2, keys(3), vec![5, 6, 7]);
+    let done = wait_finished(&f.tier, 1);
+    assert_eq!(
+        (done[0].success, done[0].loaded),
+        (false, Some(1)),
+        "{done:?}"
+    );
+    assert_eq!(row(&f, 5), row(&f, 0));
+    assert_eq!(
+        &f.region[6 * ROW..],
+        &before[6 * ROW..],
+        "rows after the prefix untouched"
+    );
+    // The keys that did not load are no longer remembered hits (vLLM would promote them again).
+    assert_eq!(f.tier.lookup(&keys(3)[1]), TierLookup::Miss);
+    assert_eq!(f.tier.lookup(&keys(3)[2]), TierLookup::Miss);
+}
+
+#[test]
+fn after_a_reset_nothing_stored_before_is_found() {
+    let f = fixture("m@w=1", Some(ROWS), Lower::default());
+    f.tier.submit_store(1, keys(2), vec![0, 1]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    f.runtime.block_on(f.tier.storage.flush()).unwrap();
+    assert_eq!(lookup_until_answered(&f.tier, &keys(1)[0]), TierLookup::Hit);
+    f.tier.reset();
+    assert_eq!(
+        lookup_until_answered(&f.tier, &keys(1)[0]),
+        TierLookup::Miss
+    );
+    f.tier.submit_store(2, keys(1), vec![2]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    assert_eq!(lookup_until_answered(&f.tier, &keys(1)[0]), TierLookup::Hit);
+}
+
+#[test]
+fn a_job_or_lookup_that_dies_still_answers() {
+    let f = fixture("m@w=1", Some(ROWS), Lower::default());
+    let job = f.tier.start(7, &keys(2), vec![0, 1], true).unwrap();
+    assert_eq!(f.tier.in_flight(), 1);
+    drop(job); // as when its task panics or the runtime shuts down
+    let done = wait_finished(&f.tier, 1);
+    assert_eq!(
+        (done[0].job_id, done[0].success, done[0].loaded),
+        (7, false, Some(0))
+    );
+    assert_eq!(f.tier.in_flight(), 0);
+
+    let hash = f.tier.key_of(&[5; 36]).hash;
+    f.tier
+        .shared
+        .lookups
+        .lock()
+        .answers
+        .insert(hash, Remembered::Pending);
+    assert_eq!(f.tier.lookup(&[5; 36]), TierLookup::Retry);
+    drop(LookupRead {
+        shared: f.tier.shared.clone(),
+        hash,
+        answered: false,
+    });
+    assert_eq!(f.tier.lookup(&[5; 36]), TierLookup::Miss);
+}
+
+#[test]
+fn after_close_jobs_fail_and_lookups_miss() {
+    let f = fixture("m@w=1", Some(ROWS), Lower::default());
+    f.tier.submit_store(1, keys(1), vec![0]);
+    assert!(wait_finished(&f.tier, 1)[0].success);
+    f.tier.close().unwrap();
+    assert_eq!(f.tier.lookup(&keys(1)[0]), TierLookup::Miss);
+    f.tier.submit_load(2, keys(1), vec![3]);
+    let done = wait_finished(&f.tier, 1);
+    assert!(!done[0].success);
 }

@@ -21,6 +21,8 @@ else embedded defaults). Every method returns at once: jobs run on kvpool's runt
 collected in ``get_finished_jobs``; a lookup that must ask a lower tier answers ``RETRY`` until
 it has the answer (the chunk is then already verified and in kvpool's L1). A value stored under
 another model, weights, TP size or row layout, or one that fails its checksum, is a ``MISS``.
+vLLM's ``reset_cache`` (sleep, resume, weights pushed into the running engine) makes everything
+stored before it a ``MISS`` too.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -53,6 +60,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpool.vllm")
 
 _LOOKUP = {0: LookupResult.MISS, 1: LookupResult.HIT, 2: LookupResult.RETRY}
+_LOOKUP_LABEL = {0: "miss", 1: "hit", 2: "retry"}
+
+#: The tier's series in vLLM's Prometheus metrics (kvpool's own come from ``[metrics] listen``).
+LOOKUPS_METRIC = "vllm:kvpool_tier_lookups"
+JOBS_METRIC = "vllm:kvpool_tier_jobs"
+BYTES_METRIC = "vllm:kvpool_tier_bytes"
 
 #: At most this many stored-chunk events wait for ``take_events`` (older ones are dropped).
 MAX_PENDING_EVENTS = 65_536
@@ -154,11 +167,38 @@ class KvpoolTier(SecondaryTierManager):
         events_config = getattr(offloading_spec, "kv_events_config", None)
         self._events_enabled = bool(getattr(events_config, "enable_kv_cache_events", False))
         self._events: list[OffloadingEvent] = []
+        self._stats = OffloadingConnectorStats()
         logger.info("kvpool tier: %d rows of %d bytes, tiers %s, scope %s", rows.shape[0],
                     row_bytes, self._native.tier_names(), scope)
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            LOOKUPS_METRIC: OffloadingCounterMetadata(
+                documentation="Lookups kvpool's tier answered, by answer (hit, miss, retry: a "
+                              "lower tier is being read).",
+                labelnames=("result",)),
+            JOBS_METRIC: OffloadingCounterMetadata(
+                documentation="Jobs kvpool's tier finished, by kind (store, load) and outcome "
+                              "(ok, failed).",
+                labelnames=("kind", "outcome")),
+            BYTES_METRIC: OffloadingCounterMetadata(
+                documentation="Bytes kvpool's tier moved out of (store) or into (load) vLLM's "
+                              "CPU region.",
+                labelnames=("kind",)),
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        return stats
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._native.lookup(bytes(key))]
+        answer = self._native.lookup(bytes(key))
+        self._stats.increase_counter(LOOKUPS_METRIC, 1, (_LOOKUP_LABEL[answer],))
+        return _LOOKUP[answer]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -184,6 +224,9 @@ class KvpoolTier(SecondaryTierManager):
                 successful = keys[:loaded]
             if is_store and success and self._events_enabled and keys:
                 self._record_event(keys)
+            kind = "store" if is_store else "load"
+            self._stats.increase_counter(JOBS_METRIC, 1, (kind, "ok" if success else "failed"))
+            self._stats.increase_counter(BYTES_METRIC, nbytes, (kind,))
             results.append(JobResult(job_id=job_id, success=success, successful_keys=successful,
                                      transfer_time=seconds, transfer_bytes=nbytes))
         return results
@@ -205,7 +248,11 @@ class KvpoolTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
-        self._native.drain()
+        # vLLM calls this from reset_cache (sleep, resume, or new weights pushed into the
+        # running engine, which change no file and so no key scope): after the drain, nothing
+        # stored before is found again.
+        self._native.reset()
 
     def shutdown(self) -> None:
         self._native.close()
+        self._rows = None  # no more reads or writes of vLLM's region: release our view of it
