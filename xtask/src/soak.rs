@@ -424,9 +424,10 @@ fn run_soak(chaos: &mut Chaos, kvpool: &Path, args: &SoakArgs) -> Result<(), Str
         &config,
         format!(
             r#"# kvpool soak: L1, then disk, Redis and S3; short timeouts so dead servers are misses.
-# glibc keeps freed pages resident; hand them back, as a long-running deployment would.
+# glibc keeps freed pages resident; hand them back, as a long-running deployment would, every
+# 10 s: the growth check compares medians of windows of about 20 s, which then hold whole cycles.
 [allocator]
-release_free_pages_secs = 30
+release_free_pages_secs = 10
 
 [[tier]]
 url = "file://{disk}"
