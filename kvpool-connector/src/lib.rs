@@ -1,5 +1,7 @@
 //! kvpool-connector: the vLLM KVConnector V1 protocol in Rust (its engine simulators live in
-//! kvpool-sim).
+//! kvpool-sim), and the engine adapters that hand kvpool fixed-size values instead: a
+//! secondary tier of vLLM's native offloading ([`offload_tier`]) and SGLang's HiCache L3
+//! storage backend ([`sglang_storage`]), both over [`opaque_values`].
 //!
 //! The protocol has two roles in different processes. The scheduler decides, per step, what
 //! to load from the pool and what to save; the worker moves the bytes. They talk only through
@@ -74,8 +76,10 @@ pub mod leases;
 pub mod lookup_service;
 pub mod metadata;
 pub mod offload_tier;
+pub mod opaque_values;
 pub mod request_trace;
 pub mod scheduler;
+pub mod sglang_storage;
 pub mod vllm;
 pub mod worker;
 

@@ -1,12 +1,14 @@
 //! kvpool's Python extension (`kvpool._native`): the connector's scheduler and worker for
-//! `kvpool.vllm.KvpoolConnector`, and the secondary tier for vLLM's native offloading
-//! (`kvpool.vllm.tier.KvpoolTier`). No KV bytes become Python objects: the worker hands out copy
+//! `kvpool.vllm.KvpoolConnector`, the secondary tier for vLLM's native offloading
+//! (`kvpool.vllm.tier.KvpoolTier`) and SGLang's HiCache storage backend
+//! (`kvpool.sglang.KvpoolStorage`). No KV bytes become Python objects: the worker hands out copy
 //! jobs (engine block ids and the addresses of kvpool's host chunks) that the Python side runs
 //! with torch, and the metadata between the two halves is kvpool's own encoded bytes.
 
 #![warn(missing_docs)]
 
 mod py_scheduler;
+mod py_sglang;
 mod py_tier;
 mod py_worker;
 
@@ -14,6 +16,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 pub use py_scheduler::PyScheduler;
+pub use py_sglang::PyHiCacheStore;
 pub use py_tier::PyOffloadTier;
 pub use py_worker::{PyWorker, WorkerSpec};
 
@@ -40,6 +43,67 @@ pub fn parse_pool_config_unchecked(
         other => Err(format!(
             "unknown config format `{other}` (expected toml, json or default)"
         )),
+    }
+}
+
+/// A pool fitted to an engine's fixed-size values (vLLM's offloading rows, SGLang's pages),
+/// running on a runtime of its own.
+pub(crate) struct ValuePool {
+    /// The fitted config.
+    pub config: kvpool_core::PoolConfig,
+    /// The key scope of every value.
+    pub scope: kvpool_core::KeyScope,
+    /// The tiers.
+    pub storage: std::sync::Arc<kvpool_core::StorageManager>,
+    /// Where tier calls run.
+    pub runtime: std::sync::Arc<tokio::runtime::Runtime>,
+}
+
+impl ValuePool {
+    /// Parses the user's config, fits it to values of `value_bytes` under `scope`
+    /// ([`kvpool_connector::opaque_values::pool_config_for_values`]; `what` names the values
+    /// in errors), starts a runtime with threads named `thread_name` and builds the tiers.
+    pub(crate) fn build(
+        config_text: &str,
+        config_format: &str,
+        scope: kvpool_connector::opaque_values::ValueScope<'_>,
+        value_bytes: usize,
+        what: &str,
+        thread_name: &str,
+    ) -> PyResult<Self> {
+        use pyo3::exceptions::PyRuntimeError;
+        let base = parse_pool_config_unchecked(config_text, config_format)
+            .map_err(PyValueError::new_err)?;
+        let config = kvpool_connector::opaque_values::pool_config_for_values(
+            &base,
+            scope,
+            value_bytes,
+            what,
+        )
+        .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
+        let runtime = std::sync::Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(thread_name)
+                .enable_all()
+                .build()
+                .map_err(|e| {
+                    PyRuntimeError::new_err(format!("cannot start kvpool's runtime: {e}"))
+                })?,
+        );
+        let pool = runtime
+            .block_on(kvpool_backends::build_pool(&config))
+            .map_err(|e| PyRuntimeError::new_err(format!("kvpool: {e}")))?;
+        let scope = config
+            .key_scope()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let storage = pool.engine.storage().clone();
+        Ok(ValuePool {
+            config,
+            scope,
+            storage,
+            runtime,
+        })
     }
 }
 
@@ -137,6 +201,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
     m.add_class::<PyOffloadTier>()?;
+    m.add_class::<PyHiCacheStore>()?;
     m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;
     m.add_function(wrap_pyfunction!(lookup_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;

@@ -1,11 +1,8 @@
 //! `kvpool._native.OffloadTier`: kvpool as a secondary tier of vLLM's native offloading, for
 //! `kvpool.vllm.tier.KvpoolTier` (the Rust side is `kvpool_connector::offload_tier`).
 
-use std::sync::Arc;
-
-use kvpool_connector::offload_tier::{
-    OffloadTier, PrimaryRegion, TierLookup, pool_config_for_offload_tier,
-};
+use kvpool_connector::offload_tier::{OffloadTier, PrimaryRegion, TierLookup};
+use kvpool_connector::opaque_values::ValueScope;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -46,38 +43,32 @@ impl PyOffloadTier {
             ));
         }
         py.detach(|| {
-            let base_config =
-                crate::parse_pool_config_unchecked(config_text, config_format).map_err(PyValueError::new_err)?;
-            let config = pool_config_for_offload_tier(&base_config, model_scope, world_size, row_bytes)
-                .map_err(|e| PyValueError::new_err(format!("kvpool tier: {e}")))?;
-            let runtime = Arc::new(
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .thread_name("kvpool-tier")
-                    .enable_all()
-                    .build()
-                    .map_err(|e| PyRuntimeError::new_err(format!("cannot start kvpool's runtime: {e}")))?,
-            );
-            let pool = runtime
-                .block_on(kvpool_backends::build_pool(&config))
-                .map_err(|e| PyRuntimeError::new_err(format!("kvpool tier: {e}")))?;
-            let scope = config
-                .key_scope()
-                .map_err(|e| PyValueError::new_err(e.to_string()))?;
-            let storage = pool.engine.storage().clone();
-            let tier_names = storage.tier_names();
+            let built = crate::ValuePool::build(
+                config_text,
+                config_format,
+                ValueScope {
+                    model: model_scope,
+                    world_size,
+                    rank: 0,
+                    pp_rank: 0,
+                },
+                row_bytes,
+                "vLLM's primary rows",
+                "kvpool-tier",
+            )?;
             // SAFETY: see this constructor's doc: the caller keeps the region alive and vLLM
             // pins a job's rows until it is reported.
             let region = unsafe { PrimaryRegion::new(base, rows, row_bytes) };
-            tracing::info!(scope = %config.model.name, tiers = ?tier_names, rows, row_bytes, "kvpool offload tier ready");
+            let tier_names = built.storage.tier_names();
+            tracing::info!(scope = %built.config.model.name, tiers = ?tier_names, rows, row_bytes, "kvpool offload tier ready");
             Ok(PyOffloadTier {
                 tier: OffloadTier::new(
-                    storage,
-                    runtime,
-                    scope,
+                    built.storage,
+                    built.runtime,
+                    built.scope,
                     region,
                     tokens_per_row,
-                    config.chunking.hash_algorithm,
+                    built.config.chunking.hash_algorithm,
                 ),
                 tier_names,
             })

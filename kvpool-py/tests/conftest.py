@@ -8,7 +8,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from make_model import make_model  # noqa: E402
+from redis_server import RedisServer, free_port  # noqa: E402,F401 - tests import free_port
 
 
 @pytest.fixture(scope="session")
@@ -111,49 +111,6 @@ class Stepper:
 @pytest.fixture(scope="session")
 def stepper(runner):
     return Stepper(runner)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on 127.0.0.1, started and stopped by PID."""
-
-    def __init__(self, workdir, port=None):
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(dir=workdir, prefix="redis-")
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    @property
-    def url(self):
-        return f"redis://127.0.0.1:{self.port}"
-
-    def cli(self, *args):
-        return subprocess.run(["redis-cli", "-p", str(self.port), *args], check=True,
-                              capture_output=True, text=True).stdout
-
-    def keys(self):
-        return [k for k in self.cli("--scan").split("\n") if k]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
 //!   `cargo test`), all with every feature, the example third-party backend
-//!   (`examples/opendal-tier`, built as an outside crate), then `matrix` and `vllm`: exactly
+//!   (`examples/opendal-tier`, built as an outside crate), then `matrix`, `vllm` and `sglang`: exactly
 //!   what CI runs. Every task links the system's librocksdb when a compatible one is installed
 //!   (`system.rs`), else the `disk` feature builds RocksDB from source.
 //! - `cargo xtask module-cycles`: fails on an import cycle between the modules of a crate.
@@ -15,6 +15,8 @@
 //! - `cargo xtask sanitize`: kvpool-core's unit tests under AddressSanitizer (nightly).
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
+//! - `cargo xtask sglang [pytest args]`: the same package as SGLang's HiCache L3 storage
+//!   backend, driven through SGLang's own host memory pools on CPU (`target/sglang-venv`).
 //! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
 //! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
@@ -33,6 +35,7 @@ mod matrix;
 mod module_cycles;
 mod sanitize;
 mod servers;
+mod sglang;
 mod soak;
 mod system;
 mod third_party;
@@ -156,7 +159,8 @@ fn ci() -> Result<(), String> {
     ])?;
     third_party::example_backend()?;
     matrix::matrix()?;
-    vllm::vllm(&[])
+    vllm::vllm(&[])?;
+    sglang::sglang(&[])
 }
 
 fn bench() -> Result<(), String> {
@@ -447,12 +451,13 @@ fn main() -> ExitCode {
         Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("sglang") => sglang::sglang(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

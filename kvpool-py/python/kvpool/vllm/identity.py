@@ -1,116 +1,26 @@
-"""What a key is bound to besides token ids: the weights actually loaded, and each request's
-extra keys (LoRA adapter and its weights, cache salt, multimodal inputs).
-
-The model identity is the served name plus a digest of the checkpoint's files (every weight
-file, its index and config, read whole), so two checkpoints served under one name, or a
-redeploy after fine-tuning, never share a chunk. Digests are cached per file by path, size
-and modification time (``$XDG_CACHE_HOME/kvpool/file-digests.json``), so a restart with the
-same files hashes nothing. Weights that are not files (``load_format="dummy"``, random
-weights) get a digest unique to the process: such a model shares nothing.
+"""What a vLLM key is bound to besides token ids: the served model and the weights vLLM loaded,
+and each request's extra keys (LoRA adapter and its weights, cache salt, multimodal inputs).
+The engine-agnostic parts (weights digests, the pool config) are in ``kvpool.identity``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import tempfile
-import threading
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvpool import _native
+from kvpool.identity import (  # noqa: F401 - re-exported for the connector's modules
+    _PROCESS_NONCE,
+    WEIGHTS_DIGEST_ENV,
+    directory_digest,
+    file_digest,
+    resolve_config,
+    weights_digest,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
-
-logger = logging.getLogger("kvpool.vllm")
-
-#: Checkpoint files whose bytes decide the KV (weights, their indexes, the model config).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
-CONFIG_FILES = ("config.json", "params.json", "adapter_config.json")
-
-_lock = threading.Lock()
-_memo: dict[str, tuple[int, int, str]] = {}
-
-
-def _cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvpool", "file-digests.json")
-
-
-def _load_cache() -> None:
-    if _memo:
-        return
-    try:
-        with open(_cache_path(), encoding="utf-8") as f:
-            for path, (size, mtime, digest) in json.load(f).items():
-                _memo[path] = (int(size), int(mtime), str(digest))
-    except (OSError, ValueError, TypeError):
-        pass
-
-
-def _save_cache() -> None:
-    path = _cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".digests-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({p: list(v) for p, v in _memo.items()}, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.debug("kvpool: cannot write the digest cache %s: %s", path, e)
-
-
-def file_digest(path: str) -> str:
-    """The digest of one file's bytes, cached by path, size and modification time."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    with _lock:
-        _load_cache()
-        known = _memo.get(real)
-        if known and known[0] == st.st_size and known[1] == st.st_mtime_ns:
-            return known[2]
-    digest = _native.digest_file(real)
-    with _lock:
-        _memo[real] = (st.st_size, st.st_mtime_ns, digest)
-        _save_cache()
-    return digest
-
-
-def directory_digest(directory: str) -> str | None:
-    """One digest over a checkpoint directory's weight and config files (names and bytes),
-    or ``None`` when it holds no weight file."""
-    files = []
-    for root, _, names in os.walk(directory):
-        for n in names:
-            if n.endswith(WEIGHT_SUFFIXES) or n.endswith(".index.json") or n in CONFIG_FILES:
-                files.append(os.path.join(root, n))
-    if not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
-        return None
-    parts = [f"{os.path.relpath(f, directory)}={file_digest(f)}" for f in sorted(files)]
-    return _native.digest_text("\n".join(parts))
-
-
-def _local_checkpoint(model: str, revision: str | None) -> str | None:
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, revision=revision, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means: no local files to hash
-        return None
-
-
-#: Random digest of this process, for weights that are not files.
-_PROCESS_NONCE = uuid.uuid4().hex
-
-
-#: Pins the weights digest instead of reading the checkpoint: for tests that must make two
-#: checkpoints share keys on purpose (to show wrong KV is caught). Never set it in production.
-WEIGHTS_DIGEST_ENV = "KVPOOL_TEST_WEIGHTS_DIGEST"
 
 
 def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
@@ -121,27 +31,6 @@ def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
         name = name[0]
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
     return str(name), weights_digest(str(mc.model), getattr(mc, "revision", None), load_format)
-
-
-def weights_digest(model: str, revision: str | None = None, load_format: str = "auto") -> str:
-    """The digest of the weights a model path or Hugging Face id loads from its local files,
-    or a digest unique to this process when there are none (random weights, nothing local)."""
-    pinned = os.environ.get(WEIGHTS_DIGEST_ENV)
-    if pinned:
-        logger.warning("kvpool: %s=%s pins the weights digest: checkpoints that differ share "
-                       "keys (a test setting)", WEIGHTS_DIGEST_ENV, pinned)
-        return pinned
-    if "dummy" in load_format:
-        logger.warning("kvpool: load_format=%s gives random weights; this engine shares no "
-                       "chunk with any other process", load_format)
-        return f"process-{_PROCESS_NONCE}"
-    directory = _local_checkpoint(model, revision)
-    digest = directory_digest(directory) if directory else None
-    if digest is None:
-        logger.warning("kvpool: no local weight files found for %s; keys are bound to this "
-                       "process only (nothing is shared across restarts)", model)
-        return f"process-{_PROCESS_NONCE}"
-    return digest
 
 
 def _lora_identity(lora: Any) -> str:
@@ -168,24 +57,3 @@ def extra_keys_of(request: "Request") -> bytes:
         cache_salt=getattr(request, "cache_salt", None),
         mm_hashes=[str(f.identifier) for f in mm],
     )
-
-
-def resolve_config(extra: dict[str, Any]) -> tuple[str, str]:
-    """The pool config as (text, format) for the Rust side: ``config`` from
-    ``kv_connector_extra_config`` (a path, TOML text or a dict), else ``KVPOOL_CONFIG`` (a
-    path), else embedded defaults."""
-    value = extra.get("config", os.environ.get("KVPOOL_CONFIG"))
-    if value is None:
-        return "", "default"
-    if isinstance(value, dict):
-        return json.dumps(value), "json"
-    if not isinstance(value, str):
-        raise TypeError(f"kvpool: `config` must be a path, TOML text or a dict, not {type(value).__name__}")
-    if value.lstrip().startswith("{"):
-        return value, "json"
-    if os.path.exists(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read(), "toml"
-    if "=" in value or "[" in value:
-        return value, "toml"
-    raise FileNotFoundError(f"kvpool: config file {value!r} does not exist")

@@ -1,0 +1,217 @@
+//! `kvpool._native.HiCacheStore`: kvpool as an SGLang HiCache L3 storage backend, for
+//! `kvpool.sglang.KvpoolStorage` (the Rust side is `kvpool_connector::sglang_storage`).
+
+use kvpool_connector::opaque_values::ValueScope;
+use kvpool_connector::sglang_storage::{CallSample, HiCacheStore, HostSpan, PageSpans};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// One call's sample: (pages, bytes, seconds).
+type Sample = (usize, u64, f64);
+
+/// kvpool's tiers as one SGLang storage backend: pages by key, moved to and from host memory
+/// by address.
+#[pyclass(name = "HiCacheStore", module = "kvpool._native", frozen)]
+pub struct PyHiCacheStore {
+    store: HiCacheStore,
+    tier_names: Vec<String>,
+}
+
+/// Groups flat (address, size) lists, as SGLang's `get_page_buffer_meta` returns them for
+/// `pages` pages, into each page's spans.
+fn page_spans(pages: usize, addrs: &[usize], sizes: &[usize]) -> PyResult<Vec<PageSpans>> {
+    if addrs.len() != sizes.len() {
+        return Err(PyValueError::new_err(format!(
+            "kvpool: {} addresses but {} sizes",
+            addrs.len(),
+            sizes.len()
+        )));
+    }
+    if pages == 0 {
+        return Ok(Vec::new());
+    }
+    if addrs.is_empty() || !addrs.len().is_multiple_of(pages) {
+        return Err(PyValueError::new_err(format!(
+            "kvpool: {} buffer segments do not split evenly over {pages} pages",
+            addrs.len()
+        )));
+    }
+    if addrs.contains(&0) {
+        return Err(PyValueError::new_err("kvpool: a null buffer address"));
+    }
+    let per_page = addrs.len() / pages;
+    Ok(addrs
+        .chunks(per_page)
+        .zip(sizes.chunks(per_page))
+        .map(|(a, s)| {
+            a.iter()
+                .zip(s)
+                .map(|(&addr, &len)| HostSpan { addr, len })
+                .collect()
+        })
+        .collect())
+}
+
+fn samples(calls: Vec<CallSample>) -> Vec<Sample> {
+    calls
+        .into_iter()
+        .map(|c| (c.pages, c.bytes, c.seconds))
+        .collect()
+}
+
+#[pymethods]
+impl PyHiCacheStore {
+    /// Builds the pool from the user's config fitted to pages of `page_bytes`, under the key
+    /// scope `model_scope` / `world_size` / `rank` / `pp_rank`. `writer` is false on ranks whose
+    /// pages another rank writes (MLA).
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        config_text: &str,
+        config_format: &str,
+        model_scope: &str,
+        world_size: u32,
+        rank: u32,
+        pp_rank: u32,
+        page_bytes: usize,
+        tokens_per_page: u32,
+        writer: bool,
+    ) -> PyResult<Self> {
+        py.detach(|| {
+            let built = crate::ValuePool::build(
+                config_text,
+                config_format,
+                ValueScope {
+                    model: model_scope,
+                    world_size,
+                    rank,
+                    pp_rank,
+                },
+                page_bytes,
+                "SGLang's pages",
+                "kvpool-sglang",
+            )?;
+            let tier_names = built.storage.tier_names();
+            tracing::info!(scope = %built.config.model.name, tiers = ?tier_names, page_bytes, writer, "kvpool SGLang storage ready");
+            Ok(PyHiCacheStore {
+                store: HiCacheStore::new(
+                    built.storage,
+                    built.runtime,
+                    built.scope,
+                    page_bytes,
+                    tokens_per_page,
+                    built.config.chunking.hash_algorithm,
+                    writer,
+                ),
+                tier_names,
+            })
+        })
+    }
+
+    /// How many leading pages of `keys` some tier holds.
+    fn existing_prefix(&self, py: Python<'_>, keys: Vec<String>) -> usize {
+        py.detach(|| self.store.existing_prefix(&keys))
+    }
+
+    /// Reads the longest stored prefix of `keys` into host memory: page `i` into the segments
+    /// `addrs[i*n..(i+1)*n]` of `sizes[...]` bytes (`n = len(addrs) / len(keys)`).
+    ///
+    /// Only `kvpool.sglang` calls this, with addresses from SGLang's host pool for slots SGLang
+    /// allocated to this read and keeps until it returns.
+    fn read_pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let pages = page_spans(keys.len(), &addrs, &sizes)?;
+        // SAFETY: see this method's doc: the spans are SGLang's host slots for this read,
+        // alive and untouched by others until it returns.
+        Ok(py.detach(|| unsafe { self.store.read_pages(&keys, &pages) }))
+    }
+
+    /// Stores page `i` of `keys` from host memory (segments as in `read_pages`).
+    ///
+    /// Only `kvpool.sglang` calls this, with addresses from SGLang's host pool for slots it
+    /// keeps unchanged until this returns.
+    fn write_pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        let pages = page_spans(keys.len(), &addrs, &sizes)?;
+        // SAFETY: see this method's doc: the spans are SGLang's host slots, unchanged until
+        // this returns.
+        Ok(py.detach(|| unsafe { self.store.write_pages(&keys, &pages) }))
+    }
+
+    /// Per-call samples since the last call: (reads, writes), each (pages, bytes, seconds).
+    fn take_call_stats(&self) -> (Vec<Sample>, Vec<Sample>) {
+        let stats = self.store.take_call_stats();
+        (samples(stats.reads), samples(stats.writes))
+    }
+
+    /// Totals since start: (pages read, missed, written, refused).
+    fn totals(&self) -> (u64, u64, u64, u64) {
+        let t = self.store.totals();
+        (
+            t.pages_read,
+            t.pages_missed,
+            t.pages_written,
+            t.pages_refused,
+        )
+    }
+
+    /// Nothing stored before is found again by this store (a fresh key root).
+    fn clear(&self) {
+        self.store.clear();
+    }
+
+    /// Refuses later calls, flushes write-behind and closes the tiers.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.store.close())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Bytes per page.
+    #[getter]
+    fn page_bytes(&self) -> usize {
+        self.store.page_bytes()
+    }
+
+    /// Whether this rank writes.
+    #[getter]
+    fn is_writer(&self) -> bool {
+        self.store.is_writer()
+    }
+
+    /// The pool's tiers, in lookup order.
+    fn tier_names(&self) -> Vec<String> {
+        self.tier_names.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flat_segment_lists_split_into_pages_in_order_and_bad_ones_are_refused() {
+        let pages = page_spans(2, &[10, 20, 30, 40], &[1, 2, 3, 4]).unwrap();
+        assert_eq!(
+            pages,
+            vec![
+                vec![HostSpan { addr: 10, len: 1 }, HostSpan { addr: 20, len: 2 }],
+                vec![HostSpan { addr: 30, len: 3 }, HostSpan { addr: 40, len: 4 }],
+            ]
+        );
+        assert!(page_spans(0, &[], &[]).unwrap().is_empty());
+        assert!(page_spans(3, &[10, 20, 30, 40], &[1, 2, 3, 4]).is_err());
+        assert!(page_spans(2, &[10, 20], &[1]).is_err());
+        assert!(page_spans(1, &[0], &[1]).is_err());
+    }
+}

@@ -1,0 +1,57 @@
+//! `cargo xtask sglang`: kvpool as SGLang's HiCache L3 storage backend, tested against SGLang's
+//! own classes.
+//!
+//! Creates (once) a Python 3.12 virtualenv under `target/sglang-venv` with the pinned SGLang
+//! wheel installed without its GPU-only dependencies (pins in
+//! `kvpool-py/tests_sglang/requirements-sglang.txt`, installed with `uv`; torch is the same
+//! version as the vLLM venv's, so uv's cache serves it), installs the `kvpool` wheel there and
+//! runs `kvpool-py/tests_sglang`: SGLang's real host memory pools on CPU driving
+//! `kvpool.sglang.KvpoolStorage`. The tests start their own loopback Redis and stop it by PID.
+
+use std::time::Instant;
+
+use crate::vllm::{ensure_tools, ensure_venv, install_wheel, path_str, python312};
+use crate::{ensure_system_packages, run_with_env};
+
+/// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.
+const SGLANG_REQUIREMENT: &str = "sglang==0.5.23";
+/// What the tests need from Debian: Redis for the shared-tier test.
+const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
+
+/// `cargo xtask sglang [pytest args...]`.
+pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
+    let started = Instant::now();
+    ensure_system_packages(PACKAGES)?;
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_venv(
+        &python,
+        &tools,
+        "sglang-venv",
+        "kvpool-py/tests_sglang/requirements-sglang.txt",
+        SGLANG_REQUIREMENT,
+    )?;
+    install_wheel(&tools, &venv_python, "dev")?;
+    eprintln!("SGLang environment ready in {:.0?}", started.elapsed());
+    let mut args = vec![
+        "-m".to_string(),
+        "pytest".into(),
+        "-v".into(),
+        "-p".into(),
+        "no:cacheprovider".into(),
+        "kvpool-py/tests_sglang".into(),
+    ];
+    args.extend(pytest_args.iter().cloned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let result = run_with_env(
+        path_str(&venv_python)?,
+        &args,
+        &[("PYTHONDONTWRITEBYTECODE", "1")],
+    );
+    eprintln!(
+        "cargo xtask sglang: {} in {:.0?}",
+        if result.is_ok() { "passed" } else { "FAILED" },
+        started.elapsed()
+    );
+    result
+}
