@@ -2,6 +2,7 @@
 backend factory and its cache controller's page functions, on CPU."""
 
 import os
+import urllib.request
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import (
     page_keys,
     storage_config,
 )
+from redis_server import free_port
 
 import kvpool.sglang
 from kvpool.sglang.storage import KvpoolStorage
@@ -179,11 +181,19 @@ def test_other_weights_another_interface_or_another_layout_share_nothing(scratch
     reader.close()
 
 
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def test_clear_forgets_what_was_stored_and_stats_are_sglangs_storage_metrics(weights):
     from sglang.srt.observability.metrics_collector import StorageMetrics
 
+    # The only test that serves kvpool's Prometheus metrics (one endpoint per process).
+    port = free_port()
     host = host_pool("mha", "page_first")
-    backend = attach(host, "mha", "page_first", kvpool_extra({}, weights))
+    backend = attach(host, "mha", "page_first",
+                     kvpool_extra({"metrics": {"listen": f"127.0.0.1:{port}"}}, weights))
     ctrl = Controller(backend, host)
     keys = page_keys(3, salt="clear")
     idx, _ = stored_pages(host, 3)
@@ -197,6 +207,11 @@ def test_clear_forgets_what_was_stored_and_stats_are_sglangs_storage_metrics(wei
     assert backend.get_stats() is None, "drained"
     backend.clear()
     assert ctrl.exists(keys) == 0
+    assert ctrl.prefetch(keys, host.alloc(3 * host.page_size)) == 0
+    text = scrape(port)
+    assert 'kvpool_sglang_pages_total{op="write",outcome="ok"} 3' in text, text
+    assert 'kvpool_sglang_pages_total{op="read",outcome="ok"} 3' in text
+    assert 'kvpool_sglang_pages_total{op="read",outcome="missed"} 3' in text
     backend.close()
 
 
@@ -217,3 +232,13 @@ def test_refusals_are_clear(weights):
     backend = KvpoolStorage(storage_config("mha", "page_first", kvpool_extra({}, weights)), {})
     with pytest.raises(RuntimeError, match="no host pool registered"):
         backend.batch_exists(page_keys(1))
+    # SGLang registers every pool of its group: the KV pool is taken, a hybrid model's extra
+    # state is refused at attach.
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend = attach(host, "mha", "page_first", kvpool_extra({}, weights))
+    backend.register_mem_host_pool_v2(host, PoolName.KV)
+    with pytest.raises(ValueError, match="`mamba` host pool"):
+        backend.register_mem_host_pool_v2(host, PoolName.MAMBA)
+    backend.close()
+    assert backend.batch_exists(page_keys(1)) == 0, "a closed backend misses"

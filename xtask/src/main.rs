@@ -17,6 +17,8 @@
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
 //! - `cargo xtask sglang [pytest args]`: the same package as SGLang's HiCache L3 storage
 //!   backend, driven through SGLang's own host memory pools on CPU (`target/sglang-venv`).
+//! - `cargo xtask bench-sglang`: kvpool as SGLang's storage backend (disk, memory) against
+//!   SGLang's own `file` backend and a plain copy, GB/s of backups and prefetches.
 //! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
 //! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
@@ -452,12 +454,13 @@ fn main() -> ExitCode {
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("sglang") => sglang::sglang(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-sglang") => sglang::bench_sglang(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

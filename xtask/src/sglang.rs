@@ -8,9 +8,10 @@
 //! runs `kvpool-py/tests_sglang`: SGLang's real host memory pools on CPU driving
 //! `kvpool.sglang.KvpoolStorage`. The tests start their own loopback Redis and stop it by PID.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::vllm::{ensure_tools, ensure_venv, install_wheel, path_str, python312};
+use crate::vllm::{ensure_tools, ensure_venv, install_wheel, path_str, python312, target_dir};
 use crate::{ensure_system_packages, run_with_env};
 
 /// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.
@@ -18,10 +19,8 @@ const SGLANG_REQUIREMENT: &str = "sglang==0.5.23";
 /// What the tests need from Debian: Redis for the shared-tier test.
 const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
 
-/// `cargo xtask sglang [pytest args...]`.
-pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
-    let started = Instant::now();
-    ensure_system_packages(PACKAGES)?;
+/// The SGLang virtualenv with the kvpool wheel of `profile` installed; returns its python.
+fn ready_venv(profile: &str) -> Result<PathBuf, String> {
     let python = python312()?;
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_venv(
@@ -31,7 +30,15 @@ pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
         "kvpool-py/tests_sglang/requirements-sglang.txt",
         SGLANG_REQUIREMENT,
     )?;
-    install_wheel(&tools, &venv_python, "dev")?;
+    install_wheel(&tools, &venv_python, profile)?;
+    Ok(venv_python)
+}
+
+/// `cargo xtask sglang [pytest args...]`.
+pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
+    let started = Instant::now();
+    ensure_system_packages(PACKAGES)?;
+    let venv_python = ready_venv("dev")?;
     eprintln!("SGLang environment ready in {:.0?}", started.elapsed());
     let mut args = vec![
         "-m".to_string(),
@@ -54,4 +61,22 @@ pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
         started.elapsed()
     );
     result
+}
+
+/// `cargo xtask bench-sglang [args...]`: kvpool's disk and memory tiers as SGLang's storage
+/// backend against SGLang's own `file` backend and a plain copy, on SGLang's host pool (release
+/// wheel; see `kvpool-py/bench/bench_sglang.py`).
+pub(crate) fn bench_sglang(args: &[String]) -> Result<(), String> {
+    let venv_python = ready_venv("release")?;
+    let out = target_dir().join("bench-sglang.json");
+    let mut cmd = vec![
+        "kvpool-py/bench/bench_sglang.py".to_string(),
+        "--out".into(),
+        path_str(&out)?.to_string(),
+    ];
+    cmd.extend(args.iter().cloned());
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    run_with_env(path_str(&venv_python)?, &cmd, &[])?;
+    eprintln!("results in {}", out.display());
+    Ok(())
 }

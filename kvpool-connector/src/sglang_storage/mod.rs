@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use kvpool_core::{
     BackendError, CacheKey, Chunk, ChunkHash, ChunkMeta, Dtype, HashAlgorithm, KeyScope,
-    StorageManager,
+    StorageManager, telemetry,
 };
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
@@ -77,11 +77,13 @@ struct Totals {
 pub struct HiCacheTotals {
     /// Pages read into SGLang's host pool.
     pub pages_read: u64,
-    /// Pages asked for and not read (absent, or a value that failed a check).
+    /// Pages asked for and not read (absent, a value that failed a check, or host spans that
+    /// do not add up to a page).
     pub pages_missed: u64,
     /// Pages written (or, on an MLA rank that does not write, accepted).
     pub pages_written: u64,
-    /// Pages refused: spans that do not add up to a page, or a tier that refused the value.
+    /// Pages not written: host spans that do not add up to a page, kvpool memory full, or a
+    /// tier that refused the value.
     pub pages_refused: u64,
 }
 
@@ -216,10 +218,12 @@ impl HiCacheStore {
     pub unsafe fn read_pages(&self, page_keys: &[String], pages: &[PageSpans]) -> Vec<bool> {
         let started = Instant::now();
         let mut done = vec![false; page_keys.len()];
-        if self.closed.load(Ordering::Acquire) || !self.spans_fit(page_keys, pages) {
-            self.totals
-                .pages_missed
-                .fetch_add(page_keys.len() as u64, Ordering::Relaxed);
+        if self.closed.load(Ordering::Acquire) {
+            self.count("read", "missed", page_keys.len());
+            return done;
+        }
+        if !self.spans_fit(page_keys, pages) {
+            self.count("read", "refused", page_keys.len());
             return done;
         }
         let keys = self.keys_of(page_keys);
@@ -249,12 +253,8 @@ impl HiCacheStore {
             done[read] = true;
             read += 1;
         }
-        self.totals
-            .pages_read
-            .fetch_add(read as u64, Ordering::Relaxed);
-        self.totals
-            .pages_missed
-            .fetch_add((page_keys.len() - read) as u64, Ordering::Relaxed);
+        self.count("read", "ok", read);
+        self.count("read", "missed", page_keys.len() - read);
         self.record(
             true,
             CallSample {
@@ -277,15 +277,11 @@ impl HiCacheStore {
     pub unsafe fn write_pages(&self, page_keys: &[String], pages: &[PageSpans]) -> Vec<bool> {
         let started = Instant::now();
         if self.closed.load(Ordering::Acquire) || !self.spans_fit(page_keys, pages) {
-            self.totals
-                .pages_refused
-                .fetch_add(page_keys.len() as u64, Ordering::Relaxed);
+            self.count("write", "refused", page_keys.len());
             return vec![false; page_keys.len()];
         }
         if !self.writer {
-            self.totals
-                .pages_written
-                .fetch_add(page_keys.len() as u64, Ordering::Relaxed);
+            self.count("write", "ok", page_keys.len());
             return vec![true; page_keys.len()];
         }
         let keys = self.keys_of(page_keys);
@@ -332,12 +328,8 @@ impl HiCacheStore {
         };
         let mut done = vec![false; page_keys.len()];
         done[..stored].fill(true);
-        self.totals
-            .pages_written
-            .fetch_add(stored as u64, Ordering::Relaxed);
-        self.totals
-            .pages_refused
-            .fetch_add((page_keys.len() - stored) as u64, Ordering::Relaxed);
+        self.count("write", "ok", stored);
+        self.count("write", "refused", page_keys.len() - stored);
         self.record(
             false,
             CallSample {
@@ -347,6 +339,23 @@ impl HiCacheStore {
             },
         );
         done
+    }
+
+    /// Counts `pages` pages of `op` ("read", "write") with `outcome` ("ok", "missed",
+    /// "refused"), in the totals and in kvpool's metrics.
+    fn count(&self, op: &'static str, outcome: &'static str, pages: usize) {
+        if pages == 0 {
+            return;
+        }
+        let total = match (op, outcome) {
+            ("read", "ok") => &self.totals.pages_read,
+            ("read", _) => &self.totals.pages_missed,
+            (_, "ok") => &self.totals.pages_written,
+            _ => &self.totals.pages_refused,
+        };
+        total.fetch_add(pages as u64, Ordering::Relaxed);
+        metrics::counter!(telemetry::SGLANG_PAGES, "op" => op, "outcome" => outcome)
+            .increment(pages as u64);
     }
 
     fn record(&self, read: bool, sample: CallSample) {

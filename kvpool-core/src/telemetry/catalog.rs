@@ -157,6 +157,8 @@ pub const LOOKUP_BREAKERS_OPEN: &str = "kvpool_lookup_breakers_open";
 pub const BROKEN_PROMISES: &str = "kvpool_broken_promises_total";
 /// Scheduler request states dropped at the cap (reported by TP rank 0's worker).
 pub const TRACKERS_DROPPED: &str = "kvpool_trackers_dropped_total";
+/// SGLang storage backend pages by `op` (read, write) and `outcome` (ok, missed, refused).
+pub const SGLANG_PAGES: &str = "kvpool_sglang_pages_total";
 
 /// Every metric kvpool-core records (backends keep catalogues of their own).
 pub const METRICS: &[MetricInfo] = &[
@@ -219,6 +221,11 @@ pub const METRICS: &[MetricInfo] = &[
         TRACKERS_DROPPED,
         &[],
         "Scheduler request states dropped because too many requests were tracked.",
+    ),
+    counter(
+        SGLANG_PAGES,
+        &["op", "outcome"],
+        "Pages SGLang's HiCache asked kvpool to read (prefetch) or write (backup), by outcome: ok, missed (absent or failing a check), refused (bad spans, memory full, a tier refused).",
     ),
     counter(LOOKUPS, &[], "Prefix lookups by the cache engine."),
     counter(

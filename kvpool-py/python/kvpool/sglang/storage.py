@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -171,6 +170,17 @@ class KvpoolStorage(HiCacheStorage):
             self._native.tier_names(), scope,
             "writer" if config.is_storage_writer else "reader (another rank writes)",
         )
+
+    def register_mem_host_pool_v2(self, host_pool: "HostKVCache", host_pool_name) -> None:
+        """SGLang registers every pool of its host pool group; kvpool stores the KV pool's pages
+        only, so a hybrid model's extra pools (Mamba, SWA, indexer: SGLang's ``*_v2`` calls)
+        are refused here, at attach, rather than failing a prefetch later."""
+        if str(host_pool_name) != "kv":
+            raise ValueError(
+                f"kvpool.sglang: SGLang's `{host_pool_name}` host pool (a hybrid model's extra "
+                "state) is not supported: kvpool stores the KV pool's pages only"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _store(self):
         """The native store; ``None`` once closed (every call is then a miss)."""

@@ -8,7 +8,7 @@
 | ``scheduler_side.py`` | EngineCore's half: lookups over the workers' sockets, metadata, commits, KV events |
 | ``worker_side.py`` | each Worker's half: the pool, the lookup server, running the copy jobs |
 | ``layouts.py`` | which KV cache layouts kvpool knows and how each becomes planes |
-| ``identity.py`` | what keys are bound to: the weights loaded, LoRA adapters, extra keys; the config |
+| ``identity.py`` | what vLLM keys are bound to: the served model and its weights, LoRA adapters, extra keys (weights digests and the config itself: ``kvpool.identity``) |
 | ``reports.py`` | worker metadata, connector stats, Prometheus series, KV events |
 | ``tier.py`` | ``KvpoolTier``: kvpool as a secondary tier under vLLM's native offloading |
 
