@@ -11,7 +11,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::vllm::{ensure_tools, ensure_venv, install_wheel, path_str, python312, target_dir};
+use crate::vllm::{
+    ensure_tools, ensure_venv, install_wheel, path_str, python312, run_pytest, target_dir,
+};
 use crate::{ensure_system_packages, run_with_env};
 
 /// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.
@@ -40,27 +42,14 @@ pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
     ensure_system_packages(PACKAGES)?;
     let venv_python = ready_venv("dev")?;
     eprintln!("SGLang environment ready in {:.0?}", started.elapsed());
-    let mut args = vec![
-        "-m".to_string(),
-        "pytest".into(),
-        "-v".into(),
-        "-p".into(),
-        "no:cacheprovider".into(),
-        "kvpool-py/tests_sglang".into(),
-    ];
-    args.extend(pytest_args.iter().cloned());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let result = run_with_env(
-        path_str(&venv_python)?,
-        &args,
-        &[("PYTHONDONTWRITEBYTECODE", "1")],
-    );
-    eprintln!(
-        "cargo xtask sglang: {} in {:.0?}",
-        if result.is_ok() { "passed" } else { "FAILED" },
-        started.elapsed()
-    );
-    result
+    run_pytest(
+        "cargo xtask sglang",
+        &venv_python,
+        "kvpool-py/tests_sglang",
+        pytest_args,
+        &[],
+        started,
+    )
 }
 
 /// `cargo xtask bench-sglang [args...]`: kvpool's disk and memory tiers as SGLang's storage

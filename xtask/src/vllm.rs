@@ -194,23 +194,41 @@ pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "dev")?;
     eprintln!("vLLM environment ready in {:.0?}", started.elapsed());
+    run_pytest(
+        "cargo xtask vllm",
+        &venv_python,
+        "kvpool-py/tests",
+        pytest_args,
+        &[("HF_HUB_OFFLINE", "1")],
+        started,
+    )
+}
+
+/// Runs pytest on `tests` (relative to the workspace root) with `venv_python`, then says how
+/// `task` went and how long it took since `started`.
+pub(crate) fn run_pytest(
+    task: &str,
+    venv_python: &Path,
+    tests: &str,
+    pytest_args: &[String],
+    env: &[(&str, &str)],
+    started: Instant,
+) -> Result<(), String> {
     let mut args = vec![
         "-m".to_string(),
         "pytest".into(),
         "-v".into(),
         "-p".into(),
         "no:cacheprovider".into(),
-        "kvpool-py/tests".into(),
+        tests.into(),
     ];
     args.extend(pytest_args.iter().cloned());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let result = run_with_env(
-        path_str(&venv_python)?,
-        &args,
-        &[("HF_HUB_OFFLINE", "1"), ("PYTHONDONTWRITEBYTECODE", "1")],
-    );
+    let mut env = env.to_vec();
+    env.push(("PYTHONDONTWRITEBYTECODE", "1"));
+    let result = run_with_env(path_str(venv_python)?, &args, &env);
     eprintln!(
-        "cargo xtask vllm: {} in {:.0?}",
+        "{task}: {} in {:.0?}",
         if result.is_ok() { "passed" } else { "FAILED" },
         started.elapsed()
     );
