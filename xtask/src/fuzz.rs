@@ -71,9 +71,23 @@ pub fn fuzz(args: &[String]) -> Result<(), String> {
     };
     let toolchain = Command::new("rustup")
         .args(["run", "nightly", "rustc", "--version"])
+        .env_remove("RUSTUP_TOOLCHAIN")
         .output();
-    if !toolchain.is_ok_and(|o| o.status.success()) {
-        return Err("fuzzing needs the nightly toolchain: rustup toolchain install nightly".into());
+    match toolchain {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Err(format!(
+                "fuzzing needs the nightly toolchain (rustup toolchain install nightly); \
+                 `rustup run nightly rustc --version` exited with {}: {}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+        }
+        Err(e) => {
+            return Err(format!(
+                "fuzzing needs rustup and the nightly toolchain: {e}"
+            ));
+        }
     }
     if !has_cargo_fuzz() {
         eprintln!("\n==> cargo install cargo-fuzz {CARGO_FUZZ_VERSION}");
