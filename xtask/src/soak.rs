@@ -322,10 +322,13 @@ struct SoakArgs {
     no_faults: bool,
     /// Largest allowed growth of anonymous RSS from the warm-up to the end.
     max_rss_growth: f64,
+    /// MiB of anonymous RSS allowed on top of that growth.
+    rss_slack_mib: u64,
 }
 
 fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
     let (mut minutes, mut seed, mut no_faults, mut max_rss_growth) = (2.0, 1, false, 0.05);
+    let mut rss_slack_mib = 0;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--no-faults" {
@@ -341,9 +344,12 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
                     .parse()
                     .map_err(|e| format!("--max-rss-growth: {e}"))?;
             }
+            "--rss-slack-mib" => {
+                rss_slack_mib = value.parse().map_err(|e| format!("--rss-slack-mib: {e}"))?;
+            }
             _ => {
                 return Err(format!(
-                    "unknown argument {a}; use --minutes N [--seed S] [--no-faults] [--max-rss-growth F]"
+                    "unknown argument {a}; use --minutes N [--seed S] [--no-faults] [--max-rss-growth F] [--rss-slack-mib M]"
                 ));
             }
         }
@@ -358,10 +364,12 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
         seed,
         no_faults,
         max_rss_growth,
+        rss_slack_mib,
     })
 }
 
-/// `cargo xtask soak [--minutes N] [--seed S] [--no-faults] [--max-rss-growth F]`.
+/// `cargo xtask soak [--minutes N] [--seed S] [--no-faults] [--max-rss-growth F]
+/// [--rss-slack-mib M]`.
 pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     let args = parse_args(args)?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -477,6 +485,7 @@ timeout_ms = 1000
         ])
         .args(["--seed", &seed.to_string(), "--json"])
         .args(["--max-rss-growth", &args.max_rss_growth.to_string()])
+        .args(["--rss-slack", &format!("{}MiB", args.rss_slack_mib)])
         .env("KVPOOL_LOG", "error")
         .env("MALLOC_ARENA_MAX", "2")
         .stdout(std::fs::File::create(&out_path).map_err(|e| e.to_string())?)
