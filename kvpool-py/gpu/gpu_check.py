@@ -254,6 +254,7 @@ def throughput(report, tmp):
 
 def main():
     report = {"torch": torch.__version__, "cuda": torch.version.cuda, "check_device": DEVICE,
+              "kvpool_from": os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__))),
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     failures = []
     if DEVICE == "cuda" and not torch.cuda.is_available():

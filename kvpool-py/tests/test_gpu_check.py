@@ -12,12 +12,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_gpu_check_passes_on_cpu_tensors(tmp_path):
+    """Runs the source script; in CI (``KVPOOL_GPU_BUNDLE`` names the bundle ``cargo xtask ci``
+    built) the bundle's own ``run.sh`` instead, with the wheel it carries, as a GPU machine
+    would run it."""
     env = {**os.environ, "KVPOOL_CHECK_DEVICE": "cpu", "OUT": str(tmp_path)}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "gpu", "gpu_check.py")],
-                          env=env, capture_output=True, text=True, timeout=600)
+    bundle = os.environ.get("KVPOOL_GPU_BUNDLE")
+    if bundle:
+        # run.sh calls `python3`: this venv's, which has torch (a GPU machine's has it too).
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        command = ["sh", os.path.join(bundle, "run.sh")]
+    else:
+        command = [sys.executable, os.path.join(HERE, "..", "gpu", "gpu_check.py")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["failures"] == []
+    if bundle:
+        # The kvpool under test is the bundle's unpacked wheel, not the venv's installed one.
+        assert os.path.realpath(report["kvpool_from"]) == os.path.realpath(
+            os.path.join(bundle, "site")), report["kvpool_from"]
     for layout in ("flash_attn", "flashinfer_hnd", "mla"):
         r = report[layout]
         assert r["sync_load_exact"] and r["async_load_exact"], r

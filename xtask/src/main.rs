@@ -3,8 +3,9 @@
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
 //!   `cargo test`), all with every feature, the example third-party backend
-//!   (`examples/opendal-tier`, built as an outside crate), then `matrix`, `vllm` and `sglang`: exactly
-//!   what CI runs. Every task links the system's librocksdb when a compatible one is installed
+//!   (`examples/opendal-tier`, built as an outside crate), then `matrix`, the GPU bundle (dev
+//!   profile, dry-run on CPU tensors by the vLLM suite), `vllm` and `sglang`: exactly what CI
+//!   runs; it ends with each stage's time. Every task links the system's librocksdb when a compatible one is installed
 //!   (`system.rs`), else the `disk` feature builds RocksDB from source.
 //! - `cargo xtask module-cycles`: fails on an import cycle between the modules of a crate.
 //! - `cargo xtask diagrams`: renders `docs/diagrams/*.dot` (Graphviz) to the SVGs beside them.
@@ -30,6 +31,8 @@
 //!   `remote` bench (Redis, S3, RocksDB vs their baselines) in one run.
 //! - `cargo xtask bench`: the criterion benchmarks, then `kvpool bench` under `/usr/bin/time -v`
 //!   (peak memory) and `kvpool replay --simulate` on a generated 12,000-request trace.
+//! - `cargo xtask gpu-bundle [--profile dev|release]`: what a lent GPU machine (torch, no Rust,
+//!   no vLLM) needs to check kvpool's GPU path, in `target/gpu-bundle/` (release by default).
 
 mod diagrams;
 mod fuzz;
@@ -98,74 +101,146 @@ fn has_nextest() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// The stages of `cargo xtask ci` with how long each took, printed when the run ends, passed or
+/// failed, so a slow CI run says where its minutes went.
+struct CiClock {
+    started: Instant,
+    stages: Vec<(&'static str, std::time::Duration, bool)>,
+}
+
+impl CiClock {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            stages: Vec::new(),
+        }
+    }
+
+    /// Runs one stage and records its time and outcome.
+    fn stage(
+        &mut self,
+        name: &'static str,
+        work: impl FnOnce() -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.stage_value(name, work)
+    }
+
+    /// [`CiClock::stage`] for a stage that returns a value.
+    fn stage_value<T>(
+        &mut self,
+        name: &'static str,
+        work: impl FnOnce() -> Result<T, String>,
+    ) -> Result<T, String> {
+        let started = Instant::now();
+        let result = work();
+        self.stages.push((name, started.elapsed(), result.is_ok()));
+        result
+    }
+}
+
+impl Drop for CiClock {
+    fn drop(&mut self) {
+        eprintln!("\ncargo xtask ci, by stage:");
+        for (name, took, ok) in &self.stages {
+            let outcome = if *ok { "ok" } else { "FAILED" };
+            eprintln!("  {name:<24} {:>6.0}s  {outcome}", took.as_secs_f64());
+        }
+        eprintln!(
+            "  {:<24} {:>6.0}s",
+            "total",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
 fn ci() -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    ensure_system_packages(system::SYSTEM_PACKAGES)?;
-    run(&cargo, &["fmt", "--all", "--", "--check"])?;
-    run(
-        &cargo,
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--all-features",
-            "--",
-            "-D",
-            "warnings",
-        ],
-    )?;
-    module_cycles::module_cycles()?;
+    let cargo = cargo.as_str();
+    let mut clock = CiClock::new();
+    clock.stage("system packages", || {
+        ensure_system_packages(system::SYSTEM_PACKAGES)
+    })?;
+    clock.stage("fmt", || run(cargo, &["fmt", "--all", "--", "--check"]))?;
+    clock.stage("clippy", || {
+        run(
+            cargo,
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )
+    })?;
+    clock.stage("module cycles", module_cycles::module_cycles)?;
     // Doc tests first, so the run closes on a real test runner's summary.
-    run(&cargo, &["test", "--workspace", "--all-features", "--doc"])?;
+    clock.stage("doc tests", || {
+        run(cargo, &["test", "--workspace", "--all-features", "--doc"])
+    })?;
     // The Prometheus test must run here, not skip: the package was installed above.
     let require = [("KVPOOL_REQUIRE_PROMETHEUS", "1")];
-    if has_nextest() {
-        run_with_env(
-            &cargo,
-            &[
-                "nextest",
-                "run",
-                "--workspace",
-                "--all-features",
-                "--no-fail-fast",
-            ],
-            &require,
-        )?;
-    } else {
-        eprintln!("cargo-nextest not found; using cargo test");
-        run_with_env(
-            &cargo,
-            &[
-                "test",
-                "--workspace",
-                "--all-features",
-                "--lib",
-                "--bins",
-                "--tests",
-            ],
-            &require,
-        )?;
-    }
+    clock.stage("workspace tests", || {
+        if has_nextest() {
+            run_with_env(
+                cargo,
+                &[
+                    "nextest",
+                    "run",
+                    "--workspace",
+                    "--all-features",
+                    "--no-fail-fast",
+                ],
+                &require,
+            )
+        } else {
+            eprintln!("cargo-nextest not found; using cargo test");
+            run_with_env(
+                cargo,
+                &[
+                    "test",
+                    "--workspace",
+                    "--all-features",
+                    "--lib",
+                    "--bins",
+                    "--tests",
+                ],
+                &require,
+            )
+        }
+    })?;
     // A bounded fuzzing pass and the sanitizer run, then every backend against real
-    // servers, and last kvpool inside real vLLM.
-    fuzz::fuzz(&["--seconds".into(), "30".into()])?;
-    sanitize::sanitize()?;
+    // servers, and last kvpool inside real vLLM and SGLang.
+    clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "30".into()]))?;
+    clock.stage("sanitize", sanitize::sanitize)?;
     // Anonymous RSS still drifts up by about 0.2 MiB a minute after the warm-up (medians of
     // the first and last windows; docs/reliability.md); until that is explained, 2 minutes may
     // grow it by 15 %, plus 4 MiB: glibc's retained free pages swing by a few MiB on this
     // ~20 MiB process (a 2-minute run read +18.8 %, 3.3 MiB, with 0 wrong tokens).
-    soak::soak(&[
-        "--minutes".into(),
-        "2".into(),
-        "--max-rss-growth".into(),
-        "0.15".into(),
-        "--rss-slack-mib".into(),
-        "4".into(),
-    ])?;
-    third_party::example_backend()?;
-    matrix::matrix()?;
-    vllm::vllm(&[])?;
-    sglang::sglang(&[])
+    clock.stage("soak", || {
+        soak::soak(&[
+            "--minutes".into(),
+            "2".into(),
+            "--max-rss-growth".into(),
+            "0.15".into(),
+            "--rss-slack-mib".into(),
+            "4".into(),
+        ])
+    })?;
+    clock.stage("example backend", third_party::example_backend)?;
+    clock.stage("matrix", matrix::matrix)?;
+    // The GPU bundle, built as a lent GPU machine gets it but in the dev profile (it shares the
+    // test build), is dry-run on CPU tensors by the vLLM suite's `test_gpu_check.py`.
+    let bundle = clock.stage_value("gpu bundle", || {
+        vllm::gpu_bundle(&["--profile".into(), "dev".into()])
+    })?;
+    let bundle = vllm::path_str(&bundle)?.to_string();
+    clock.stage("vllm", || {
+        vllm::vllm_with_env(&[], &[("KVPOOL_GPU_BUNDLE", bundle.as_str())])
+    })?;
+    clock.stage("sglang", || sglang::sglang(&[]))
 }
 
 fn bench() -> Result<(), String> {
@@ -449,7 +524,9 @@ fn main() -> ExitCode {
         Some("bench-mooncake") => {
             bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
-        Some("gpu-bundle") => vllm::gpu_bundle(),
+        Some("gpu-bundle") => {
+            vllm::gpu_bundle(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ())
+        }
         Some("sanitize") => sanitize::sanitize(),
         Some("module-cycles") => module_cycles::module_cycles(),
         Some("diagrams") => diagrams::diagrams(),

@@ -187,6 +187,12 @@ pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> 
 
 /// `cargo xtask vllm [pytest args...]`.
 pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
+    vllm_with_env(pytest_args, &[])
+}
+
+/// `cargo xtask vllm` with extra environment variables for the tests (CI names the GPU bundle it
+/// built, so `test_gpu_check.py` runs that bundle's `run.sh` rather than the source script).
+pub(crate) fn vllm_with_env(pytest_args: &[String], env: &[(&str, &str)]) -> Result<(), String> {
     let started = Instant::now();
     ensure_system_packages(PACKAGES)?;
     let python = python312()?;
@@ -199,7 +205,7 @@ pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
         &venv_python,
         "kvpool-py/tests",
         pytest_args,
-        &[("HF_HUB_OFFLINE", "1")],
+        &[&[("HF_HUB_OFFLINE", "1")], env].concat(),
         started,
     )
 }
@@ -292,14 +298,23 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
 /// system library to install; abi3, any CPython 3.10+), `gpu_check.py` (torch alone: CUDA
 /// layouts, page-locked memory, the side stream and events, saves and loads byte for byte,
 /// throughput against plain torch copies) and `run.sh`.
-pub(crate) fn gpu_bundle() -> Result<(), String> {
+///
+/// `args`: `--profile P` builds the wheel in cargo profile `P` (default `release`, what a GPU
+/// machine should run; CI builds `dev`, which shares its test build's artifacts, and runs the
+/// bundle's CPU dry run inside the vLLM suite). Returns the bundle's directory.
+pub(crate) fn gpu_bundle(args: &[String]) -> Result<PathBuf, String> {
+    let profile = match args {
+        [] => "release",
+        [flag, profile] if flag == "--profile" => profile.as_str(),
+        _ => return Err("usage: cargo xtask gpu-bundle [--profile dev|release]".into()),
+    };
     let python = python312()?;
     let tools = ensure_tools(&python)?;
     let bundle = target_dir().join("gpu-bundle");
     let wheel = build_wheel(
         &tools,
         &python,
-        "release",
+        profile,
         &bundle,
         &["--no-default-features", "--strip"],
     )?;
@@ -323,10 +338,10 @@ PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
     run("chmod", &["+x", path_str(&bundle.join("run.sh"))?])?;
     let size = std::fs::metadata(&wheel).map_err(|e| e.to_string())?.len();
     println!(
-        "{}: {} ({:.1} MiB), gpu_check.py, run.sh",
+        "{}: {} ({:.1} MiB, {profile} profile), gpu_check.py, run.sh",
         bundle.display(),
         wheel.display(),
         size as f64 / (1 << 20) as f64
     );
-    Ok(())
+    Ok(bundle)
 }
