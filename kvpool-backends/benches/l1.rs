@@ -18,34 +18,46 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// `CacheEngine::lookup` of a 128K-token prompt whose chunks are all in L1 (hashing included),
+/// for chunks of one vLLM block (16 tokens), two blocks, and the default 256 tokens: the
+/// key-count cost of block-granular keys.
 fn lookup_128k(c: &mut Criterion) {
     let rt = runtime();
-    let mut config = PoolConfig {
-        layout: kvpool_core::KvLayout {
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_size: 8,
-            dtype: Dtype::F16,
-            kind: KvKind::KeyValue,
-            block_size: 16,
-        },
-        ..Default::default()
-    };
-    config.local_cpu.max_size = ByteSize::mib(64);
-    let pool = rt.block_on(build_pool(&config)).unwrap();
-    let engine = pool.engine.clone();
     let n = 128 * 1024;
     let tokens: Vec<u32> = (0..n as u32)
         .map(|i| i.wrapping_mul(2654435761) % 128_000)
         .collect();
-    let kv = HostPagedKvCache::new(*engine.layout(), n / 16);
-    let slots: Vec<i64> = (0..n as i64).collect();
-    rt.block_on(engine.store(&tokens, None, &kv, &slots))
-        .unwrap();
-    assert_eq!(rt.block_on(engine.lookup(&tokens)).unwrap(), n);
-    c.bench_function("lookup_128k_tokens_all_in_l1", |b| {
-        b.iter(|| black_box(rt.block_on(engine.lookup(black_box(&tokens))).unwrap()))
-    });
+    let mut g = c.benchmark_group("lookup_128k_tokens_all_in_l1");
+    for chunk_size in [16usize, 32, 256] {
+        let mut config = PoolConfig {
+            layout: kvpool_core::KvLayout {
+                num_layers: 1,
+                num_kv_heads: 1,
+                head_size: 8,
+                dtype: Dtype::F16,
+                kind: KvKind::KeyValue,
+                block_size: 16,
+            },
+            ..Default::default()
+        };
+        config.chunking.chunk_size = chunk_size;
+        config.local_cpu.max_size = ByteSize::mib(64);
+        let pool = rt.block_on(build_pool(&config)).unwrap();
+        let engine = pool.engine.clone();
+        let kv = HostPagedKvCache::new(*engine.layout(), n / 16);
+        let slots: Vec<i64> = (0..n as i64).collect();
+        rt.block_on(engine.store(&tokens, None, &kv, &slots))
+            .unwrap();
+        assert_eq!(rt.block_on(engine.lookup(&tokens)).unwrap(), n);
+        g.bench_function(
+            BenchmarkId::new(
+                "chunk_tokens",
+                format!("{chunk_size} ({} keys)", n / chunk_size),
+            ),
+            |b| b.iter(|| black_box(rt.block_on(engine.lookup(black_box(&tokens))).unwrap())),
+        );
+    }
+    g.finish();
 }
 
 fn put_get_vs_memcpy(c: &mut Criterion) {
