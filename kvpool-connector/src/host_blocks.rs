@@ -17,39 +17,44 @@ use crate::worker::{CopyDirection, CopyJob};
 ///
 /// `job` must come from a live [`crate::ConnectorWorker`] that has not yet been told it is
 /// done ([`crate::ConnectorWorker::copy_done`]): its addresses then point at chunk buffers of
-/// `job.chunk_bytes` bytes that the worker owns and nobody else touches.
+/// `job.chunk_bytes(c)` bytes that the worker owns and nobody else touches.
 pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(), TransferError> {
     let layout = *kv.layout();
     let bs = layout.block_size;
-    let bpc = job.blocks_per_chunk;
-    let chunk_tokens = bpc * bs;
-    let expected = layout.chunk_bytes(chunk_tokens);
-    if job.chunk_bytes != expected {
+    let expected = layout.chunk_bytes(bs);
+    if job.block_bytes != expected || job.chunk_blocks.len() != job.chunk_ptrs.len() {
         return Err(TransferError::BufferSize {
-            actual: job.chunk_bytes,
+            actual: job.block_bytes,
             expected,
-            tokens: chunk_tokens,
+            tokens: bs,
         });
     }
-    let chunks = job.chunk_ptrs.len();
-    if job.skip_blocks + job.block_ids.len() > chunks * bpc {
+    let blocks: usize = job.chunk_blocks.iter().sum();
+    if job.skip_blocks + job.block_ids.len() > blocks {
         return Err(TransferError::TokenRange {
             start: job.skip_blocks * bs,
             end: (job.skip_blocks + job.block_ids.len()) * bs,
-            tokens: chunks * chunk_tokens,
+            tokens: blocks * bs,
         });
     }
-    for (c, &ptr) in job.chunk_ptrs.iter().enumerate() {
+    // The job's blocks before chunk `c`, counted from the first chunk's first block.
+    let mut before = 0;
+    for (c, (&ptr, &bpc)) in job.chunk_ptrs.iter().zip(&job.chunk_blocks).enumerate() {
+        let chunk_tokens = bpc * bs;
+        let chunk_bytes = job.chunk_bytes(c);
         // The chunk blocks this job copies: `first..end` of chunk `c`.
-        let first = job.skip_blocks.saturating_sub(c * bpc).min(bpc);
+        let first = job.skip_blocks.saturating_sub(before).min(bpc);
         let end = (job.skip_blocks + job.block_ids.len())
-            .saturating_sub(c * bpc)
+            .saturating_sub(before)
             .min(bpc);
+        let chunk_start = before;
+        before += bpc;
         if first >= end {
             continue;
         }
-        let ids =
-            &job.block_ids[c * bpc + first - job.skip_blocks..c * bpc + end - job.skip_blocks];
+        // `block_ids[i]` is job block `skip_blocks + i`.
+        let ids_from = chunk_start + first - job.skip_blocks;
+        let ids = &job.block_ids[ids_from..ids_from + (end - first)];
         let slots: Vec<i64> = ids
             .iter()
             .flat_map(|&e| (0..bs).map(move |t| (e as usize * bs + t) as i64))
@@ -58,7 +63,7 @@ pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(
             CopyDirection::Load => {
                 // SAFETY: the caller promised `ptr` addresses `chunk_bytes` bytes owned by the
                 // worker for the job's life, read-only for a load.
-                let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, job.chunk_bytes) };
+                let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, chunk_bytes) };
                 kv.scatter(ChunkWindow {
                     data,
                     chunk_tokens,
@@ -70,14 +75,13 @@ pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(
                 if first != 0 || end != bpc {
                     // A save fills whole chunks (only a load skips blocks the engine holds).
                     return Err(TransferError::TokenRange {
-                        start: (c * bpc + first) * bs,
-                        end: (c * bpc + end) * bs,
-                        tokens: chunks * chunk_tokens,
+                        start: (chunk_start + first) * bs,
+                        end: (chunk_start + end) * bs,
+                        tokens: blocks * bs,
                     });
                 }
                 // SAFETY: as above; a save's buffer is written by this job alone.
-                let data =
-                    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, job.chunk_bytes) };
+                let data = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, chunk_bytes) };
                 kv.gather(&slots, data)?;
             }
         }

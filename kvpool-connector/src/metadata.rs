@@ -6,14 +6,16 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Encoding version, the first byte of every encoded metadata.
-pub const METADATA_VERSION: u8 = 3;
+pub const METADATA_VERSION: u8 = 4;
 
 /// Tokens to load into the engine's blocks for one request: `[gpu_cached_tokens, load_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadSpec {
     /// Tokens the engine's own prefix cache already holds (never written; a block boundary).
     pub gpu_cached_tokens: u32,
-    /// End of the range the pool holds (a chunk boundary; always below the prompt length).
+    /// End of the range the pool holds (a block boundary, always below the prompt length):
+    /// whole chunks up to the chunk boundary at or below it, then
+    /// [`ReqMeta::load_tail`]'s blocks.
     pub load_until: u32,
     /// Loaded in the background while other requests run: the engine waits for the request's
     /// id in `finished_recving` (vLLM's `WAITING_FOR_REMOTE_KVS`). Otherwise the load is in
@@ -47,6 +49,15 @@ pub struct ReqMeta {
     pub load: Option<LoadSpec>,
     /// Save, if any.
     pub save: Option<SaveSpec>,
+    /// Tail-block keys of the load: one per block from the chunk boundary at or below
+    /// `load_until` up to `load_until` (a prompt's tokens past its last whole chunk are keyed
+    /// per block, see [`kvpool_core::HashAlgorithm::chain_tail_blocks`]); empty when the load
+    /// ends on a chunk boundary.
+    pub load_tail: Vec<[u8; 16]>,
+    /// Tail-block keys to save after the save's whole chunks: one per block from
+    /// `save_until` on (the prompt's whole blocks past its last whole chunk, saved once the
+    /// prompt is computed).
+    pub save_tail: Vec<[u8; 16]>,
 }
 
 /// Part of a step's staged saves that must never become visible: chunks of `req_id` saved
@@ -196,7 +207,16 @@ impl ConnectorMetadata {
                         l.gpu_cached_tokens, l.load_until
                     )));
                 }
+                if r.load_tail.len() * self.block_size as usize > l.load_until as usize {
+                    return Err(bad(format!(
+                        "{} tail blocks past load end {}",
+                        r.load_tail.len(),
+                        l.load_until
+                    )));
+                }
                 needed = l.load_until as usize;
+            } else if !r.load_tail.is_empty() {
+                return Err(bad("tail blocks to load without a load".into()));
             }
             if let Some(s) = r.save {
                 if s.save_from > s.save_until {
@@ -205,7 +225,10 @@ impl ConnectorMetadata {
                         s.save_from, s.save_until
                     )));
                 }
-                needed = needed.max(s.save_until as usize);
+                let tail_end = s.save_until as usize + r.save_tail.len() * self.block_size as usize;
+                needed = needed.max(tail_end);
+            } else if !r.save_tail.is_empty() {
+                return Err(bad("tail blocks to save without a save".into()));
             }
             if needed > tokens {
                 return Err(bad(format!(
@@ -243,8 +266,10 @@ mod tests {
                 }),
                 save: Some(SaveSpec {
                     save_from: 4,
-                    save_until: 8,
+                    save_until: 4,
                 }),
+                load_tail: vec![],
+                save_tail: vec![[9; 16]],
             }],
             unloadable_blocks: vec![7],
             discards: vec![SaveDiscard {
@@ -281,6 +306,13 @@ mod tests {
             load_until: 9,
             asynchronous: false,
         });
+        assert!(ConnectorMetadata::decode(&m.encode()).is_err());
+        let mut m = sample();
+        // A tail block past the request's blocks.
+        m.requests[0].save_tail.push([8; 16]);
+        assert!(ConnectorMetadata::decode(&m.encode()).is_err());
+        let mut m = sample();
+        m.requests[0].save = None;
         assert!(ConnectorMetadata::decode(&m.encode()).is_err());
         let mut m = sample();
         m.requests.push(m.requests[0].clone());

@@ -1,6 +1,7 @@
 """TTFT and throughput of vLLM (CPU build) on a repeated 8K-token prefix: recompute, kvpool
-(L1 only; disk only in a fresh process; and a different suffix after the prefix), and vLLM's
-own ExampleConnector. Each configuration runs in a fresh process.
+(L1 only; disk only in a fresh process; and a different suffix after the prefix), vLLM's
+own ExampleConnector, and the floor: vLLM's own prefix cache with the blocks still resident.
+Each configuration runs in a fresh process.
 
     python bench_vllm.py --out results.json [--prefix 8192 --repeats 5]
 
@@ -44,7 +45,8 @@ def engine_main(spec_path, out_path):
               # One-step prefills for every configuration (ExampleConnector saves a partial
               # prompt under the whole prompt's name when a prefill is split).
               max_num_batched_tokens=spec["max_model_len"],
-              enable_prefix_caching=False, distributed_executor_backend="uni", seed=0,
+              enable_prefix_caching=spec.get("prefix_caching", False),
+              distributed_executor_backend="uni", seed=0,
               **kwargs)
     one = SamplingParams(temperature=0, detokenize=False, ignore_eos=True, max_tokens=1)
     many = SamplingParams(temperature=0, detokenize=False, ignore_eos=True, max_tokens=16)
@@ -144,16 +146,23 @@ def main():
     rows["vLLM ExampleConnector, same prompt"] = run_engine(
         {**base, "connector": "example", "example_path": ex_dir, "warm": [unrelated, warm],
          "measure": [warm] * a.repeats, "throughput": batch}, scratch, "example")
+    # The floor: vLLM's own prefix cache with the blocks still resident (no copy at all).
+    rows["vLLM prefix cache, blocks resident"] = run_engine(
+        {**base, "connector": None, "prefix_caching": True, "warm": [unrelated, warm],
+         "measure": [warm] * a.repeats}, scratch, "prefix-cache")
     summary = {}
     rec = statistics.median(rows["recompute (no connector)"]["ttft_s"])
-    print(f"\n{'configuration':40} {'TTFT median':>12} {'vs recompute':>13} {'req/s (8)':>10}")
+    print(f"\n{'configuration':40} {'TTFT median':>12} {'vs recompute':>13} {'req/s (8)':>10}"
+          f" {'cached tokens':>14}")
     for name, r in rows.items():
         med = statistics.median(r["ttft_s"])
         summary[name] = {"ttft_median_s": med, "ttft_s": r["ttft_s"],
                          "speedup": rec / med, "throughput_rps": r.get("throughput_rps"),
                          "cached_tokens": r.get("cached")}
         tp = r.get("throughput_rps")
-        print(f"{name:40} {med:11.3f}s {rec / med:12.1f}x {tp if tp is None else round(tp, 2)!s:>10}")
+        cached = r.get("cached") or [None]
+        print(f"{name:40} {med:11.3f}s {rec / med:12.1f}x {tp if tp is None else round(tp, 2)!s:>10}"
+              f" {cached[-1]!s:>14}")
     with open(a.out, "w") as f:
         json.dump({"prefix_tokens": a.prefix, "rows": summary}, f, indent=2)
 

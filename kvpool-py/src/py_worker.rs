@@ -123,9 +123,18 @@ impl WorkerCore {
     }
 }
 
-/// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, blocks_per_chunk,
-/// chunk_bytes, chunk_ptrs)`.
-pub type PyCopyJob = (u64, bool, String, Vec<u32>, usize, usize, usize, Vec<usize>);
+/// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
+/// block_bytes, chunk_ptrs)`.
+pub type PyCopyJob = (
+    u64,
+    bool,
+    String,
+    Vec<u32>,
+    usize,
+    Vec<usize>,
+    usize,
+    Vec<usize>,
+);
 
 fn py_job(j: CopyJob) -> PyCopyJob {
     (
@@ -134,8 +143,8 @@ fn py_job(j: CopyJob) -> PyCopyJob {
         j.req_id,
         j.block_ids,
         j.skip_blocks,
-        j.blocks_per_chunk,
-        j.chunk_bytes,
+        j.chunk_blocks,
+        j.block_bytes,
         j.chunk_ptrs,
     )
 }

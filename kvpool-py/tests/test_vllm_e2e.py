@@ -64,6 +64,22 @@ def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
     assert ours.get("vllm:kvpool_failed_load_blocks_total", 0) == 0, ours
 
 
+def test_an_exact_repeat_is_served_to_its_last_whole_block(runner, model_dir):
+    """Issue 26: with the default 256-token chunks, a repeated prompt's tokens past its last
+    whole chunk are served too (keyed block by block): the hit is the prompt less at most one
+    block (vLLM computes at least the last token), what vLLM's own prefix cache would serve."""
+    p = shared_prefix_prompts(1, prefix_len=1024, suffix_len=37, seed=21)[0]
+    prompts = [p, p]
+    kw = {"batches": [[0], [1]], "prefix_caching": False}
+    base = runner.baseline(model_dir, prompts, **kw)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(), **kw})
+    assert_same_outputs(base, got)
+    assert got["results"][0]["num_cached_tokens"] == 0
+    hit = got["results"][1]["num_cached_tokens"]
+    assert hit == (len(p) - 1) // 32 * 32 == 1056, hit
+    assert got["stats"]["failed_load_blocks"] == 0
+
+
 def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_dir, scratch):
     """Chunks entering kvpool's tiers arrive through vLLM's own KV-event publisher (ZMQ) as
     BlockStored events tagged with the tier, carrying the same block hashes as vLLM's own

@@ -247,7 +247,15 @@ fn bench() -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     run(
         &cargo,
-        &["bench", "-p", "kvpool-core", "-p", "kvpool-backends"],
+        &[
+            "bench",
+            "-p",
+            "kvpool-core",
+            "-p",
+            "kvpool-backends",
+            "-p",
+            "kvpool-connector",
+        ],
     )?;
     run(&cargo, &["build", "--release", "-p", "kvpool-cli"])?;
     let kvpool = workspace_root().join("target/release/kvpool");

@@ -127,6 +127,11 @@ pub struct RequestTracker {
     pub saved_tokens: usize,
     /// Pending load, set by `get_num_new_matched_tokens`, consumed by `build_connector_meta`.
     pub load: Option<LoadSpec>,
+    /// The pending load's tail-block keys (see [`ReqMeta::load_tail`]).
+    pub load_tail: Vec<[u8; 16]>,
+    /// The prompt's tail blocks (its whole blocks past its last whole chunk) were handed to a
+    /// save.
+    pub tail_saved: bool,
     /// An asynchronous load was issued and its end not yet reported.
     pub load_in_flight: bool,
     /// Steps whose metadata carried a save for this request.
@@ -336,6 +341,8 @@ impl ConnectorScheduler {
                     block_ids: Vec::new(),
                     saved_tokens: 0,
                     load: None,
+                    load_tail: Vec::new(),
+                    tail_saved: false,
                     load_in_flight: false,
                     save_steps: Vec::new(),
                     skip_save: req.skip_save,
@@ -343,17 +350,10 @@ impl ConnectorScheduler {
                 },
             );
         }
-        let (hit, leased) = if n > 1 {
-            let t = &self.trackers[&req.req_id];
-            let full = ((n - 1) / self.chunk_size).min(t.hasher.hashes().len());
-            let hashes = t.hasher.hashes()[..full].to_vec();
-            let answer = self.lookup.lookup(&req.req_id, &hashes);
-            (
-                answer.chunks * self.chunk_size,
-                answer.leased * self.chunk_size,
-            )
+        let (hit, leased, load_tail) = if n > 1 {
+            self.lookup_prompt(&req.req_id, n - 1)
         } else {
-            (0, 0)
+            (0, 0, Vec::new())
         };
         let tracker = self
             .trackers
@@ -361,8 +361,10 @@ impl ConnectorScheduler {
             .expect("tracker inserted above");
         if hit <= num_computed_tokens {
             tracker.load = None;
+            tracker.load_tail.clear();
             return (0, false);
         }
+        tracker.load_tail = load_tail;
         let asynchronous = match self.config.load_timing {
             crate::LoadTiming::Auto => leased < hit,
             crate::LoadTiming::Always => true,
@@ -377,6 +379,60 @@ impl ConnectorScheduler {
         (hit - num_computed_tokens, asynchronous)
     }
 
+    /// What the pool holds of a request's first `limit` tokens, in tokens: the leading whole
+    /// chunks, then, past the last one found, the tail blocks of the next chunk (blocks keyed
+    /// one by one, stored for prompts that ended inside that chunk). Returns the hit, how much
+    /// of it is leased in memory, and the tail-block keys the hit includes. A second lookup
+    /// runs only when a whole chunk before the last is missing (a longer prompt over an
+    /// earlier, shorter one).
+    fn lookup_prompt(&mut self, req_id: &str, limit: usize) -> (usize, usize, Vec<[u8; 16]>) {
+        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
+        let t = &self.trackers[req_id];
+        let full = (limit / cs).min(t.hasher.hashes().len());
+        let chunk_hashes: Vec<ChunkHash> = t.hasher.hashes()[..full].to_vec();
+        let mut run = |chunks: usize| -> (LookupAnswer, Vec<ChunkHash>) {
+            let tail = self.tail_hashes(req_id, chunks, limit);
+            let mut hashes = chunk_hashes[..chunks].to_vec();
+            hashes.extend_from_slice(&tail);
+            (self.lookup.lookup(req_id, &hashes), tail)
+        };
+        let (mut answer, mut tail) = run(full);
+        let mut chunks = full;
+        if answer.chunks < full && cs > bs {
+            // A whole chunk is missing: an earlier prompt may have ended inside it.
+            chunks = answer.chunks;
+            (answer, tail) = run(chunks);
+        }
+        let tokens =
+            |entries: usize| entries.min(chunks) * cs + entries.saturating_sub(chunks) * bs;
+        let tail_hit = answer.chunks.saturating_sub(chunks).min(tail.len());
+        (
+            tokens(answer.chunks),
+            tokens(answer.leased),
+            tail[..tail_hit].iter().map(|h| h.0).collect(),
+        )
+    }
+
+    /// The tail-block keys of chunk `chunk` of a request's tokens: one per whole block of the
+    /// chunk below token `limit` (never the whole chunk), chained on chunk `chunk - 1`.
+    fn tail_hashes(&self, req_id: &str, chunk: usize, limit: usize) -> Vec<ChunkHash> {
+        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
+        let Some(t) = self.trackers.get(req_id) else {
+            return Vec::new();
+        };
+        let start = chunk * cs;
+        let end = limit.min(t.token_ids.len()).min(start + cs - 1);
+        if end <= start || cs <= bs {
+            return Vec::new();
+        }
+        let prev = match chunk {
+            0 => t.hasher.root(),
+            c => t.hasher.hashes()[c - 1],
+        };
+        self.hash_algorithm
+            .chain_tail_blocks(&prev, &t.token_ids[start..end], bs)
+    }
+
     /// vLLM `update_state_after_alloc`: the engine blocks the request holds, and how many
     /// external tokens the engine accepted (0 cancels a pending load).
     pub fn update_state_after_alloc(
@@ -385,14 +441,25 @@ impl ConnectorScheduler {
         block_ids: &[u32],
         num_external_tokens: usize,
     ) {
+        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
         if let Some(t) = self.trackers.get_mut(req_id) {
             t.block_ids = block_ids.to_vec();
             match &mut t.load {
-                _ if num_external_tokens == 0 => t.load = None,
+                _ if num_external_tokens == 0 => {
+                    t.load = None;
+                    t.load_tail.clear();
+                }
                 Some(load) => {
-                    // The engine accepted this many: load exactly that.
+                    // The engine accepted this many: load exactly that (tail blocks past it
+                    // are dropped).
                     let until = load.gpu_cached_tokens as usize + num_external_tokens;
-                    load.load_until = (load.load_until as usize).min(until) as u32;
+                    let until = (load.load_until as usize).min(until);
+                    let tail_start = load.load_until as usize - t.load_tail.len() * bs;
+                    if until < load.load_until as usize {
+                        t.load_tail.truncate(until.saturating_sub(tail_start) / bs);
+                    }
+                    debug_assert!(tail_start.is_multiple_of(cs));
+                    load.load_until = until as u32;
                 }
                 None => {}
             }
@@ -448,8 +515,15 @@ impl ConnectorScheduler {
                 t.saved_tokens = t
                     .saved_tokens
                     .min(l.gpu_cached_tokens as usize / chunk * chunk);
+                t.tail_saved = false;
+                t.load_tail.clear();
                 load = None;
             }
+            let load_tail = if load.is_some() {
+                std::mem::take(&mut t.load_tail)
+            } else {
+                Vec::new()
+            };
             if let Some(l) = &mut load
                 && l.asynchronous
             {
@@ -464,13 +538,40 @@ impl ConnectorScheduler {
                 computed.min(t.prompt_len)
             };
             let save_until = savable / chunk * chunk;
-            let save = (!t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
+            let mut save = (!t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
                 save_from: t.saved_tokens as u32,
                 save_until: save_until as u32,
             });
-            let needed = load
-                .map_or(0, |l| l.load_until as usize)
-                .max(save.map_or(0, |s| s.save_until as usize));
+            // The prompt's whole blocks past its last whole chunk, keyed block by block, once
+            // the prompt is computed and every whole chunk before them is saved.
+            let tail_start = t.prompt_len / chunk * chunk;
+            let tail_end = t.prompt_len / block_size * block_size;
+            let saved_after = save.map_or(t.saved_tokens, |s| s.save_until as usize);
+            let save_tail = if !t.skip_save
+                && !t.tail_saved
+                && tail_end > tail_start
+                && saved_after == tail_start
+                && computed >= tail_end
+            {
+                let prev = match tail_start / chunk {
+                    0 => t.hasher.root(),
+                    c => t.hasher.hashes()[c - 1],
+                };
+                let tail = self.hash_algorithm.chain_tail_blocks(
+                    &prev,
+                    &t.token_ids[tail_start..tail_end],
+                    block_size,
+                );
+                save.get_or_insert(SaveSpec {
+                    save_from: tail_start as u32,
+                    save_until: tail_start as u32,
+                });
+                tail.iter().map(|h| h.0).collect()
+            } else {
+                Vec::new()
+            };
+            let save_end = save.map_or(0, |s| s.save_until as usize) + save_tail.len() * block_size;
+            let needed = load.map_or(0, |l| l.load_until as usize).max(save_end);
             if needed == 0 {
                 continue;
             }
@@ -482,11 +583,12 @@ impl ConnectorScheduler {
             let blocks: Vec<u32> = t.block_ids[..needed.div_ceil(block_size)].to_vec();
             if let Some(sv) = save {
                 t.saved_tokens = sv.save_until as usize;
+                t.tail_saved |= !save_tail.is_empty();
                 t.save_steps.push(step);
                 saves.push(IssuedSave {
                     req_id: s.req_id.clone(),
                     from: sv.save_from as usize,
-                    until: sv.save_until as usize,
+                    until: save_end,
                     blocks: blocks.clone(),
                 });
             }
@@ -496,6 +598,8 @@ impl ConnectorScheduler {
                 block_ids: blocks,
                 load,
                 save,
+                load_tail,
+                save_tail,
             });
         }
         // Asynchronous loads of requests the engine is not scheduling (they wait for them).
@@ -517,6 +621,7 @@ impl ConnectorScheduler {
                 let first = l.gpu_cached_tokens as usize / block_size;
                 unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
                 self.broken_promises += 1;
+                t.load_tail.clear();
                 continue;
             }
             t.load_in_flight = true;
@@ -527,6 +632,8 @@ impl ConnectorScheduler {
                 block_ids: t.block_ids[..needed.div_ceil(block_size)].to_vec(),
                 load: Some(l),
                 save: None,
+                load_tail: std::mem::take(&mut t.load_tail),
+                save_tail: Vec::new(),
             });
         }
         self.ledger.issued(step, saves);
@@ -559,6 +666,9 @@ impl ConnectorScheduler {
                 if let Some(first) = t.block_ids.iter().position(|b| failed.contains(b)) {
                     let token = first * bs;
                     t.saved_tokens = t.saved_tokens.min(token / chunk * chunk);
+                    if token < t.prompt_len / bs * bs {
+                        t.tail_saved = false;
+                    }
                 }
             }
             self.ledger.failed_blocks(&failed, bs, chunk);
@@ -612,7 +722,9 @@ impl ConnectorScheduler {
             }
             t.block_ids.clear();
             t.load = None;
+            t.load_tail.clear();
             t.saved_tokens = 0;
+            t.tail_saved = false;
             self.preempted.push(req_id.to_string());
         }
     }

@@ -4,9 +4,10 @@
 //!
 //! A chunk's bytes are its blocks, plane by plane: for engine plane `p` (every layer's planes
 //! in layer order; one per layer for vLLM's CPU blocks, K and V for a flash-attention layer)
-//! and chunk block `b`, the `plane_block_bytes` of that block sit at
-//! `(p * blocks_per_chunk + b) * plane_block_bytes`. A job covers whole chunks; a load may
-//! skip the leading blocks of its first chunk (blocks the engine already holds).
+//! and block `b` of a chunk of `n` blocks, the `plane_block_bytes` of that block sit at
+//! `(p * n + b) * plane_block_bytes`. Chunks of one job may hold different numbers of blocks
+//! (whole chunks, then a prompt's tail blocks, one block each). A job covers whole chunks; a
+//! load may skip the leading blocks of its first chunk (blocks the engine already holds).
 
 use kvpool_core::{MemoryObj, MemoryObjMut};
 
@@ -29,16 +30,15 @@ pub struct CopyJob {
     pub direction: CopyDirection,
     /// The request it serves.
     pub req_id: String,
-    /// Engine block ids, one per chunk block from `skip_blocks` on, in chunk order:
-    /// `block_ids[i]` is chunk block `skip_blocks + i` (chunk `(skip_blocks + i) /
-    /// blocks_per_chunk`).
+    /// Engine block ids, one per chunk block from `skip_blocks` on, in chunk order (the
+    /// blocks of chunk 0 from `skip_blocks`, then all of chunk 1's, and so on).
     pub block_ids: Vec<u32>,
     /// Leading blocks of the first chunk the job does not copy.
     pub skip_blocks: usize,
-    /// Blocks per chunk.
-    pub blocks_per_chunk: usize,
-    /// Bytes of every chunk.
-    pub chunk_bytes: usize,
+    /// Blocks in each chunk (one entry per chunk, as `chunk_ptrs`).
+    pub chunk_blocks: Vec<usize>,
+    /// Bytes of one block of a chunk, every plane: a chunk of `n` blocks is `n * block_bytes`.
+    pub block_bytes: usize,
     /// Address of each chunk's host buffer (read for a load, written for a save).
     pub chunk_ptrs: Vec<usize>,
 }
@@ -46,7 +46,12 @@ pub struct CopyJob {
 impl CopyJob {
     /// Bytes the job moves.
     pub fn bytes(&self) -> usize {
-        self.block_ids.len() * self.chunk_bytes / self.blocks_per_chunk.max(1)
+        self.block_ids.len() * self.block_bytes
+    }
+
+    /// Bytes of chunk `c`'s host buffer.
+    pub fn chunk_bytes(&self, c: usize) -> usize {
+        self.chunk_blocks.get(c).copied().unwrap_or(0) * self.block_bytes
     }
 }
 

@@ -39,15 +39,16 @@ pub(crate) struct PlannedLoad {
     pub(crate) gpu_cached_tokens: usize,
     /// End of the load.
     pub(crate) load_until: usize,
-    /// The chunks covering `gpu_cached_tokens..load_until`, whole.
+    /// The spans covering `gpu_cached_tokens..load_until`, whole: chunks, then tail blocks.
     pub(crate) spans: Vec<ChunkSpan>,
     /// Chunks in hand for the leading spans (the lookup lease's).
     pub(crate) leased: Vec<kvpool_core::Chunk>,
 }
 
 impl PlannedLoad {
-    pub(crate) fn bytes(&self, chunk_bytes: usize) -> usize {
-        self.spans.len() * chunk_bytes
+    /// Bytes of the spans' values (`token_bytes` per token).
+    pub(crate) fn bytes(&self, token_bytes: usize) -> usize {
+        self.spans.iter().map(|s| s.len() * token_bytes).sum()
     }
 }
 

@@ -196,10 +196,6 @@ impl ConnectorWorker {
         self.engine.token_database().chunk_size()
     }
 
-    fn chunk_bytes(&self) -> usize {
-        self.engine.layout().chunk_bytes(self.chunk_size())
-    }
-
     /// vLLM `register_kv_caches`: checks the engine's KV layout matches the pool's.
     pub fn register_kv_caches(&mut self, layout: &KvLayout) -> Result<(), ConnectorError> {
         let ours = self.engine.layout();
@@ -300,24 +296,63 @@ impl ConnectorWorker {
         self.meta = None;
     }
 
-    /// The spans of `r`'s whole chunks covering tokens `from..until` (from the hashes the
-    /// scheduler shipped; no token is hashed here).
-    fn spans(&self, r: &ReqMeta, from: usize, until: usize) -> Result<Vec<ChunkSpan>, String> {
-        let cs = self.chunk_size();
+    /// The spans of `r` covering tokens `from..until` (from the hashes the scheduler shipped;
+    /// no token is hashed here): its whole chunks up to `until - tail.len() * block_size` (a
+    /// chunk boundary), then one span per tail block. Spans ending at or before `from` are
+    /// left out; the first may start before it (a load skips the blocks the engine holds).
+    fn spans(
+        &self,
+        r: &ReqMeta,
+        from: usize,
+        until: usize,
+        tail: &[[u8; 16]],
+    ) -> Result<Vec<ChunkSpan>, String> {
+        let (cs, bs) = (self.chunk_size(), self.block_size);
+        let tail_tokens = tail.len() * bs;
+        let bad = || {
+            format!(
+                "{} chunk hashes and {} tail blocks do not cover tokens {from}..{until} in whole chunks and blocks",
+                r.chunk_hashes.len(),
+                tail.len()
+            )
+        };
+        let Some(tail_start) = until
+            .checked_sub(tail_tokens)
+            .filter(|t| t.is_multiple_of(cs))
+        else {
+            return Err(bad());
+        };
         let hashes: Vec<ChunkHash> = r.chunk_hashes.iter().map(|h| ChunkHash(*h)).collect();
-        let spans = self
-            .engine
-            .token_database()
-            .spans_from_hashes(&hashes, from, until);
-        let whole = spans.iter().all(|s| s.len() == cs);
+        let db = self.engine.token_database();
+        let mut spans = if from < tail_start {
+            db.spans_from_hashes(&hashes, from, tail_start)
+        } else {
+            Vec::new()
+        };
+        if spans.iter().any(|s| s.len() != cs) {
+            return Err(bad());
+        }
+        for (j, h) in tail.iter().enumerate() {
+            let start = tail_start + j * bs;
+            if start + bs > from {
+                spans.push(ChunkSpan {
+                    start,
+                    end: start + bs,
+                    key: kvpool_core::CacheKey::new(db.scope().clone(), ChunkHash(*h)),
+                });
+            }
+        }
+        let contiguous = spans.windows(2).all(|w| w[0].end == w[1].start);
         let covered = spans.last().map_or(from, |s| s.end);
-        if !whole || covered != until || spans.first().is_some_and(|s| s.start > from) {
-            return Err(format!(
-                "{} chunk hashes do not cover tokens {from}..{until} in whole chunks",
-                r.chunk_hashes.len()
-            ));
+        if !contiguous || covered != until || spans.first().is_some_and(|s| s.start > from) {
+            return Err(bad());
         }
         Ok(spans)
+    }
+
+    /// Bytes of one block of a chunk (every plane).
+    fn block_bytes(&self) -> usize {
+        self.engine.layout().chunk_bytes(self.block_size)
     }
 
     fn plan_load(&mut self, r: &ReqMeta, from: usize, until: usize, asynchronous: bool) {
@@ -328,8 +363,7 @@ impl ConnectorWorker {
         if let Some(t) = self.traces.of(&r.req_id) {
             t.load_requested_tokens += (until - from) as u64;
         }
-        let cs = self.chunk_size();
-        let spans = match self.spans(r, from / cs * cs, until) {
+        let spans = match self.spans(r, from, until, &r.load_tail) {
             Ok(spans) => spans,
             Err(e) => {
                 warn!(req = %r.req_id, error = %e, "cannot plan a load; reporting its blocks");
@@ -340,8 +374,15 @@ impl ConnectorWorker {
                 return;
             }
         };
-        // The lease holds chunks from chunk 0; keep those of the spans, matched by hash.
-        let first = spans[0].start / cs;
+        // The lease holds chunks from chunk 0, then the tail blocks; keep those of the
+        // spans, matched by hash.
+        let cs = self.chunk_size();
+        let first = if spans[0].len() == cs {
+            spans[0].start / cs
+        } else {
+            // The load starts among the tail blocks.
+            spans[0].start / cs + (spans[0].start % cs) / self.block_size
+        };
         let leased: Vec<Chunk> = self
             .leases
             .take(&r.req_id)
@@ -366,7 +407,7 @@ impl ConnectorWorker {
         };
         if asynchronous {
             self.stats.async_loads += 1;
-            let bytes = load.bytes(self.chunk_bytes());
+            let bytes = load.bytes(self.engine.layout().bytes_per_token());
             self.async_loads.push(load, bytes);
             self.async_loads
                 .start_queued(self.limits, &self.engine, &self.runtime);
@@ -392,9 +433,10 @@ impl ConnectorWorker {
         fetched: kvpool_core::FetchedChunks,
         asynchronous: bool,
     ) -> Option<(CopyJob, InFlight)> {
-        let (bs, cs) = (self.block_size, self.chunk_size());
+        let bs = self.block_size;
         let first_token = load.spans[0].start;
-        let loaded_until = first_token + fetched.chunks.len() * cs;
+        let fetched_spans = &load.spans[..fetched.chunks.len().min(load.spans.len())];
+        let loaded_until = fetched_spans.last().map_or(first_token, |s| s.end);
         let wanted = load.gpu_cached_tokens.max(first_token);
         if loaded_until < load.load_until {
             warn!(req = %load.req_id, expected = load.load_until - wanted, loaded = loaded_until.saturating_sub(wanted), "load incomplete; reporting failed blocks");
@@ -408,11 +450,11 @@ impl ConnectorWorker {
         let skip_blocks = (wanted - first_token) / bs;
         let blocks: Vec<u32> = load.block_ids[wanted / bs..end / bs].to_vec();
         let mut tier_tokens: Vec<(String, usize)> = Vec::new();
-        for (i, tier) in fetched.tiers.iter().enumerate() {
-            let start = (first_token + i * cs).max(wanted);
-            let stop = first_token + (i + 1) * cs;
-            kvpool_core::cache_engine::add_tier_tokens(&mut tier_tokens, tier, stop - start);
+        for (span, tier) in fetched_spans.iter().zip(&fetched.tiers) {
+            let start = span.start.max(wanted);
+            kvpool_core::cache_engine::add_tier_tokens(&mut tier_tokens, tier, span.end - start);
         }
+        let chunk_blocks: Vec<usize> = fetched_spans.iter().map(|s| s.len() / bs).collect();
         self.engine
             .record_retrieve(load.load_until - wanted, end - wanted);
         let mut memory = JobMemory::Load(fetched.chunks.into_iter().map(|c| c.data).collect());
@@ -422,8 +464,8 @@ impl ConnectorWorker {
             req_id: load.req_id.clone(),
             block_ids: blocks.clone(),
             skip_blocks,
-            blocks_per_chunk: cs / bs,
-            chunk_bytes: self.chunk_bytes(),
+            chunk_blocks,
+            block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
         };
         Some((
@@ -443,12 +485,12 @@ impl ConnectorWorker {
     }
 
     fn plan_save(&mut self, r: &ReqMeta, step: u64, from: usize, until: usize) {
-        let cs = self.chunk_size();
-        let until = until / cs * cs;
+        let (cs, bs) = (self.chunk_size(), self.block_size);
+        let until = until / cs * cs + r.save_tail.len() * bs;
         if until <= from {
             return;
         }
-        let spans = match self.spans(r, from, until) {
+        let spans = match self.spans(r, from, until, &r.save_tail) {
             Ok(spans) => spans,
             Err(e) => {
                 self.save_failed(&r.req_id, &e);
@@ -463,7 +505,11 @@ impl ConnectorWorker {
         let mut buffers: Vec<MemoryObjMut> = Vec::new();
         let mut kept = Vec::new();
         for span in spans.into_iter().skip(present) {
-            match self.engine.storage().allocate(self.chunk_bytes()) {
+            match self
+                .engine
+                .storage()
+                .allocate(self.engine.layout().chunk_bytes(span.len()))
+            {
                 Ok(buf) => {
                     buffers.push(buf);
                     kept.push(span);
@@ -477,7 +523,6 @@ impl ConnectorWorker {
         if kept.is_empty() {
             return;
         }
-        let bs = self.block_size;
         let blocks: Vec<u32> = kept
             .iter()
             .flat_map(|s| r.block_ids[s.start / bs..s.end / bs].iter().copied())
@@ -489,11 +534,11 @@ impl ConnectorWorker {
             req_id: r.req_id.clone(),
             block_ids: blocks.clone(),
             skip_blocks: 0,
-            blocks_per_chunk: cs / bs,
-            chunk_bytes: self.chunk_bytes(),
+            chunk_blocks: kept.iter().map(|s| s.len() / bs).collect(),
+            block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
         };
-        let tokens = kept.len() * cs;
+        let tokens = kept.iter().map(ChunkSpan::len).sum();
         self.planned_saves.push((
             job,
             InFlight {
@@ -752,7 +797,7 @@ impl ConnectorWorker {
         let (bs, cs) = (self.block_size, self.chunk_size());
         for r in requests {
             let Some(save) = r.save else { continue };
-            let until = save.save_until as usize;
+            let until = save.save_until as usize + r.save_tail.len() * bs;
             let held = r.block_ids.iter().take(until.div_ceil(bs));
             if let Some(first) = held.clone().position(|b| self.step_failed.contains(b)) {
                 let keep = (first * bs / cs * cs).max(save.save_from as usize);

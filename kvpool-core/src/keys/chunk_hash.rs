@@ -57,6 +57,8 @@ const DOMAIN_TOKENS: u8 = 0x01;
 const DOMAIN_BLOCKS: u8 = 0x02;
 /// Domain tag for a request's extra keys chained onto the root.
 const DOMAIN_EXTRA: u8 = 0x03;
+/// Domain tag for the block-granular keys of a prompt's tokens past its last whole chunk.
+const DOMAIN_TAIL_BLOCK: u8 = 0x04;
 /// Bytes hashed to form the fixed root of every chain.
 const ROOT_SEED: &[u8] = b"kvpool.chunk-hash.root.v1";
 
@@ -117,6 +119,29 @@ impl HashAlgorithm {
     /// more than their token ids (LoRA adapter, multimodal inputs, cache salt).
     pub fn chain_extra(self, root: &ChunkHash, extra_keys: &[u8]) -> ChunkHash {
         self.hash_parts(&[&root.0, &[DOMAIN_EXTRA], extra_keys])
+    }
+
+    /// Block-granular keys for the tokens after a whole chunk (or the request's root): one hash
+    /// per whole block of `block_size` tokens in `tokens`, each chained on the one before,
+    /// the first on `prev` (the last whole chunk's hash): tail_j = H(tail_{j-1} || 0x04 ||
+    /// block j's tokens as little-endian u32). Their own domain keeps them apart from chunk
+    /// hashes, so a tail block is never taken for a chunk. A trailing partial block is not
+    /// hashed.
+    pub fn chain_tail_blocks(
+        self,
+        prev: &ChunkHash,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<ChunkHash> {
+        let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1));
+        let mut last = *prev;
+        for block in tokens.chunks_exact(block_size.max(1)) {
+            TOKENS_HASHED.with(|c| c.set(c.get() + block.len() as u64));
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            last = self.hash_parts(&[&last.0, &[DOMAIN_TAIL_BLOCK], &bytes]);
+            hashes.push(last);
+        }
+        hashes
     }
 
     /// hash_i = H(prev || 0x02 || for each block: len as u32 LE || block hash bytes).
@@ -182,6 +207,30 @@ mod tests {
     const PINNED_XXH3_ROOT_LORA: &str = "63d12d1bfe12314691c4dc74c23243e0";
     const PINNED_XXH3_H1_LORA: &str = "c6311e42108cb3118b86026a5a5ebdd1";
     const PINNED_SHA_H1: &str = "7ca0bb862c5ee49bfb565207845dc7d9";
+
+    #[test]
+    fn pinned_tail_blocks() {
+        let algo = HashAlgorithm::Xxh3_128;
+        let root = algo.root();
+        // Two whole blocks of 2 tokens; the fifth token (a partial block) is not hashed.
+        let tails = algo.chain_tail_blocks(&root, &[1, 2, 3, 4, 5], 2);
+        assert_eq!(tails.len(), 2);
+        assert_eq!(tails[0].to_string(), PINNED_XXH3_TAIL0);
+        assert_eq!(tails[1].to_string(), PINNED_XXH3_TAIL1);
+        // A tail block is never a chunk of the same tokens, and each chains on the one before.
+        assert_ne!(tails[0], algo.chain_tokens(&root, &[1, 2]));
+        assert_eq!(
+            algo.chain_tail_blocks(&root, &[1, 2, 3, 4], 2),
+            tails,
+            "the partial block changes nothing"
+        );
+        assert_ne!(algo.chain_tail_blocks(&root, &[3, 4], 2)[0], tails[1]);
+    }
+
+    //   tail0 = xxh3_128_digest(root + b"\x04" + struct.pack("<2I", 1, 2))
+    //   tail1 = xxh3_128_digest(tail0 + b"\x04" + struct.pack("<2I", 3, 4))
+    const PINNED_XXH3_TAIL0: &str = "f025681bf50d451110a94973b6782a20";
+    const PINNED_XXH3_TAIL1: &str = "dd3f4293684123be27595c4b27ffaa65";
 
     #[test]
     fn chain_depends_on_prefix_and_domain() {

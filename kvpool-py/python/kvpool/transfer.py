@@ -2,8 +2,9 @@
 with torch's own ops, the same code for CPU and CUDA tensors.
 
 A copy job (planned by the Rust worker) names engine block ids and the addresses of kvpool's
-host chunks; a chunk holds its blocks plane by plane (``[planes, blocks_per_chunk,
-plane_block_bytes]``, a plane being one layer's pages). Per chunk and plane a job takes two
+host chunks; a chunk holds its blocks plane by plane (``[planes, chunk_blocks[c],
+plane_block_bytes]``, a plane being one layer's pages; a job's chunks are whole chunks, then a
+prompt's tail blocks, one block each). Per chunk and plane a job takes two
 ops, never one per block:
 
 - save: ``index_select`` the chunk's blocks of the plane on the engine's device, then
@@ -37,8 +38,8 @@ class CopyJob:
     req_id: str
     block_ids: list[int]
     skip_blocks: int
-    blocks_per_chunk: int
-    chunk_bytes: int
+    chunk_blocks: list[int]
+    block_bytes: int
     chunk_ptrs: list[int]
 
     @classmethod
@@ -81,11 +82,11 @@ class BlockMover:
         """Starts the job's copies. On CPU they are done when this returns; on CUDA the job is
         done once ``poll`` returns its id."""
         planes = len(self.planes)
-        bpc = job.blocks_per_chunk
-        expected = planes * bpc * self.plane_block_bytes
-        if job.chunk_bytes != expected:
-            raise ValueError(f"kvpool: chunks of {job.chunk_bytes} bytes for {planes} planes of "
-                             f"{bpc} blocks of {self.plane_block_bytes} bytes")
+        expected = planes * self.plane_block_bytes
+        if job.block_bytes != expected or len(job.chunk_blocks) != len(job.chunk_ptrs):
+            raise ValueError(f"kvpool: chunk blocks of {job.block_bytes} bytes for {planes} "
+                             f"planes of {self.plane_block_bytes} bytes "
+                             f"({len(job.chunk_blocks)} block counts, {len(job.chunk_ptrs)} chunks)")
         ids = torch.tensor(job.block_ids, dtype=torch.long)
         if self.cuda:
             # The side stream starts after everything the compute stream queued (this step's
@@ -94,8 +95,9 @@ class BlockMover:
         with self._stream_ctx():
             ids = ids.to(self.device, non_blocking=True)
             first = 0
-            for c, ptr in enumerate(job.chunk_ptrs):
-                host = host_tensor(ptr, job.chunk_bytes).view(planes, bpc, self.plane_block_bytes)
+            for c, (ptr, bpc) in enumerate(zip(job.chunk_ptrs, job.chunk_blocks)):
+                host = host_tensor(ptr, bpc * job.block_bytes).view(planes, bpc,
+                                                                    self.plane_block_bytes)
                 # The first chunk may start part-way (blocks the engine already holds).
                 skip = job.skip_blocks if c == 0 else 0
                 chunk_ids = ids[first:first + bpc - skip]
