@@ -200,6 +200,8 @@ impl ConnectorMetadata {
             }
             let tokens = r.block_ids.len() * self.block_size as usize;
             let mut needed = 0;
+            // Tokens moved as whole chunks (the rest are tail blocks, keyed by their own list).
+            let mut needed_chunks = 0;
             if let Some(l) = r.load {
                 if l.gpu_cached_tokens > l.load_until {
                     return Err(bad(format!(
@@ -215,6 +217,7 @@ impl ConnectorMetadata {
                     )));
                 }
                 needed = l.load_until as usize;
+                needed_chunks = needed - r.load_tail.len() * self.block_size as usize;
             } else if !r.load_tail.is_empty() {
                 return Err(bad("tail blocks to load without a load".into()));
             }
@@ -227,6 +230,7 @@ impl ConnectorMetadata {
                 }
                 let tail_end = s.save_until as usize + r.save_tail.len() * self.block_size as usize;
                 needed = needed.max(tail_end);
+                needed_chunks = needed_chunks.max(s.save_until as usize);
             } else if !r.save_tail.is_empty() {
                 return Err(bad("tail blocks to save without a save".into()));
             }
@@ -237,8 +241,10 @@ impl ConnectorMetadata {
                     self.block_size
                 )));
             }
-            if needed > 0 && r.chunk_hashes.is_empty() {
-                return Err(bad(format!("{needed} tokens without chunk hashes")));
+            if needed_chunks > 0 && r.chunk_hashes.is_empty() {
+                return Err(bad(format!(
+                    "{needed_chunks} tokens in whole chunks without chunk hashes"
+                )));
             }
         }
         Ok(())
@@ -289,6 +295,20 @@ mod tests {
     #[test]
     fn round_trips() {
         let m = sample();
+        assert_eq!(ConnectorMetadata::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn a_prompt_shorter_than_a_chunk_moves_tail_blocks_without_chunk_hashes() {
+        let mut m = sample();
+        let r = &mut m.requests[0];
+        r.chunk_hashes.clear();
+        r.load = None;
+        r.save = Some(SaveSpec {
+            save_from: 0,
+            save_until: 0,
+        });
+        r.save_tail = vec![[9; 16], [8; 16]];
         assert_eq!(ConnectorMetadata::decode(&m.encode()).unwrap(), m);
     }
 

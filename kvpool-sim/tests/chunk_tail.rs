@@ -144,3 +144,16 @@ fn the_tail_is_saved_once_the_prompt_is_computed() {
         0
     );
 }
+
+#[test]
+fn a_prompt_shorter_than_a_chunk_is_served_from_its_tail() {
+    let mut s = setup();
+    // One whole block (the chunk's last block is never a tail block) and five tokens.
+    let n = BLOCK + 5;
+    let p = prompt(n, 15);
+    let a_blocks: Vec<u32> = (0..n.div_ceil(BLOCK) as u32).collect();
+    assert_eq!(compute_and_save(&mut s, "a", &p, &a_blocks), 1);
+    let b_blocks: Vec<u32> = (50..50 + a_blocks.len() as u32).collect();
+    assert_eq!(load(&mut s, "b", &p, &b_blocks), BLOCK);
+    assert_eq!(model_mismatches(&s.w.kv, &p[..BLOCK], &b_blocks), 0);
+}
