@@ -209,7 +209,8 @@ def throughput(report, tmp):
     e.drain()
     e.worker.step_report()
     e.worker.clear()
-    nbytes = sum(len(j[7]) * j[6] for j in jobs)
+    # A job moves its chunks' blocks (field 5: blocks per chunk) of block_bytes (field 6) each.
+    nbytes = sum(sum(j[5]) * j[6] for j in jobs)
     saves, loads = [save_s], []
     for i in range(5):
         got = e.sched.get_num_new_matched_tokens(f"l{i}", prompt, b"", 0)

@@ -35,3 +35,6 @@ def test_gpu_check_passes_on_cpu_tensors(tmp_path):
         r = report[layout]
         assert r["sync_load_exact"] and r["async_load_exact"], r
         assert r["sync_hit"] == [1024, False] and r["async_hit"] == [1024, True], r
+    # The throughput figures are over every byte moved: on CPU the check saves and loads
+    # 128 blocks x 8 layers x 64 KiB (a first version counted one block per chunk: 4 MiB).
+    assert report["throughput"]["bytes"] == 64 << 20, report["throughput"]

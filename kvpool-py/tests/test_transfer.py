@@ -1,0 +1,97 @@
+"""The transfer path (kvpool.transfer.BlockMover) on CPU tensors, without an engine: saves and
+loads are byte-exact whatever word the bytes are moved as (8-byte words for usual layouts,
+narrower when a block length, a padded row stride or a chunk's address needs it)."""
+
+import pytest
+import torch
+
+from kvpool.transfer import BlockMover, CopyJob, word_dtype
+
+
+def test_the_word_is_the_widest_that_divides_every_value():
+    assert word_dtype([16384, 20480, 4096]) == torch.int64
+    assert word_dtype([16384, 12]) == torch.int32
+    assert word_dtype([16384, 4096, 6]) == torch.int16
+    assert word_dtype([16384, 3]) == torch.uint8
+
+
+def _planes(num_planes, blocks, block_bytes, row_bytes):
+    """uint8 [blocks, block_bytes] views over rows of ``row_bytes`` (vLLM pads pages), filled
+    with distinct random bytes."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, 256, (blocks, row_bytes), dtype=torch.uint8, generator=gen)
+            for _ in range(num_planes)]
+    return [r[:, :block_bytes] for r in rows]
+
+
+def _job(job_id, is_load, block_ids, chunk_blocks, block_bytes, ptrs, skip=0):
+    return CopyJob(id=job_id, is_load=is_load, req_id="r", block_ids=block_ids,
+                   skip_blocks=skip, chunk_blocks=chunk_blocks, block_bytes=block_bytes,
+                   chunk_ptrs=ptrs)
+
+
+@pytest.mark.parametrize("block_bytes,row_bytes,host_offset,word", [
+    (256, 256, 0, torch.int64),    # the usual layout: 8-byte words
+    (256, 264, 0, torch.int64),    # padded rows, still 8-byte aligned
+    (256, 260, 0, torch.int32),    # rows 4 bytes apart narrow the word
+    (256, 256, 2, torch.int16),    # a chunk at an odd 2-byte address narrows the job's word
+    (255, 255, 0, torch.uint8),    # an odd block length: bytes
+])
+def test_a_save_then_a_load_into_other_blocks_is_byte_exact(block_bytes, row_bytes,
+                                                            host_offset, word):
+    planes = _planes(3, 40, block_bytes, row_bytes)
+    mover = BlockMover(planes)
+    bytes_per_block = 3 * block_bytes
+    chunk_blocks = [4, 4, 1]  # two whole chunks, then one tail block
+    arena = torch.zeros(host_offset + sum(chunk_blocks) * bytes_per_block + 64,
+                        dtype=torch.uint8)
+    ptrs, at = [], arena.data_ptr() + host_offset
+    for n in chunk_blocks:
+        ptrs.append(at)
+        at += n * bytes_per_block
+    assert word_dtype([mover.word.itemsize, *ptrs]) == word
+
+    saved = [3, 17, 4, 9, 30, 31, 0, 12, 25]  # scattered engine blocks
+    mover.run(_job(1, False, saved, chunk_blocks, bytes_per_block, ptrs))
+    assert mover.poll() == []  # CPU copies are done when run returns; nothing is pending
+    expected = [p[saved].clone() for p in planes]
+    # Each chunk holds its blocks plane by plane.
+    chunk0 = arena[host_offset:host_offset + 4 * bytes_per_block].view(3, 4, block_bytes)
+    assert torch.equal(chunk0[1], planes[1][saved[:4]])
+
+    loaded = [33, 34, 35, 36, 5, 6, 7, 8, 39]
+    before = [p[loaded].clone() for p in planes]
+    assert not all(torch.equal(b, e) for b, e in zip(before, expected))
+    mover.run(_job(2, True, loaded, chunk_blocks, bytes_per_block, ptrs))
+    for p, e in zip(planes, expected):
+        assert torch.equal(p[loaded], e)
+    # Blocks outside the job and the rows' padding are untouched.
+    untouched = [b for b in range(40) if b not in loaded]
+    after = _planes(3, 40, block_bytes, row_bytes)
+    for p, a in zip(planes, after):
+        assert torch.equal(p[untouched], a[untouched])
+        base = p.as_strided((40, row_bytes), (p.stride(0), 1))
+        fresh = a.as_strided((40, row_bytes), (a.stride(0), 1))
+        assert torch.equal(base[:, block_bytes:], fresh[:, block_bytes:])
+
+
+def test_a_load_skips_the_blocks_the_engine_already_holds():
+    planes = _planes(2, 16, 64, 64)
+    mover = BlockMover(planes)
+    arena = torch.arange(4 * 2 * 64, dtype=torch.int64).to(torch.uint8)
+    ptr = arena.data_ptr()
+    before = [p.clone() for p in planes]
+    # A chunk of 4 blocks whose first 3 the engine holds: only its last block is copied.
+    mover.run(_job(1, True, [9], [4], 2 * 64, [ptr], skip=3))
+    chunk = arena.view(2, 4, 64)
+    for i, (p, b) in enumerate(zip(planes, before)):
+        assert torch.equal(p[9], chunk[i, 3])
+        keep = [x for x in range(16) if x != 9]
+        assert torch.equal(p[keep], b[keep])
+
+
+def test_a_job_whose_sizes_disagree_with_the_planes_is_refused():
+    mover = BlockMover(_planes(2, 8, 64, 64))
+    arena = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="chunk blocks of 64 bytes for 2 planes"):
+        mover.run(_job(1, True, [0], [1], 64, [arena.data_ptr()]))
