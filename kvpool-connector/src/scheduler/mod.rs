@@ -1,6 +1,7 @@
 //! The scheduler side: lookups, request trackers, each step's metadata, and the step ledger
-//! that decides when the workers' saves become visible.
+//! that decides when the workers' saves become visible (the chunk tail's keys: `chunk_tail`).
 
+mod chunk_tail;
 mod step_ledger;
 
 use std::collections::{HashMap, HashSet};
@@ -379,60 +380,6 @@ impl ConnectorScheduler {
         (hit - num_computed_tokens, asynchronous)
     }
 
-    /// What the pool holds of a request's first `limit` tokens, in tokens: the leading whole
-    /// chunks, then, past the last one found, the tail blocks of the next chunk (blocks keyed
-    /// one by one, stored for prompts that ended inside that chunk). Returns the hit, how much
-    /// of it is leased in memory, and the tail-block keys the hit includes. A second lookup
-    /// runs only when a whole chunk before the last is missing (a longer prompt over an
-    /// earlier, shorter one).
-    fn lookup_prompt(&mut self, req_id: &str, limit: usize) -> (usize, usize, Vec<[u8; 16]>) {
-        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
-        let t = &self.trackers[req_id];
-        let full = (limit / cs).min(t.hasher.hashes().len());
-        let chunk_hashes: Vec<ChunkHash> = t.hasher.hashes()[..full].to_vec();
-        let mut run = |chunks: usize| -> (LookupAnswer, Vec<ChunkHash>) {
-            let tail = self.tail_hashes(req_id, chunks, limit);
-            let mut hashes = chunk_hashes[..chunks].to_vec();
-            hashes.extend_from_slice(&tail);
-            (self.lookup.lookup(req_id, &hashes), tail)
-        };
-        let (mut answer, mut tail) = run(full);
-        let mut chunks = full;
-        if answer.chunks < full && cs > bs {
-            // A whole chunk is missing: an earlier prompt may have ended inside it.
-            chunks = answer.chunks;
-            (answer, tail) = run(chunks);
-        }
-        let tokens =
-            |entries: usize| entries.min(chunks) * cs + entries.saturating_sub(chunks) * bs;
-        let tail_hit = answer.chunks.saturating_sub(chunks).min(tail.len());
-        (
-            tokens(answer.chunks),
-            tokens(answer.leased),
-            tail[..tail_hit].iter().map(|h| h.0).collect(),
-        )
-    }
-
-    /// The tail-block keys of chunk `chunk` of a request's tokens: one per whole block of the
-    /// chunk below token `limit` (never the whole chunk), chained on chunk `chunk - 1`.
-    fn tail_hashes(&self, req_id: &str, chunk: usize, limit: usize) -> Vec<ChunkHash> {
-        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
-        let Some(t) = self.trackers.get(req_id) else {
-            return Vec::new();
-        };
-        let start = chunk * cs;
-        let end = limit.min(t.token_ids.len()).min(start + cs - 1);
-        if end <= start || cs <= bs {
-            return Vec::new();
-        }
-        let prev = match chunk {
-            0 => t.hasher.root(),
-            c => t.hasher.hashes()[c - 1],
-        };
-        self.hash_algorithm
-            .chain_tail_blocks(&prev, &t.token_ids[start..end], bs)
-    }
-
     /// vLLM `update_state_after_alloc`: the engine blocks the request holds, and how many
     /// external tokens the engine accepted (0 cancels a pending load).
     pub fn update_state_after_alloc(
@@ -542,34 +489,21 @@ impl ConnectorScheduler {
                 save_from: t.saved_tokens as u32,
                 save_until: save_until as u32,
             });
-            // The prompt's whole blocks past its last whole chunk, keyed block by block, once
-            // the prompt is computed and every whole chunk before them is saved.
-            let tail_start = t.prompt_len / chunk * chunk;
-            let tail_end = t.prompt_len / block_size * block_size;
             let saved_after = save.map_or(t.saved_tokens, |s| s.save_until as usize);
-            let save_tail = if !t.skip_save
-                && !t.tail_saved
-                && tail_end > tail_start
-                && saved_after == tail_start
-                && computed >= tail_end
-            {
-                let prev = match tail_start / chunk {
-                    0 => t.hasher.root(),
-                    c => t.hasher.hashes()[c - 1],
-                };
-                let tail = self.hash_algorithm.chain_tail_blocks(
-                    &prev,
-                    &t.token_ids[tail_start..tail_end],
-                    block_size,
-                );
+            let save_tail = t.tail_to_save(
+                &self.hash_algorithm,
+                chunk,
+                block_size,
+                saved_after,
+                computed,
+            );
+            if !save_tail.is_empty() {
+                let tail_start = t.prompt_len / chunk * chunk;
                 save.get_or_insert(SaveSpec {
                     save_from: tail_start as u32,
                     save_until: tail_start as u32,
                 });
-                tail.iter().map(|h| h.0).collect()
-            } else {
-                Vec::new()
-            };
+            }
             let save_end = save.map_or(0, |s| s.save_until as usize) + save_tail.len() * block_size;
             let needed = load.map_or(0, |l| l.load_until as usize).max(save_end);
             if needed == 0 {

@@ -8,6 +8,7 @@
 
 mod copy_job;
 mod loads;
+mod planning;
 mod staged;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -15,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvpool_core::telemetry;
-use kvpool_core::{CacheEngine, Chunk, ChunkHash, ChunkMeta, ChunkSpan, KvLayout, MemoryObjMut};
+use kvpool_core::{CacheEngine, Chunk, ChunkMeta, ChunkSpan, KvLayout};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
@@ -28,7 +29,7 @@ use crate::leases::LeaseTable;
 use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
 use crate::request_trace::{RequestTrace, RequestTraces};
 use copy_job::JobMemory;
-use loads::{AsyncLoads, PlannedLoad};
+use loads::AsyncLoads;
 use staged::{StagedChunk, StagedSaves};
 
 /// Counters of a worker since it started (vLLM's connector stats read them).
@@ -294,265 +295,6 @@ impl ConnectorWorker {
     /// vLLM `clear_connector_metadata`.
     pub fn clear_connector_metadata(&mut self) {
         self.meta = None;
-    }
-
-    /// The spans of `r` covering tokens `from..until` (from the hashes the scheduler shipped;
-    /// no token is hashed here): its whole chunks up to `until - tail.len() * block_size` (a
-    /// chunk boundary), then one span per tail block. Spans ending at or before `from` are
-    /// left out; the first may start before it (a load skips the blocks the engine holds).
-    fn spans(
-        &self,
-        r: &ReqMeta,
-        from: usize,
-        until: usize,
-        tail: &[[u8; 16]],
-    ) -> Result<Vec<ChunkSpan>, String> {
-        let (cs, bs) = (self.chunk_size(), self.block_size);
-        let tail_tokens = tail.len() * bs;
-        let bad = || {
-            format!(
-                "{} chunk hashes and {} tail blocks do not cover tokens {from}..{until} in whole chunks and blocks",
-                r.chunk_hashes.len(),
-                tail.len()
-            )
-        };
-        let Some(tail_start) = until
-            .checked_sub(tail_tokens)
-            .filter(|t| t.is_multiple_of(cs))
-        else {
-            return Err(bad());
-        };
-        let hashes: Vec<ChunkHash> = r.chunk_hashes.iter().map(|h| ChunkHash(*h)).collect();
-        let db = self.engine.token_database();
-        let mut spans = if from < tail_start {
-            db.spans_from_hashes(&hashes, from, tail_start)
-        } else {
-            Vec::new()
-        };
-        if spans.iter().any(|s| s.len() != cs) {
-            return Err(bad());
-        }
-        for (j, h) in tail.iter().enumerate() {
-            let start = tail_start + j * bs;
-            if start + bs > from {
-                spans.push(ChunkSpan {
-                    start,
-                    end: start + bs,
-                    key: kvpool_core::CacheKey::new(db.scope().clone(), ChunkHash(*h)),
-                });
-            }
-        }
-        let contiguous = spans.windows(2).all(|w| w[0].end == w[1].start);
-        let covered = spans.last().map_or(from, |s| s.end);
-        if !contiguous || covered != until || spans.first().is_some_and(|s| s.start > from) {
-            return Err(bad());
-        }
-        Ok(spans)
-    }
-
-    /// Bytes of one block of a chunk (every plane).
-    fn block_bytes(&self) -> usize {
-        self.engine.layout().chunk_bytes(self.block_size)
-    }
-
-    fn plan_load(&mut self, r: &ReqMeta, from: usize, until: usize, asynchronous: bool) {
-        if until <= from {
-            return;
-        }
-        self.stats.load_requested_tokens += (until - from) as u64;
-        if let Some(t) = self.traces.of(&r.req_id) {
-            t.load_requested_tokens += (until - from) as u64;
-        }
-        let spans = match self.spans(r, from, until, &r.load_tail) {
-            Ok(spans) => spans,
-            Err(e) => {
-                warn!(req = %r.req_id, error = %e, "cannot plan a load; reporting its blocks");
-                self.fail_tokens(&r.req_id, &r.block_ids, from, until);
-                if asynchronous {
-                    self.finished_recving.push(r.req_id.clone());
-                }
-                return;
-            }
-        };
-        // The lease holds chunks from chunk 0, then the tail blocks; keep those of the
-        // spans, matched by hash.
-        let cs = self.chunk_size();
-        let first = if spans[0].len() == cs {
-            spans[0].start / cs
-        } else {
-            // The load starts among the tail blocks.
-            spans[0].start / cs + (spans[0].start % cs) / self.block_size
-        };
-        let leased: Vec<Chunk> = self
-            .leases
-            .take(&r.req_id)
-            .map(|lease| {
-                lease
-                    .chunks
-                    .into_iter()
-                    .skip(first)
-                    .zip(&spans)
-                    .take_while(|((h, _), span)| *h == span.key.hash)
-                    .map(|((_, c), _)| c)
-                    .collect()
-            })
-            .unwrap_or_default();
-        let load = PlannedLoad {
-            req_id: r.req_id.clone(),
-            block_ids: r.block_ids.clone(),
-            gpu_cached_tokens: from,
-            load_until: until,
-            spans,
-            leased,
-        };
-        if asynchronous {
-            self.stats.async_loads += 1;
-            let bytes = load.bytes(self.engine.layout().bytes_per_token());
-            self.async_loads.push(load, bytes);
-            self.async_loads
-                .start_queued(self.limits, &self.engine, &self.runtime);
-        } else {
-            self.stats.sync_loads += 1;
-            let started = Instant::now();
-            let fetched = self
-                .runtime
-                .block_on(self.engine.fetch_spans(&load.spans, load.leased.clone()));
-            if let Some(t) = self.traces.of(&r.req_id) {
-                t.load_time += started.elapsed();
-            }
-            if let Some(job) = self.load_job(load, fetched, false) {
-                self.planned_loads.push(job);
-            }
-        }
-    }
-
-    /// The copy job for what a fetch brought; reports the blocks it could not bring.
-    fn load_job(
-        &mut self,
-        load: PlannedLoad,
-        fetched: kvpool_core::FetchedChunks,
-        asynchronous: bool,
-    ) -> Option<(CopyJob, InFlight)> {
-        let bs = self.block_size;
-        let first_token = load.spans[0].start;
-        let fetched_spans = &load.spans[..fetched.chunks.len().min(load.spans.len())];
-        let loaded_until = fetched_spans.last().map_or(first_token, |s| s.end);
-        let wanted = load.gpu_cached_tokens.max(first_token);
-        if loaded_until < load.load_until {
-            warn!(req = %load.req_id, expected = load.load_until - wanted, loaded = loaded_until.saturating_sub(wanted), "load incomplete; reporting failed blocks");
-            let from = loaded_until.max(wanted);
-            self.fail_tokens(&load.req_id, &load.block_ids, from, load.load_until);
-        }
-        let end = loaded_until.min(load.load_until);
-        if end <= wanted {
-            return None;
-        }
-        let skip_blocks = (wanted - first_token) / bs;
-        let blocks: Vec<u32> = load.block_ids[wanted / bs..end / bs].to_vec();
-        let mut tier_tokens: Vec<(String, usize)> = Vec::new();
-        for (span, tier) in fetched_spans.iter().zip(&fetched.tiers) {
-            let start = span.start.max(wanted);
-            kvpool_core::cache_engine::add_tier_tokens(&mut tier_tokens, tier, span.end - start);
-        }
-        let chunk_blocks: Vec<usize> = fetched_spans.iter().map(|s| s.len() / bs).collect();
-        self.engine
-            .record_retrieve(load.load_until - wanted, end - wanted);
-        let mut memory = JobMemory::Load(fetched.chunks.into_iter().map(|c| c.data).collect());
-        let job = CopyJob {
-            id: self.next_job_id(),
-            direction: CopyDirection::Load,
-            req_id: load.req_id.clone(),
-            block_ids: blocks.clone(),
-            skip_blocks,
-            chunk_blocks,
-            block_bytes: self.block_bytes(),
-            chunk_ptrs: memory.pointers(),
-        };
-        Some((
-            job,
-            InFlight {
-                direction: CopyDirection::Load,
-                req_id: load.req_id,
-                step: 0,
-                memory,
-                spans: Vec::new(),
-                tokens: end - wanted,
-                asynchronous,
-                tier_tokens,
-                blocks,
-            },
-        ))
-    }
-
-    fn plan_save(&mut self, r: &ReqMeta, step: u64, from: usize, until: usize) {
-        let (cs, bs) = (self.chunk_size(), self.block_size);
-        let until = until / cs * cs + r.save_tail.len() * bs;
-        if until <= from {
-            return;
-        }
-        let spans = match self.spans(r, from, until, &r.save_tail) {
-            Ok(spans) => spans,
-            Err(e) => {
-                self.save_failed(&r.req_id, &e);
-                return;
-            }
-        };
-        let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        // Chunks L1 already holds were committed (nothing unverified is ever stored).
-        let present = self
-            .runtime
-            .block_on(self.engine.storage().primary_prefix(&keys));
-        let mut buffers: Vec<MemoryObjMut> = Vec::new();
-        let mut kept = Vec::new();
-        for span in spans.into_iter().skip(present) {
-            match self
-                .engine
-                .storage()
-                .allocate(self.engine.layout().chunk_bytes(span.len()))
-            {
-                Ok(buf) => {
-                    buffers.push(buf);
-                    kept.push(span);
-                }
-                Err(e) => {
-                    tracing::debug!(req = %r.req_id, error = %e, "no memory for a save; skipping the rest of it");
-                    break;
-                }
-            }
-        }
-        if kept.is_empty() {
-            return;
-        }
-        let blocks: Vec<u32> = kept
-            .iter()
-            .flat_map(|s| r.block_ids[s.start / bs..s.end / bs].iter().copied())
-            .collect();
-        let mut memory = JobMemory::Save(buffers);
-        let job = CopyJob {
-            id: self.next_job_id(),
-            direction: CopyDirection::Save,
-            req_id: r.req_id.clone(),
-            block_ids: blocks.clone(),
-            skip_blocks: 0,
-            chunk_blocks: kept.iter().map(|s| s.len() / bs).collect(),
-            block_bytes: self.block_bytes(),
-            chunk_ptrs: memory.pointers(),
-        };
-        let tokens = kept.iter().map(ChunkSpan::len).sum();
-        self.planned_saves.push((
-            job,
-            InFlight {
-                direction: CopyDirection::Save,
-                req_id: r.req_id.clone(),
-                step,
-                memory,
-                spans: kept,
-                tokens,
-                asynchronous: false,
-                tier_tokens: Vec::new(),
-                blocks,
-            },
-        ));
     }
 
     fn next_job_id(&mut self) -> u64 {

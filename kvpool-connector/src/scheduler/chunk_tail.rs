@@ -1,0 +1,106 @@
+//! The chunk tail: a prompt's whole blocks past its last whole chunk, keyed one block at a time
+//! (`HashAlgorithm::chain_tail_blocks`, chained on the chunk before them), so an exact repeat
+//! is served to its last whole block as vLLM's own prefix cache would (docs/keys.md).
+
+use kvpool_core::{ChunkHash, HashAlgorithm};
+
+use super::{ConnectorScheduler, RequestTracker};
+
+impl ConnectorScheduler {
+    /// What the pool holds of a request's first `limit` tokens, in tokens: the leading whole
+    /// chunks, then, past the last one found, the tail blocks of the next chunk (blocks keyed
+    /// one by one, stored for prompts that ended inside that chunk). Returns the hit, how much
+    /// of it is leased in memory, and the tail-block keys the hit includes. A second lookup
+    /// runs only when a whole chunk before the last is missing (a longer prompt over an
+    /// earlier, shorter one).
+    pub(super) fn lookup_prompt(
+        &mut self,
+        req_id: &str,
+        limit: usize,
+    ) -> (usize, usize, Vec<[u8; 16]>) {
+        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
+        let t = &self.trackers[req_id];
+        let full = (limit / cs).min(t.hasher.hashes().len());
+        let chunk_hashes: Vec<ChunkHash> = t.hasher.hashes()[..full].to_vec();
+        let mut run = |chunks: usize| -> (crate::leases::LookupAnswer, Vec<ChunkHash>) {
+            let tail = self.tail_hashes(req_id, chunks, limit);
+            let mut hashes = chunk_hashes[..chunks].to_vec();
+            hashes.extend_from_slice(&tail);
+            (self.lookup.lookup(req_id, &hashes), tail)
+        };
+        let (mut answer, mut tail) = run(full);
+        let mut chunks = full;
+        if answer.chunks < full && cs > bs {
+            // A whole chunk is missing: an earlier prompt may have ended inside it.
+            chunks = answer.chunks;
+            (answer, tail) = run(chunks);
+        }
+        let tokens =
+            |entries: usize| entries.min(chunks) * cs + entries.saturating_sub(chunks) * bs;
+        let tail_hit = answer.chunks.saturating_sub(chunks).min(tail.len());
+        (
+            tokens(answer.chunks),
+            tokens(answer.leased),
+            tail[..tail_hit].iter().map(|h| h.0).collect(),
+        )
+    }
+
+    /// The tail-block keys of chunk `chunk` of a request's tokens: one per whole block of the
+    /// chunk below token `limit` (never the whole chunk), chained on chunk `chunk - 1`.
+    fn tail_hashes(&self, req_id: &str, chunk: usize, limit: usize) -> Vec<ChunkHash> {
+        let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
+        let Some(t) = self.trackers.get(req_id) else {
+            return Vec::new();
+        };
+        let start = chunk * cs;
+        let end = limit.min(t.token_ids.len()).min(start + cs - 1);
+        if end <= start || cs <= bs {
+            return Vec::new();
+        }
+        self.hash_algorithm
+            .chain_tail_blocks(&t.chunk_before(chunk), &t.token_ids[start..end], bs)
+    }
+}
+
+impl RequestTracker {
+    /// The hash chunk `chunk`'s keys are chained on: the request's root for the first chunk,
+    /// else the hash of the chunk before it.
+    fn chunk_before(&self, chunk: usize) -> ChunkHash {
+        match chunk {
+            0 => self.hasher.root(),
+            c => self.hasher.hashes()[c - 1],
+        }
+    }
+
+    /// The prompt's tail-block keys to save in this step, or none: once the prompt is computed
+    /// up to its last whole block (`computed`), every whole chunk before the tail is saved by
+    /// the end of this step (`saved_after`), and the tail was not saved before.
+    pub(super) fn tail_to_save(
+        &self,
+        hash_algorithm: &HashAlgorithm,
+        chunk_size: usize,
+        block_size: usize,
+        saved_after: usize,
+        computed: usize,
+    ) -> Vec<[u8; 16]> {
+        let tail_start = self.prompt_len / chunk_size * chunk_size;
+        let tail_end = self.prompt_len / block_size * block_size;
+        if self.skip_save
+            || self.tail_saved
+            || tail_end <= tail_start
+            || saved_after != tail_start
+            || computed < tail_end
+        {
+            return Vec::new();
+        }
+        hash_algorithm
+            .chain_tail_blocks(
+                &self.chunk_before(tail_start / chunk_size),
+                &self.token_ids[tail_start..tail_end],
+                block_size,
+            )
+            .iter()
+            .map(|h| h.0)
+            .collect()
+    }
+}
