@@ -168,19 +168,24 @@ fn build_wheel(
 pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
     let wheels = target_dir().join("wheels");
     let wheel = build_wheel(tools, venv_python, profile, &wheels, &[])?;
+    uv_pip_install(
+        tools,
+        venv_python,
+        &["--force-reinstall", "--no-deps", path_str(&wheel)?],
+    )
+}
+
+/// `uv pip install <args>` into the virtualenv of `venv_python`.
+fn uv_pip_install(tools: &Path, venv_python: &Path, args: &[&str]) -> Result<(), String> {
     let venv = venv_python
         .parent()
         .and_then(Path::parent)
         .ok_or("bad venv path")?;
+    let mut all = vec!["pip", "install"];
+    all.extend_from_slice(args);
     run_with_env(
         path_str(&tools.join("uv"))?,
-        &[
-            "pip",
-            "install",
-            "--force-reinstall",
-            "--no-deps",
-            path_str(&wheel)?,
-        ],
+        &all,
         &[("VIRTUAL_ENV", path_str(venv)?)],
     )
 }
@@ -261,6 +266,20 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// A Redis on a free loopback port for a benchmark, stopped by PID when the returned server
+/// is dropped.
+fn loopback_redis() -> Result<(u16, kvpool_testservers::Server), String> {
+    let port = kvpool_testservers::free_port()?;
+    let redis = kvpool_testservers::Server::start(
+        "redis",
+        Command::new("redis-server").args(kvpool_testservers::redis_args(port, &[])),
+        port,
+        None,
+        std::time::Duration::from_secs(20),
+    )?;
+    Ok((port, redis))
+}
+
 /// `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM (TTFT of a repeated
 /// 8K prefix from L1, disk and Redis; a decoding request's token gaps while another loads),
 /// with a loopback Redis started and stopped here (release wheel).
@@ -270,14 +289,7 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "release")?;
-    let port = kvpool_testservers::free_port()?;
-    let _redis = kvpool_testservers::Server::start(
-        "redis",
-        Command::new("redis-server").args(kvpool_testservers::redis_args(port, &[])),
-        port,
-        None,
-        std::time::Duration::from_secs(20),
-    )?;
+    let (port, _redis) = loopback_redis()?;
     let out = target_dir().join("bench-async.json");
     let mut cmd = vec![
         "kvpool-py/bench/bench_async.py".to_string(),
@@ -304,16 +316,8 @@ pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "release")?;
-    let venv = venv_python
-        .parent()
-        .and_then(Path::parent)
-        .ok_or("bad venv path")?;
     // The chart; only this benchmark needs it.
-    run_with_env(
-        path_str(&tools.join("uv"))?,
-        &["pip", "install", "matplotlib==3.10.9"],
-        &[("VIRTUAL_ENV", path_str(venv)?)],
-    )?;
+    uv_pip_install(&tools, &venv_python, &["matplotlib==3.10.9"])?;
     let mut args = args.to_vec();
     if !args.iter().any(|a| a == "--trace") {
         let trace = target_dir().join("bench-serve-trace.jsonl");
@@ -336,14 +340,7 @@ pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
         )?;
         args.extend(["--trace".to_string(), path_str(&trace)?.to_string()]);
     }
-    let port = kvpool_testservers::free_port()?;
-    let _redis = kvpool_testservers::Server::start(
-        "redis",
-        Command::new("redis-server").args(kvpool_testservers::redis_args(port, &[])),
-        port,
-        None,
-        std::time::Duration::from_secs(20),
-    )?;
+    let (port, _redis) = loopback_redis()?;
     let out = target_dir().join("bench-serve.json");
     let chart = target_dir().join("bench-serve.png");
     let mut cmd = vec![
