@@ -208,6 +208,20 @@ impl PyScheduler {
             .unwrap_or_default())
     }
 
+    /// The keys of the request's prompt blocks past its last whole chunk (the chunk tail),
+    /// one 16-byte string per whole block; empty for an unknown request or no such block.
+    fn tail_block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: &str,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(guard(self)?
+            .prompt_tail_hashes(req_id)
+            .iter()
+            .map(|h| PyBytes::new(py, &h.0))
+            .collect())
+    }
+
     /// vLLM `update_connector_output`: blocks the workers failed to load, asynchronous loads
     /// that ended, and the steps the workers ran and copied (`(step, ranks)` pairs).
     #[pyo3(signature = (failed_block_ids, finished_recving=Vec::new(), executed_steps=Vec::new(), copied_steps=Vec::new()))]

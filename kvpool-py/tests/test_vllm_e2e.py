@@ -83,25 +83,40 @@ def test_an_exact_repeat_is_served_to_its_last_whole_block(runner, model_dir):
 def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_dir, scratch):
     """Chunks entering kvpool's tiers arrive through vLLM's own KV-event publisher (ZMQ) as
     BlockStored events tagged with the tier, carrying the same block hashes as vLLM's own
-    events for those blocks."""
+    events for those blocks; so do the tail blocks past a prompt's last whole chunk, one block
+    each, chained on the block before them."""
     disk = os.path.join(scratch, "disk-events")
     prompts = shared_prefix_prompts(2, seed=11)
     got = runner.run({"model": model_dir, "prompts": prompts, "batches": [[0], [1]],
                       "kvpool": l1(tier=[{"url": f"file://{disk}"}]),
                       "kv_events_port": free_port()})
     events = got["kv_events"]
-    engine = {h for e in events if e["type"] == "BlockStored" and e["medium"] in ("GPU", None)
-              for h in e["block_hashes"]}
-    ours = {m: [e for e in events if e["type"] == "BlockStored" and e["medium"] == m]
-            for m in ("CPU", "DISK")}
+    engine_events = [e for e in events
+                     if e["type"] == "BlockStored" and e["medium"] in ("GPU", None)]
+    engine = [h for e in engine_events for h in e["block_hashes"]]
+    # The block before each of vLLM's blocks, as vLLM announced it.
+    parent_of = {}
+    for e in engine_events:
+        for parent, h in zip([e["parent"], *e["block_hashes"]], e["block_hashes"]):
+            parent_of[h] = parent
     assert engine, events[:5]
-    for medium, stored in ours.items():
-        hashes = [h for e in stored for h in e["block_hashes"]]
+    # Each prompt's last whole block (1,061 tokens: 4 chunks, one more block, 5 tokens) is
+    # the parent of no block.
+    tails = set(engine) - set(parent_of.values())
+    assert len(tails) == len(prompts), tails
+    for medium in ("CPU", "DISK"):
+        stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == medium]
+        chunks = [e for e in stored if e["tokens"] == 256]
+        tail_blocks = [e for e in stored if e["tokens"] == 32]
+        assert len(chunks) + len(tail_blocks) == len(stored), stored[:2]
+        hashes = [h for e in chunks for h in e["block_hashes"]]
         assert len(hashes) >= PREFIX // 32, (medium, len(hashes), events[:5])
-        assert set(hashes) <= engine, f"{medium}: block hashes vLLM never announced"
-        assert all(e["tokens"] == 256 for e in stored), stored[:2]
-
-
+        assert set(hashes) <= set(engine), f"{medium}: block hashes vLLM never announced"
+        assert len(tail_blocks) == len(prompts), (medium, tail_blocks)
+        for e in tail_blocks:
+            (h,) = e["block_hashes"]
+            assert h in tails, f"{medium}: {h} is not a prompt's last whole block"
+            assert e["parent"] == parent_of[h], (medium, e)
 def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
     """Done-when 2: every stored chunk equals vLLM's KV blocks for its tokens, block by block,
     both for the request that computed them and for the ones that loaded them."""

@@ -211,8 +211,13 @@ class EventSubscriber:
             for e in decoder.decode(payload).events:
                 hashes = [h.hex() if isinstance(h, bytes) else str(h)
                           for h in getattr(e, "block_hashes", [])]
+                parent = getattr(e, "parent_block_hash", None)
+                if isinstance(parent, bytes):
+                    parent = parent.hex()
+                elif parent is not None:
+                    parent = str(parent)
                 events.append({"type": type(e).__name__, "medium": getattr(e, "medium", None),
-                               "block_hashes": hashes,
+                               "block_hashes": hashes, "parent": parent,
                                "tokens": len(getattr(e, "token_ids", []) or [])})
         return events
 

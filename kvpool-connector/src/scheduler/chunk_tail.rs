@@ -93,14 +93,29 @@ impl RequestTracker {
         {
             return Vec::new();
         }
-        hash_algorithm
-            .chain_tail_blocks(
-                &self.chunk_before(tail_start / chunk_size),
-                &self.token_ids[tail_start..tail_end],
-                block_size,
-            )
+        self.prompt_tail_hashes(hash_algorithm, chunk_size, block_size)
             .iter()
             .map(|h| h.0)
             .collect()
+    }
+
+    /// The keys of the prompt's whole blocks past its last whole chunk, one per block, in
+    /// order; empty when the prompt ends on a chunk boundary or inside its chunk's first block.
+    pub(crate) fn prompt_tail_hashes(
+        &self,
+        hash_algorithm: &HashAlgorithm,
+        chunk_size: usize,
+        block_size: usize,
+    ) -> Vec<ChunkHash> {
+        let tail_start = self.prompt_len / chunk_size * chunk_size;
+        let tail_end = self.prompt_len / block_size * block_size;
+        if tail_end <= tail_start || chunk_size <= block_size {
+            return Vec::new();
+        }
+        hash_algorithm.chain_tail_blocks(
+            &self.chunk_before(tail_start / chunk_size),
+            &self.token_ids[tail_start..tail_end],
+            block_size,
+        )
     }
 }

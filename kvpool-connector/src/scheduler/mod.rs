@@ -292,6 +292,21 @@ impl ConnectorScheduler {
         self.trackers.get(req_id)
     }
 
+    /// The keys of a request's prompt blocks past its last whole chunk (the chunk tail), one
+    /// per whole block in order; empty for an unknown request or a prompt with no such block.
+    pub fn prompt_tail_hashes(&self, req_id: &str) -> Vec<ChunkHash> {
+        self.trackers
+            .get(req_id)
+            .map(|t| {
+                t.prompt_tail_hashes(
+                    &self.hash_algorithm,
+                    self.chunk_size,
+                    self.config.block_size.max(1),
+                )
+            })
+            .unwrap_or_default()
+    }
+
     /// How many tokens of a request's sequence the scheduler knows (`None`: no tracker). The
     /// engine sends the tokens from here on with the next step.
     pub fn token_count(&self, req_id: &str) -> Option<usize> {

@@ -74,11 +74,11 @@ class SchedulerSide:
             self._remember_chunk_blocks(request)
 
     def _remember_chunk_blocks(self, request: "Request") -> None:
-        """Maps each full chunk of the request to vLLM's block hashes and token ids, for the
-        KV events of the tiers (bounded by bytes: the oldest entries go first)."""
-        hashes = self.native.chunk_hashes(request.request_id)
+        """Maps each full chunk of the request, and each tail block past its last whole chunk,
+        to vLLM's block hashes and token ids, for the KV events of the tiers (bounded by bytes:
+        the oldest entries go first)."""
         chunk = self.native.chunk_size()
-        if not hashes or chunk % self.block_size:
+        if chunk % self.block_size:
             return
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -87,19 +87,25 @@ class SchedulerSide:
                         for b in (getattr(request, "block_hashes", None) or [])]
         prompt = request.prompt_token_ids or []
         lora = getattr(request, "lora_request", None)
-        for i, h in enumerate(hashes):
-            blocks = block_hashes[i * per_chunk:(i + 1) * per_chunk]
-            if len(blocks) < per_chunk:
+        lora_name = lora.lora_name if lora is not None else None
+        hashes = self.native.chunk_hashes(request.request_id)
+        # (key, first block, blocks): whole chunks, then the tail's blocks one by one.
+        spans = [(h, i * per_chunk, per_chunk) for i, h in enumerate(hashes)]
+        tail_start = len(prompt) // chunk * per_chunk
+        spans += [(h, tail_start + j, 1)
+                  for j, h in enumerate(self.native.tail_block_hashes(request.request_id))]
+        for h, first, count in spans:
+            blocks = block_hashes[first:first + count]
+            if len(blocks) < count:
                 break
-            parent = block_hashes[i * per_chunk - 1] if i else None
-            tokens = list(prompt[i * chunk:(i + 1) * chunk])
+            parent = block_hashes[first - 1] if first else None
+            tokens = list(prompt[first * self.block_size:(first + count) * self.block_size])
             # Python ints in a list cost about 36 bytes each, a block hash about 80.
             cost = 200 + 36 * len(tokens) + 80 * len(blocks)
             old = self.chunk_blocks.pop(h, None)
             if old is not None:
                 self.chunk_blocks_bytes -= old[4]
-            self.chunk_blocks[h] = (blocks, parent, tokens,
-                                    lora.lora_name if lora is not None else None, cost)
+            self.chunk_blocks[h] = (blocks, parent, tokens, lora_name, cost)
             self.chunk_blocks_bytes += cost
         while self.chunk_blocks_bytes > MAX_CHUNK_BLOCKS_BYTES and self.chunk_blocks:
             _, evicted = self.chunk_blocks.popitem(last=False)
