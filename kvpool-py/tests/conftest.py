@@ -1,13 +1,15 @@
 """Fixtures for kvpool's end-to-end tests against real vLLM (CPU build).
 
-Each engine runs in a fresh subprocess (``vllm_runner.py``). Set ``KVPOOL_E2E_KEEP=1`` to
-keep the scratch directory.
+Each engine runs in a fresh process (``vllm_runner.py``), forked by ``engine_forkserver.py``
+with vLLM already imported. Set ``KVPOOL_E2E_KEEP=1`` to keep the scratch directory.
 """
 
 import json
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,11 +50,72 @@ def shared_prefix_prompts(n, prefix_len=1024, suffix_len=37, seed=1):
     return [prefix + [r.randrange(3, 999) for _ in range(suffix_len)] for _ in range(n)]
 
 
-class Runner:
-    """Runs vLLM engines in subprocesses and caches the no-kvpool baselines."""
+class ForkServer:
+    """Client of ``engine_forkserver.py``: runs scripts in children forked with vLLM imported.
+
+    vLLM's import costs ~40 s per process on the CI machine; the server pays it once.
+    """
 
     def __init__(self, scratch):
+        self.log_path = os.path.join(scratch, "forkserver.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "engine_forkserver.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        self.pending = b""
+        if self._read(timeout=600) is None:
+            self.proc.kill()
+            raise AssertionError(f"the engine fork server did not start (log: {self.log_path})")
+
+    def _read(self, timeout):
+        """The server's next reply, or None when ``timeout`` seconds pass without one."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                with open(self.log_path) as f:
+                    tail = f.read()[-6000:]
+                raise AssertionError(
+                    f"the engine fork server exited ({self.proc.wait()}):\n{tail}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, script, args, log_path, timeout):
+        """Runs ``python script args...`` (output to ``log_path``); returns its exit code.
+
+        A run past ``timeout`` seconds is killed with its whole process group and fails.
+        """
+        request = {"script": script, "args": args, "log": log_path,
+                   "env": {**os.environ, "HF_HUB_OFFLINE": "1"}}
+        data = (json.dumps(request) + "\n").encode()
+        while data:
+            data = data[self.proc.stdin.write(data):]
+        pid = self._read(timeout=60)["pid"]
+        done = self._read(timeout=timeout)
+        if done is None:
+            os.killpg(pid, signal.SIGKILL)
+            self._read(timeout=60)
+            raise AssertionError(f"{os.path.basename(script)} ran past {timeout} s (log: {log_path})")
+        return done["exit"]
+
+    def stop(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+class Runner:
+    """Runs vLLM engines, each in a fresh process, and caches the no-kvpool baselines."""
+
+    def __init__(self, scratch, forkserver):
         self.scratch = scratch
+        self.forkserver = forkserver
         self.count = 0
         self.baselines = {}
 
@@ -64,16 +127,12 @@ class Runner:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         started = time.time()
-        with open(log_path, "w") as log:
-            proc = subprocess.run(
-                [sys.executable, os.path.join(HERE, script), spec_path, out_path],
-                stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-        if proc.returncode != 0:
+        returncode = self.forkserver.run(os.path.join(HERE, script), [spec_path, out_path],
+                                         log_path, timeout)
+        if returncode != 0:
             with open(log_path) as f:
                 tail = f.read()[-6000:]
-            raise AssertionError(f"vLLM run {self.count} failed ({proc.returncode}):\n{tail}")
+            raise AssertionError(f"vLLM run {self.count} failed ({returncode}):\n{tail}")
         with open(out_path) as f:
             out = json.load(f)
         out["wall_s"] = time.time() - started
@@ -90,7 +149,9 @@ class Runner:
 
 @pytest.fixture(scope="session")
 def runner(scratch):
-    return Runner(scratch)
+    server = ForkServer(scratch)
+    yield Runner(scratch, server)
+    server.stop()
 
 
 class Stepper:
