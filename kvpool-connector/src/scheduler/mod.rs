@@ -1,6 +1,7 @@
 //! The scheduler side: lookups, request trackers, each step's metadata, and the step ledger
 //! that decides when the workers' saves become visible (the chunk tail's keys: `chunk_tail`).
 
+mod async_loads;
 mod chunk_tail;
 mod step_ledger;
 
@@ -468,17 +469,14 @@ impl ConnectorScheduler {
             }
             let mut load = t.load.take();
             if let Some(l) = load
-                && t.block_ids.len() * block_size < l.load_until as usize
+                && !t.blocks_cover(&l, block_size)
             {
-                tracing::error!(req = %s.req_id, load_until = l.load_until, blocks = t.block_ids.len(), "the engine's blocks do not cover a promised load; reporting them as failed");
-                let first = l.gpu_cached_tokens as usize / block_size;
-                unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
+                t.fail_uncovered_load(&s.req_id, &l, block_size, &mut unloadable_blocks);
                 self.broken_promises += 1;
                 t.saved_tokens = t
                     .saved_tokens
                     .min(l.gpu_cached_tokens as usize / chunk * chunk);
                 t.tail_saved = false;
-                t.load_tail.clear();
                 load = None;
             }
             let load_tail = if load.is_some() {
@@ -551,40 +549,7 @@ impl ConnectorScheduler {
                 save_tail,
             });
         }
-        // Asynchronous loads of requests the engine is not scheduling (they wait for them).
-        let mut waiting: Vec<&String> = self
-            .trackers
-            .iter()
-            .filter(|(id, t)| {
-                !listed.contains(id.as_str()) && t.load.is_some_and(|l| l.asynchronous)
-            })
-            .map(|(id, _)| id)
-            .collect();
-        waiting.sort();
-        let waiting: Vec<String> = waiting.into_iter().cloned().collect();
-        for id in waiting {
-            let t = self.trackers.get_mut(&id).expect("listed above");
-            let l = t.load.take().expect("filtered above");
-            if t.block_ids.len() * block_size < l.load_until as usize {
-                tracing::error!(req = %id, load_until = l.load_until, blocks = t.block_ids.len(), "the engine's blocks do not cover a promised load; reporting them as failed");
-                let first = l.gpu_cached_tokens as usize / block_size;
-                unloadable_blocks.extend(t.block_ids.iter().skip(first).copied());
-                self.broken_promises += 1;
-                t.load_tail.clear();
-                continue;
-            }
-            t.load_in_flight = true;
-            let needed = l.load_until as usize;
-            requests.push(ReqMeta {
-                req_id: id,
-                chunk_hashes: chunk_hashes_until(t, needed, chunk),
-                block_ids: t.block_ids[..needed.div_ceil(block_size)].to_vec(),
-                load: Some(l),
-                save: None,
-                load_tail: std::mem::take(&mut t.load_tail),
-                save_tail: Vec::new(),
-            });
-        }
+        requests.extend(self.waiting_async_loads(&listed, &mut unloadable_blocks));
         self.ledger.issued(step, saves);
         let (discards, commit_steps) = self.ledger.take_decisions();
         ConnectorMetadata {

@@ -6,6 +6,7 @@
 //! (torch in the Python connector, the same code on CPU and CUDA tensors) and reports each one
 //! done with [`ConnectorWorker::copy_done`]. Until then the job's host memory stays owned here.
 
+mod completion;
 mod copy_job;
 mod loads;
 mod planning;
@@ -13,10 +14,9 @@ mod staged;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvpool_core::telemetry;
-use kvpool_core::{CacheEngine, Chunk, ChunkMeta, ChunkSpan, KvLayout};
+use kvpool_core::{CacheEngine, ChunkSpan, KvLayout};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
@@ -30,7 +30,7 @@ use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounte
 use crate::request_trace::{RequestTrace, RequestTraces};
 use copy_job::JobMemory;
 use loads::AsyncLoads;
-use staged::{StagedChunk, StagedSaves};
+use staged::StagedSaves;
 
 /// Counters of a worker since it started (vLLM's connector stats read them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -362,112 +362,6 @@ impl ConnectorWorker {
         }
         self.async_loads
             .start_queued(self.limits, &self.engine, &self.runtime);
-    }
-
-    /// The engine side finished job `id` (`ok`: the copy happened; else it failed and the
-    /// job's blocks hold nothing usable). A load's blocks are then the engine's; a save's
-    /// chunks are staged until their step is committed.
-    pub fn copy_done(&mut self, id: u64, ok: bool) {
-        let Some(f) = self.in_flight.remove(&id) else {
-            warn!(job = id, "copy_done for an unknown job");
-            return;
-        };
-        metrics::gauge!(telemetry::COPY_JOBS_IN_FLIGHT).set(self.in_flight.len() as f64);
-        match f.direction {
-            CopyDirection::Load => {
-                if ok {
-                    self.stats.loaded_tokens += f.tokens as u64;
-                    metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
-                        .increment(f.tokens as u64);
-                    if let Some(t) = self.traces.of(&f.req_id) {
-                        t.loaded_tokens += f.tokens as u64;
-                        for (tier, tokens) in &f.tier_tokens {
-                            t.add_tier_tokens(tier, *tokens as u64);
-                        }
-                    }
-                } else {
-                    warn!(req = %f.req_id, "copying a load into the engine failed; reporting its blocks");
-                    self.fail_blocks_of(&f.req_id, &f.blocks);
-                }
-                if f.asynchronous {
-                    self.async_loads.finish(&f.req_id);
-                    self.finished_recving.push(f.req_id);
-                }
-            }
-            CopyDirection::Save => {
-                let JobMemory::Save(buffers) = f.memory else {
-                    unreachable!("a save job owns save buffers")
-                };
-                let layout = *self.engine.layout();
-                let fingerprint = layout.fingerprint();
-                let chunks = if ok {
-                    self.stats.saved_tokens += f.tokens as u64;
-                    f.spans
-                        .into_iter()
-                        .zip(buffers)
-                        .map(|(span, buf)| StagedChunk {
-                            req_id: f.req_id.clone(),
-                            end: span.end as u32,
-                            chunk: Chunk {
-                                meta: ChunkMeta {
-                                    layout_fingerprint: fingerprint,
-                                    dtype: layout.dtype,
-                                    token_count: span.len() as u32,
-                                },
-                                data: buf.freeze(),
-                            },
-                            key: span.key,
-                        })
-                        .collect()
-                } else {
-                    self.save_failed(&f.req_id, "the engine's copy failed");
-                    Vec::new()
-                };
-                self.staged.copy_ended(f.step, chunks);
-                self.store_ready();
-            }
-        }
-    }
-
-    /// Stores the staged chunks of committed steps (L1 now, lower tiers behind).
-    fn store_ready(&mut self) {
-        let ready = self.staged.take_ready(STAGED_STEP_TTL);
-        self.stats.saves_discarded = self.staged.discarded();
-        if ready.is_empty() {
-            return;
-        }
-        let mut by_req: HashMap<String, Vec<(kvpool_core::CacheKey, Chunk)>> = HashMap::new();
-        for c in ready {
-            by_req.entry(c.req_id).or_default().push((c.key, c.chunk));
-        }
-        for (req, entries) in by_req {
-            let started = Instant::now();
-            let tokens: usize = entries
-                .iter()
-                .map(|(_, c)| c.meta.token_count as usize)
-                .sum();
-            match self.runtime.block_on(self.engine.storage().put(entries)) {
-                Ok(outcome) => {
-                    let stored = if outcome.skipped == 0 { tokens } else { 0 };
-                    self.engine.record_stored(stored);
-                    self.stats.stored_tokens += stored as u64;
-                    metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
-                    if let Some(t) = self.traces.of(&req) {
-                        t.stored_tokens += stored as u64;
-                        t.store_time += started.elapsed();
-                    }
-                }
-                Err(e) => self.save_failed(&req, &e.to_string()),
-            }
-        }
-    }
-
-    fn save_failed(&mut self, req: &str, why: &str) {
-        self.stats.save_errors += 1;
-        if let Some(t) = self.traces.of(req) {
-            t.save_errors += 1;
-        }
-        warn!(req = %req, error = %why, "save failed (the chunks will be missing from the pool)");
     }
 
     /// vLLM `handle_preemptions`: the copy jobs still in flight on these requests' blocks;
