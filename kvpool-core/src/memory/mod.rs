@@ -3,6 +3,8 @@
 
 pub mod eviction;
 pub mod pool;
+pub mod shared;
 
 pub use eviction::{EvictionKind, EvictionPolicy};
 pub use pool::{HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool};
+pub use shared::{SharedMapping, SharedMemoryAllocator};

@@ -300,6 +300,13 @@ enum Storage {
 }
 
 impl Storage {
+    fn arena_offset(&self) -> Option<usize> {
+        match self {
+            Storage::Pooled(r) => Some(r.offset),
+            Storage::Heap(_) => None,
+        }
+    }
+
     fn as_slice(&self) -> &[u8] {
         match self {
             // SAFETY: the region lies inside the arena (allocator invariant), is initialised
@@ -352,6 +359,12 @@ impl MemoryObjMut {
         }
     }
 
+    /// Where the region starts in its pool's arena (`None` for heap memory): the address
+    /// another process that maps the same arena uses.
+    pub fn arena_offset(&self) -> Option<usize> {
+        self.storage.arena_offset()
+    }
+
     /// Makes the region shared and read-only.
     pub fn freeze(self) -> MemoryObj {
         MemoryObj {
@@ -398,6 +411,11 @@ impl MemoryObj {
     /// Live handles to this region (1 = only this one).
     pub fn ref_count(&self) -> usize {
         Arc::strong_count(&self.inner)
+    }
+
+    /// Where the region starts in its pool's arena (`None` for heap memory).
+    pub fn arena_offset(&self) -> Option<usize> {
+        self.inner.arena_offset()
     }
 
     /// Whether the bytes live in a pool arena (rather than the heap).

@@ -1,0 +1,237 @@
+//! Shared host memory: a pool arena in a memory file (`memfd`), mapped `MAP_SHARED`, so a
+//! process handed the file descriptor maps the same bytes (the node-wide pool's L1;
+//! docs/design/pool-daemon.md).
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::pool::{HostAllocator, HostArena};
+use crate::error::PoolError;
+
+/// A `MAP_SHARED`, read-write mapping of a whole memory file: a pool's arena in the process
+/// that created it, or another process's view of it. Unmapped on drop; the memory lives while
+/// any process maps it or holds its descriptor.
+pub struct SharedMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is a plain range of process memory; `SharedMapping` hands out only its
+// address (callers that read or write through it coordinate, as with any arena).
+unsafe impl Send for SharedMapping {}
+// SAFETY: as above; no method mutates through `&self`.
+unsafe impl Sync for SharedMapping {}
+
+impl SharedMapping {
+    /// Creates a zero-filled memory file of `len` bytes named `name` (for `/proc/*/fd`
+    /// listings only) and maps it.
+    pub fn create(name: &str, len: usize) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
+        }
+        let name = CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+        // SAFETY: `name` is a valid C string; the flags are valid for memfd_create.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "mapping too large"))?;
+        // SAFETY: `fd` is a valid memfd; growing it zero-fills.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::map(fd, len)
+    }
+
+    /// Maps the first `len` bytes of memory file `fd` (one received from the process that
+    /// created it). Fails when the file is shorter than `len`.
+    pub fn map(fd: OwnedFd, len: usize) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
+        }
+        // SAFETY: fstat writes into the zeroed struct we own.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is an open descriptor and `stat` is a valid out-pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if usize::try_from(stat.st_size).unwrap_or(0) < len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the memory file holds {} bytes, not {len}", stat.st_size),
+            ));
+        }
+        // SAFETY: a fresh shared mapping of an open file; the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| io::Error::other("mmap returned a null address"))?;
+        Ok(SharedMapping { ptr, len, fd })
+    }
+
+    /// The memory file, to pass to another process (e.g. with `SCM_RIGHTS`).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The mapping's first byte in this process.
+    pub fn as_ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never: creating one of zero bytes fails).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the range `map` mapped; no reference into it outlives `self`
+        // (arenas and their regions hold an `Arc` to it).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+impl std::fmt::Debug for SharedMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SharedMapping({} bytes, fd {})",
+            self.len,
+            self.fd.as_raw_fd()
+        )
+    }
+}
+
+struct SharedArena(Arc<SharedMapping>);
+
+// SAFETY: the mapping is `len` zero-initialised bytes, valid and unmoved until the last `Arc`
+// drops. Other processes that map the file write only into regions the pool's owner handed
+// them (the owner's protocol), which is the "anyone else" the pool coordinates with.
+unsafe impl HostArena for SharedArena {
+    fn as_ptr(&self) -> NonNull<u8> {
+        self.0.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Allocates pool arenas in memory files, keeping each mapping so its owner can hand the file
+/// to other processes ([`SharedMemoryAllocator::arena`]).
+#[derive(Default)]
+pub struct SharedMemoryAllocator {
+    arena: Mutex<Option<Arc<SharedMapping>>>,
+}
+
+impl SharedMemoryAllocator {
+    /// An allocator that has made no arena yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The last arena allocated, if any.
+    pub fn arena(&self) -> Option<Arc<SharedMapping>> {
+        self.arena.lock().clone()
+    }
+}
+
+impl HostAllocator for SharedMemoryAllocator {
+    fn name(&self) -> &str {
+        "shared"
+    }
+
+    fn allocate_arena(&self, bytes: usize) -> Result<Box<dyn HostArena>, PoolError> {
+        if bytes == 0 {
+            return Err(PoolError::ZeroSize);
+        }
+        let mapping = SharedMapping::create("kvpool-l1", bytes).map_err(|e| PoolError::Arena {
+            bytes,
+            reason: e.to_string(),
+        })?;
+        let mapping = Arc::new(mapping);
+        *self.arena.lock() = Some(mapping.clone());
+        Ok(Box::new(SharedArena(mapping)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{MemoryObj, MemoryObjMut, MemoryPool};
+
+    #[test]
+    fn a_second_mapping_of_the_file_sees_the_pools_bytes_and_writes_back() {
+        let alloc = SharedMemoryAllocator::new();
+        let pool = MemoryPool::with_allocator(1 << 20, &alloc).unwrap();
+        let arena = alloc.arena().unwrap();
+        let mut a = pool.allocate(1000).unwrap();
+        let mut b = pool.allocate(1000).unwrap();
+        a.as_mut_slice().fill(7);
+        b.as_mut_slice().fill(9);
+        let (a_off, b_off) = (a.arena_offset().unwrap(), b.arena_offset().unwrap());
+        assert_ne!(a_off, b_off);
+
+        let other =
+            SharedMapping::map(arena.fd().try_clone_to_owned().unwrap(), pool.capacity()).unwrap();
+        assert_ne!(other.as_ptr(), arena.as_ptr(), "a mapping of its own");
+        // SAFETY: both regions lie inside the 1 MiB mapping; nothing else writes them here.
+        let view = |off: usize| unsafe {
+            std::slice::from_raw_parts_mut(other.as_ptr().as_ptr().add(off), 1000)
+        };
+        assert!(view(a_off).iter().all(|&x| x == 7));
+        assert!(view(b_off).iter().all(|&x| x == 9));
+        view(b_off).fill(3);
+        assert!(b.as_slice().iter().all(|&x| x == 3));
+        assert_eq!(b.freeze().arena_offset(), Some(b_off));
+    }
+
+    #[test]
+    fn a_file_shorter_than_asked_is_refused() {
+        let m = SharedMapping::create("t", 4096).unwrap();
+        let err = SharedMapping::map(m.fd().try_clone_to_owned().unwrap(), 8192).unwrap_err();
+        assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
+        assert!(SharedMapping::create("t", 0).is_err());
+    }
+
+    #[test]
+    fn heap_memory_has_no_arena_offset() {
+        assert_eq!(MemoryObjMut::heap(8).arena_offset(), None);
+        assert_eq!(MemoryObj::from_vec(vec![1]).arena_offset(), None);
+    }
+}
