@@ -1,9 +1,12 @@
 """Serving-level benchmark: `vllm serve` (CPU build) driven by vLLM's own client (`vllm bench
-serve`), one fresh server per configuration, three workloads each:
+serve`), one fresh server per configuration, four workloads each (``--workloads`` picks):
 
-1. no reuse (vLLM's `random` dataset): what kvpool costs when nothing is ever found;
-2. shared prefixes (vLLM's `prefix_repetition` dataset);
-3. a conversation trace in the Mooncake format (vLLM's `timed_trace` dataset): each
+1. no reuse (vLLM's `random` dataset, Poisson arrivals at ``--rate``): what kvpool costs when
+   nothing is ever found, under load;
+2. miss cost (other random prompts, sent one at a time): the same without queueing, so TTFT
+   is the prefill and req/s the server's capacity;
+3. shared prefixes (vLLM's `prefix_repetition` dataset);
+4. a conversation trace in the Mooncake format (vLLM's `timed_trace` dataset): each
    `hash_id` expands to a fixed block of token ids, `input_length` / `output_length` honoured,
    lengths and timestamps scaled to what this machine serves.
 
@@ -205,8 +208,11 @@ def main():
                     help="divide the trace's inter-arrival times by this")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--rate", type=float, default=1.0,
+                    help="requests/s of the no-reuse and shared-prefix workloads")
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
+    ap.add_argument("--workloads", default=None, help="comma-separated workload names")
     a = ap.parse_args()
     from make_model import make_model
 
@@ -220,17 +226,30 @@ def main():
     workloads = {
         "no reuse": ["--dataset-name", "random", "--num-prompts", str(a.prompts),
                      "--random-input-len", str(a.prefix), "--random-output-len", "16",
-                     "--request-rate", "1"],
+                     "--request-rate", str(a.rate)],
+        # The same prompts sent one at a time: no queueing, so TTFT is the prefill itself and
+        # req/s the server's capacity, which is what kvpool may cost on a miss.
+        "miss cost": ["--dataset-name", "random", "--num-prompts", str(a.prompts),
+                      "--random-input-len", str(a.prefix), "--random-output-len", "16",
+                      "--request-rate", "inf", "--max-concurrency", "1",
+                      "--seed", "1"],  # not the no-reuse prompts, which are stored by now
         "shared prefix": ["--dataset-name", "prefix_repetition", "--num-prompts",
                           str(a.prompts), "--prefix-repetition-prefix-len", str(a.prefix),
                           "--prefix-repetition-suffix-len", "64",
                           "--prefix-repetition-num-prefixes", "2",
-                          "--prefix-repetition-output-len", "16", "--request-rate", "1"],
+                          "--prefix-repetition-output-len", "16",
+                          "--request-rate", str(a.rate)],
         "trace": ["--dataset-name", "timed_trace", "--dataset-path", trace,
                   "--num-prompts", str(a.trace_requests),
                   "--timed-trace-chunk-hash-size", str(hash_block),
                   "--timed-trace-sec-multiplier", str(0.001 / a.trace_speed)],
     }
+    if a.workloads:
+        keep = a.workloads.split(",")
+        unknown = [w for w in keep if w not in workloads]
+        if unknown:
+            ap.error(f"unknown workloads {unknown}; known: {list(workloads)}")
+        workloads = {k: v for k, v in workloads.items() if k in keep}
     redis = f"redis://127.0.0.1:{a.redis_port}"
 
     def kvpool(cfg):
@@ -248,7 +267,10 @@ def main():
         "vLLM prefix cache": ["--enable-prefix-caching"],
     }
     if a.only:
-        keep = set(a.only.split(","))
+        keep = a.only.split(",")
+        unknown = [c for c in keep if c not in configs]
+        if unknown:
+            ap.error(f"unknown configurations {unknown}; known: {list(configs)}")
         configs = {k: v for k, v in configs.items() if k in keep}
     results_dir = os.path.join(scratch, "results")
     os.makedirs(results_dir, exist_ok=True)
