@@ -195,6 +195,18 @@ def draw_chart(summary, workloads, path):
     fig.savefig(path, dpi=100)
 
 
+def pick(ap, named, wanted, what):
+    """The entries of ``named`` listed in ``wanted`` (comma-separated; all when empty), in
+    ``named``'s order; an unknown name is a usage error."""
+    if not wanted:
+        return named
+    keep = wanted.split(",")
+    unknown = [k for k in keep if k not in named]
+    if unknown:
+        ap.error(f"unknown {what} {unknown}; known: {list(named)}")
+    return {k: v for k, v in named.items() if k in keep}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -244,12 +256,7 @@ def main():
                   "--timed-trace-chunk-hash-size", str(hash_block),
                   "--timed-trace-sec-multiplier", str(0.001 / a.trace_speed)],
     }
-    if a.workloads:
-        keep = a.workloads.split(",")
-        unknown = [w for w in keep if w not in workloads]
-        if unknown:
-            ap.error(f"unknown workloads {unknown}; known: {list(workloads)}")
-        workloads = {k: v for k, v in workloads.items() if k in keep}
+    workloads = pick(ap, workloads, a.workloads, "workloads")
     redis = f"redis://127.0.0.1:{a.redis_port}"
 
     def kvpool(cfg):
@@ -266,12 +273,7 @@ def main():
         "kvpool Redis": kvpool({**small_l1, "tier": [{"url": redis}]}),
         "vLLM prefix cache": ["--enable-prefix-caching"],
     }
-    if a.only:
-        keep = a.only.split(",")
-        unknown = [c for c in keep if c not in configs]
-        if unknown:
-            ap.error(f"unknown configurations {unknown}; known: {list(configs)}")
-        configs = {k: v for k, v in configs.items() if k in keep}
+    configs = pick(ap, configs, a.only, "configurations")
     results_dir = os.path.join(scratch, "results")
     os.makedirs(results_dir, exist_ok=True)
     summary = {}

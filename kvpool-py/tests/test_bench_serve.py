@@ -42,3 +42,16 @@ def test_a_scaled_trace_keeps_lengths_in_step_and_prefixes_shared(tmp_path):
     assert out[1]["output_length"] == 1  # at least one token
     # A prompt past the cap is cut to it, with the blocks it still covers.
     assert out[2]["input_length"] == 4000 and len(out[2]["hash_ids"]) == 125
+
+
+def test_pick_keeps_the_named_entries_in_order_and_refuses_unknown_names():
+    import argparse
+
+    import pytest
+
+    ap = argparse.ArgumentParser()
+    named = {"a": 1, "b": 2, "c": 3}
+    assert bench_serve.pick(ap, named, None, "things") == named
+    assert list(bench_serve.pick(ap, named, "c,a", "things")) == ["a", "c"]
+    with pytest.raises(SystemExit):
+        bench_serve.pick(ap, named, "a,z", "things")
