@@ -27,6 +27,7 @@ pub mod backend_factory;
 pub mod conformance;
 #[cfg(feature = "cpu")]
 pub mod cpu;
+pub mod daemon;
 #[cfg(feature = "disk")]
 pub mod disk;
 pub mod faults;

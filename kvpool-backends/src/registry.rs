@@ -103,6 +103,10 @@ fn builtin_schemes() -> Registry {
         }
     };
     add(&["memory"], Arc::new(MemoryFactory));
+    add(
+        crate::daemon::SCHEMES,
+        Arc::new(crate::daemon::DaemonFactory),
+    );
     #[cfg(feature = "disk")]
     add(crate::disk::SCHEMES, Arc::new(crate::disk::DiskFactory));
     #[cfg(not(feature = "disk"))]
@@ -184,6 +188,31 @@ pub fn scheme_of(url: &str) -> Result<&str, ConfigError> {
     })
 }
 
+/// Opens the store described by `tier` without the chunk format: the backend registered for
+/// its scheme parses its options and connects, and every call is bounded by the tier's
+/// timeout. The values it holds are opaque bytes (the pool daemon's lower tiers store the
+/// engines' already encoded chunks); [`open_tier`] is the usual entry.
+pub async fn open_connector(
+    tier: &TierConfig,
+    max_chunk_bytes: u64,
+) -> Result<TimeoutConnector<Box<dyn RemoteConnector>>, ConfigError> {
+    let scheme = scheme_of(&tier.url)?;
+    let factory = REGISTRY.read().get(scheme).cloned();
+    let Some(factory) = factory else {
+        let known: Vec<String> = REGISTRY.read().keys().cloned().collect();
+        return Err(invalid(format!(
+            "unknown scheme `{scheme}://`: expected one of {}",
+            known.join(", ")
+        )));
+    };
+    let request = TierRequest {
+        tier,
+        max_chunk_bytes,
+    };
+    let connector = factory.open(&request).await?;
+    Ok(TimeoutConnector::new(connector, request.timeout()))
+}
+
 /// Opens the tier described by `tier`: the backend registered for its scheme parses its
 /// options and connects (bounded by the tier's timeout); the result is wrapped with the chunk
 /// format and per-call timeouts. Fails with a message naming what to fix.
@@ -203,21 +232,7 @@ pub async fn open_tier_with_allocator(
     max_chunk_bytes: u64,
     allocator: Option<Arc<dyn ChunkAllocator>>,
 ) -> Result<Arc<dyn StorageBackend>, ConfigError> {
-    let scheme = scheme_of(&tier.url)?;
-    let factory = REGISTRY.read().get(scheme).cloned();
-    let Some(factory) = factory else {
-        let known: Vec<String> = REGISTRY.read().keys().cloned().collect();
-        return Err(invalid(format!(
-            "unknown scheme `{scheme}://`: expected one of {}",
-            known.join(", ")
-        )));
-    };
-    let request = TierRequest {
-        tier,
-        max_chunk_bytes,
-    };
-    let connector = factory.open(&request).await?;
-    let bounded = TimeoutConnector::new(connector, request.timeout());
+    let bounded = open_connector(tier, max_chunk_bytes).await?;
     let backend = RemoteBackend::new(bounded, codec, max_chunk_bytes);
     Ok(Arc::new(match allocator {
         Some(allocator) => backend.with_allocator(allocator),

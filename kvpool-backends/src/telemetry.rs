@@ -1,12 +1,29 @@
 //! The metrics only a backend records, in a catalogue of their own (kvpool-core's covers the
 //! rest), listed in docs/metrics.md like core's.
 
-use kvpool_core::telemetry::{MetricInfo, counter, describe_metrics};
+use kvpool_core::telemetry::{MetricInfo, counter, describe_metrics, gauge};
 
 /// Disk-tier writes refused because the disk or the tier's capacity is full.
 pub const DISK_WRITES_REFUSED: &str = "kvpool_disk_writes_refused_total";
 /// Mooncake calls failed fast after a cluster failure.
 pub const MOONCAKE_FAST_FAILURES: &str = "kvpool_mooncake_fast_failures_total";
+
+/// Engines attached to the pool daemon.
+pub const DAEMON_SESSIONS: &str = "kvpool_daemon_sessions";
+/// Bytes of the daemon's shared arena in use.
+pub const DAEMON_USED_BYTES: &str = "kvpool_daemon_used_bytes";
+/// Values in the daemon's shared memory.
+pub const DAEMON_ENTRIES: &str = "kvpool_daemon_entries";
+/// Pins and uncommitted allocations the daemon has lent to engines.
+pub const DAEMON_LEASES: &str = "kvpool_daemon_leases";
+/// Gets the daemon answered, by result (memory, tier, miss).
+pub const DAEMON_GETS: &str = "kvpool_daemon_gets_total";
+/// Values engines committed to the daemon.
+pub const DAEMON_COMMITS: &str = "kvpool_daemon_commits_total";
+/// Values evicted from the daemon's shared memory.
+pub const DAEMON_EVICTIONS: &str = "kvpool_daemon_evictions_total";
+/// Pins and allocations reclaimed because their engine left or forgot them.
+pub const DAEMON_LEASES_RECLAIMED: &str = "kvpool_daemon_leases_reclaimed_total";
 
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
@@ -19,6 +36,42 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         MOONCAKE_FAST_FAILURES,
         &[],
         "Mooncake calls failed fast after a cluster failure.",
+    ),
+    gauge(DAEMON_SESSIONS, &[], "Engines attached to the pool daemon."),
+    gauge(
+        DAEMON_USED_BYTES,
+        &[],
+        "Bytes of the pool daemon's shared arena in use.",
+    ),
+    gauge(
+        DAEMON_ENTRIES,
+        &[],
+        "Values in the pool daemon's shared memory.",
+    ),
+    gauge(
+        DAEMON_LEASES,
+        &[],
+        "Pins and uncommitted allocations the pool daemon has lent to engines.",
+    ),
+    counter(
+        DAEMON_GETS,
+        &["result"],
+        "Gets the pool daemon answered, by result (memory, tier, miss).",
+    ),
+    counter(
+        DAEMON_COMMITS,
+        &[],
+        "Values engines committed to the pool daemon.",
+    ),
+    counter(
+        DAEMON_EVICTIONS,
+        &[],
+        "Values evicted from the pool daemon's shared memory.",
+    ),
+    counter(
+        DAEMON_LEASES_RECLAIMED,
+        &[],
+        "Pins and allocations the pool daemon reclaimed because their engine left or forgot them.",
     ),
 ];
 

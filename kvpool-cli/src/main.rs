@@ -1,8 +1,9 @@
-//! The `kvpool` command: `bench`, `replay`, `gen-trace` and `config`.
+//! The `kvpool` command: `serve`, `bench`, `replay`, `gen-trace`, `sim` and `config`.
 
 mod bench;
 mod replay;
 mod report;
+mod serve;
 mod trace;
 mod workload;
 
@@ -26,6 +27,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the node's pool daemon: shared memory and lower tiers that every engine on the node
+    /// attaches to (`"pool": "unix:///run/kvpool/kvpool.sock"`), until SIGTERM or SIGINT.
+    Serve(serve::ServeArgs),
     /// Run a synthetic serving workload (shared system prompts, multi-turn chats) through the pool.
     ///
     /// Sessions take turns round-robin; between rounds, write-behind to lower tiers is drained
@@ -282,13 +286,19 @@ struct ConfigArgs {
 }
 
 fn main() {
+    let cli = Cli::parse();
+    // A daemon logs who attaches and what it reclaims; the one-shot commands only warnings.
+    let default_level = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_env("KVPOOL_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
+            EnvFilter::try_from_env("KVPOOL_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = run(Cli::parse()) {
+    if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
@@ -473,6 +483,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .build()?;
     let progress = std::io::stderr().is_terminal();
     match cli.command {
+        Command::Serve(a) => serve::run(a, &rt)?,
         Command::Bench(a) => {
             let cfg = a.pool.load()?;
             let spec = workload::WorkloadSpec {

@@ -15,7 +15,7 @@
 //! at most once per [`BREAKER_PROBE_INTERVAL`]) succeeds. Every reconnection re-runs the hello
 //! check, so a worker restarted with other keys is never asked.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use kvpool_core::CacheEngine;
 use parking_lot::Mutex;
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
@@ -38,8 +37,7 @@ pub const BREAKER_FAILURES: u32 = 3;
 /// How often an open breaker lets a probe through.
 pub const BREAKER_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Largest frame either side accepts.
-pub const MAX_FRAME_BYTES: usize = 64 << 20;
+pub use kvpool_core::frame::{MAX_FRAME_BYTES, read_frame, write_frame};
 
 /// What the scheduler asks a worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,34 +85,6 @@ pub struct WorkerInfo {
 
 fn io_err(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
-}
-
-/// Writes one frame.
-pub fn write_frame<T: Serialize>(stream: &mut UnixStream, message: &T) -> io::Result<()> {
-    let body = postcard::to_stdvec(message).map_err(|e| io_err(e.to_string()))?;
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(io_err(format!(
-            "frame of {} bytes is too large",
-            body.len()
-        )));
-    }
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    stream.write_all(&frame)
-}
-
-/// Reads one frame; a frame above [`MAX_FRAME_BYTES`] or one that does not decode is an error.
-pub fn read_frame<T: DeserializeOwned>(stream: &mut UnixStream) -> io::Result<T> {
-    let mut len = [0u8; 4];
-    stream.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(io_err(format!("frame of {len} bytes is too large")));
-    }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body)?;
-    postcard::from_bytes(&body).map_err(|e| io_err(e.to_string()))
 }
 
 /// Answers lookups against a worker's pool on a Unix socket, on its own threads, until dropped.

@@ -3,6 +3,7 @@
 //! - [`keys`]: chained chunk hashes, cache keys and the chunked token database (token ids or
 //!   engine block hashes to chunk spans and keys);
 //! - [`format`](mod@format): the checksummed, versioned stored-chunk encoding, bound to its key;
+//! - [`frame`]: the length-prefixed postcard frames of kvpool's Unix-socket protocols;
 //! - [`layout`]: the KV layout of a model and its fingerprint;
 //! - [`memory`]: the bounded host memory pool with ref-counted chunk memory, and the eviction
 //!   policies (LRU, FIFO, S3-FIFO);
@@ -24,6 +25,7 @@ pub mod cache_engine;
 pub mod config;
 pub mod error;
 pub mod format;
+pub mod frame;
 pub mod keys;
 pub mod layout;
 pub mod memory;

@@ -1,0 +1,377 @@
+//! The engine's side of the pool daemon: `kvpool+unix://` tiers, a [`RemoteConnector`] whose
+//! values live in the daemon's shared memory. Requests go over the socket; bytes are copied
+//! between the engine's buffers and the daemon's arena, mapped once at attach.
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use kvpool_core::frame::{read_frame, write_frame};
+use kvpool_core::memory::SharedMapping;
+use kvpool_core::{BackendError, ConfigError, RemoteConnector};
+use parking_lot::Mutex;
+use sendfd::RecvWithFd;
+use tracing::{info, warn};
+
+use super::protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
+use crate::backend_factory::{BackendFactory, TierRequest};
+
+/// The schemes of a daemon tier: `kvpool+unix:///run/kvpool/kvpool.sock`.
+pub const SCHEMES: &[&str] = &["kvpool+unix"];
+
+/// How long after a failed connection no new one is tried (calls are misses meanwhile).
+pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// One attached session: the socket and the daemon's arena as this process maps it.
+struct Session {
+    stream: UnixStream,
+    arena: Arc<SharedMapping>,
+    daemon_id: u64,
+}
+
+impl Session {
+    fn attach(path: &Path, timeout: Duration) -> io::Result<Self> {
+        let mut stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let client = format!("pid {}", std::process::id());
+        write_frame(
+            &mut stream,
+            &Request::Attach {
+                version: PROTOCOL_VERSION,
+                client,
+            },
+        )?;
+        let (arena_len, daemon_id) = match read_frame::<Reply>(&mut stream)? {
+            Reply::Attached {
+                arena_len,
+                daemon_id,
+                ..
+            } => (arena_len, daemon_id),
+            Reply::Error(why) => return Err(io::Error::other(format!("refused: {why}"))),
+            other => return Err(protocol_error(&other)),
+        };
+        let mut byte = [0u8; 1];
+        let mut fds = [-1; 1];
+        let (_, nfds) = stream.recv_with_fd(&mut byte, &mut fds)?;
+        if nfds != 1 || fds[0] < 0 {
+            return Err(io::Error::other("the daemon sent no arena descriptor"));
+        }
+        // SAFETY: recvmsg just installed this descriptor in our table; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+        let arena = Arc::new(SharedMapping::map(fd, arena_len as usize)?);
+        Ok(Session {
+            stream,
+            arena,
+            daemon_id,
+        })
+    }
+
+    fn call(&mut self, request: &Request) -> io::Result<Reply> {
+        write_frame(&mut self.stream, request)?;
+        match read_frame::<Reply>(&mut self.stream)? {
+            Reply::Error(why) => Err(io::Error::other(format!("the daemon refused: {why}"))),
+            reply => Ok(reply),
+        }
+    }
+
+    /// The arena bytes of `region`, checked to lie inside the mapping.
+    fn bytes_of(&self, region: &Region) -> io::Result<*mut u8> {
+        let end = region.offset.checked_add(region.len);
+        if end.is_none_or(|e| e > self.arena.len() as u64) {
+            return Err(io::Error::other(format!(
+                "the daemon named bytes {}+{} outside its {}-byte arena",
+                region.offset,
+                region.len,
+                self.arena.len()
+            )));
+        }
+        // SAFETY: offset + len lies inside the mapping, as checked.
+        Ok(unsafe { self.arena.as_ptr().as_ptr().add(region.offset as usize) })
+    }
+}
+
+fn protocol_error(reply: &Reply) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("unexpected reply from the daemon: {reply:?}"),
+    )
+}
+
+struct Inner {
+    name: String,
+    path: PathBuf,
+    timeout: Duration,
+    session: Mutex<Option<Session>>,
+    last_failure: Mutex<Option<Instant>>,
+}
+
+impl Inner {
+    /// Runs `f` on the session, attaching first when there is none (at most once per
+    /// [`RECONNECT_INTERVAL`] after a failure). Any error ends the session: the daemon then
+    /// reclaims whatever it lent to it.
+    fn with_session<T>(
+        &self,
+        f: impl FnOnce(&mut Session) -> io::Result<T>,
+    ) -> Result<T, BackendError> {
+        let mut guard = self.session.lock();
+        if guard.is_none() {
+            if let Some(t) = *self.last_failure.lock()
+                && t.elapsed() < RECONNECT_INTERVAL
+            {
+                return Err(self.unavailable("not attached (retrying shortly)".into()));
+            }
+            match Session::attach(&self.path, self.timeout) {
+                Ok(s) => {
+                    info!(socket = %self.path.display(), daemon = s.daemon_id, arena_bytes = s.arena.len(), "attached to the kvpool daemon");
+                    *guard = Some(s);
+                }
+                Err(e) => {
+                    *self.last_failure.lock() = Some(Instant::now());
+                    return Err(
+                        self.unavailable(format!("cannot attach to {}: {e}", self.path.display()))
+                    );
+                }
+            }
+        }
+        let session = guard.as_mut().expect("attached above");
+        match f(session) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                warn!(socket = %self.path.display(), "daemon session ended: {e}");
+                *guard = None;
+                *self.last_failure.lock() = Some(Instant::now());
+                Err(self.unavailable(e.to_string()))
+            }
+        }
+    }
+
+    fn unavailable(&self, reason: String) -> BackendError {
+        BackendError::Unavailable {
+            backend: self.name.clone(),
+            reason,
+        }
+    }
+
+    fn get(&self, keys: Vec<String>) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.with_session(|s| {
+            let n = keys.len();
+            let Reply::Pinned(regions) = s.call(&Request::Get { keys })? else {
+                return Err(io::Error::other("a Get answered otherwise"));
+            };
+            if regions.len() != n {
+                return Err(io::Error::other("a Get answered the wrong number of keys"));
+            }
+            let mut out = Vec::with_capacity(n);
+            let mut pins = Vec::new();
+            let mut copied = Ok(());
+            for region in &regions {
+                let Some(r) = region else {
+                    out.push(None);
+                    continue;
+                };
+                pins.push(r.id);
+                match s.bytes_of(r) {
+                    Ok(ptr) => {
+                        // SAFETY: the region lies in the mapping and the daemon keeps it
+                        // unchanged while pinned (until the release below).
+                        let bytes = unsafe { std::slice::from_raw_parts(ptr, r.len as usize) };
+                        out.push(Some(Bytes::copy_from_slice(bytes)));
+                    }
+                    Err(e) => {
+                        copied = Err(e);
+                        break;
+                    }
+                }
+            }
+            if !pins.is_empty() {
+                s.call(&Request::Release { ids: pins })?;
+            }
+            copied.map(|()| out)
+        })
+    }
+
+    fn put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        let stored = self.with_session(|s| {
+            let lens = entries.iter().map(|(_, v)| v.len() as u64).collect();
+            let Reply::Prepared(regions) = s.call(&Request::PrepareSave { lens })? else {
+                return Err(io::Error::other("a PrepareSave answered otherwise"));
+            };
+            if regions.len() != entries.len() {
+                return Err(io::Error::other("a PrepareSave answered the wrong count"));
+            }
+            let mut commit = Vec::new();
+            for ((key, value), region) in entries.iter().zip(&regions) {
+                let Some(r) = region else { continue };
+                if r.len != value.len() as u64 {
+                    return Err(io::Error::other("an allocation of the wrong length"));
+                }
+                let ptr = s.bytes_of(r)?;
+                // SAFETY: the region lies in the mapping and is this session's allocation,
+                // which nobody reads until it is committed.
+                unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), ptr, value.len()) };
+                commit.push((r.id, key.clone()));
+            }
+            if commit.is_empty() {
+                return Ok(0);
+            }
+            match s.call(&Request::Commit { entries: commit })? {
+                Reply::Committed(n) => Ok(n as usize),
+                other => Err(protocol_error(&other)),
+            }
+        })?;
+        if stored < entries.len() {
+            return Err(self.unavailable(format!(
+                "the daemon had no room for {} of {} values",
+                entries.len() - stored,
+                entries.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A tier in the node's pool daemon (`kvpool serve`), at a Unix socket.
+///
+/// Calls block on the socket, so each runs on tokio's blocking pool, one at a time per
+/// connector; every socket read and write is bounded by the tier's timeout. When the daemon
+/// is down every call fails fast (a miss, or a write-behind not done) and the connector
+/// attaches again once it is back.
+#[derive(Clone)]
+pub struct DaemonConnector {
+    inner: Arc<Inner>,
+}
+
+impl DaemonConnector {
+    /// A connector for the daemon at `path`; nothing is connected until the first call.
+    pub fn new(path: impl Into<PathBuf>, timeout: Duration) -> Self {
+        let path = path.into();
+        DaemonConnector {
+            inner: Arc::new(Inner {
+                name: format!("kvpool+unix://{}", path.display()),
+                path,
+                timeout,
+                session: Mutex::new(None),
+                last_failure: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// Attaches now (a probe); the error says why it could not.
+    pub fn attach(&self) -> Result<(), BackendError> {
+        self.inner.with_session(|_| Ok(()))
+    }
+
+    /// The daemon's counters.
+    pub fn daemon_stats(&self) -> Result<DaemonStats, BackendError> {
+        self.inner.with_session(|s| match s.call(&Request::Stats)? {
+            Reply::Stats(stats) => Ok(stats),
+            other => Err(protocol_error(&other)),
+        })
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> Result<T, BackendError> + Send + 'static,
+    ) -> Result<T, BackendError> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&inner))
+            .await
+            .map_err(|e| {
+                self.inner
+                    .unavailable(format!("the call's thread failed: {e}"))
+            })?
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for DaemonConnector {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| {
+            inner.with_session(|s| match s.call(&Request::Exists { keys })? {
+                Reply::Exists(found) => Ok(found),
+                other => Err(protocol_error(&other)),
+            })
+        })
+        .await
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| inner.get(keys)).await
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.blocking(move |inner| inner.put(entries)).await
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| {
+            inner.with_session(|s| match s.call(&Request::Delete { keys })? {
+                Reply::Deleted(n) => Ok(n as usize),
+                other => Err(protocol_error(&other)),
+            })
+        })
+        .await
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        *self.inner.session.lock() = None;
+        Ok(())
+    }
+}
+
+/// The path of a `kvpool+unix://` URL (or of a `unix://` one, as the connector's `pool`
+/// option takes it).
+pub fn socket_path(url: &str) -> Result<PathBuf, ConfigError> {
+    let path = url
+        .strip_prefix("kvpool+unix://")
+        .or_else(|| url.strip_prefix("unix://"))
+        .unwrap_or(url);
+    if !path.starts_with('/') {
+        return Err(ConfigError::Invalid {
+            field: "tier.url",
+            reason: format!(
+                "`{url}` does not name an absolute socket path: use kvpool+unix:///run/kvpool/kvpool.sock"
+            ),
+        });
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Opens `kvpool+unix://` tiers.
+pub struct DaemonFactory;
+
+#[async_trait]
+impl BackendFactory for DaemonFactory {
+    fn example(&self) -> String {
+        "url = \"kvpool+unix:///run/kvpool/kvpool.sock\"  # the node's pool daemon (kvpool serve)"
+            .into()
+    }
+
+    async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
+        tier.options().finish()?;
+        let path = socket_path(tier.url())?;
+        let connector = DaemonConnector::new(path, tier.timeout());
+        let probe = connector.clone();
+        match tokio::task::spawn_blocking(move || probe.attach()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(
+                "{e}; running with misses from this tier until the daemon answers (is `kvpool serve` running?)"
+            ),
+            Err(e) => warn!("attaching to the daemon failed: {e}"),
+        }
+        Ok(Box::new(connector))
+    }
+}

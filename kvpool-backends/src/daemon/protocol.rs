@@ -1,0 +1,130 @@
+//! The pool daemon's wire protocol: one request, one reply, as postcard frames
+//! ([`kvpool_core::frame`]) on a Unix socket. KV bytes never travel on the socket: replies
+//! name regions of the daemon's shared arena, which the engine maps once, at attach.
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version an engine and the daemon must share.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// A region of the daemon's arena lent to one session: a pinned value to read, or an
+/// allocation to write and then commit. `id` names it in `Release` and `Commit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    /// The lease's id, unique within the daemon's lifetime.
+    pub id: u64,
+    /// Byte offset in the arena.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// What an engine asks the daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first request of a session. The reply is followed by the arena's memory file,
+    /// passed with `SCM_RIGHTS`.
+    Attach {
+        /// The engine's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// Who is attaching (for the daemon's log).
+        client: String,
+    },
+    /// Whether the pool (shared memory or a lower tier) holds each key.
+    Exists {
+        /// Keys, in the engine's text form.
+        keys: Vec<String>,
+    },
+    /// Pins each key's value for reading (promoting it from a lower tier into shared memory
+    /// first when needed). The engine copies the bytes out, then releases the pins.
+    Get {
+        /// Keys to read.
+        keys: Vec<String>,
+    },
+    /// Allocates one region per length, for the engine to write values into. An allocation
+    /// is invisible to every reader until committed.
+    PrepareSave {
+        /// Value lengths in bytes.
+        lens: Vec<u64>,
+    },
+    /// Publishes written allocations under their keys (replacing older values) and hands
+    /// them to the daemon's lower tiers.
+    Commit {
+        /// (allocation id, key) pairs.
+        entries: Vec<(u64, String)>,
+    },
+    /// Ends pins and uncommitted allocations of this session.
+    Release {
+        /// Region ids from `Get` or `PrepareSave`.
+        ids: Vec<u64>,
+    },
+    /// Removes keys from shared memory and every lower tier.
+    Delete {
+        /// Keys to remove.
+        keys: Vec<String>,
+    },
+    /// The daemon's counters.
+    Stats,
+}
+
+/// What the daemon answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Attached; the arena's memory file follows on the socket.
+    Attached {
+        /// The arena's length in bytes (the engine maps exactly this much).
+        arena_len: u64,
+        /// A random id of this daemon run (a restarted daemon has another one).
+        daemon_id: u64,
+        /// How long a pin or an uncommitted allocation lives if the engine forgets it.
+        lease_ttl_ms: u64,
+    },
+    /// One answer per key of `Exists`.
+    Exists(Vec<bool>),
+    /// One answer per key of `Get`: the pinned value, or `None` for a miss.
+    Pinned(Vec<Option<Region>>),
+    /// One answer per length of `PrepareSave`: the allocation, or `None` when no room could
+    /// be made.
+    Prepared(Vec<Option<Region>>),
+    /// How many entries of `Commit` were published (an unknown or expired id is skipped).
+    Committed(u64),
+    /// How many keys `Delete` removed from shared memory.
+    Deleted(u64),
+    /// The daemon's counters.
+    Stats(DaemonStats),
+    /// `Release` done.
+    Released,
+    /// The request was refused; the session stays open.
+    Error(String),
+}
+
+/// A snapshot of the daemon's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonStats {
+    /// Engines attached now.
+    pub sessions: u64,
+    /// Values held in shared memory.
+    pub entries: u64,
+    /// Bytes of the arena in use (values, pins' values, uncommitted allocations).
+    pub used_bytes: u64,
+    /// The arena's size: the node's memory budget.
+    pub capacity_bytes: u64,
+    /// Pins held now.
+    pub pins: u64,
+    /// Uncommitted allocations held now.
+    pub allocations: u64,
+    /// Gets answered from shared memory.
+    pub memory_hits: u64,
+    /// Gets answered from a lower tier (and promoted).
+    pub tier_hits: u64,
+    /// Gets that found nothing.
+    pub misses: u64,
+    /// Values committed.
+    pub commits: u64,
+    /// Values evicted from shared memory.
+    pub evictions: u64,
+    /// Pins and allocations dropped because their session ended or their time ran out.
+    pub leases_reclaimed: u64,
+    /// Requests refused (bad frames close the session and count here too).
+    pub refused: u64,
+}

@@ -1,0 +1,535 @@
+//! `kvpool serve`'s server: the daemon's pool (shared memory over the lower tiers) and its
+//! Unix socket, one thread per attached engine.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvpool_core::frame::{read_frame, write_frame};
+use kvpool_core::memory::{EvictionKind, MemoryObj};
+use kvpool_core::remote::RemoteConnector;
+use kvpool_core::{ConfigError, PoolConfig, PoolError};
+use parking_lot::Mutex;
+use sendfd::SendWithFd;
+use tokio::runtime::Handle;
+use tracing::{debug, info, warn};
+
+use super::protocol::{DaemonStats, PROTOCOL_VERSION, Reply, Request};
+use super::store::{SessionId, SharedStore};
+use crate::registry::open_connector;
+use crate::telemetry;
+
+/// How long a pin or uncommitted allocation lives when its engine neither ends it nor
+/// disconnects (an engine copies a value out within one call, so this only bounds a hung one).
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
+
+/// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
+#[derive(Debug, Clone, Copy)]
+pub struct DaemonOptions {
+    /// The shared arena's size: the node's memory budget for KV.
+    pub capacity: usize,
+    /// Which values leave shared memory first.
+    pub eviction: EvictionKind,
+    /// See [`DEFAULT_LEASE_TTL`].
+    pub lease_ttl: Duration,
+    /// Bytes of committed values being written to the lower tiers at once; more are not
+    /// written (counted).
+    pub write_behind_quota: usize,
+}
+
+impl DaemonOptions {
+    /// The options `config` describes.
+    pub fn from_config(config: &PoolConfig) -> Self {
+        DaemonOptions {
+            capacity: config.local_cpu.max_size.as_usize(),
+            eviction: config.local_cpu.eviction,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            write_behind_quota: config.write_behind.quota.as_usize(),
+        }
+    }
+}
+
+/// A committed value handed to lower tiers without a copy: its memory stays in the arena (and
+/// cannot be evicted) until every tier's write ended.
+struct ArenaBytes(MemoryObj);
+
+impl AsRef<[u8]> for ArenaBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+#[derive(Default)]
+struct WriteBehind {
+    bytes: AtomicUsize,
+    batches: AtomicUsize,
+    dropped: AtomicU64,
+}
+
+/// The node's pool: shared memory over the lower tiers, answering engines' requests.
+pub struct PoolDaemon {
+    store: SharedStore,
+    tiers: Vec<Arc<dyn RemoteConnector>>,
+    runtime: Handle,
+    options: DaemonOptions,
+    daemon_id: u64,
+    next_session: AtomicU64,
+    sessions: AtomicU64,
+    refused: AtomicU64,
+    write_behind: Arc<WriteBehind>,
+}
+
+impl PoolDaemon {
+    /// Opens `config`'s lower tiers (on `runtime`) and creates the shared arena.
+    pub async fn open(config: &PoolConfig, runtime: Handle) -> Result<Self, ConfigError> {
+        let mut tiers: Vec<Arc<dyn RemoteConnector>> = Vec::new();
+        let max_value = config.local_cpu.max_size.as_usize() as u64;
+        for tier in &config.tiers {
+            tiers.push(Arc::new(open_connector(tier, max_value).await?));
+        }
+        Self::with_tiers(DaemonOptions::from_config(config), tiers, runtime).map_err(|e| {
+            ConfigError::Invalid {
+                field: "local_cpu.max_size",
+                reason: format!("the shared arena could not be created: {e}"),
+            }
+        })
+    }
+
+    /// A daemon over already opened `tiers` (values are written to every one of them and
+    /// read from the first that has them).
+    pub fn with_tiers(
+        options: DaemonOptions,
+        tiers: Vec<Arc<dyn RemoteConnector>>,
+        runtime: Handle,
+    ) -> Result<Self, PoolError> {
+        let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
+        let daemon_id = rand_id();
+        Ok(PoolDaemon {
+            store,
+            tiers,
+            runtime,
+            options,
+            daemon_id,
+            next_session: AtomicU64::new(1),
+            sessions: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            write_behind: Arc::default(),
+        })
+    }
+
+    /// The daemon's counters.
+    pub fn stats(&self) -> DaemonStats {
+        DaemonStats {
+            sessions: self.sessions.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            ..self.store.stats()
+        }
+    }
+
+    /// Committed values not written to the lower tiers because the write-behind quota was
+    /// full.
+    pub fn write_behind_dropped(&self) -> u64 {
+        self.write_behind.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Publishes the counters as Prometheus series (for `[metrics] listen`).
+    pub fn record_metrics(&self) {
+        let s = self.stats();
+        metrics::gauge!(telemetry::DAEMON_SESSIONS).set(s.sessions as f64);
+        metrics::gauge!(telemetry::DAEMON_USED_BYTES).set(s.used_bytes as f64);
+        metrics::gauge!(telemetry::DAEMON_ENTRIES).set(s.entries as f64);
+        metrics::gauge!(telemetry::DAEMON_LEASES).set((s.pins + s.allocations) as f64);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "memory").absolute(s.memory_hits);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "tier").absolute(s.tier_hits);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "miss").absolute(s.misses);
+        metrics::counter!(telemetry::DAEMON_COMMITS).absolute(s.commits);
+        metrics::counter!(telemetry::DAEMON_EVICTIONS).absolute(s.evictions);
+        metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED).absolute(s.leases_reclaimed);
+    }
+
+    /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.
+    pub async fn close(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.write_behind.batches.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= deadline {
+                warn!(
+                    batches = self.write_behind.batches.load(Ordering::Acquire),
+                    "closing with writes to lower tiers unfinished"
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for tier in &self.tiers {
+            if let Err(e) = tier.close().await {
+                warn!(tier = tier.name(), "closing a lower tier failed: {e}");
+            }
+        }
+    }
+
+    fn new_session(&self) -> SessionId {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn end_session(&self, session: SessionId) {
+        self.sessions.fetch_sub(1, Ordering::Relaxed);
+        let ended = self.store.end_session(session);
+        if ended > 0 {
+            info!(
+                session,
+                leases = ended,
+                "an engine left holding leases; reclaimed"
+            );
+        }
+    }
+
+    /// Answers one request of `session` (anything but `Attach`).
+    pub fn handle(&self, session: SessionId, request: Request) -> Reply {
+        match request {
+            Request::Attach { .. } => self.refuse("already attached"),
+            Request::Exists { keys } => Reply::Exists(self.exists(&keys)),
+            Request::Get { keys } => Reply::Pinned(self.get(session, &keys)),
+            Request::PrepareSave { lens } => Reply::Prepared(
+                lens.iter()
+                    .map(|&len| self.store.prepare(session, len as usize))
+                    .collect(),
+            ),
+            Request::Commit { entries } => {
+                let committed: Vec<(String, MemoryObj)> = entries
+                    .into_iter()
+                    .filter_map(|(id, key)| {
+                        let value = self.store.commit(session, id, key.clone())?;
+                        Some((key, value))
+                    })
+                    .collect();
+                let n = committed.len() as u64;
+                self.write_behind(committed);
+                Reply::Committed(n)
+            }
+            Request::Release { ids } => {
+                self.store.release(session, &ids);
+                Reply::Released
+            }
+            Request::Delete { keys } => {
+                let removed = self.store.remove(&keys);
+                for tier in &self.tiers {
+                    if let Err(e) = self.runtime.block_on(tier.batch_delete(&keys)) {
+                        warn!(tier = tier.name(), "delete failed: {e}");
+                    }
+                }
+                Reply::Deleted(removed as u64)
+            }
+            Request::Stats => Reply::Stats(self.stats()),
+        }
+    }
+
+    fn refuse(&self, why: &str) -> Reply {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        Reply::Error(why.to_string())
+    }
+
+    fn exists(&self, keys: &[String]) -> Vec<bool> {
+        let mut found = self.store.contains(keys);
+        for tier in &self.tiers {
+            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
+            match self.runtime.block_on(tier.batch_exists(&ask_keys)) {
+                Ok(answers) => {
+                    for (&i, yes) in ask.iter().zip(answers) {
+                        found[i] = yes;
+                    }
+                }
+                Err(e) => debug!(tier = tier.name(), "exists failed (a miss): {e}"),
+            }
+        }
+        found
+    }
+
+    fn get(&self, session: SessionId, keys: &[String]) -> Vec<Option<super::protocol::Region>> {
+        let mut out: Vec<_> = keys.iter().map(|k| self.store.pin(session, k)).collect();
+        let mut tier_hits = 0;
+        for tier in &self.tiers {
+            let want: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+            if want.is_empty() {
+                break;
+            }
+            let want_keys: Vec<String> = want.iter().map(|&i| keys[i].clone()).collect();
+            match self.runtime.block_on(tier.batch_get(&want_keys)) {
+                Ok(values) => {
+                    for (&i, value) in want.iter().zip(values) {
+                        if let Some(bytes) = value {
+                            out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
+                            tier_hits += u64::from(out[i].is_some());
+                        }
+                    }
+                }
+                Err(e) => debug!(tier = tier.name(), "get failed (a miss): {e}"),
+            }
+        }
+        let misses = out.iter().filter(|r| r.is_none()).count() as u64;
+        self.store.count_lookups(tier_hits, misses);
+        out
+    }
+
+    /// Hands committed values to every lower tier in the background, within the quota.
+    fn write_behind(&self, committed: Vec<(String, MemoryObj)>) {
+        if self.tiers.is_empty() || committed.is_empty() {
+            return;
+        }
+        let bytes: usize = committed.iter().map(|(_, v)| v.len()).sum();
+        let wb = &self.write_behind;
+        let admitted = wb
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                (b + bytes <= self.options.write_behind_quota).then_some(b + bytes)
+            })
+            .is_ok();
+        if !admitted {
+            wb.dropped
+                .fetch_add(committed.len() as u64, Ordering::Relaxed);
+            debug!(
+                values = committed.len(),
+                "write-behind quota full; not written below"
+            );
+            return;
+        }
+        wb.batches.fetch_add(1, Ordering::AcqRel);
+        let entries: Vec<(String, Bytes)> = committed
+            .into_iter()
+            .map(|(k, v)| (k, Bytes::from_owner(ArenaBytes(v))))
+            .collect();
+        let tiers = self.tiers.clone();
+        let wb = self.write_behind.clone();
+        self.runtime.spawn(async move {
+            for tier in &tiers {
+                if let Err(e) = tier.batch_put(entries.clone()).await {
+                    warn!(tier = tier.name(), "write-behind failed: {e}");
+                }
+            }
+            drop(entries);
+            wb.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            wb.batches.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(Instant::now())
+}
+
+/// Who may attach: the socket's owner only (mode 0600), or also a group (mode 0660).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SocketAccess {
+    /// The group allowed to attach, if any.
+    pub group: Option<u32>,
+}
+
+impl SocketAccess {
+    /// Access for the group named `name` (or a numeric id).
+    pub fn group(name: &str) -> io::Result<Self> {
+        if let Ok(gid) = name.parse() {
+            return Ok(SocketAccess { group: Some(gid) });
+        }
+        let c = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the group"))?;
+        // SAFETY: `c` is a valid C string; getgrnam's result is read before any other call.
+        let entry = unsafe { libc::getgrnam(c.as_ptr()) };
+        if entry.is_null() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no group named `{name}`"),
+            ));
+        }
+        // SAFETY: non-null, as checked.
+        Ok(SocketAccess {
+            group: Some(unsafe { (*entry).gr_gid }),
+        })
+    }
+}
+
+/// The daemon's Unix socket and its threads; stops on [`DaemonServer::shutdown`] or drop.
+pub struct DaemonServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    accept_thread: Option<JoinHandle<()>>,
+    connections: Arc<Mutex<HashMap<SessionId, UnixStream>>>,
+}
+
+impl DaemonServer {
+    /// Listens on `path` (replacing a stale socket nobody answers on; refusing one a live
+    /// daemon serves), with the permissions `access` says, and serves `daemon`.
+    pub fn bind(daemon: Arc<PoolDaemon>, path: &Path, access: SocketAccess) -> io::Result<Self> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("a daemon already serves {}", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        // Created owner-only, so no other user can connect between bind and chmod.
+        // SAFETY: umask only changes this process's file-creation mask; restored at once.
+        let old_mask = unsafe { libc::umask(0o177) };
+        let bound = UnixListener::bind(path);
+        // SAFETY: as above.
+        unsafe { libc::umask(old_mask) };
+        let listener = bound?;
+        if let Some(gid) = access.group {
+            std::os::unix::fs::chown(path, None, Some(gid))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+        }
+        listener.set_nonblocking(true)?;
+        info!(socket = %path.display(), arena_bytes = daemon.store.arena().len(), "kvpool daemon listening");
+        let stop = Arc::new(AtomicBool::new(false));
+        let connections: Arc<Mutex<HashMap<SessionId, UnixStream>>> = Arc::default();
+        let accept_thread = {
+            let (stop, connections) = (stop.clone(), connections.clone());
+            std::thread::Builder::new()
+                .name("kvpool-daemon-accept".into())
+                .spawn(move || accept_loop(listener, daemon, stop, connections))?
+        };
+        Ok(DaemonServer {
+            path: path.to_path_buf(),
+            stop,
+            accept_thread: Some(accept_thread),
+            connections,
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops accepting, disconnects every engine (their leases end) and removes the socket.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+        for (_, conn) in self.connections.lock().drain() {
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for DaemonServer {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+fn accept_loop(
+    listener: UnixListener,
+    daemon: Arc<PoolDaemon>,
+    stop: Arc<AtomicBool>,
+    connections: Arc<Mutex<HashMap<SessionId, UnixStream>>>,
+) {
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                let session = daemon.new_session();
+                if let Ok(clone) = stream.try_clone() {
+                    connections.lock().insert(session, clone);
+                }
+                let (daemon, connections) = (daemon.clone(), connections.clone());
+                let spawned = std::thread::Builder::new()
+                    .name(format!("kvpool-daemon-session-{session}"))
+                    .spawn(move || {
+                        serve_session(&daemon, stream, session);
+                        daemon.end_session(session);
+                        connections.lock().remove(&session);
+                    });
+                if let Err(e) = spawned {
+                    warn!("could not start a session thread: {e}");
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Serves one engine until it disconnects or sends something that is not a request.
+fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId) {
+    match read_frame::<Request>(&mut stream) {
+        Ok(Request::Attach { version, client }) if version == PROTOCOL_VERSION => {
+            let arena = daemon.store.arena();
+            let reply = Reply::Attached {
+                arena_len: arena.len() as u64,
+                daemon_id: daemon.daemon_id,
+                lease_ttl_ms: daemon.store.lease_ttl().as_millis() as u64,
+            };
+            let sent = write_frame(&mut stream, &reply).and_then(|()| {
+                stream
+                    .send_with_fd(&[0], &[arena.fd().as_raw_fd()])
+                    .map(drop)
+            });
+            if let Err(e) = sent {
+                warn!(session, "attach failed: {e}");
+                return;
+            }
+            info!(session, client = %client, "engine attached");
+        }
+        Ok(Request::Attach { version, .. }) => {
+            let why = format!(
+                "protocol version {version} is not the daemon's {PROTOCOL_VERSION}: upgrade the engine's kvpool or the daemon"
+            );
+            let _ = write_frame(&mut stream, &daemon.refuse(&why));
+            return;
+        }
+        Ok(_) => {
+            let _ = write_frame(&mut stream, &daemon.refuse("attach first"));
+            return;
+        }
+        Err(e) => {
+            daemon.refused.fetch_add(1, Ordering::Relaxed);
+            debug!(session, "no attach: {e}");
+            return;
+        }
+    }
+    loop {
+        let request = match read_frame::<Request>(&mut stream) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+            Err(e) => {
+                daemon.refused.fetch_add(1, Ordering::Relaxed);
+                warn!(session, "closing a session that sent a bad frame: {e}");
+                break;
+            }
+        };
+        let reply = daemon.handle(session, request);
+        if let Err(e) = write_frame(&mut stream, &reply) {
+            debug!(session, "engine gone: {e}");
+            break;
+        }
+    }
+}

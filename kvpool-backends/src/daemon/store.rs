@@ -1,0 +1,363 @@
+//! The daemon's shared-memory store: values in one arena that every attached engine maps,
+//! bounded by the node's budget, with per-session pins and uncommitted allocations that end
+//! with their session or their deadline.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_core::PoolError;
+use kvpool_core::memory::{
+    EvictionKind, EvictionPolicy, MemoryObj, MemoryObjMut, MemoryPool, SharedMapping,
+    SharedMemoryAllocator,
+};
+use parking_lot::Mutex;
+
+use super::protocol::{DaemonStats, Region};
+
+/// A session's id (one per attached connection).
+pub type SessionId = u64;
+
+struct Lent<T> {
+    memory: T,
+    session: SessionId,
+    expires: Instant,
+}
+
+#[derive(Default)]
+struct Counters {
+    memory_hits: u64,
+    tier_hits: u64,
+    misses: u64,
+    commits: u64,
+    evictions: u64,
+    leases_reclaimed: u64,
+}
+
+struct State {
+    values: HashMap<String, MemoryObj>,
+    policy: Box<dyn EvictionPolicy<String>>,
+    pins: HashMap<u64, Lent<MemoryObj>>,
+    allocations: HashMap<u64, Lent<MemoryObjMut>>,
+    next_id: u64,
+    counters: Counters,
+}
+
+impl State {
+    fn next_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Evicts one value nobody else holds; false when there is none.
+    fn evict_one(&mut self) -> bool {
+        let values = &self.values;
+        let victim = self
+            .policy
+            .pop_victim(&mut |k| values.get(k).is_some_and(|v| v.ref_count() == 1));
+        match victim.and_then(|k| self.values.remove(&k)) {
+            Some(_) => {
+                self.counters.evictions += 1;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Values in shared memory under string keys (the engines' encoded chunks, opaque here).
+///
+/// A value is evicted only when nothing else holds it: a pin or a write to a lower tier in
+/// flight keeps it. An allocation is a unique buffer outside the index, so a value being
+/// written is never visible; it becomes a value at [`SharedStore::commit`].
+pub struct SharedStore {
+    pool: MemoryPool,
+    arena: Arc<SharedMapping>,
+    lease_ttl: Duration,
+    state: Mutex<State>,
+}
+
+impl SharedStore {
+    /// A store of `capacity` bytes in a new memory file, evicting by `eviction`; pins and
+    /// allocations not ended within `lease_ttl` are reclaimed.
+    pub fn new(
+        capacity: usize,
+        eviction: EvictionKind,
+        lease_ttl: Duration,
+    ) -> Result<Self, PoolError> {
+        let allocator = SharedMemoryAllocator::new();
+        let pool = MemoryPool::with_allocator(capacity, &allocator)?;
+        let arena = allocator.arena().ok_or_else(|| PoolError::Arena {
+            bytes: capacity,
+            reason: "the shared allocator kept no arena".into(),
+        })?;
+        Ok(SharedStore {
+            pool,
+            arena,
+            lease_ttl,
+            state: Mutex::new(State {
+                values: HashMap::new(),
+                policy: eviction.build(capacity),
+                pins: HashMap::new(),
+                allocations: HashMap::new(),
+                next_id: 1,
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// The arena's memory file, mapped (its descriptor is what attaching engines receive).
+    pub fn arena(&self) -> &Arc<SharedMapping> {
+        &self.arena
+    }
+
+    /// How long a pin or an allocation lives when its session does not end it.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    fn region(id: u64, offset: Option<usize>, len: usize) -> Option<Region> {
+        offset.map(|offset| Region {
+            id,
+            offset: offset as u64,
+            len: len as u64,
+        })
+    }
+
+    /// Drops pins and allocations past their deadline.
+    fn reclaim_expired(&self, st: &mut State, now: Instant) {
+        let before = st.pins.len() + st.allocations.len();
+        st.pins.retain(|_, p| p.expires > now);
+        st.allocations.retain(|_, a| a.expires > now);
+        st.counters.leases_reclaimed += (before - st.pins.len() - st.allocations.len()) as u64;
+    }
+
+    /// Whether shared memory holds each key.
+    pub fn contains(&self, keys: &[String]) -> Vec<bool> {
+        let st = self.state.lock();
+        keys.iter().map(|k| st.values.contains_key(k)).collect()
+    }
+
+    /// Pins `key`'s value for `session`; `None` when shared memory does not hold it.
+    pub fn pin(&self, session: SessionId, key: &str) -> Option<Region> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        self.reclaim_expired(&mut st, now);
+        let Some(value) = st.values.get(key).cloned() else {
+            return None;
+        };
+        st.policy.on_access(&key.to_string());
+        st.counters.memory_hits += 1;
+        let id = st.next_id();
+        let region = Self::region(id, value.arena_offset(), value.len());
+        st.pins.insert(
+            id,
+            Lent {
+                memory: value,
+                session,
+                expires: now + self.lease_ttl,
+            },
+        );
+        region
+    }
+
+    /// Counts gets a lower tier answered, and gets nothing answered.
+    pub fn count_lookups(&self, tier_hits: u64, misses: u64) {
+        let mut st = self.state.lock();
+        st.counters.tier_hits += tier_hits;
+        st.counters.misses += misses;
+    }
+
+    /// A buffer of `len` bytes, evicting unheld values until one fits; `None` when it cannot.
+    fn allocate(&self, st: &mut State, len: usize) -> Option<MemoryObjMut> {
+        if len == 0 || len > self.pool.capacity() {
+            return None;
+        }
+        loop {
+            match self.pool.allocate(len) {
+                Ok(buf) => return Some(buf),
+                Err(_) if st.evict_one() => continue,
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Allocates `len` bytes for `session` to write; invisible until committed.
+    pub fn prepare(&self, session: SessionId, len: usize) -> Option<Region> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        self.reclaim_expired(&mut st, now);
+        let buf = self.allocate(&mut st, len)?;
+        let id = st.next_id();
+        let region = Self::region(id, buf.arena_offset(), buf.len());
+        st.allocations.insert(
+            id,
+            Lent {
+                memory: buf,
+                session,
+                expires: now + self.lease_ttl,
+            },
+        );
+        region
+    }
+
+    fn publish(st: &mut State, key: String, value: MemoryObj) {
+        st.policy.on_insert(key.clone(), value.len());
+        st.values.insert(key, value);
+        st.counters.commits += 1;
+    }
+
+    /// Publishes `session`'s allocation `id` under `key`; the committed value (for the lower
+    /// tiers), or `None` when the id is not this session's live allocation.
+    pub fn commit(&self, session: SessionId, id: u64, key: String) -> Option<MemoryObj> {
+        let mut st = self.state.lock();
+        if st.allocations.get(&id).is_none_or(|a| a.session != session) {
+            return None;
+        }
+        let value = st.allocations.remove(&id)?.memory.freeze();
+        Self::publish(&mut st, key, value.clone());
+        Some(value)
+    }
+
+    /// Copies `bytes` (a lower tier's value) into shared memory under `key` and pins it for
+    /// `session`; `None` when no room could be made.
+    pub fn promote_and_pin(&self, session: SessionId, key: &str, bytes: &[u8]) -> Option<Region> {
+        let mut st = self.state.lock();
+        let mut buf = self.allocate(&mut st, bytes.len())?;
+        buf.as_mut_slice().copy_from_slice(bytes);
+        let value = buf.freeze();
+        Self::publish(&mut st, key.to_string(), value);
+        drop(st);
+        self.pin(session, key)
+    }
+
+    /// Ends `session`'s pins and uncommitted allocations among `ids` (others' are ignored).
+    pub fn release(&self, session: SessionId, ids: &[u64]) {
+        let mut st = self.state.lock();
+        for id in ids {
+            if st.pins.get(id).is_some_and(|p| p.session == session) {
+                st.pins.remove(id);
+            }
+            if st.allocations.get(id).is_some_and(|a| a.session == session) {
+                st.allocations.remove(id);
+            }
+        }
+    }
+
+    /// Ends everything `session` holds (its connection closed); returns how many leases.
+    pub fn end_session(&self, session: SessionId) -> usize {
+        let mut st = self.state.lock();
+        let before = st.pins.len() + st.allocations.len();
+        st.pins.retain(|_, p| p.session != session);
+        st.allocations.retain(|_, a| a.session != session);
+        let ended = before - st.pins.len() - st.allocations.len();
+        st.counters.leases_reclaimed += ended as u64;
+        ended
+    }
+
+    /// Removes keys from shared memory (their memory is freed when the last pin ends).
+    pub fn remove(&self, keys: &[String]) -> usize {
+        let mut st = self.state.lock();
+        let mut removed = 0;
+        for k in keys {
+            if st.values.remove(k).is_some() {
+                st.policy.on_remove(k);
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// The store's counters; `sessions` is left for the server to fill.
+    pub fn stats(&self) -> DaemonStats {
+        let mut st = self.state.lock();
+        self.reclaim_expired(&mut st, Instant::now());
+        let pool = self.pool.stats();
+        DaemonStats {
+            sessions: 0,
+            entries: st.values.len() as u64,
+            used_bytes: pool.used as u64,
+            capacity_bytes: self.pool.capacity() as u64,
+            pins: st.pins.len() as u64,
+            allocations: st.allocations.len() as u64,
+            memory_hits: st.counters.memory_hits,
+            tier_hits: st.counters.tier_hits,
+            misses: st.counters.misses,
+            commits: st.counters.commits,
+            evictions: st.counters.evictions,
+            leases_reclaimed: st.counters.leases_reclaimed,
+            refused: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(capacity: usize) -> SharedStore {
+        SharedStore::new(capacity, EvictionKind::Lru, Duration::from_secs(60)).unwrap()
+    }
+
+    fn write(store: &SharedStore, session: SessionId, key: &str, byte: u8, len: usize) -> bool {
+        let Some(r) = store.prepare(session, len) else {
+            return false;
+        };
+        // SAFETY: the region was allocated to this session and lies inside the arena.
+        unsafe {
+            std::ptr::write_bytes(
+                store.arena().as_ptr().as_ptr().add(r.offset as usize),
+                byte,
+                len,
+            );
+        }
+        store.commit(session, r.id, key.into()).is_some()
+    }
+
+    #[test]
+    fn an_uncommitted_allocation_is_invisible_and_another_session_cannot_commit_it() {
+        let s = store(1 << 20);
+        let r = s.prepare(1, 4096).unwrap();
+        assert_eq!(s.contains(&["k".into()]), vec![false]);
+        assert!(s.pin(2, "k").is_none());
+        assert!(s.commit(2, r.id, "k".into()).is_none());
+        assert!(s.commit(1, r.id, "k".into()).is_some());
+        assert_eq!(s.contains(&["k".into()]), vec![true]);
+        assert!(s.commit(1, r.id, "k2".into()).is_none(), "committed twice");
+    }
+
+    #[test]
+    fn a_pinned_value_is_not_evicted_and_an_ended_session_frees_everything() {
+        let s = store(64 << 10);
+        assert!(write(&s, 1, "a", 1, 32 << 10));
+        let pin = s.pin(2, "a").unwrap();
+        // Room for one more 32 KiB value only by evicting `a`, which session 2 pins.
+        assert!(s.prepare(1, 48 << 10).is_none());
+        assert_eq!(s.contains(&["a".into()]), vec![true]);
+        let alloc = s.prepare(2, 16 << 10).unwrap();
+        assert_eq!(s.stats().pins, 1);
+        assert_eq!(s.end_session(2), 2);
+        let st = s.stats();
+        assert_eq!((st.pins, st.allocations), (0, 0));
+        assert_eq!(st.used_bytes, 32 << 10, "the allocation's memory came back");
+        assert!(s.commit(2, alloc.id, "b".into()).is_none());
+        // Unpinned now: a large value evicts it.
+        assert!(write(&s, 1, "c", 3, 48 << 10));
+        assert_eq!(s.contains(&["a".into(), "c".into()]), vec![false, true]);
+        assert_eq!(s.stats().evictions, 1);
+        let _ = pin;
+    }
+
+    #[test]
+    fn leases_past_their_deadline_are_reclaimed() {
+        let s = SharedStore::new(1 << 20, EvictionKind::Lru, Duration::from_millis(20)).unwrap();
+        assert!(write(&s, 1, "a", 1, 4096));
+        s.pin(1, "a").unwrap();
+        s.prepare(1, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(40));
+        let st = s.stats();
+        assert_eq!((st.pins, st.allocations, st.leases_reclaimed), (0, 0, 2));
+        assert_eq!(st.used_bytes, 4096);
+    }
+}

@@ -1,0 +1,348 @@
+//! The daemon and its `kvpool+unix://` tier, end to end on a real socket in a temp dir.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvpool_core::frame::{read_frame, write_frame};
+use kvpool_core::memory::EvictionKind;
+use kvpool_core::remote::{RemoteBackend, RemoteConnector};
+use kvpool_core::{ChunkCodec, StorageBackend};
+
+use super::*;
+use crate::conformance::{self, Subject};
+use crate::memory::InMemoryConnector;
+
+const MIB: usize = 1 << 20;
+
+fn options(capacity: usize) -> DaemonOptions {
+    DaemonOptions {
+        capacity,
+        eviction: EvictionKind::Lru,
+        lease_ttl: DEFAULT_LEASE_TTL,
+        write_behind_quota: 64 * MIB,
+    }
+}
+
+struct Running {
+    daemon: Arc<PoolDaemon>,
+    server: DaemonServer,
+}
+
+fn start(path: &Path, capacity: usize, tiers: Vec<Arc<dyn RemoteConnector>>) -> Running {
+    let daemon = Arc::new(
+        PoolDaemon::with_tiers(options(capacity), tiers, tokio::runtime::Handle::current())
+            .unwrap(),
+    );
+    let server = DaemonServer::bind(daemon.clone(), path, SocketAccess::default()).unwrap();
+    Running { daemon, server }
+}
+
+fn socket(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("kvpool.sock")
+}
+
+fn client(path: &Path) -> DaemonConnector {
+    DaemonConnector::new(path, Duration::from_secs(5))
+}
+
+fn value(byte: u8, len: usize) -> Bytes {
+    Bytes::from(vec![byte; len])
+}
+
+/// A raw session, attached, speaking the protocol by hand.
+fn raw_session(path: &Path) -> UnixStream {
+    let mut s = UnixStream::connect(path).unwrap();
+    write_frame(
+        &mut s,
+        &Request::Attach {
+            version: PROTOCOL_VERSION,
+            client: "raw".into(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        read_frame::<Reply>(&mut s).unwrap(),
+        Reply::Attached { .. }
+    ));
+    let mut byte = [0u8; 1];
+    let mut fds = [-1; 1];
+    sendfd::RecvWithFd::recv_with_fd(&s, &mut byte, &mut fds).unwrap();
+    // SAFETY: the descriptor was just received and is ours alone.
+    drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[0]) });
+    s
+}
+
+fn call(s: &mut UnixStream, request: Request) -> Reply {
+    write_frame(s, &request).unwrap();
+    read_frame(s).unwrap()
+}
+
+/// Waits until the daemon's counters satisfy `done` (sessions end on their own threads).
+fn wait_for(daemon: &PoolDaemon, done: impl Fn(&DaemonStats) -> bool) -> DaemonStats {
+    for _ in 0..500 {
+        let s = daemon.stats();
+        if done(&s) {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("daemon never reached the state: {:?}", daemon.stats());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_share_values_and_bytes_never_cross_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 16 * MIB, vec![]);
+    let (a, b) = (client(&path), client(&path));
+    a.batch_put(vec![
+        ("k1".into(), value(7, MIB)),
+        ("k2".into(), value(9, 1000)),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(
+        b.batch_exists(&["k1".into(), "k2".into(), "k3".into()])
+            .await
+            .unwrap(),
+        vec![true, true, false]
+    );
+    let got = b
+        .batch_get(&["k2".into(), "k3".into(), "k1".into()])
+        .await
+        .unwrap();
+    assert_eq!(got[0].as_deref(), Some(&[9u8; 1000][..]));
+    assert!(got[1].is_none());
+    assert_eq!(got[2].as_deref(), Some(&vec![7u8; MIB][..]));
+    let stats = b.daemon_stats().unwrap();
+    assert_eq!(stats.sessions, 2);
+    assert_eq!((stats.entries, stats.pins, stats.allocations), (2, 0, 0));
+    assert_eq!((stats.memory_hits, stats.misses), (2, 1));
+    assert_eq!(a.batch_delete(&["k1".into()]).await.unwrap(), 1);
+    assert_eq!(b.batch_get(&["k1".into()]).await.unwrap(), vec![None]);
+    drop(run);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_tier_passes_the_conformance_kit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let _run = start(&path, 64 * MIB, vec![]);
+    let results = conformance::run_all(&|| {
+        let path = path.clone();
+        async move {
+            let backend = RemoteBackend::new(client(&path), ChunkCodec::default(), 32 << 20);
+            Subject::new(Arc::new(backend) as Arc<dyn StorageBackend>, 16 << 20)
+        }
+    })
+    .await;
+    conformance::assert_all_passed("kvpool+unix", &results);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_killed_holding_leases_leaks_nothing_and_its_half_written_value_stays_invisible()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 16 * MIB, vec![]);
+    let other = client(&path);
+    other
+        .batch_put(vec![("held".into(), value(1, MIB))])
+        .await
+        .unwrap();
+    let baseline = run.daemon.stats().used_bytes;
+
+    let mut engine = raw_session(&path);
+    let Reply::Pinned(pins) = call(
+        &mut engine,
+        Request::Get {
+            keys: vec!["held".into()],
+        },
+    ) else {
+        panic!("no pins")
+    };
+    assert!(pins[0].is_some());
+    let Reply::Prepared(allocs) = call(
+        &mut engine,
+        Request::PrepareSave {
+            lens: vec![MIB as u64; 3],
+        },
+    ) else {
+        panic!("no allocations")
+    };
+    assert!(allocs.iter().all(Option::is_some));
+    // Written (or not: the daemon cannot tell) but never committed: nobody sees it.
+    assert_eq!(
+        other.batch_exists(&["half".into()]).await.unwrap(),
+        vec![false]
+    );
+    let held = run.daemon.stats();
+    assert_eq!((held.pins, held.allocations), (1, 3));
+    assert_eq!(held.used_bytes, baseline + 3 * MIB as u64);
+
+    drop(engine); // the process dies: its socket closes
+    let after = wait_for(&run.daemon, |s| s.sessions == 1);
+    assert_eq!((after.pins, after.allocations), (0, 0));
+    assert_eq!(
+        after.used_bytes, baseline,
+        "the allocations' memory came back"
+    );
+    assert_eq!(after.leases_reclaimed, 4);
+    assert_eq!(
+        other
+            .batch_get(&["held".into(), "half".into()])
+            .await
+            .unwrap()[1],
+        None
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_from_one_engine_closes_only_its_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 16 * MIB, vec![]);
+    let good = client(&path);
+    good.batch_put(vec![("k".into(), value(3, 4096))])
+        .await
+        .unwrap();
+
+    let mut bad = raw_session(&path);
+    bad.write_all(&[5, 0, 0, 0, 0xff, 0xfe, 0xfd, 0xfc, 0xfb])
+        .unwrap();
+    wait_for(&run.daemon, |s| s.refused == 1 && s.sessions == 1);
+    // A request before attaching, and an old protocol version, are refused with a reason.
+    let mut early = UnixStream::connect(&path).unwrap();
+    let reply = call(&mut early, Request::Stats);
+    assert!(
+        matches!(reply, Reply::Error(ref why) if why.contains("attach first")),
+        "{reply:?}"
+    );
+    let mut old = UnixStream::connect(&path).unwrap();
+    let reply = call(
+        &mut old,
+        Request::Attach {
+            version: PROTOCOL_VERSION + 1,
+            client: "future".into(),
+        },
+    );
+    assert!(
+        matches!(reply, Reply::Error(ref why) if why.contains("protocol version")),
+        "{reply:?}"
+    );
+
+    let got = good.batch_get(&["k".into()]).await.unwrap();
+    assert_eq!(got[0].as_deref(), Some(&[3u8; 4096][..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let disk: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
+    let run = start(&path, 16 * MIB, vec![disk.clone()]);
+    let engine = client(&path);
+    engine
+        .batch_put(vec![("k".into(), value(4, 64 << 10))])
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        if disk.exists("k").await.unwrap() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        disk.exists("k").await.unwrap(),
+        "write-behind never reached the tier"
+    );
+
+    // The daemon dies: the engine's calls fail (misses), nothing panics.
+    run.server.shutdown();
+    drop(run.daemon);
+    assert!(engine.batch_get(&["k".into()]).await.is_err());
+    assert!(!path.exists(), "shutdown removes the socket");
+
+    // A new daemon over the same lower tier: the engine attaches again by itself.
+    let run = start(&path, 16 * MIB, vec![disk.clone()]);
+    tokio::time::sleep(RECONNECT_INTERVAL + Duration::from_millis(100)).await;
+    let got = engine.batch_get(&["k".into()]).await.unwrap();
+    assert_eq!(got[0].as_deref(), Some(&vec![4u8; 64 << 10][..]));
+    let stats = run.daemon.stats();
+    assert_eq!(
+        (stats.tier_hits, stats.entries),
+        (1, 1),
+        "promoted into memory"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_arena_evicts_unheld_values_and_refuses_what_cannot_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 * MIB, vec![]);
+    let engine = client(&path);
+    for i in 0..6u8 {
+        engine
+            .batch_put(vec![(format!("k{i}"), value(i, MIB))])
+            .await
+            .unwrap();
+    }
+    let stats = run.daemon.stats();
+    assert!(stats.used_bytes <= 4 * MIB as u64);
+    assert_eq!(stats.evictions, 2);
+    assert_eq!(
+        engine
+            .batch_exists(&["k0".into(), "k5".into()])
+            .await
+            .unwrap(),
+        vec![false, true]
+    );
+    let err = engine
+        .batch_put(vec![("big".into(), value(1, 5 * MIB))])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no room"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_socket_is_owner_only_and_a_live_daemon_is_not_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let _run = start(&path, MIB, vec![]);
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let second = Arc::new(
+        PoolDaemon::with_tiers(options(MIB), vec![], tokio::runtime::Handle::current()).unwrap(),
+    );
+    let err = DaemonServer::bind(second, &path, SocketAccess::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("already serves"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_started_before_the_daemon_attaches_once_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let tier = kvpool_core::TierConfig::new(format!("kvpool+unix://{}", path.display()));
+    // Opening succeeds (with a warning): the engine serves with misses meanwhile.
+    let engine = crate::registry::open_tier(&tier, ChunkCodec::default(), 1 << 20)
+        .await
+        .unwrap();
+    assert!(engine.contains(&[]).await.unwrap().is_empty());
+    let _run = start(&path, MIB, vec![]);
+    tokio::time::sleep(RECONNECT_INTERVAL + Duration::from_millis(100)).await;
+    let direct = client(&path);
+    direct.attach().unwrap();
+    assert_eq!(
+        socket_path("unix:///run/kvpool/kvpool.sock").unwrap(),
+        PathBuf::from("/run/kvpool/kvpool.sock")
+    );
+    assert!(socket_path("kvpool+unix://relative.sock").is_err());
+}
