@@ -22,6 +22,8 @@ pub const DAEMON_GETS: &str = "kvpool_daemon_gets_total";
 pub const DAEMON_COMMITS: &str = "kvpool_daemon_commits_total";
 /// Values evicted from the daemon's shared memory.
 pub const DAEMON_EVICTIONS: &str = "kvpool_daemon_evictions_total";
+/// Values the daemon wrote to every lower tier.
+pub const DAEMON_TIER_WRITES: &str = "kvpool_daemon_tier_writes_total";
 /// Pins and allocations reclaimed because their engine left or forgot them.
 pub const DAEMON_LEASES_RECLAIMED: &str = "kvpool_daemon_leases_reclaimed_total";
 
@@ -67,6 +69,11 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         DAEMON_EVICTIONS,
         &[],
         "Values evicted from the pool daemon's shared memory.",
+    ),
+    counter(
+        DAEMON_TIER_WRITES,
+        &[],
+        "Values the pool daemon wrote to every lower tier.",
     ),
     counter(
         DAEMON_LEASES_RECLAIMED,

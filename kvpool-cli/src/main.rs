@@ -297,6 +297,7 @@ fn main() {
             EnvFilter::try_from_env("KVPOOL_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");

@@ -5,6 +5,10 @@ Each configuration runs in a fresh process.
 
     python bench_vllm.py --out results.json [--prefix 8192 --repeats 5]
 
+With ``--daemon`` it measures the node's pool daemon (``kvpool serve``, the command named by
+KVPOOL_BIN) instead: TTFT on the 8K prefix through the daemon against the in-process pool, and
+the combined hit rate of two engine processes sharing one daemon against two private pools.
+
 Run through `cargo xtask bench-vllm`, which builds a release wheel first.
 """
 
@@ -32,10 +36,13 @@ def engine_main(spec_path, out_path):
 
     kwargs = {}
     if spec["connector"] == "kvpool":
+        extra = {"config": spec["kvpool"]}
+        if spec.get("pool"):
+            extra["pool"] = spec["pool"]
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": spec["kvpool"]})
+            kv_connector_extra_config=extra)
     elif spec["connector"] == "example":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
@@ -74,17 +81,102 @@ def engine_main(spec_path, out_path):
         json.dump(out, f)
 
 
-def run_engine(spec, scratch, name):
+def start_engine(spec, scratch, name):
+    """Starts one engine process; returns it and where its results will be."""
     spec_path = os.path.join(scratch, f"{name}.spec.json")
     out_path = os.path.join(scratch, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     with open(os.path.join(scratch, f"{name}.log"), "w") as log:
-        subprocess.run([sys.executable, __file__, "--engine", spec_path, out_path],
-                       stdout=log, stderr=subprocess.STDOUT, check=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen([sys.executable, __file__, "--engine", spec_path, out_path],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, out_path
+
+
+def finish_engine(started):
+    proc, out_path = started
+    if proc.wait() != 0:
+        raise RuntimeError(f"engine failed ({proc.returncode}); log next to {out_path}")
     with open(out_path) as f:
         return json.load(f)
+
+
+def run_engine(spec, scratch, name):
+    return finish_engine(start_engine(spec, scratch, name))
+
+
+def print_rows(rows, reference):
+    """The TTFT table, each row against the row named `reference`."""
+    ref = statistics.median(rows[reference]["ttft_s"])
+    print(f"\n{'configuration':44} {'TTFT median':>12} {'vs ' + reference[:20]:>24}"
+          f" {'cached tokens':>14}")
+    summary = {}
+    for name, r in rows.items():
+        med = statistics.median(r["ttft_s"])
+        summary[name] = {"ttft_median_s": med, "ttft_s": r["ttft_s"], "ratio": med / ref,
+                         "cached_tokens": r.get("cached")}
+        cached = r.get("cached") or [None]
+        print(f"{name:44} {med:11.3f}s {med / ref:23.2f}x {cached[-1]!s:>14}")
+    return summary
+
+
+def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
+    """The pool daemon against the in-process pool: TTFT on the repeated prefix (the daemon
+    serving a fresh process, whose own L1 is empty), and the combined hit rate of two engine
+    processes running at once on a shared-prefix workload."""
+    from pool_daemon import PoolDaemon
+
+    l1 = {"local_cpu": {"max_size": "4GiB"}}
+    rows = {}
+    rows["in-process pool (L1), same prompt"] = run_engine(
+        {**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, warm],
+         "measure": [warm] * a.repeats}, scratch, "inproc-l1")
+    daemon = PoolDaemon(scratch, "daemon", size="8GiB")
+    try:
+        via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
+        rows["daemon, same process (private L1 hit)"] = run_engine(
+            {**via, "warm": [unrelated, warm], "measure": [warm] * a.repeats}, scratch,
+            "daemon-same")
+        fresh = [run_engine({**via, "warm": [unrelated], "measure": [warm]}, scratch,
+                            f"daemon-fresh-{i}") for i in range(a.repeats)]
+        rows["daemon, fresh process (from shared memory)"] = {
+            "ttft_s": [f["ttft_s"][0] for f in fresh], "cached": [f["cached"][0] for f in fresh]}
+        disk_dir = os.path.join(scratch, "disk")
+        disk = {"local_cpu": {"max_size": "512MiB"}, "tier": [{"url": f"file://{disk_dir}"}]}
+        run_engine({**base, "connector": "kvpool", "kvpool": disk, "measure": [warm]}, scratch,
+                   "disk-store")
+        fresh = [run_engine({**base, "connector": "kvpool", "kvpool": disk,
+                             "warm": [unrelated], "measure": [warm]}, scratch, f"disk-{i}")
+                 for i in range(a.repeats)]
+        rows["in-process pool, fresh process (from disk)"] = {
+            "ttft_s": [f["ttft_s"][0] for f in fresh], "cached": [f["cached"][0] for f in fresh]}
+        summary = print_rows(rows, "in-process pool (L1), same prompt")
+
+        # Two instances at once over 6 prefixes of 2K tokens, 4 requests each, interleaved:
+        # each instance sees every prefix twice.
+        prefixes = [[r.randrange(3, 999) for _ in range(2048)] for _ in range(6)]
+        requests = [p + [r.randrange(3, 999) for _ in range(64)] for _ in range(4)
+                    for p in prefixes]
+        halves = [requests[0::2], requests[1::2]]
+        hit = {}
+        for label, extra in [("two private pools", {}), ("one daemon", {"pool": daemon.url})]:
+            small = {"local_cpu": {"max_size": "2GiB"}}
+            started = [start_engine({**base, "connector": "kvpool", "kvpool": small, **extra,
+                                     "warm": [unrelated], "measure": half}, scratch,
+                                    f"hit-{label.replace(' ', '-')}-{i}")
+                       for i, half in enumerate(halves)]
+            outs = [finish_engine(s) for s in started]
+            cached = sum(sum(o["cached"]) for o in outs)
+            total = sum(len(p) for p in requests)
+            hit[label] = {"cached_tokens": cached, "prompt_tokens": total,
+                          "hit_rate": cached / total}
+        print(f"\n{'two engine processes at once':30} {'hit rate':>9} {'cached tokens':>14}")
+        for label, h in hit.items():
+            print(f"{label:30} {h['hit_rate']:9.3f} {h['cached_tokens']:14}")
+        return {"ttft": summary, "hit_rate": hit, "daemon_stats": daemon.stats()}
+    finally:
+        daemon.stop()
 
 
 def main():
@@ -93,6 +185,8 @@ def main():
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scratch", default=None)
+    ap.add_argument("--daemon", action="store_true",
+                    help="measure the pool daemon (kvpool serve) instead")
     a = ap.parse_args()
     from make_model import make_model
 
@@ -115,6 +209,11 @@ def main():
     # A prompt that shares nothing with the measured ones: a fresh process's first request
     # pays one-off start-up costs, which it absorbs.
     unrelated = [r.randrange(3, 999) for _ in range(512)]
+    if a.daemon:
+        result = daemon_bench(a, base, scratch, r, prefix, warm, unrelated)
+        with open(a.out, "w") as f:
+            json.dump({"prefix_tokens": a.prefix, **result}, f, indent=2)
+        return
     rows = {}
     # Recompute: every request pays the whole prefill.
     rows["recompute (no connector)"] = run_engine(

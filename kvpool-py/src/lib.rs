@@ -194,6 +194,20 @@ fn check_config(text: &str, format: &str) -> PyResult<()> {
         .map_err(PyValueError::new_err)
 }
 
+/// The config with the node's pool daemon at `pool` (`unix:///path`, `kvpool+unix:///path` or
+/// an absolute path) as its first lower tier, as JSON: the connector's `pool` option.
+#[pyfunction]
+fn config_with_pool(text: &str, format: &str, pool: &str) -> PyResult<String> {
+    let mut config = parse_pool_config(text, format).map_err(PyValueError::new_err)?;
+    let path = kvpool_backends::daemon::socket_path(pool)
+        .map_err(|e| PyValueError::new_err(format!("kvpool: `pool` option: {e}")))?;
+    let url = format!("kvpool+unix://{}", path.display());
+    if !config.tiers.iter().any(|t| t.url == url) {
+        config.tiers.insert(0, kvpool_core::TierConfig::new(url));
+    }
+    serde_json::to_string(&config).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// The `kvpool._native` module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -205,6 +219,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;
     m.add_function(wrap_pyfunction!(lookup_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config_with_pool, m)?)?;
     m.add_function(wrap_pyfunction!(digest_file, m)?)?;
     m.add_function(wrap_pyfunction!(digest_text, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -230,5 +245,23 @@ mod tests {
         let err = parse_pool_config(r#"{"local_cpu": {"max_sise": 1}}"#, "json").unwrap_err();
         assert!(err.contains("max_sise"), "{err}");
         assert!(parse_pool_config("", "yaml").is_err());
+    }
+
+    #[test]
+    fn the_pool_option_puts_the_daemon_first_and_keeps_the_rest_of_the_config() {
+        let toml =
+            "[local_cpu]\nmax_size = \"64MiB\"\n[[tier]]\nurl = \"memory://\"\ntimeout_ms = 250\n";
+        let json = config_with_pool(toml, "toml", "unix:///run/kvpool/kvpool.sock").unwrap();
+        let cfg = parse_pool_config(&json, "json").unwrap();
+        let urls: Vec<&str> = cfg.tiers.iter().map(|t| t.url.as_str()).collect();
+        assert_eq!(urls, ["kvpool+unix:///run/kvpool/kvpool.sock", "memory://"]);
+        assert_eq!(cfg.tiers[1].timeout_ms, 250);
+        assert_eq!(cfg.local_cpu.max_size.0, 64 << 20);
+        // Given twice (option and config), the daemon is one tier.
+        let again = config_with_pool(&json, "json", "/run/kvpool/kvpool.sock").unwrap();
+        assert_eq!(parse_pool_config(&again, "json").unwrap().tiers.len(), 2);
+        Python::initialize();
+        let err = config_with_pool("", "default", "relative.sock").unwrap_err();
+        assert!(err.to_string().contains("absolute socket path"), "{err}");
     }
 }

@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from make_model import make_model  # noqa: E402
+from pool_daemon import PoolDaemon  # noqa: E402
 from redis_server import RedisServer, free_port  # noqa: E402,F401 - tests import free_port
 
 
@@ -119,7 +120,9 @@ class Runner:
         self.count = 0
         self.baselines = {}
 
-    def run(self, spec, timeout=600, script="vllm_runner.py"):
+    def run(self, spec, timeout=600, script="vllm_runner.py", expect_exit=0):
+        """Runs one engine; its output, or None when it exited with ``expect_exit`` != 0 (a
+        run that kills itself)."""
         self.count += 1
         spec_path = os.path.join(self.scratch, f"spec-{self.count}.json")
         out_path = os.path.join(self.scratch, f"out-{self.count}.json")
@@ -129,6 +132,8 @@ class Runner:
         started = time.time()
         returncode = self.forkserver.run(os.path.join(HERE, script), [spec_path, out_path],
                                          log_path, timeout)
+        if returncode == expect_exit != 0:
+            return None
         if returncode != 0:
             with open(log_path) as f:
                 tail = f.read()[-6000:]
@@ -181,3 +186,18 @@ def redis_server(scratch):
     server = RedisServer(scratch)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def pool_daemon(scratch):
+    """Starts `kvpool serve` daemons (``pool_daemon(name, tiers=[...])``); stops them after."""
+    started = []
+
+    def start(name="daemon", **kw):
+        daemon = PoolDaemon(scratch, name, **kw)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()

@@ -5,7 +5,7 @@ Used by the end-to-end tests as a subprocess, so every engine is a fresh process
 SPEC keys: model, prompts (lists of token ids), max_tokens, kvpool (null, or the
 kv_connector_extra_config dict), multiprocess, num_gpu_blocks (forces a small KV cache),
 max_num_seqs, prefix_caching, batches (lists of prompt indexes, one generate() each),
-kill_after_batch ({batch index: pid to SIGKILL after it}), check_blocks (compare what
+kill_after_batch ({batch index: pid to SIGKILL after it, or "self"}), check_blocks (compare what
 kvpool stored with vLLM's own KV blocks; single process only), scrape_metrics (a port: fetch
 kvpool's Prometheus endpoint after the last batch), kv_events_port (turn on vLLM's KV events,
 published over ZMQ to a subscriber this process binds on 127.0.0.1:port; the events received
@@ -133,7 +133,8 @@ def main(spec_path, out_path):
             reports = compare_blocks(kv.WORKERS[0], [prompts[i] for i in batch], blocks_of)
             out_blocks.update(zip(batch, reports))
         if b in kill_after:
-            os.kill(kill_after[b], signal.SIGKILL)
+            victim = kill_after[b]
+            os.kill(os.getpid() if victim == "self" else victim, signal.SIGKILL)
     out = {"results": results, "startup_s": startup, "batch_s": batch_s,
            "preempted_requests": len(preempted),
            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}

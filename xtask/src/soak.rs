@@ -379,11 +379,7 @@ pub(crate) fn soak(args: &[String]) -> Result<(), String> {
         .map(PathBuf::from)
         .unwrap_or_else(|_| workspace_root().join("target"));
     let moto_server = servers::ensure_moto(&target_dir)?;
-    run(
-        &cargo,
-        &["build", "-p", "kvpool-cli", "--features", "disk,redis,s3"],
-    )?;
-    let kvpool = target_dir.join("debug/kvpool");
+    let kvpool = crate::vllm::build_kvpool_cli()?;
 
     let dir = servers::scratch_dir("soak")?;
     let disk = dir.join("disk");

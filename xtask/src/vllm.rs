@@ -190,6 +190,17 @@ fn uv_pip_install(tools: &Path, venv_python: &Path, args: &[&str]) -> Result<(),
     )
 }
 
+/// Builds the `kvpool` command (debug, with the disk, Redis and S3 tiers: the build the soak
+/// uses too) and returns its path.
+pub(crate) fn build_kvpool_cli() -> Result<PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    crate::run(
+        &cargo,
+        &["build", "-p", "kvpool-cli", "--features", "disk,redis,s3"],
+    )?;
+    Ok(target_dir().join("debug/kvpool"))
+}
+
 /// `cargo xtask vllm [pytest args...]`.
 pub(crate) fn vllm(pytest_args: &[String]) -> Result<(), String> {
     vllm_with_env(pytest_args, &[])
@@ -204,13 +215,19 @@ pub(crate) fn vllm_with_env(pytest_args: &[String], env: &[(&str, &str)]) -> Res
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "dev")?;
+    // The pool-daemon tests start `kvpool serve`.
+    let kvpool = build_kvpool_cli()?;
     eprintln!("vLLM environment ready in {:.0?}", started.elapsed());
     run_pytest(
         "cargo xtask vllm",
         &venv_python,
         "kvpool-py/tests",
         pytest_args,
-        &[&[("HF_HUB_OFFLINE", "1")], env].concat(),
+        &[
+            &[("HF_HUB_OFFLINE", "1"), ("KVPOOL_BIN", path_str(&kvpool)?)],
+            env,
+        ]
+        .concat(),
         started,
     )
 }
@@ -253,6 +270,10 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
     let tools = ensure_tools(&python)?;
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "release")?;
+    // `--daemon` measures `kvpool serve`: a release build of the command.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    crate::run(&cargo, &["build", "--release", "-p", "kvpool-cli"])?;
+    let kvpool = target_dir().join("release/kvpool");
     let out = target_dir().join("bench-vllm.json");
     let mut cmd = vec![
         "kvpool-py/bench/bench_vllm.py".to_string(),
@@ -261,7 +282,11 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
     ];
     cmd.extend(args.iter().cloned());
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
-    run_with_env(path_str(&venv_python)?, &cmd, &[("HF_HUB_OFFLINE", "1")])?;
+    run_with_env(
+        path_str(&venv_python)?,
+        &cmd,
+        &[("HF_HUB_OFFLINE", "1"), ("KVPOOL_BIN", path_str(&kvpool)?)],
+    )?;
     eprintln!("results in {}", out.display());
     Ok(())
 }

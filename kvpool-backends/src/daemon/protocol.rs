@@ -123,6 +123,8 @@ pub struct DaemonStats {
     pub commits: u64,
     /// Values evicted from shared memory.
     pub evictions: u64,
+    /// Values written to every lower tier (after their commit, in the background).
+    pub tier_writes: u64,
     /// Pins and allocations dropped because their session ended or their time ran out.
     pub leases_reclaimed: u64,
     /// Requests refused (bad frames close the session and count here too).

@@ -72,6 +72,8 @@ struct WriteBehind {
     bytes: AtomicUsize,
     batches: AtomicUsize,
     dropped: AtomicU64,
+    /// Values every tier accepted.
+    written: AtomicU64,
 }
 
 /// The node's pool: shared memory over the lower tiers, answering engines' requests.
@@ -130,6 +132,7 @@ impl PoolDaemon {
         DaemonStats {
             sessions: self.sessions.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
+            tier_writes: self.write_behind.written.load(Ordering::Relaxed),
             ..self.store.stats()
         }
     }
@@ -152,6 +155,7 @@ impl PoolDaemon {
         metrics::counter!(telemetry::DAEMON_GETS, "result" => "miss").absolute(s.misses);
         metrics::counter!(telemetry::DAEMON_COMMITS).absolute(s.commits);
         metrics::counter!(telemetry::DAEMON_EVICTIONS).absolute(s.evictions);
+        metrics::counter!(telemetry::DAEMON_TIER_WRITES).absolute(s.tier_writes);
         metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED).absolute(s.leases_reclaimed);
     }
 
@@ -313,10 +317,16 @@ impl PoolDaemon {
         let tiers = self.tiers.clone();
         let wb = self.write_behind.clone();
         self.runtime.spawn(async move {
+            let mut all_ok = true;
             for tier in &tiers {
                 if let Err(e) = tier.batch_put(entries.clone()).await {
                     warn!(tier = tier.name(), "write-behind failed: {e}");
+                    all_ok = false;
                 }
+            }
+            if all_ok {
+                wb.written
+                    .fetch_add(entries.len() as u64, Ordering::Relaxed);
             }
             drop(entries);
             wb.bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -510,6 +520,8 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
             let _ = write_frame(&mut stream, &daemon.refuse("attach first"));
             return;
         }
+        // A connection closed without a word (a readiness probe) is not a refusal.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return,
         Err(e) => {
             daemon.refused.fetch_add(1, Ordering::Relaxed);
             debug!(session, "no attach: {e}");

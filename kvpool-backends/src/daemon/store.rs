@@ -269,7 +269,7 @@ impl SharedStore {
         removed
     }
 
-    /// The store's counters; `sessions` is left for the server to fill.
+    /// The store's counters; `sessions`, `tier_writes` and `refused` are left for the server.
     pub fn stats(&self) -> DaemonStats {
         let mut st = self.state.lock();
         self.reclaim_expired(&mut st, Instant::now());
@@ -286,6 +286,7 @@ impl SharedStore {
             misses: st.counters.misses,
             commits: st.counters.commits,
             evictions: st.counters.evictions,
+            tier_writes: 0,
             leases_reclaimed: st.counters.leases_reclaimed,
             refused: 0,
         }

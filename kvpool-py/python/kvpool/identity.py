@@ -133,7 +133,16 @@ def weights_digest(model: str, revision: str | None = None, load_format: str = "
 def resolve_config(extra: dict[str, Any]) -> tuple[str, str]:
     """The pool config as (text, format) for the Rust side: ``config`` from
     the engine's options (a path, TOML text or a dict), else ``KVPOOL_CONFIG`` (a
-    path), else embedded defaults."""
+    path), else embedded defaults; with ``pool`` (the node's daemon, ``unix:///path``)
+    added as the first lower tier."""
+    text, fmt = _resolve_config_file(extra)
+    pool = extra.get("pool")
+    if pool:
+        return _native.config_with_pool(text, fmt, str(pool)), "json"
+    return text, fmt
+
+
+def _resolve_config_file(extra: dict[str, Any]) -> tuple[str, str]:
     value = extra.get("config", os.environ.get("KVPOOL_CONFIG"))
     if value is None:
         return "", "default"

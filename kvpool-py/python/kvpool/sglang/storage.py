@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpool.sglang")
 
 #: Options of ours in ``--hicache-storage-backend-extra-config``, besides SGLang's own.
-OPTIONS = ("config", "model_path")
+OPTIONS = ("config", "model_path", "pool")
 
 #: Keys SGLang itself reads from the extra config (the dynamic backend's and the
 #: controller's); passed through unchecked.

@@ -1,0 +1,95 @@
+"""The node's pool daemon (`kvpool serve`) under real vLLM (CPU build): engines in separate
+processes attach with the connector's `pool` option and share one pool that outlives them.
+
+Outputs are compared with the same engine without kvpool, as in test_vllm_e2e.py.
+"""
+
+import os
+
+import pytest
+
+from conftest import shared_prefix_prompts
+from test_vllm_e2e import PREFIX, assert_same_outputs
+
+#: Tokens per chunk in the default config.
+CHUNK = 256
+
+
+def attach(daemon, size="256MiB"):
+    """The connector's options: a private L1 of `size`, and the daemon as the first tier."""
+    return {"config": {"local_cpu": {"max_size": size}}, "pool": daemon.url}
+
+
+def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
+        runner, model_dir, pool_daemon):
+    """Engine A computes a prompt; engine B (another process, another engine id, vLLM's
+    default multi-process mode) is served every prompt sharing it from the daemon. Then A is
+    killed with SIGKILL right after a batch (its write-behind to the daemon may be in
+    flight): the daemon ends A's session and reclaims what it held; A restarted is served its
+    first repeated prompt from the daemon."""
+    daemon = pool_daemon("shared")
+    cfg = attach(daemon)
+    prompts = shared_prefix_prompts(3, seed=40)
+    base = runner.baseline(model_dir, prompts)
+
+    a = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    assert a["stats"]["stored_tokens"] >= PREFIX
+    daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
+
+    b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                    "multiprocess": True})
+    assert_same_outputs(base, b, "B")
+    for i, r in enumerate(b["results"]):
+        assert r["num_cached_tokens"] >= PREFIX, (i, r["num_cached_tokens"])
+    daemon.wait(lambda s: s.get("gets_total:memory", 0) >= PREFIX // CHUNK,
+                "B's loads answered from shared memory")
+
+    killed = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                         "batches": [[1], [2]], "kill_after_batch": {"0": "self"}},
+                        expect_exit=-9)
+    assert killed is None
+    after = daemon.wait(lambda s: s["sessions"] == 0, "every engine detached")
+    assert after["leases"] == 0, after
+
+    again = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    assert_same_outputs(runner.baseline(model_dir, prompts[:1]), again, "A restarted")
+    assert again["results"][0]["num_cached_tokens"] >= PREFIX
+    assert again["stats"]["loaded_tokens"] >= PREFIX
+
+
+def test_the_daemon_killed_mid_run_costs_only_recomputes_and_its_disk_serves_after_a_restart(
+        runner, model_dir, pool_daemon, scratch):
+    """The daemon dies (SIGKILL) between two batches of one engine: the second batch misses
+    and is recomputed (identical outputs, no hang). A restarted daemon over the same disk tier
+    serves a fresh engine what was written there (its shared memory died with it)."""
+    disk = os.path.join(scratch, "daemon-disk")
+    daemon = pool_daemon("with-disk", tiers=[f"file://{disk}"])
+    cfg = attach(daemon)
+    first, second = shared_prefix_prompts(2, seed=41), shared_prefix_prompts(2, seed=42)
+
+    runner.run({"model": model_dir, "prompts": [first[0], second[0]], "kvpool": cfg})
+    daemon.wait(lambda s: s.get("tier_writes_total", 0) >= 2 * PREFIX // CHUNK,
+                "both prefixes written to the disk tier")
+
+    prompts = [first[1], second[1]]
+    base = runner.baseline(model_dir, prompts)
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                      "batches": [[0], [1]], "kill_after_batch": {"0": daemon.pid}})
+    assert_same_outputs(base, got, "daemon killed")
+    assert got["results"][0]["num_cached_tokens"] >= PREFIX, "served before the kill"
+    assert got["results"][1]["num_cached_tokens"] < PREFIX, "the dead daemon served nothing"
+
+    daemon.proc.wait()
+    daemon.start()
+    fresh = runner.run({"model": model_dir, "prompts": [second[0]], "kvpool": cfg})
+    assert_same_outputs(runner.baseline(model_dir, [second[0]]), fresh, "after the restart")
+    assert fresh["results"][0]["num_cached_tokens"] >= PREFIX
+    daemon.wait(lambda s: s.get("gets_total:tier", 0) >= PREFIX // CHUNK,
+                "the fresh engine's loads answered from the disk tier")
+
+
+def test_a_relative_pool_path_is_refused_at_engine_start():
+    from kvpool.identity import resolve_config
+
+    with pytest.raises(ValueError, match="absolute socket path"):
+        resolve_config({"pool": "unix://kvpool.sock"})
