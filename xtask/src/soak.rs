@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::servers::{self, Server};
 use crate::system::SYSTEM_PACKAGES;
-use crate::{ensure_system_packages, run, workspace_root};
+use crate::{ensure_system_packages, workspace_root};
 
 const REDIS_PASSWORD: &str = "kvpool-soak";
 const BUCKET: &str = "kvpool-soak";
@@ -372,7 +372,6 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
 /// [--rss-slack-mib M]`.
 pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     let args = parse_args(args)?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     ensure_system_packages(SYSTEM_PACKAGES)?;
     ensure_system_packages(servers::SERVER_PACKAGES)?;
     let target_dir = std::env::var("CARGO_TARGET_DIR")

@@ -363,10 +363,9 @@ impl SocketAccess {
                 format!("no group named `{name}`"),
             ));
         }
-        // SAFETY: non-null, as checked.
-        Ok(SocketAccess {
-            group: Some(unsafe { (*entry).gr_gid }),
-        })
+        // SAFETY: non-null, as checked; getgrnam's entry is valid until the next call.
+        let gid = unsafe { (*entry).gr_gid };
+        Ok(SocketAccess { group: Some(gid) })
     }
 }
 

@@ -144,9 +144,7 @@ impl SharedStore {
         let now = Instant::now();
         let mut st = self.state.lock();
         self.reclaim_expired(&mut st, now);
-        let Some(value) = st.values.get(key).cloned() else {
-            return None;
-        };
+        let value = st.values.get(key).cloned()?;
         st.policy.on_access(&key.to_string());
         st.counters.memory_hits += 1;
         let id = st.next_id();
