@@ -12,7 +12,9 @@
 //! - `cargo xtask fuzz [--seconds N]`: every cargo-fuzz target (decoders, config, URLs, keys,
 //!   trace lines) for N seconds each on nightly libFuzzer; CI runs 30 s per target.
 //! - `cargo xtask soak [--minutes N]`: a chaos soak: `kvpool sim` through L1 + disk + Redis +
-//!   S3 while servers are killed, the disk fills and values are corrupted (CI: 2 minutes).
+//!   S3 while servers are killed, the disk fills and values are corrupted (CI: 2 minutes);
+//!   `--daemon`: engines attached to one `kvpool serve`, the daemon and an engine killed and
+//!   restarted (CI: 1.5 minutes).
 //! - `cargo xtask sanitize`: kvpool-core's unit tests under AddressSanitizer (nightly).
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
@@ -45,6 +47,7 @@ mod sanitize;
 mod servers;
 mod sglang;
 mod soak;
+mod soak_daemon;
 mod system;
 mod third_party;
 mod vllm;
@@ -226,6 +229,18 @@ fn ci() -> Result<(), String> {
         soak::soak(&[
             "--minutes".into(),
             "2".into(),
+            "--max-rss-growth".into(),
+            "0.15".into(),
+            "--rss-slack-mib".into(),
+            "4".into(),
+        ])
+    })?;
+    // The pool daemon's soak: engines and the daemon killed and restarted.
+    clock.stage("soak (daemon)", || {
+        soak::soak(&[
+            "--daemon".into(),
+            "--minutes".into(),
+            "1.5".into(),
             "--max-rss-growth".into(),
             "0.15".into(),
             "--rss-slack-mib".into(),

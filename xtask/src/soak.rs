@@ -45,10 +45,10 @@ const DISK_FS_MIB: u64 = 256;
 const DISK_TIER_MIB: u64 = 16;
 /// Seconds before the simulator's end at which the faults stop (the servers must be back by
 /// the time it checks acknowledged writes).
-const CALM_SECS: u64 = 10;
+pub(crate) const CALM_SECS: u64 = 10;
 
 /// A tiny xorshift generator: the fault schedule only needs to be varied and reproducible.
-struct Dice(u64);
+pub(crate) struct Dice(pub(crate) u64);
 
 impl Dice {
     fn next(&mut self) -> u64 {
@@ -58,11 +58,11 @@ impl Dice {
         self.0
     }
 
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
 
-    fn millis(&mut self, from: u64, to: u64) -> Duration {
+    pub(crate) fn millis(&mut self, from: u64, to: u64) -> Duration {
         Duration::from_millis(from + self.below(to - from))
     }
 }
@@ -315,24 +315,30 @@ fn print_rss_timeline(report: &str) {
 }
 
 /// What `cargo xtask soak` was asked for.
-struct SoakArgs {
-    minutes: f64,
-    seed: u64,
+pub(crate) struct SoakArgs {
+    pub(crate) minutes: f64,
+    pub(crate) seed: u64,
     /// The control run: the same workload with no faults.
-    no_faults: bool,
+    pub(crate) no_faults: bool,
     /// Largest allowed growth of anonymous RSS from the warm-up to the end.
-    max_rss_growth: f64,
+    pub(crate) max_rss_growth: f64,
     /// MiB of anonymous RSS allowed on top of that growth.
-    rss_slack_mib: u64,
+    pub(crate) rss_slack_mib: u64,
+    /// Engines attached to one pool daemon (`kvpool serve`) instead of tiers of their own.
+    pub(crate) daemon: bool,
 }
 
 fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
     let (mut minutes, mut seed, mut no_faults, mut max_rss_growth) = (2.0, 1, false, 0.05);
-    let mut rss_slack_mib = 0;
+    let (mut rss_slack_mib, mut daemon) = (0, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--no-faults" {
             no_faults = true;
+            continue;
+        }
+        if a == "--daemon" {
+            daemon = true;
             continue;
         }
         let value = it.next().ok_or(format!("{a} needs a value"))?;
@@ -349,7 +355,7 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
             }
             _ => {
                 return Err(format!(
-                    "unknown argument {a}; use --minutes N [--seed S] [--no-faults] [--max-rss-growth F] [--rss-slack-mib M]"
+                    "unknown argument {a}; use --minutes N [--seed S] [--no-faults] [--daemon] [--max-rss-growth F] [--rss-slack-mib M]"
                 ));
             }
         }
@@ -365,13 +371,17 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
         no_faults,
         max_rss_growth,
         rss_slack_mib,
+        daemon,
     })
 }
 
-/// `cargo xtask soak [--minutes N] [--seed S] [--no-faults] [--max-rss-growth F]
+/// `cargo xtask soak [--minutes N] [--seed S] [--no-faults] [--daemon] [--max-rss-growth F]
 /// [--rss-slack-mib M]`.
 pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     let args = parse_args(args)?;
+    if args.daemon {
+        return crate::soak_daemon::soak_daemon(&args);
+    }
     ensure_system_packages(SYSTEM_PACKAGES)?;
     ensure_system_packages(servers::SERVER_PACKAGES)?;
     let target_dir = std::env::var("CARGO_TARGET_DIR")
@@ -418,6 +428,86 @@ pub(crate) fn soak(args: &[String]) -> Result<(), String> {
     result
 }
 
+/// `kvpool sim` soaking for `args.minutes` against the pool `config` describes, its JSON
+/// report to `out` and its log to `log`; it checks its own outcome (wrong tokens, acknowledged
+/// writes, resident memory) and exits non-zero when one fails.
+pub(crate) fn sim_command(
+    kvpool: &Path,
+    config: &Path,
+    args: &SoakArgs,
+    seed: u64,
+    out: &Path,
+    log: &Path,
+) -> Result<Command, String> {
+    let mut sim = Command::new(kvpool);
+    sim.arg("sim")
+        .arg("--config")
+        .arg(config)
+        .args(["--soak-minutes", &args.minutes.to_string()])
+        .args(["--calm-wait-secs", &CALM_SECS.to_string()])
+        .args([
+            "--cpu-size",
+            "2MiB",
+            "--prefixes",
+            "64",
+            "--gpu-blocks",
+            "512",
+            // Real faults make loads fail; the simulator's own removals between lookup and
+            // load can be undone by a write-behind still in flight to a lower tier.
+            "--load-failure-rate",
+            "0",
+        ])
+        .args(["--seed", &seed.to_string(), "--json"])
+        .args(["--max-rss-growth", &args.max_rss_growth.to_string()])
+        .args(["--rss-slack", &format!("{}MiB", args.rss_slack_mib)])
+        .env("KVPOOL_LOG", "error")
+        .env("MALLOC_ARENA_MAX", "2")
+        .stdout(std::fs::File::create(out).map_err(|e| e.to_string())?)
+        .stderr(std::fs::File::create(log).map_err(|e| e.to_string())?);
+    Ok(sim)
+}
+
+/// Prints what a simulator's JSON report says about correctness and memory.
+pub(crate) fn print_sim_report(report: &str) {
+    let field = |name: &str| {
+        report
+            .split(&format!("\"{name}\":"))
+            .nth(1)
+            .and_then(|rest| rest.split([',', '\n', '}']).next())
+            .map(|v| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    for (what, name) in [
+        ("requests served", "requests"),
+        ("tokens loaded from kvpool", "pool_hit_tokens"),
+        ("blocks reported as failed loads", "reported_failed_blocks"),
+        ("wrong tokens (must be 0)", "wrong_tokens"),
+        (
+            "lost blocks not reported (must be 0)",
+            "unreported_failed_blocks",
+        ),
+        (
+            "anonymous RSS after warm-up (bytes)",
+            "rss_after_warm_up_bytes",
+        ),
+        ("anonymous RSS at the end (bytes)", "rss_end_bytes"),
+    ] {
+        println!("{what:<40} {:>8}", field(name));
+    }
+    let lost: Vec<String> = report
+        .split("\"lost_chunks\":")
+        .skip(1)
+        .filter_map(|rest| rest.split([',', '\n', '}']).next())
+        .map(|v| v.trim().to_string())
+        .collect();
+    println!(
+        "{:<40} {:>8}",
+        "lost acknowledged writes per tier",
+        lost.join(" / ")
+    );
+    print_rss_timeline(report);
+}
+
 fn run_soak(chaos: &mut Chaos, kvpool: &Path, args: &SoakArgs) -> Result<(), String> {
     let (minutes, seed) = (args.minutes, args.seed);
     chaos.start_redis()?;
@@ -460,31 +550,7 @@ timeout_ms = 1000
     .map_err(|e| e.to_string())?;
     let out_path = chaos.dir.join("sim.json");
     let log_path = chaos.dir.join("sim.log");
-    let mut sim = Command::new(kvpool)
-        .arg("sim")
-        .arg("--config")
-        .arg(&config)
-        .args(["--soak-minutes", &minutes.to_string()])
-        .args(["--calm-wait-secs", &CALM_SECS.to_string()])
-        .args([
-            "--cpu-size",
-            "2MiB",
-            "--prefixes",
-            "64",
-            "--gpu-blocks",
-            "512",
-            // Real faults make loads fail; the simulator's own removals between lookup and
-            // load can be undone by a write-behind still in flight to a lower tier.
-            "--load-failure-rate",
-            "0",
-        ])
-        .args(["--seed", &seed.to_string(), "--json"])
-        .args(["--max-rss-growth", &args.max_rss_growth.to_string()])
-        .args(["--rss-slack", &format!("{}MiB", args.rss_slack_mib)])
-        .env("KVPOOL_LOG", "error")
-        .env("MALLOC_ARENA_MAX", "2")
-        .stdout(std::fs::File::create(&out_path).map_err(|e| e.to_string())?)
-        .stderr(std::fs::File::create(&log_path).map_err(|e| e.to_string())?)
+    let mut sim = sim_command(kvpool, &config, args, seed, &out_path, &log_path)?
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", kvpool.display()))?;
     eprintln!(
@@ -517,43 +583,7 @@ timeout_ms = 1000
     ] {
         println!("{what:<40} {n:>8}");
     }
-    let field = |name: &str| {
-        report
-            .split(&format!("\"{name}\":"))
-            .nth(1)
-            .and_then(|rest| rest.split([',', '\n', '}']).next())
-            .map(|v| v.trim().to_string())
-            .unwrap_or_else(|| "?".into())
-    };
-    for (what, name) in [
-        ("requests served", "requests"),
-        ("tokens loaded from kvpool", "pool_hit_tokens"),
-        ("blocks reported as failed loads", "reported_failed_blocks"),
-        ("wrong tokens (must be 0)", "wrong_tokens"),
-        (
-            "lost blocks not reported (must be 0)",
-            "unreported_failed_blocks",
-        ),
-        (
-            "anonymous RSS after warm-up (bytes)",
-            "rss_after_warm_up_bytes",
-        ),
-        ("anonymous RSS at the end (bytes)", "rss_end_bytes"),
-    ] {
-        println!("{what:<40} {:>8}", field(name));
-    }
-    let lost: Vec<String> = report
-        .split("\"lost_chunks\":")
-        .skip(1)
-        .filter_map(|rest| rest.split([',', '\n', '}']).next())
-        .map(|v| v.trim().to_string())
-        .collect();
-    println!(
-        "{:<40} {:>8}",
-        "lost acknowledged writes per tier",
-        lost.join(" / ")
-    );
-    print_rss_timeline(&report);
+    print_sim_report(&report);
     if status.success() {
         Ok(())
     } else {

@@ -7,6 +7,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -14,7 +15,7 @@ use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use sendfd::RecvWithFd;
 use tracing::{info, warn};
 
@@ -26,6 +27,10 @@ pub const SCHEMES: &[&str] = &["kvpool+unix"];
 
 /// How long after a failed connection no new one is tried (calls are misses meanwhile).
 pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Sessions one connector keeps open, so a long write-behind does not hold up a load (each
+/// call runs on one session; copies of different calls run on different threads).
+pub const SESSIONS_PER_CONNECTOR: usize = 4;
 
 /// One attached session: the socket and the daemon's arena as this process maps it.
 struct Session {
@@ -107,19 +112,32 @@ struct Inner {
     name: String,
     path: PathBuf,
     timeout: Duration,
-    session: Mutex<Option<Session>>,
+    sessions: Vec<Mutex<Option<Session>>>,
+    next: AtomicUsize,
     last_failure: Mutex<Option<Instant>>,
 }
 
 impl Inner {
-    /// Runs `f` on the session, attaching first when there is none (at most once per
+    /// A session slot: the first free one (calls one at a time use only the first), else
+    /// the next in turn, waiting for it.
+    fn slot(&self) -> MutexGuard<'_, Option<Session>> {
+        self.sessions
+            .iter()
+            .find_map(|slot| slot.try_lock())
+            .unwrap_or_else(|| {
+                let turn = self.next.fetch_add(1, Ordering::Relaxed);
+                self.sessions[turn % self.sessions.len()].lock()
+            })
+    }
+
+    /// Runs `f` on a session, attaching first when the slot has none (at most once per
     /// [`RECONNECT_INTERVAL`] after a failure). Any error ends the session: the daemon then
     /// reclaims whatever it lent to it.
     fn with_session<T>(
         &self,
         f: impl FnOnce(&mut Session) -> io::Result<T>,
     ) -> Result<T, BackendError> {
-        let mut guard = self.session.lock();
+        let mut guard = self.slot();
         if guard.is_none() {
             if let Some(t) = *self.last_failure.lock()
                 && t.elapsed() < RECONNECT_INTERVAL
@@ -153,7 +171,7 @@ impl Inner {
 
     fn unavailable(&self, reason: String) -> BackendError {
         BackendError::Unavailable {
-            backend: self.name.clone(),
+            backend: format!("{} ({})", self.name, self.path.display()),
             reason,
         }
     }
@@ -238,8 +256,9 @@ impl Inner {
 
 /// A tier in the node's pool daemon (`kvpool serve`), at a Unix socket.
 ///
-/// Calls block on the socket, so each runs on tokio's blocking pool, one at a time per
-/// connector; every socket read and write is bounded by the tier's timeout. When the daemon
+/// Calls block on the socket, so each runs on tokio's blocking pool, on one of
+/// [`SESSIONS_PER_CONNECTOR`] sessions; every socket read and write is bounded by the tier's
+/// timeout. When the daemon
 /// is down every call fails fast (a miss, or a write-behind not done) and the connector
 /// attaches again once it is back.
 #[derive(Clone)]
@@ -253,16 +272,20 @@ impl DaemonConnector {
         let path = path.into();
         DaemonConnector {
             inner: Arc::new(Inner {
-                name: format!("kvpool+unix://{}", path.display()),
+                // Metrics' `tier` label and KV events' medium (`DAEMON`); the path is logged.
+                name: "daemon".into(),
                 path,
                 timeout,
-                session: Mutex::new(None),
+                sessions: (0..SESSIONS_PER_CONNECTOR)
+                    .map(|_| Mutex::new(None))
+                    .collect(),
+                next: AtomicUsize::new(0),
                 last_failure: Mutex::new(None),
             }),
         }
     }
 
-    /// Attaches now (a probe); the error says why it could not.
+    /// Attaches one session now (a probe); the error says why it could not.
     pub fn attach(&self) -> Result<(), BackendError> {
         self.inner.with_session(|_| Ok(()))
     }
@@ -327,7 +350,9 @@ impl RemoteConnector for DaemonConnector {
     }
 
     async fn close(&self) -> Result<(), BackendError> {
-        *self.inner.session.lock() = None;
+        for slot in &self.inner.sessions {
+            *slot.lock() = None;
+        }
         Ok(())
     }
 }

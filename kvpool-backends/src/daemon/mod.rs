@@ -15,7 +15,10 @@ mod protocol;
 mod server;
 mod store;
 
-pub use client::{DaemonConnector, DaemonFactory, RECONNECT_INTERVAL, SCHEMES, socket_path};
+pub use client::{
+    DaemonConnector, DaemonFactory, RECONNECT_INTERVAL, SCHEMES, SESSIONS_PER_CONNECTOR,
+    socket_path,
+};
 pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
 pub use server::{DEFAULT_LEASE_TTL, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
 pub use store::{SessionId, SharedStore};

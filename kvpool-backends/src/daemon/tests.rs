@@ -346,3 +346,34 @@ async fn an_engine_started_before_the_daemon_attaches_once_it_runs() {
     );
     assert!(socket_path("kvpool+unix://relative.sock").is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_of_one_engine_share_a_few_sessions_and_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 64 * MIB, vec![]);
+    let engine = client(&path);
+    let tasks: Vec<_> = (0..32u8)
+        .map(|i| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let key = format!("k{i}");
+                engine
+                    .batch_put(vec![(key.clone(), value(i, 256 << 10))])
+                    .await
+                    .unwrap();
+                let got = engine.batch_get(&[key]).await.unwrap();
+                assert_eq!(got[0].as_deref(), Some(&vec![i; 256 << 10][..]));
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let s = run.daemon.stats();
+    assert!(
+        (1..=SESSIONS_PER_CONNECTOR as u64).contains(&s.sessions),
+        "{s:?}"
+    );
+    assert_eq!((s.entries, s.pins, s.allocations), (32, 0, 0));
+}
