@@ -145,7 +145,7 @@ def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
         # A warm process loading prefixes another process computed: its first load from the
         # daemon (of another prefix) is part of the warm-up, so each measured request is a
         # daemon load and nothing else is a first.
-        others = [[r.randrange(3, 999) for _ in range(a.prefix)] + suffix()
+        others = [[r.randrange(3, 999) for _ in range(a.prefix + 64)]
                   for _ in range(a.repeats + 1)]
         run_engine({**via, "measure": others}, scratch, "daemon-store-others")
         rows["daemon, warm process, computed by another"] = run_engine(

@@ -187,30 +187,26 @@ impl Inner {
             }
             let mut out = Vec::with_capacity(n);
             let mut pins = Vec::new();
-            let mut copied = Ok(());
             for region in &regions {
                 let Some(r) = region else {
                     out.push(None);
                     continue;
                 };
                 pins.push(r.id);
-                match s.bytes_of(r) {
-                    Ok(ptr) => {
-                        // SAFETY: the region lies in the mapping and the daemon keeps it
-                        // unchanged while pinned (until the release below).
-                        let bytes = unsafe { std::slice::from_raw_parts(ptr, r.len as usize) };
-                        out.push(Some(Bytes::copy_from_slice(bytes)));
-                    }
-                    Err(e) => {
-                        copied = Err(e);
-                        break;
-                    }
-                }
+                // A region outside the arena ends the session (the daemon then reclaims the
+                // pins) before anything is read.
+                let ptr = s.bytes_of(r)?;
+                // SAFETY: the region lies in the mapping and the daemon keeps it unchanged
+                // while pinned (until the release below). The bytes are copied out before the
+                // release: the chunk's checksum is verified on this copy, which no other
+                // process can change.
+                let bytes = unsafe { std::slice::from_raw_parts(ptr, r.len as usize) };
+                out.push(Some(Bytes::copy_from_slice(bytes)));
             }
             if !pins.is_empty() {
                 s.call(&Request::Release { ids: pins })?;
             }
-            copied.map(|()| out)
+            Ok(out)
         })
     }
 

@@ -95,6 +95,15 @@ impl PoolDaemon {
         let mut tiers: Vec<Arc<dyn RemoteConnector>> = Vec::new();
         let max_value = config.local_cpu.max_size.as_usize() as u64;
         for tier in &config.tiers {
+            if super::SCHEMES.contains(&crate::registry::scheme_of(&tier.url)?) {
+                return Err(ConfigError::Invalid {
+                    field: "tier.url",
+                    reason: format!(
+                        "`{}` is a pool daemon: a daemon's lower tiers must be stores (file://, redis://, s3://, ...)",
+                        kvpool_core::redact_url(&tier.url)
+                    ),
+                });
+            }
             tiers.push(Arc::new(open_connector(tier, max_value).await?));
         }
         Self::with_tiers(DaemonOptions::from_config(config), tiers, runtime).map_err(|e| {

@@ -377,3 +377,57 @@ async fn concurrent_calls_of_one_engine_share_a_few_sessions_and_all_succeed() {
     );
     assert_eq!((s.entries, s.pins, s.allocations), (32, 0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_naming_bytes_outside_its_arena_is_refused_before_anything_is_read() {
+    use std::os::fd::AsRawFd;
+
+    use kvpool_core::memory::SharedMapping;
+    use sendfd::SendWithFd;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _: Request = read_frame(&mut s).unwrap();
+        let arena = SharedMapping::create("fake-daemon", 4096).unwrap();
+        write_frame(
+            &mut s,
+            &Reply::Attached {
+                arena_len: 4096,
+                daemon_id: 1,
+                lease_ttl_ms: 1000,
+            },
+        )
+        .unwrap();
+        s.send_with_fd(&[0], &[arena.fd().as_raw_fd()]).unwrap();
+        let _: Request = read_frame(&mut s).unwrap();
+        let beyond = Region {
+            id: 1,
+            offset: 4000,
+            len: 200,
+        };
+        write_frame(&mut s, &Reply::Pinned(vec![Some(beyond)])).unwrap();
+        // The engine hangs up rather than asking anything more.
+        read_frame::<Request>(&mut s).is_err()
+    });
+    let engine = client(&path);
+    let err = engine.batch_get(&["k".into()]).await.unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    assert!(fake.join().unwrap(), "the engine kept the session");
+}
+
+#[tokio::test]
+async fn a_daemon_refuses_another_daemon_as_its_lower_tier() {
+    let mut config = kvpool_core::PoolConfig::default();
+    config.local_cpu.max_size = kvpool_core::ByteSize::mib(1);
+    config.tiers.push(kvpool_core::TierConfig::new(
+        "kvpool+unix:///run/kvpool/kvpool.sock",
+    ));
+    let err = PoolDaemon::open(&config, tokio::runtime::Handle::current())
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("is a pool daemon"), "{err}");
+}

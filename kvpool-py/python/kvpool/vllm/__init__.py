@@ -17,7 +17,9 @@ engine-agnostic: ``kvpool.transfer``. The connector's classes are imported on fi
 ``kvpool.vllm.layouts`` and ``kvpool.vllm.identity`` load without vLLM.
 
 Options (``kv_connector_extra_config``): ``config`` (a path to a TOML file, TOML text, or a
-dict; else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier),
+dict; else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier), ``pool`` (the
+node's pool daemon, ``unix:///run/kvpool/kvpool.sock``: ``kvpool serve``; added as the first
+lower tier),
 ``save_decode_tokens`` (default false), ``socket_dir`` (default: the temp dir),
 ``lookup_timeout_ms`` (default 5000: one lookup, all ranks together).
 
