@@ -248,6 +248,8 @@ pub(crate) fn run_pytest(
         "-v".into(),
         "-p".into(),
         "no:cacheprovider".into(),
+        // The slowest tests, so CI's log says where its time goes.
+        "--durations=15".into(),
         tests.into(),
     ];
     args.extend(pytest_args.iter().cloned());
