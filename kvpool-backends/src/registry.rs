@@ -213,6 +213,18 @@ pub async fn open_connector(
     Ok(TimeoutConnector::new(connector, request.timeout()))
 }
 
+/// [`open_connector`] for each of `tiers`, in order.
+pub async fn open_connectors(
+    tiers: &[TierConfig],
+    max_chunk_bytes: u64,
+) -> Result<Vec<Arc<dyn RemoteConnector>>, ConfigError> {
+    let mut out: Vec<Arc<dyn RemoteConnector>> = Vec::with_capacity(tiers.len());
+    for tier in tiers {
+        out.push(Arc::new(open_connector(tier, max_chunk_bytes).await?));
+    }
+    Ok(out)
+}
+
 /// Opens the tier described by `tier`: the backend registered for its scheme parses its
 /// options and connects (bounded by the tier's timeout); the result is wrapped with the chunk
 /// format and per-call timeouts. Fails with a message naming what to fix.

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvpool_backends::daemon::{DaemonServer, PoolDaemon, SocketAccess};
+use kvpool_backends::daemon::{DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
+use kvpool_backends::registry::open_connectors;
 use kvpool_core::{ByteSize, EvictionKind, PoolConfig};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
@@ -68,9 +69,13 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
         kvpool_backends::serve_metrics(addr)?;
         eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
     }
+    let options = DaemonOptions::from_config(&cfg)?;
+    let tiers = rt
+        .block_on(open_connectors(&cfg.tiers, options.capacity as u64))
+        .context("cannot open the lower tiers")?;
     let daemon = Arc::new(
-        rt.block_on(PoolDaemon::open(&cfg, rt.handle().clone()))
-            .context("cannot open the pool")?,
+        PoolDaemon::with_tiers(options, tiers, rt.handle().clone())
+            .context("cannot create the shared arena ([local_cpu] max_size)")?,
     );
     let access = match &args.group {
         Some(g) => SocketAccess::group(g)?,

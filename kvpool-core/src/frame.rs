@@ -35,10 +35,19 @@ pub fn write_frame<T: Serialize>(stream: &mut impl Write, message: &T) -> io::Re
 /// Reads one frame; a frame above [`MAX_FRAME_BYTES`] or one that does not decode is an
 /// `InvalidData` error.
 pub fn read_frame<T: DeserializeOwned>(stream: &mut impl Read) -> io::Result<T> {
+    read_frame_within(stream, MAX_FRAME_BYTES)
+}
+
+/// [`read_frame`] refusing frames above `max_bytes` (a server whose requests are small bounds
+/// what one peer can make it allocate).
+pub fn read_frame_within<T: DeserializeOwned>(
+    stream: &mut impl Read,
+    max_bytes: usize,
+) -> io::Result<T> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME_BYTES {
+    if len > max_bytes.min(MAX_FRAME_BYTES) {
         return Err(invalid_data(format!("frame of {len} bytes is too large")));
     }
     let mut body = vec![0u8; len];

@@ -67,6 +67,16 @@ pub(crate) fn workspace_root() -> PathBuf {
 }
 
 /// Runs a command in the workspace root, echoing it; Err if it fails to start or exits non-zero.
+/// `cargo xtask soak [--daemon] ...`: the chaos soak of the tiers, or of the pool daemon.
+fn soak_command(args: &[String]) -> Result<(), String> {
+    let args = soak::parse_args(args)?;
+    if args.daemon {
+        soak_daemon::soak_daemon(&args)
+    } else {
+        soak::soak(&args)
+    }
+}
+
 pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
     run_with_env(program, args, &[])
 }
@@ -226,7 +236,7 @@ fn ci() -> Result<(), String> {
     // grow it by 15 %, plus 4 MiB: glibc's retained free pages swing by a few MiB on this
     // ~20 MiB process (a 2-minute run read +18.8 %, 3.3 MiB, with 0 wrong tokens).
     clock.stage("soak", || {
-        soak::soak(&[
+        soak_command(&[
             "--minutes".into(),
             "2".into(),
             "--max-rss-growth".into(),
@@ -237,7 +247,7 @@ fn ci() -> Result<(), String> {
     })?;
     // The pool daemon's soak: engines and the daemon killed and restarted.
     clock.stage("soak (daemon)", || {
-        soak::soak(&[
+        soak_command(&[
             "--daemon".into(),
             "--minutes".into(),
             "1.5".into(),
@@ -556,7 +566,7 @@ fn main() -> ExitCode {
         Some("sanitize") => sanitize::sanitize(),
         Some("module-cycles") => module_cycles::module_cycles(),
         Some("diagrams") => diagrams::diagrams(),
-        Some("soak") => soak::soak(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("soak") => soak_command(&env::args().skip(2).collect::<Vec<_>>()),
         Some("fuzz") => fuzz::fuzz(&env::args().skip(2).collect::<Vec<_>>()),
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("sglang") => sglang::sglang(&env::args().skip(2).collect::<Vec<_>>()),

@@ -315,6 +315,7 @@ fn print_rss_timeline(report: &str) {
 }
 
 /// What `cargo xtask soak` was asked for.
+#[derive(Clone, Copy)]
 pub(crate) struct SoakArgs {
     pub(crate) minutes: f64,
     pub(crate) seed: u64,
@@ -328,7 +329,7 @@ pub(crate) struct SoakArgs {
     pub(crate) daemon: bool,
 }
 
-fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
+pub(crate) fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
     let (mut minutes, mut seed, mut no_faults, mut max_rss_growth) = (2.0, 1, false, 0.05);
     let (mut rss_slack_mib, mut daemon) = (0, false);
     let mut it = args.iter();
@@ -377,11 +378,8 @@ fn parse_args(args: &[String]) -> Result<SoakArgs, String> {
 
 /// `cargo xtask soak [--minutes N] [--seed S] [--no-faults] [--daemon] [--max-rss-growth F]
 /// [--rss-slack-mib M]`.
-pub(crate) fn soak(args: &[String]) -> Result<(), String> {
-    let args = parse_args(args)?;
-    if args.daemon {
-        return crate::soak_daemon::soak_daemon(&args);
-    }
+pub(crate) fn soak(args: &SoakArgs) -> Result<(), String> {
+    let args = *args;
     ensure_system_packages(SYSTEM_PACKAGES)?;
     ensure_system_packages(servers::SERVER_PACKAGES)?;
     let target_dir = std::env::var("CARGO_TARGET_DIR")

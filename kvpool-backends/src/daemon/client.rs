@@ -3,7 +3,7 @@
 //! between the engine's buffers and the daemon's arena, mapped once at attach.
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +16,6 @@ use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
 use parking_lot::{Mutex, MutexGuard};
-use sendfd::RecvWithFd;
 use tracing::{info, warn};
 
 use super::protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
@@ -37,10 +36,18 @@ struct Session {
     stream: UnixStream,
     arena: Arc<SharedMapping>,
     daemon_id: u64,
+    /// How long the daemon keeps what it lends this session.
+    lease_ttl: Duration,
 }
 
 impl Session {
-    fn attach(path: &Path, timeout: Duration) -> io::Result<Self> {
+    /// Attaches; maps the arena unless `known` is this daemon's (one mapping per process and
+    /// daemon, however many sessions).
+    fn attach(
+        path: &Path,
+        timeout: Duration,
+        known: Option<(u64, Arc<SharedMapping>)>,
+    ) -> io::Result<Self> {
         let mut stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
@@ -52,28 +59,25 @@ impl Session {
                 client,
             },
         )?;
-        let (arena_len, daemon_id) = match read_frame::<Reply>(&mut stream)? {
+        let (arena_len, daemon_id, lease_ttl) = match read_frame::<Reply>(&mut stream)? {
             Reply::Attached {
                 arena_len,
                 daemon_id,
-                ..
-            } => (arena_len, daemon_id),
+                lease_ttl_ms,
+            } => (arena_len, daemon_id, Duration::from_millis(lease_ttl_ms)),
             Reply::Error(why) => return Err(io::Error::other(format!("refused: {why}"))),
             other => return Err(protocol_error(&other)),
         };
-        let mut byte = [0u8; 1];
-        let mut fds = [-1; 1];
-        let (_, nfds) = stream.recv_with_fd(&mut byte, &mut fds)?;
-        if nfds != 1 || fds[0] < 0 {
-            return Err(io::Error::other("the daemon sent no arena descriptor"));
-        }
-        // SAFETY: recvmsg just installed this descriptor in our table; nothing else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fds[0]) };
-        let arena = Arc::new(SharedMapping::map(fd, arena_len as usize)?);
+        let fd = recv_fd(&stream)?;
+        let arena = match known {
+            Some((id, arena)) if id == daemon_id && arena.len() as u64 == arena_len => arena,
+            _ => Arc::new(SharedMapping::map(fd, arena_len as usize)?),
+        };
         Ok(Session {
             stream,
             arena,
             daemon_id,
+            lease_ttl,
         })
     }
 
@@ -83,6 +87,17 @@ impl Session {
             Reply::Error(why) => Err(io::Error::other(format!("the daemon refused: {why}"))),
             reply => Ok(reply),
         }
+    }
+
+    /// Fails when the daemon may already have reclaimed what it lent at `answered` (this
+    /// process stalled for half the lease's time to live): the caller then touches nothing.
+    fn still_leased(&self, answered: Instant) -> io::Result<()> {
+        if answered.elapsed() > self.lease_ttl / 2 {
+            return Err(io::Error::other(
+                "stalled for half a lease's time to live; not touching the arena",
+            ));
+        }
+        Ok(())
     }
 
     /// The arena bytes of `region`, checked to lie inside the mapping.
@@ -101,6 +116,55 @@ impl Session {
     }
 }
 
+/// Receives the one descriptor the daemon passes with a one-byte message, close-on-exec from
+/// the start (`MSG_CMSG_CLOEXEC`): a child the engine starts never inherits the arena, which
+/// would otherwise keep a dead daemon's memory alive.
+fn recv_fd(stream: &UnixStream) -> io::Result<OwnedFd> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: byte.len(),
+    };
+    // Room for one descriptor's control message, aligned as cmsghdr requires.
+    let mut control = [0u64; 8];
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    assert!(space <= std::mem::size_of_val(&control));
+    // SAFETY: zeroed msghdr is a valid empty header; the fields are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at live buffers of the stated sizes for the duration of the call.
+    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::other(
+            "the daemon's control message was truncated",
+        ));
+    }
+    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR reads within msg_control.
+    let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    // SAFETY: a non-null cmsg points into `control`, which recvmsg filled.
+    let passed = !cmsg.is_null()
+        && unsafe {
+            (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS
+        };
+    if !passed {
+        return Err(io::Error::other("the daemon sent no arena descriptor"));
+    }
+    // SAFETY: an SCM_RIGHTS message's data holds at least one descriptor.
+    let raw = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>()) };
+    if raw < 0 {
+        return Err(io::Error::other("the daemon sent an invalid descriptor"));
+    }
+    // SAFETY: recvmsg just installed this descriptor in our table; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
 fn protocol_error(reply: &Reply) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
@@ -115,19 +179,21 @@ struct Inner {
     sessions: Vec<Mutex<Option<Session>>>,
     next: AtomicUsize,
     last_failure: Mutex<Option<Instant>>,
+    /// The last daemon's arena as mapped here, shared by the sessions attached to it.
+    arena: Mutex<Option<(u64, Arc<SharedMapping>)>>,
 }
 
 impl Inner {
     /// A session slot: the first free one (calls one at a time use only the first), else
-    /// the next in turn, waiting for it.
-    fn slot(&self) -> MutexGuard<'_, Option<Session>> {
-        self.sessions
-            .iter()
-            .find_map(|slot| slot.try_lock())
-            .unwrap_or_else(|| {
-                let turn = self.next.fetch_add(1, Ordering::Relaxed);
-                self.sessions[turn % self.sessions.len()].lock()
-            })
+    /// the next in turn, waited for at most the tier's timeout.
+    fn slot(&self) -> Result<MutexGuard<'_, Option<Session>>, BackendError> {
+        if let Some(free) = self.sessions.iter().find_map(|slot| slot.try_lock()) {
+            return Ok(free);
+        }
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        self.sessions[turn % self.sessions.len()]
+            .try_lock_for(self.timeout)
+            .ok_or_else(|| self.unavailable("every session stayed busy past the timeout".into()))
     }
 
     /// Runs `f` on a session, attaching first when the slot has none (at most once per
@@ -137,15 +203,17 @@ impl Inner {
         &self,
         f: impl FnOnce(&mut Session) -> io::Result<T>,
     ) -> Result<T, BackendError> {
-        let mut guard = self.slot();
+        let mut guard = self.slot()?;
         if guard.is_none() {
             if let Some(t) = *self.last_failure.lock()
                 && t.elapsed() < RECONNECT_INTERVAL
             {
                 return Err(self.unavailable("not attached (retrying shortly)".into()));
             }
-            match Session::attach(&self.path, self.timeout) {
+            let known = self.arena.lock().clone();
+            match Session::attach(&self.path, self.timeout, known) {
                 Ok(s) => {
+                    *self.arena.lock() = Some((s.daemon_id, s.arena.clone()));
                     info!(socket = %self.path.display(), daemon = s.daemon_id, arena_bytes = s.arena.len(), "attached to the kvpool daemon");
                     *guard = Some(s);
                 }
@@ -182,6 +250,7 @@ impl Inner {
             let Reply::Pinned(regions) = s.call(&Request::Get { keys })? else {
                 return Err(io::Error::other("a Get answered otherwise"));
             };
+            let answered = Instant::now();
             if regions.len() != n {
                 return Err(io::Error::other("a Get answered the wrong number of keys"));
             }
@@ -196,6 +265,7 @@ impl Inner {
                 // A region outside the arena ends the session (the daemon then reclaims the
                 // pins) before anything is read.
                 let ptr = s.bytes_of(r)?;
+                s.still_leased(answered)?;
                 // SAFETY: the region lies in the mapping and the daemon keeps it unchanged
                 // while pinned (until the release below). The bytes are copied out before the
                 // release: the chunk's checksum is verified on this copy, which no other
@@ -216,6 +286,7 @@ impl Inner {
             let Reply::Prepared(regions) = s.call(&Request::PrepareSave { lens })? else {
                 return Err(io::Error::other("a PrepareSave answered otherwise"));
             };
+            let answered = Instant::now();
             if regions.len() != entries.len() {
                 return Err(io::Error::other("a PrepareSave answered the wrong count"));
             }
@@ -226,6 +297,7 @@ impl Inner {
                     return Err(io::Error::other("an allocation of the wrong length"));
                 }
                 let ptr = s.bytes_of(r)?;
+                s.still_leased(answered)?;
                 // SAFETY: the region lies in the mapping and is this session's allocation,
                 // which nobody reads until it is committed.
                 unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), ptr, value.len()) };
@@ -277,6 +349,7 @@ impl DaemonConnector {
                     .collect(),
                 next: AtomicUsize::new(0),
                 last_failure: Mutex::new(None),
+                arena: Mutex::new(None),
             }),
         }
     }
@@ -349,6 +422,7 @@ impl RemoteConnector for DaemonConnector {
         for slot in &self.inner.sessions {
             *slot.lock() = None;
         }
+        *self.inner.arena.lock() = None;
         Ok(())
     }
 }

@@ -20,7 +20,10 @@ pub use client::{
     socket_path,
 };
 pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
-pub use server::{DEFAULT_LEASE_TTL, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
+pub use server::{
+    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DaemonOptions, DaemonServer, MAX_ITEMS_PER_REQUEST,
+    MAX_REQUEST_BYTES, PoolDaemon, SocketAccess,
+};
 pub use store::{SessionId, SharedStore};
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvpool_core::frame::{read_frame, write_frame};
+use kvpool_core::frame::{read_frame_within, write_frame};
 use kvpool_core::memory::{EvictionKind, MemoryObj};
 use kvpool_core::remote::RemoteConnector;
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
@@ -24,12 +24,20 @@ use tracing::{debug, info, warn};
 
 use super::protocol::{DaemonStats, PROTOCOL_VERSION, Reply, Request};
 use super::store::{SessionId, SharedStore};
-use crate::registry::open_connector;
 use crate::telemetry;
 
 /// How long a pin or uncommitted allocation lives when its engine neither ends it nor
 /// disconnects (an engine copies a value out within one call, so this only bounds a hung one).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
+
+/// The largest request frame the daemon reads (requests carry keys, never values).
+pub const MAX_REQUEST_BYTES: usize = 8 << 20;
+
+/// The most keys, lengths or entries one request may carry.
+pub const MAX_ITEMS_PER_REQUEST: usize = 1 << 16;
+
+/// How long a new connection has to attach.
+pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
 #[derive(Debug, Clone, Copy)]
@@ -46,14 +54,27 @@ pub struct DaemonOptions {
 }
 
 impl DaemonOptions {
-    /// The options `config` describes.
-    pub fn from_config(config: &PoolConfig) -> Self {
-        DaemonOptions {
+    /// The options `config` describes. A daemon's lower tiers must be stores: one naming a
+    /// pool daemon (`kvpool+unix://`) is refused.
+    pub fn from_config(config: &PoolConfig) -> Result<Self, ConfigError> {
+        for tier in &config.tiers {
+            let scheme = tier.url.split_once("://").map_or("", |(s, _)| s);
+            if super::SCHEMES.contains(&scheme) {
+                return Err(ConfigError::Invalid {
+                    field: "tier.url",
+                    reason: format!(
+                        "`{}` is a pool daemon: a daemon's lower tiers must be stores (file://, redis://, s3://, ...)",
+                        kvpool_core::redact_url(&tier.url)
+                    ),
+                });
+            }
+        }
+        Ok(DaemonOptions {
             capacity: config.local_cpu.max_size.as_usize(),
             eviction: config.local_cpu.eviction,
             lease_ttl: DEFAULT_LEASE_TTL,
             write_behind_quota: config.write_behind.quota.as_usize(),
-        }
+        })
     }
 }
 
@@ -76,6 +97,21 @@ struct WriteBehind {
     written: AtomicU64,
 }
 
+/// One batch admitted to the write-behind: its bytes and its count, given back on drop.
+struct WriteBehindBatch {
+    write_behind: Arc<WriteBehind>,
+    bytes: usize,
+}
+
+impl Drop for WriteBehindBatch {
+    fn drop(&mut self) {
+        self.write_behind
+            .bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+        self.write_behind.batches.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The node's pool: shared memory over the lower tiers, answering engines' requests.
 pub struct PoolDaemon {
     store: SharedStore,
@@ -90,32 +126,9 @@ pub struct PoolDaemon {
 }
 
 impl PoolDaemon {
-    /// Opens `config`'s lower tiers (on `runtime`) and creates the shared arena.
-    pub async fn open(config: &PoolConfig, runtime: Handle) -> Result<Self, ConfigError> {
-        let mut tiers: Vec<Arc<dyn RemoteConnector>> = Vec::new();
-        let max_value = config.local_cpu.max_size.as_usize() as u64;
-        for tier in &config.tiers {
-            if super::SCHEMES.contains(&crate::registry::scheme_of(&tier.url)?) {
-                return Err(ConfigError::Invalid {
-                    field: "tier.url",
-                    reason: format!(
-                        "`{}` is a pool daemon: a daemon's lower tiers must be stores (file://, redis://, s3://, ...)",
-                        kvpool_core::redact_url(&tier.url)
-                    ),
-                });
-            }
-            tiers.push(Arc::new(open_connector(tier, max_value).await?));
-        }
-        Self::with_tiers(DaemonOptions::from_config(config), tiers, runtime).map_err(|e| {
-            ConfigError::Invalid {
-                field: "local_cpu.max_size",
-                reason: format!("the shared arena could not be created: {e}"),
-            }
-        })
-    }
-
     /// A daemon over already opened `tiers` (values are written to every one of them and
-    /// read from the first that has them).
+    /// read from the first that has them; `kvpool serve` opens its config's `[[tier]]`s with
+    /// `registry::open_connectors`).
     pub fn with_tiers(
         options: DaemonOptions,
         tiers: Vec<Arc<dyn RemoteConnector>>,
@@ -207,6 +220,20 @@ impl PoolDaemon {
 
     /// Answers one request of `session` (anything but `Attach`).
     pub fn handle(&self, session: SessionId, request: Request) -> Reply {
+        let items = match &request {
+            Request::Exists { keys } | Request::Get { keys } | Request::Delete { keys } => {
+                keys.len()
+            }
+            Request::PrepareSave { lens } => lens.len(),
+            Request::Commit { entries } => entries.len(),
+            Request::Release { ids } => ids.len(),
+            Request::Attach { .. } | Request::Stats => 0,
+        };
+        if items > MAX_ITEMS_PER_REQUEST {
+            return self.refuse(&format!(
+                "{items} items in one request (at most {MAX_ITEMS_PER_REQUEST})"
+            ));
+        }
         match request {
             Request::Attach { .. } => self.refuse("already attached"),
             Request::Exists { keys } => Reply::Exists(self.exists(&keys)),
@@ -319,12 +346,16 @@ impl PoolDaemon {
             return;
         }
         wb.batches.fetch_add(1, Ordering::AcqRel);
+        // Returns the quota and the count however the task ends (even never run, or panicking).
+        let admitted = WriteBehindBatch {
+            write_behind: self.write_behind.clone(),
+            bytes,
+        };
         let entries: Vec<(String, Bytes)> = committed
             .into_iter()
             .map(|(k, v)| (k, Bytes::from_owner(ArenaBytes(v))))
             .collect();
         let tiers = self.tiers.clone();
-        let wb = self.write_behind.clone();
         self.runtime.spawn(async move {
             let mut all_ok = true;
             for tier in &tiers {
@@ -334,12 +365,13 @@ impl PoolDaemon {
                 }
             }
             if all_ok {
-                wb.written
+                admitted
+                    .write_behind
+                    .written
                     .fetch_add(entries.len() as u64, Ordering::Relaxed);
             }
             drop(entries);
-            wb.bytes.fetch_sub(bytes, Ordering::AcqRel);
-            wb.batches.fetch_sub(1, Ordering::AcqRel);
+            drop(admitted);
         });
     }
 }
@@ -383,7 +415,27 @@ pub struct DaemonServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     accept_thread: Option<JoinHandle<()>>,
-    connections: Arc<Mutex<HashMap<SessionId, UnixStream>>>,
+    connections: Arc<Mutex<Connections>>,
+}
+
+/// The attached engines: a clone of each socket (to disconnect it at shutdown) and its
+/// thread (to wait for it).
+type Connections = HashMap<SessionId, (UnixStream, Option<JoinHandle<()>>)>;
+
+/// Ends a session however its thread ends (returning, panicking, or never starting): the
+/// daemon reclaims its leases and forgets its socket.
+struct SessionGuard {
+    daemon: Arc<PoolDaemon>,
+    connections: Arc<Mutex<Connections>>,
+    session: SessionId,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.daemon.end_session(self.session);
+        // The thread's own handle is dropped with the entry (it is this thread).
+        self.connections.lock().remove(&self.session);
+    }
 }
 
 impl DaemonServer {
@@ -391,13 +443,27 @@ impl DaemonServer {
     /// daemon serves), with the permissions `access` says, and serves `daemon`.
     pub fn bind(daemon: Arc<PoolDaemon>, path: &Path, access: SocketAccess) -> io::Result<Self> {
         if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!("a daemon already serves {}", path.display()),
-                ));
+            match UnixStream::connect(path) {
+                // Nobody listens: a socket left by a daemon that died.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(path)?;
+                }
+                Ok(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!("a daemon already serves {}", path.display()),
+                    ));
+                }
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!(
+                            "{} exists and cannot be probed ({e}); not replacing it",
+                            path.display()
+                        ),
+                    ));
+                }
             }
-            std::fs::remove_file(path)?;
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
@@ -416,7 +482,7 @@ impl DaemonServer {
         listener.set_nonblocking(true)?;
         info!(socket = %path.display(), arena_bytes = daemon.store.arena().len(), "kvpool daemon listening");
         let stop = Arc::new(AtomicBool::new(false));
-        let connections: Arc<Mutex<HashMap<SessionId, UnixStream>>> = Arc::default();
+        let connections: Arc<Mutex<Connections>> = Arc::default();
         let accept_thread = {
             let (stop, connections) = (stop.clone(), connections.clone());
             std::thread::Builder::new()
@@ -446,8 +512,17 @@ impl DaemonServer {
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
-        for (_, conn) in self.connections.lock().drain() {
-            let _ = conn.shutdown(std::net::Shutdown::Both);
+        // Disconnect every engine, then wait for their threads: a request being answered
+        // finishes (its tier calls are bounded by their timeouts) before the tiers close.
+        let threads: Vec<JoinHandle<()>> = {
+            let mut conns = self.connections.lock();
+            for (conn, _) in conns.values() {
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
+            conns.values_mut().filter_map(|(_, t)| t.take()).collect()
+        };
+        for t in threads {
+            let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.path);
     }
@@ -463,26 +538,39 @@ fn accept_loop(
     listener: UnixListener,
     daemon: Arc<PoolDaemon>,
     stop: Arc<AtomicBool>,
-    connections: Arc<Mutex<HashMap<SessionId, UnixStream>>>,
+    connections: Arc<Mutex<Connections>>,
 ) {
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, _)) => {
                 let _ = stream.set_nonblocking(false);
                 let session = daemon.new_session();
-                if let Ok(clone) = stream.try_clone() {
-                    connections.lock().insert(session, clone);
-                }
-                let (daemon, connections) = (daemon.clone(), connections.clone());
+                let guard = SessionGuard {
+                    daemon: daemon.clone(),
+                    connections: connections.clone(),
+                    session,
+                };
+                let Ok(clone) = stream.try_clone() else {
+                    warn!("could not clone a session's socket; refusing it");
+                    continue; // the guard ends the session
+                };
+                // Registered before the thread starts, so the guard's removal comes after.
+                connections.lock().insert(session, (clone, None));
+                let daemon = daemon.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("kvpool-daemon-session-{session}"))
                     .spawn(move || {
+                        let _guard = guard;
                         serve_session(&daemon, stream, session);
-                        daemon.end_session(session);
-                        connections.lock().remove(&session);
                     });
-                if let Err(e) = spawned {
-                    warn!("could not start a session thread: {e}");
+                match spawned {
+                    Ok(handle) => {
+                        if let Some(entry) = connections.lock().get_mut(&session) {
+                            entry.1 = Some(handle);
+                        }
+                    }
+                    // The closure, and the guard in it, were dropped: the session ended.
+                    Err(e) => warn!("could not start a session thread: {e}"),
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -498,7 +586,12 @@ fn accept_loop(
 
 /// Serves one engine until it disconnects or sends something that is not a request.
 fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId) {
-    match read_frame::<Request>(&mut stream) {
+    // A connection that never attaches does not hold its thread for ever.
+    if let Err(e) = stream.set_read_timeout(Some(ATTACH_TIMEOUT)) {
+        warn!(session, "cannot bound the attach: {e}");
+        return;
+    }
+    match read_frame_within::<Request>(&mut stream, MAX_REQUEST_BYTES) {
         Ok(Request::Attach { version, client }) if version == PROTOCOL_VERSION => {
             let arena = daemon.store.arena();
             let reply = Reply::Attached {
@@ -516,6 +609,11 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
                 return;
             }
             info!(session, client = %client, "engine attached");
+            // Attached engines may be idle for as long as they like.
+            if let Err(e) = stream.set_read_timeout(None) {
+                warn!(session, "{e}");
+                return;
+            }
         }
         Ok(Request::Attach { version, .. }) => {
             let why = format!(
@@ -537,7 +635,7 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
         }
     }
     loop {
-        let request = match read_frame::<Request>(&mut stream) {
+        let request = match read_frame_within::<Request>(&mut stream, MAX_REQUEST_BYTES) {
             Ok(r) => r,
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
             Err(e) => {

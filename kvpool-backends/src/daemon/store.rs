@@ -144,9 +144,20 @@ impl SharedStore {
         let now = Instant::now();
         let mut st = self.state.lock();
         self.reclaim_expired(&mut st, now);
+        let region = self.pin_locked(&mut st, session, key, now)?;
+        st.counters.memory_hits += 1;
+        Some(region)
+    }
+
+    fn pin_locked(
+        &self,
+        st: &mut State,
+        session: SessionId,
+        key: &str,
+        now: Instant,
+    ) -> Option<Region> {
         let value = st.values.get(key).cloned()?;
         st.policy.on_access(&key.to_string());
-        st.counters.memory_hits += 1;
         let id = st.next_id();
         let region = Self::region(id, value.arena_offset(), value.len());
         st.pins.insert(
@@ -221,13 +232,14 @@ impl SharedStore {
     /// Copies `bytes` (a lower tier's value) into shared memory under `key` and pins it for
     /// `session`; `None` when no room could be made.
     pub fn promote_and_pin(&self, session: SessionId, key: &str, bytes: &[u8]) -> Option<Region> {
+        let now = Instant::now();
         let mut st = self.state.lock();
         let mut buf = self.allocate(&mut st, bytes.len())?;
         buf.as_mut_slice().copy_from_slice(bytes);
         let value = buf.freeze();
         Self::publish(&mut st, key.to_string(), value);
-        drop(st);
-        self.pin(session, key)
+        // Pinned under the same lock: nothing can evict it in between.
+        self.pin_locked(&mut st, session, key, now)
     }
 
     /// Ends `session`'s pins and uncommitted allocations among `ids` (others' are ignored).

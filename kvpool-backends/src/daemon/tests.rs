@@ -275,9 +275,9 @@ async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
     assert_eq!(got[0].as_deref(), Some(&vec![4u8; 64 << 10][..]));
     let stats = run.daemon.stats();
     assert_eq!(
-        (stats.tier_hits, stats.entries),
-        (1, 1),
-        "promoted into memory"
+        (stats.tier_hits, stats.memory_hits, stats.entries),
+        (1, 0, 1),
+        "promoted into memory, counted once"
     );
 }
 
@@ -332,10 +332,17 @@ async fn an_engine_started_before_the_daemon_attaches_once_it_runs() {
     let path = socket(&dir);
     let tier = kvpool_core::TierConfig::new(format!("kvpool+unix://{}", path.display()));
     // Opening succeeds (with a warning): the engine serves with misses meanwhile.
-    let engine = crate::registry::open_tier(&tier, ChunkCodec::default(), 1 << 20)
+    let request = crate::backend_factory::TierRequest {
+        tier: &tier,
+        max_chunk_bytes: 1 << 20,
+    };
+    let engine = crate::backend_factory::BackendFactory::open(&DaemonFactory, &request)
         .await
         .unwrap();
-    assert!(engine.contains(&[]).await.unwrap().is_empty());
+    assert!(
+        engine.batch_get(&["k".into()]).await.is_err(),
+        "no daemon yet"
+    );
     let _run = start(&path, MIB, vec![]);
     tokio::time::sleep(RECONNECT_INTERVAL + Duration::from_millis(100)).await;
     let direct = client(&path);
@@ -418,16 +425,67 @@ async fn a_daemon_naming_bytes_outside_its_arena_is_refused_before_anything_is_r
     assert!(fake.join().unwrap(), "the engine kept the session");
 }
 
-#[tokio::test]
-async fn a_daemon_refuses_another_daemon_as_its_lower_tier() {
+#[test]
+fn a_daemon_refuses_another_daemon_as_its_lower_tier() {
     let mut config = kvpool_core::PoolConfig::default();
-    config.local_cpu.max_size = kvpool_core::ByteSize::mib(1);
     config.tiers.push(kvpool_core::TierConfig::new(
         "kvpool+unix:///run/kvpool/kvpool.sock",
     ));
-    let err = PoolDaemon::open(&config, tokio::runtime::Handle::current())
-        .await
-        .err()
-        .unwrap();
+    let err = DaemonOptions::from_config(&config).err().unwrap();
     assert!(err.to_string().contains("is a pool daemon"), "{err}");
+    config.tiers[0] = kvpool_core::TierConfig::new("memory://");
+    assert!(DaemonOptions::from_config(&config).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_arena_descriptor_an_engine_receives_is_closed_on_exec() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let _run = start(&path, MIB, vec![]);
+    let engine = client(&path);
+    engine.attach().unwrap();
+    let mut arenas = 0;
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
+        let entry = entry.unwrap();
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().starts_with("/memfd:kvpool-l1") {
+            continue;
+        }
+        let fd: i32 = entry.file_name().to_string_lossy().parse().unwrap();
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags >= 0 {
+            arenas += 1;
+            assert_ne!(
+                flags & libc::FD_CLOEXEC,
+                0,
+                "fd {fd} ({target:?}) survives exec"
+            );
+        }
+    }
+    // The daemon's own descriptor, and the engine's.
+    assert!(arenas >= 2, "{arenas} arena descriptors found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_too_many_items_is_refused_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let _run = start(&path, MIB, vec![]);
+    let mut engine = raw_session(&path);
+    let keys = vec![String::new(); MAX_ITEMS_PER_REQUEST + 1];
+    let reply = call(&mut engine, Request::Exists { keys });
+    assert!(
+        matches!(reply, Reply::Error(ref why) if why.contains("items")),
+        "{reply:?}"
+    );
+    let reply = call(
+        &mut engine,
+        Request::Exists {
+            keys: vec!["k".into()],
+        },
+    );
+    assert_eq!(reply, Reply::Exists(vec![false]));
 }

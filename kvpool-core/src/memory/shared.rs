@@ -30,7 +30,8 @@ unsafe impl Sync for SharedMapping {}
 
 impl SharedMapping {
     /// Creates a zero-filled memory file of `len` bytes named `name` (for `/proc/*/fd`
-    /// listings only) and maps it.
+    /// listings only) and maps it. The file's size is sealed: no process it is passed to can
+    /// shrink it (which would make every mapping's accesses past the new end fault).
     pub fn create(name: &str, len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::new(
@@ -41,7 +42,9 @@ impl SharedMapping {
         let name = CString::new(name)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
         // SAFETY: `name` is a valid C string; the flags are valid for memfd_create.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -51,6 +54,11 @@ impl SharedMapping {
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "mapping too large"))?;
         // SAFETY: `fd` is a valid memfd; growing it zero-fills.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: `fd` is a memfd created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(io::Error::last_os_error());
         }
         Self::map(fd, len)
@@ -194,6 +202,21 @@ impl HostAllocator for SharedMemoryAllocator {
 mod tests {
     use super::*;
     use crate::memory::{MemoryObj, MemoryObjMut, MemoryPool};
+
+    #[test]
+    fn no_process_can_resize_the_memory_file() {
+        let mapping = SharedMapping::create("kvpool-test-sealed", 1 << 16).unwrap();
+        let fd = mapping.fd().as_raw_fd();
+        // SAFETY: a valid descriptor; the call is expected to fail.
+        let shrunk = unsafe { libc::ftruncate(fd, 4096) };
+        // SAFETY: as above.
+        let grown = unsafe { libc::ftruncate(fd, 1 << 20) };
+        // SAFETY: as above.
+        let resealed = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, 0) };
+        assert_ne!(shrunk, 0, "shrunk");
+        assert_ne!(grown, 0, "grown");
+        assert_ne!(resealed, 0, "seals changed");
+    }
 
     #[test]
     fn a_second_mapping_of_the_file_sees_the_pools_bytes_and_writes_back() {
