@@ -43,21 +43,16 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The config with the command line's overrides, as every pool command reads it.
     fn load(&self) -> anyhow::Result<PoolConfig> {
-        let mut cfg = match &self.config {
-            Some(path) => PoolConfig::from_file(path)?,
-            None => PoolConfig::default(),
-        };
-        if let Some(s) = self.cpu_size {
-            cfg.local_cpu.max_size = s;
+        crate::PoolArgs {
+            config: self.config.clone(),
+            cpu_size: self.cpu_size,
+            policy: self.policy,
+            chunk_size: None,
+            tiers: self.tiers.clone(),
         }
-        if let Some(p) = self.policy {
-            cfg.local_cpu.eviction = p;
-        }
-        cfg.tiers
-            .extend(self.tiers.iter().map(kvpool_core::TierConfig::new));
-        cfg.validate()?;
-        Ok(cfg)
+        .load()
     }
 }
 
