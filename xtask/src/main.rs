@@ -229,7 +229,7 @@ fn ci() -> Result<(), String> {
     })?;
     // A bounded fuzzing pass and the sanitizer run, then every backend against real
     // servers, and last kvpool inside real vLLM and SGLang.
-    clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "30".into()]))?;
+    clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "15".into()]))?;
     clock.stage("sanitize", sanitize::sanitize)?;
     // Anonymous RSS still drifts up by about 0.2 MiB a minute after the warm-up (medians of
     // the first and last windows; docs/reliability.md); until that is explained, 2 minutes may
