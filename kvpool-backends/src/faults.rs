@@ -47,6 +47,9 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
         self.inner.set_event_log(events);
     }
+    fn reads_node_memory(&self) -> bool {
+        self.inner.reads_node_memory()
+    }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await
     }
@@ -175,6 +178,9 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     }
     fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
         self.inner.set_event_log(events);
+    }
+    fn reads_node_memory(&self) -> bool {
+        self.inner.reads_node_memory()
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.ask(1).await?;

@@ -124,6 +124,15 @@ impl LeaseTable {
         fitting
     }
 
+    /// Bytes a new lease for `req_id` could hold now (the budget less every other request's
+    /// lease: a grant replaces the request's own).
+    pub fn room_for(&self, req_id: &str) -> usize {
+        let mut st = self.state.lock();
+        self.expire(&mut st, Instant::now());
+        let own = st.by_request.get(req_id).map_or(0, |l| l.bytes);
+        self.max_bytes.saturating_sub(st.bytes - own)
+    }
+
     /// Takes `req_id`'s lease (the load uses its chunks); `None` if it has none.
     pub fn take(&self, req_id: &str) -> Option<Lease> {
         let mut st = self.state.lock();
@@ -154,8 +163,20 @@ impl LeaseTable {
     }
 }
 
+/// How long a lookup may spend loading chunks from a tier that [reads node
+/// memory](kvpool_core::StorageManager::tier_reads_node_memory) before it leaves them to an
+/// asynchronous load. A copy out of the node's shared memory takes milliseconds; a tier this
+/// slow is overloaded, and the scheduler must not wait on it.
+pub const NODE_MEMORY_LOAD_BUDGET: Duration = Duration::from_millis(500);
+
 /// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier), leasing the
-/// leading run L1 holds under `req_id` (no lease when `req_id` is empty).
+/// leading run held in memory under `req_id` (no lease when `req_id` is empty).
+///
+/// Held in memory means: in L1, then the run right after it that the first lower tier
+/// reading node memory (the node's pool daemon) holds, which the lookup loads into L1 at
+/// once, as much as the lease budget has room for and within [`NODE_MEMORY_LOAD_BUDGET`].
+/// Those chunks are decoded and checked like any lower tier's, and when they complete the
+/// answer the request loads them before its forward pass like an L1 hit.
 ///
 /// A chunk L1 reported but lost before it could be leased ends the answer there: a promise
 /// is only made for what is held or what a lower tier reported.
@@ -176,20 +197,45 @@ pub async fn lookup_and_lease(
     let found = engine.storage().lookup(&keys).await;
     let chunk = engine.token_database().chunk_size();
     kvpool_core::cache_engine::record_lookup(keys.len() * chunk, found.len() * chunk);
-    let primary = engine.storage().primary_tier();
+    let storage = engine.storage();
+    let primary = storage.primary_tier();
     let in_l1 = found
         .tiers
         .iter()
         .take_while(|t| Some(**t) == primary)
         .count();
-    if req_id.is_empty() || in_l1 == 0 {
+    let node_tier = found.tiers[in_l1..]
+        .first()
+        .copied()
+        .filter(|&t| primary.is_some() && storage.tier_reads_node_memory(t));
+    let in_node_memory = node_tier.map_or(0, |t| {
+        found.tiers[in_l1..].iter().take_while(|&&x| x == t).count()
+    });
+    if req_id.is_empty() || in_l1 + in_node_memory == 0 {
         return LookupAnswer {
             chunks: found.len(),
             leased: 0,
         };
     }
-    let held = engine.storage().primary_get_prefix(&keys[..in_l1]).await;
+    let mut held = storage.primary_get_prefix(&keys[..in_l1]).await;
     let got = held.len();
+    let room = leases
+        .room_for(req_id)
+        .saturating_sub(held.iter().map(|c| c.data.len()).sum());
+    let fitting = in_node_memory.min(room / engine.layout().chunk_bytes(chunk).max(1));
+    if let (Some(t), true) = (node_tier, got == in_l1 && fitting > 0) {
+        let wanted = &keys[in_l1..in_l1 + fitting];
+        match tokio::time::timeout(NODE_MEMORY_LOAD_BUDGET, storage.get_prefix_from(t, wanted))
+            .await
+        {
+            Ok(loaded) => held.extend(loaded),
+            Err(_) => tracing::warn!(
+                tier = %storage.tier_names()[t],
+                budget_ms = NODE_MEMORY_LOAD_BUDGET.as_millis() as u64,
+                "loading from node memory at lookup ran past its budget; loading asynchronously"
+            ),
+        }
+    }
     let leased = leases.grant(
         req_id,
         chunk_hashes.iter().copied().zip(held).collect::<Vec<_>>(),

@@ -2,11 +2,17 @@
 
 use std::sync::Arc;
 
+use async_trait::async_trait;
+use bytes::Bytes;
+use kvpool_backends::InMemoryConnector;
+use kvpool_backends::registry::{BackendFactory, TierRequest, register_scheme};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest, LeaseTable,
     ScheduledRequest,
 };
-use kvpool_core::{ByteSize, HostPagedKvCache, PoolConfig};
+use kvpool_core::{
+    BackendError, ByteSize, ConfigError, HostPagedKvCache, PoolConfig, RemoteConnector,
+};
 
 struct Setup {
     runtime: Arc<tokio::runtime::Runtime>,
@@ -15,6 +21,11 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_with_tier(None)
+}
+
+/// A pool with L1 and, with `tier`, that lower tier (a URL).
+fn setup_with_tier(tier: Option<&str>) -> Setup {
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -25,6 +36,7 @@ fn setup() -> Setup {
     let mut config = PoolConfig::default();
     config.local_cpu.max_size = ByteSize::mib(256);
     config.chunking.chunk_size = 16;
+    config.tiers.extend(tier.map(kvpool_core::TierConfig::new));
     let engine = runtime
         .block_on(kvpool_backends::build_pool(&config))
         .unwrap()
@@ -272,4 +284,109 @@ fn decode_tokens_join_only_at_the_schedulers_own_count() {
     assert!(t.token_stream_broken);
     assert_eq!(t.token_ids.len(), 40);
     assert_eq!(sched.token_count("b"), None);
+}
+
+/// Process memory shared by every pool that opens its scheme (so one pool can read what
+/// another stored), saying whether its reads are node memory as the pool daemon's tier does.
+struct SharedStore {
+    store: InMemoryConnector,
+    node_memory: bool,
+}
+
+#[async_trait]
+impl BackendFactory for SharedStore {
+    fn example(&self) -> String {
+        String::new()
+    }
+    async fn open(&self, _: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
+        Ok(Box::new(SharedTier {
+            store: self.store.clone(),
+            node_memory: self.node_memory,
+        }))
+    }
+}
+
+struct SharedTier {
+    store: InMemoryConnector,
+    node_memory: bool,
+}
+
+#[async_trait]
+impl RemoteConnector for SharedTier {
+    fn name(&self) -> &str {
+        "shared"
+    }
+    fn reads_node_memory(&self) -> bool {
+        self.node_memory
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.store.batch_exists(keys).await
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.store.batch_get(keys).await
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.store.batch_put(entries).await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.store.batch_delete(keys).await
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_synchronous() {
+    for (scheme, node_memory) in [("nodememory", true), ("elsewhere", false)] {
+        register_scheme(
+            scheme,
+            SharedStore {
+                store: InMemoryConnector::new(),
+                node_memory,
+            },
+        )
+        .unwrap();
+        let url = format!("{scheme}://");
+        // One engine computes and stores the prefix; it reaches the shared tier.
+        let writer = setup_with_tier(Some(&url));
+        store(&writer, 64);
+        writer
+            .runtime
+            .block_on(writer.engine.storage().flush())
+            .unwrap();
+        // Another engine, its L1 empty, finds it in the shared tier.
+        let reader = setup_with_tier(Some(&url));
+        let mut sched = scheduler(&reader, false);
+        let answer = sched.get_num_new_matched_tokens(&request("a", 64, false), 0);
+        let hits = reader.engine.storage().stats().tiers[1].hit_chunks;
+        if node_memory {
+            assert_eq!(answer, (48, false), "loaded at lookup: a synchronous load");
+            assert_eq!(reader.leases.stats().leases, 1);
+            assert_eq!(hits, 3, "three chunks read from node memory");
+            // They were promoted into L1 and are leased, so the worker's load reads memory.
+            let meta = {
+                sched.update_state_after_alloc("a", &[0, 1, 2, 3], 48);
+                sched.build_connector_meta(&[step("a", 64, vec![])])
+            };
+            assert!(!meta.requests[0].load.unwrap().asynchronous);
+            // A lease budget of one chunk: the lookup loads only what it can lease; the rest
+            // is left to an asynchronous load.
+            let tight = Setup {
+                leases: Arc::new(LeaseTable::new(
+                    reader.engine.layout().chunk_bytes(16),
+                    std::time::Duration::from_secs(60),
+                )),
+                ..setup_with_tier(Some(&url))
+            };
+            let mut sched = scheduler(&tight, false);
+            let answer = sched.get_num_new_matched_tokens(&request("b", 64, false), 0);
+            assert_eq!(answer, (48, true));
+            assert_eq!(tight.engine.storage().stats().tiers[1].hit_chunks, 1);
+        } else {
+            assert_eq!(answer, (48, true), "any other tier loads asynchronously");
+            assert_eq!(reader.leases.stats().leases, 0);
+            assert_eq!(hits, 0, "a lookup reads nothing from it");
+        }
+    }
 }

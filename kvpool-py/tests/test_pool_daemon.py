@@ -32,7 +32,7 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     default multi-process mode) is served every prompt sharing it from the daemon. Then A is
     killed with SIGKILL right after a batch (its write-behind to the daemon may be in
     flight): the daemon ends A's session and reclaims what it held; A restarted is served its
-    first repeated prompt from the daemon."""
+    first repeated prompt from the daemon, loaded synchronously (before its forward pass)."""
     daemon = pool_daemon("shared")
     cfg = attach(daemon)
     prompts = shared_prefix_prompts(3, seed=40)
@@ -61,6 +61,10 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     assert_same_outputs(pick(base, [0]), again, "A restarted")
     assert again["results"][0]["num_cached_tokens"] >= PREFIX
     assert again["stats"]["loaded_tokens"] >= PREFIX
+    # Read from the daemon's shared memory at lookup: loaded before the forward pass, as an
+    # L1 hit is, not a step later.
+    assert again["stats"]["async_loads"] == 0, again["stats"]
+    assert again["stats"]["sync_loads"] >= 1, again["stats"]
 
 
 def test_the_daemon_killed_mid_run_costs_only_recomputes_and_its_disk_serves_after_a_restart(

@@ -387,6 +387,11 @@ impl RemoteConnector for DaemonConnector {
         &self.inner.name
     }
 
+    /// A read copies a value out of the daemon's shared arena.
+    fn reads_node_memory(&self) -> bool {
+        true
+    }
+
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         let keys = keys.to_vec();
         self.blocking(move |inner| {

@@ -123,6 +123,11 @@ pub trait StorageBackend: Send + Sync + 'static {
     /// (evictions). The default ignores it: writes and removals the manager makes are recorded
     /// by the manager.
     fn set_event_log(&self, _events: std::sync::Arc<crate::storage::tier_events::TierEventLog>) {}
+    /// Whether a read is a copy out of memory on this node, with no I/O (see
+    /// [`crate::storage::remote::RemoteConnector::reads_node_memory`]). The default is `false`.
+    fn reads_node_memory(&self) -> bool {
+        false
+    }
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

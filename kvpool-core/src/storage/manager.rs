@@ -379,18 +379,64 @@ impl StorageManager {
                 prefix += 1;
             }
         }
-        let loaded = prefix;
+        let loaded: Vec<(usize, Chunk)> = chunks
+            .into_iter()
+            .take(prefix)
+            .map(|c| c.expect("in prefix"))
+            .collect();
+        self.count_hits_and_promote(keys, &loaded).await;
+        self.counters.missed((keys.len() - loaded.len()) as u64);
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        loaded
+    }
+
+    /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
+    /// node with no I/O (see [`StorageBackend::reads_node_memory`]).
+    pub fn tier_reads_node_memory(&self, t: usize) -> bool {
+        self.tiers
+            .get(t)
+            .is_some_and(|tier| tier.backend.reads_node_memory())
+    }
+
+    /// The leading run of `keys` that tier `t` alone holds, promoted into L1 like any other
+    /// hit; stops at the first key it lacks and asks no other tier. What a lookup uses to
+    /// load from a tier that [reads node memory](StorageManager::tier_reads_node_memory).
+    pub async fn get_prefix_from(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
+        let Some(tier) = self.tiers.get(t) else {
+            return Vec::new();
+        };
+        if self.ensure_open().is_err() || keys.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let result = tier.backend.get(keys).await;
+        tier.counters.call(TierOp::Get, started.elapsed());
+        let loaded: Vec<(usize, Chunk)> = match result {
+            Ok(values) => values
+                .into_iter()
+                .map_while(|v| v.map(|c| (t, c)))
+                .collect(),
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
+                Vec::new()
+            }
+        };
+        self.count_hits_and_promote(keys, &loaded).await;
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        loaded.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// Counts each loaded chunk as a hit of the tier that served it, and promotes those a
+    /// lower tier served into L1 (when `promote_on_hit`). `loaded[i]` is the chunk of `keys[i]`.
+    async fn count_hits_and_promote(&self, keys: &[CacheKey], loaded: &[(usize, Chunk)]) {
         let mut promote = Vec::new();
-        for (i, (t, c)) in chunks[..loaded]
-            .iter()
-            .map(|c| c.as_ref().expect("in prefix"))
-            .enumerate()
-        {
+        for (key, (t, c)) in keys.iter().zip(loaded) {
             let tier = &self.tiers[*t];
             tier.counters
                 .hit(u64::from(c.meta.token_count), c.data.len() as u64);
             if Some(*t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
-                promote.push((keys[i].clone(), c.clone()));
+                promote.push((key.clone(), c.clone()));
             }
         }
         if let (Some(p), false) = (self.primary, promote.is_empty()) {
@@ -404,13 +450,6 @@ impl StorageManager {
                 }
             }
         }
-        self.counters.missed((keys.len() - loaded) as u64);
-        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
-        chunks
-            .into_iter()
-            .take(loaded)
-            .map(|c| c.expect("in prefix"))
-            .collect()
     }
 
     /// Stores entries: synchronously into L1, then schedules write-behind to each lower tier.

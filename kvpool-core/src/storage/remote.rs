@@ -44,6 +44,14 @@ pub trait RemoteConnector: Send + Sync + 'static {
     /// (capacity evictions, expiry). The default ignores it.
     fn set_event_log(&self, _events: Arc<TierEventLog>) {}
 
+    /// Whether a read is a copy out of memory on this node, with no network or disk I/O (the
+    /// node's pool daemon). A lookup then loads this tier's chunks at once, so the request
+    /// loads them before its forward pass like an L1 hit instead of waiting a step for an
+    /// asynchronous load. The default is `false`.
+    fn reads_node_memory(&self) -> bool {
+        false
+    }
+
     /// Whether `key` exists.
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         let answers = self.batch_exists(&[key.to_string()]).await?;
@@ -82,6 +90,9 @@ fn one_answer<T>(backend: &str, answers: Vec<T>) -> Result<T, BackendError> {
 impl RemoteConnector for Box<dyn RemoteConnector> {
     fn name(&self) -> &str {
         (**self).name()
+    }
+    fn reads_node_memory(&self) -> bool {
+        (**self).reads_node_memory()
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         (**self).exists(key).await
@@ -192,6 +203,10 @@ fn key_strings(keys: &[CacheKey]) -> Vec<String> {
 impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     fn name(&self) -> &str {
         self.connector.name()
+    }
+
+    fn reads_node_memory(&self) -> bool {
+        self.connector.reads_node_memory()
     }
 
     async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError> {
