@@ -37,6 +37,17 @@ impl<C: RemoteConnector> FaultInjector<C> {
     fn nth(counter: &AtomicU64, every: u64) -> bool {
         every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(every)
     }
+
+    /// Fails every `fail_get_every`-th get.
+    fn injected_get_failure(&self) -> Result<(), BackendError> {
+        if Self::nth(&self.gets, self.fail_get_every) {
+            return Err(BackendError::Unavailable {
+                backend: self.inner.name().to_string(),
+                reason: "injected failure".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -63,13 +74,15 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         self.inner.batch_exists(keys).await
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        if Self::nth(&self.gets, self.fail_get_every) {
-            return Err(BackendError::Unavailable {
-                backend: self.inner.name().to_string(),
-                reason: "injected failure".into(),
-            });
-        }
+        self.injected_get_failure()?;
         self.inner.batch_get(keys).await
+    }
+    async fn batch_get_node_memory(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.injected_get_failure()?;
+        self.inner.batch_get_node_memory(keys).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let entries = entries
@@ -208,6 +221,13 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.ask(keys.len()).await?;
         self.inner.batch_get(keys).await
+    }
+    async fn batch_get_node_memory(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.ask(keys.len()).await?;
+        self.inner.batch_get_node_memory(keys).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;

@@ -225,8 +225,11 @@ pub async fn lookup_and_lease(
     let fitting = in_node_memory.min(room / engine.layout().chunk_bytes(chunk).max(1));
     if let (Some(t), true) = (node_tier, got == in_l1 && fitting > 0) {
         let wanted = &keys[in_l1..in_l1 + fitting];
-        match tokio::time::timeout(NODE_MEMORY_LOAD_BUDGET, storage.get_prefix_from(t, wanted))
-            .await
+        match tokio::time::timeout(
+            NODE_MEMORY_LOAD_BUDGET,
+            storage.get_node_memory_prefix(t, wanted),
+        )
+        .await
         {
             Ok(loaded) => held.extend(loaded),
             Err(_) => tracing::warn!(

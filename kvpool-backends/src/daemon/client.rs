@@ -244,10 +244,21 @@ impl Inner {
         }
     }
 
-    fn get(&self, keys: Vec<String>) -> Result<Vec<Option<Bytes>>, BackendError> {
+    /// Copies the values of `keys` out of the arena; with `resident_only`, only those shared
+    /// memory holds (the daemon reads none of its lower tiers).
+    fn get(
+        &self,
+        keys: Vec<String>,
+        resident_only: bool,
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.with_session(|s| {
             let n = keys.len();
-            let Reply::Pinned(regions) = s.call(&Request::Get { keys })? else {
+            let request = if resident_only {
+                Request::GetResident { keys }
+            } else {
+                Request::Get { keys }
+            };
+            let Reply::Pinned(regions) = s.call(&request)? else {
                 return Err(io::Error::other("a Get answered otherwise"));
             };
             let answered = Instant::now();
@@ -405,7 +416,15 @@ impl RemoteConnector for DaemonConnector {
 
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         let keys = keys.to_vec();
-        self.blocking(move |inner| inner.get(keys)).await
+        self.blocking(move |inner| inner.get(keys, false)).await
+    }
+
+    async fn batch_get_node_memory(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| inner.get(keys, true)).await
     }
 
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {

@@ -3,7 +3,8 @@
 //!
 //! - `protocol.rs`: the requests and replies on the Unix socket;
 //! - `store.rs`: the values in shared memory, with per-session pins and allocations;
-//! - `server.rs`: the daemon (store and lower tiers) and its socket;
+//! - `pool.rs`: the daemon's pool (the store over the lower tiers), answering requests;
+//! - `server.rs`: the daemon's socket and the engines' sessions;
 //! - `client.rs`: the engine's `kvpool+unix://` tier.
 //!
 //! Engines store values already encoded in the chunk format (checksummed, bound to their
@@ -11,6 +12,7 @@
 //! value holds for the daemon's. docs/design/pool-daemon.md has the design.
 
 mod client;
+mod pool;
 mod protocol;
 mod server;
 mod store;
@@ -19,11 +21,12 @@ pub use client::{
     DaemonConnector, DaemonFactory, RECONNECT_INTERVAL, SCHEMES, SESSIONS_PER_CONNECTOR,
     socket_path,
 };
-pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
-pub use server::{
-    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DaemonOptions, DaemonServer, MAX_ITEMS_PER_REQUEST,
-    MAX_REQUEST_BYTES, PoolDaemon, SocketAccess,
+pub use pool::{
+    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DaemonOptions, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES,
+    PoolDaemon,
 };
+pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
+pub use server::{DaemonServer, SocketAccess};
 pub use store::{SessionId, SharedStore};
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 /// The protocol version an engine and the daemon must share.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2 added `GetResident`.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// A region of the daemon's arena lent to one session: a pinned value to read, or an
 /// allocation to write and then commit. `id` names it in `Release` and `Commit`.
@@ -38,6 +39,12 @@ pub enum Request {
     /// Pins each key's value for reading (promoting it from a lower tier into shared memory
     /// first when needed). The engine copies the bytes out, then releases the pins.
     Get {
+        /// Keys to read.
+        keys: Vec<String>,
+    },
+    /// `Get` of what shared memory holds, reading no lower tier: what an engine's lookup
+    /// asks, so that it never waits on the daemon's disk or network. Answered with `Pinned`.
+    GetResident {
         /// Keys to read.
         keys: Vec<String>,
     },
@@ -81,7 +88,7 @@ pub enum Reply {
     },
     /// One answer per key of `Exists`.
     Exists(Vec<bool>),
-    /// One answer per key of `Get`: the pinned value, or `None` for a miss.
+    /// One answer per key of `Get` or `GetResident`: the pinned value, or `None` for a miss.
     Pinned(Vec<Option<Region>>),
     /// One answer per length of `PrepareSave`: the allocation, or `None` when no room could
     /// be made.

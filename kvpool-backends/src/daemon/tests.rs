@@ -282,6 +282,33 @@ async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let disk: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
+    disk.put("below", value(5, 4096)).await.unwrap();
+    let run = start(&path, 16 * MIB, vec![disk]);
+    let engine = client(&path);
+    assert!(engine.reads_node_memory());
+    engine
+        .batch_put(vec![("resident".into(), value(6, 4096))])
+        .await
+        .unwrap();
+    let keys = ["resident".to_string(), "below".to_string()];
+    // What a lookup asks: shared memory only, the lower tier untouched.
+    let got = engine.batch_get_node_memory(&keys).await.unwrap();
+    assert_eq!(got[0].as_deref(), Some(&vec![6u8; 4096][..]));
+    assert!(got[1].is_none(), "read from the daemon's lower tier");
+    assert_eq!(run.daemon.stats().tier_hits, 0);
+    // A plain get promotes it from the lower tier.
+    let got = engine.batch_get(&keys).await.unwrap();
+    assert_eq!(got[1].as_deref(), Some(&vec![5u8; 4096][..]));
+    assert_eq!(run.daemon.stats().tier_hits, 1);
+    // Both leave nothing pinned.
+    assert_eq!(wait_for(&run.daemon, |s| s.pins == 0).pins, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_arena_evicts_unheld_values_and_refuses_what_cannot_fit() {
     let dir = tempfile::tempdir().unwrap();
     let path = socket(&dir);

@@ -128,6 +128,11 @@ pub trait StorageBackend: Send + Sync + 'static {
     fn reads_node_memory(&self) -> bool {
         false
     }
+    /// For a tier that reads node memory: [`StorageBackend::get`] of what that memory holds,
+    /// reading no slower storage behind it. The default is [`StorageBackend::get`].
+    async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
+        self.get(keys).await
+    }
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -398,10 +398,11 @@ impl StorageManager {
             .is_some_and(|tier| tier.backend.reads_node_memory())
     }
 
-    /// The leading run of `keys` that tier `t` alone holds, promoted into L1 like any other
-    /// hit; stops at the first key it lacks and asks no other tier. What a lookup uses to
-    /// load from a tier that [reads node memory](StorageManager::tier_reads_node_memory).
-    pub async fn get_prefix_from(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
+    /// The leading run of `keys` that tier `t`, a tier that [reads node
+    /// memory](StorageManager::tier_reads_node_memory), holds in that memory, promoted into L1
+    /// like any other hit. Stops at the first key it lacks and asks no other tier, nor the
+    /// storage behind it: what a lookup loads.
+    pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
         let Some(tier) = self.tiers.get(t) else {
             return Vec::new();
         };
@@ -409,7 +410,7 @@ impl StorageManager {
             return Vec::new();
         }
         let started = Instant::now();
-        let result = tier.backend.get(keys).await;
+        let result = tier.backend.get_node_memory(keys).await;
         tier.counters.call(TierOp::Get, started.elapsed());
         let loaded: Vec<(usize, Chunk)> = match result {
             Ok(values) => values

@@ -52,6 +52,17 @@ pub trait RemoteConnector: Send + Sync + 'static {
         false
     }
 
+    /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): the values of
+    /// `keys` held in that memory, reading no slower storage behind it (the daemon's own lower
+    /// tiers), so that a lookup never waits on a disk or a network. The default is
+    /// [`RemoteConnector::batch_get`].
+    async fn batch_get_node_memory(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.batch_get(keys).await
+    }
+
     /// Whether `key` exists.
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         let answers = self.batch_exists(&[key.to_string()]).await?;
@@ -93,6 +104,12 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     }
     fn reads_node_memory(&self) -> bool {
         (**self).reads_node_memory()
+    }
+    async fn batch_get_node_memory(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        (**self).batch_get_node_memory(keys).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         (**self).exists(key).await
@@ -193,6 +210,47 @@ impl<C: RemoteConnector> RemoteBackend<C> {
             data: buf.freeze(),
         })
     }
+
+    /// Decodes the values a batch get answered for `keys` (`names`: their strings), counting
+    /// hits and misses; a value that fails its checks is a miss and is deleted from the store.
+    async fn decode_values(
+        &self,
+        keys: &[CacheKey],
+        names: &[String],
+        values: Vec<Option<Bytes>>,
+    ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut corrupt = Vec::new();
+        for ((key, name), value) in keys.iter().zip(names).zip(values) {
+            let Some(bytes) = value else {
+                self.counters.misses.add(1);
+                out.push(None);
+                continue;
+            };
+            match self.decode(key, &bytes) {
+                Ok(chunk) => {
+                    self.counters.hits.add(1);
+                    self.counters.bytes_read.add(chunk.data.len() as u64);
+                    out.push(Some(chunk));
+                }
+                Err(e) => {
+                    warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
+                    self.counters.corrupt.add(1);
+                    self.counters.misses.add(1);
+                    metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
+                        .increment(1);
+                    corrupt.push(name.clone());
+                    out.push(None);
+                }
+            }
+        }
+        if !corrupt.is_empty()
+            && let Err(e) = self.connector.batch_delete(&corrupt).await
+        {
+            warn!(backend = self.name(), error = %e, "could not delete corrupt chunks");
+        }
+        Ok(out)
+    }
 }
 
 fn key_strings(keys: &[CacheKey]) -> Vec<String> {
@@ -224,37 +282,17 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         }
         let names = key_strings(keys);
         let values = self.connector.batch_get(&names).await?;
-        let mut out = Vec::with_capacity(keys.len());
-        let mut corrupt = Vec::new();
-        for ((key, name), value) in keys.iter().zip(&names).zip(values) {
-            let Some(bytes) = value else {
-                self.counters.misses.add(1);
-                out.push(None);
-                continue;
-            };
-            match self.decode(key, &bytes) {
-                Ok(chunk) => {
-                    self.counters.hits.add(1);
-                    self.counters.bytes_read.add(chunk.data.len() as u64);
-                    out.push(Some(chunk));
-                }
-                Err(e) => {
-                    warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
-                    self.counters.corrupt.add(1);
-                    self.counters.misses.add(1);
-                    metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
-                        .increment(1);
-                    corrupt.push(name.clone());
-                    out.push(None);
-                }
-            }
+        self.decode_values(keys, &names, values).await
+    }
+
+    async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
         }
-        if !corrupt.is_empty()
-            && let Err(e) = self.connector.batch_delete(&corrupt).await
-        {
-            warn!(backend = self.name(), error = %e, "could not delete corrupt chunks");
-        }
-        Ok(out)
+        let names = key_strings(keys);
+        let values = self.connector.batch_get_node_memory(&names).await?;
+        self.decode_values(keys, &names, values).await
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {

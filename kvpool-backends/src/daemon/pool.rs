@@ -1,0 +1,382 @@
+//! The daemon's pool: shared memory over the lower tiers, answering one engine's request at a
+//! time (lookups, pins, saves, promotion and write-behind to the lower tiers).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvpool_core::memory::{EvictionKind, MemoryObj};
+use kvpool_core::remote::RemoteConnector;
+use kvpool_core::{ConfigError, PoolConfig, PoolError};
+use tokio::runtime::Handle;
+use tracing::{debug, info, warn};
+
+use super::protocol::{DaemonStats, Reply, Request};
+use super::store::{SessionId, SharedStore};
+use crate::telemetry;
+
+/// How long a pin or uncommitted allocation lives when its engine neither ends it nor
+/// disconnects (an engine copies a value out within one call, so this only bounds a hung one).
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
+
+/// The largest request frame the daemon reads (requests carry keys, never values).
+pub const MAX_REQUEST_BYTES: usize = 8 << 20;
+
+/// The most keys, lengths or entries one request may carry.
+pub const MAX_ITEMS_PER_REQUEST: usize = 1 << 16;
+
+/// How long a new connection has to attach.
+pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
+#[derive(Debug, Clone, Copy)]
+pub struct DaemonOptions {
+    /// The shared arena's size: the node's memory budget for KV.
+    pub capacity: usize,
+    /// Which values leave shared memory first.
+    pub eviction: EvictionKind,
+    /// See [`DEFAULT_LEASE_TTL`].
+    pub lease_ttl: Duration,
+    /// Bytes of committed values being written to the lower tiers at once; more are not
+    /// written (counted).
+    pub write_behind_quota: usize,
+}
+
+impl DaemonOptions {
+    /// The options `config` describes. A daemon's lower tiers must be stores: one naming a
+    /// pool daemon (`kvpool+unix://`) is refused.
+    pub fn from_config(config: &PoolConfig) -> Result<Self, ConfigError> {
+        for tier in &config.tiers {
+            let scheme = tier.url.split_once("://").map_or("", |(s, _)| s);
+            if super::SCHEMES.contains(&scheme) {
+                return Err(ConfigError::Invalid {
+                    field: "tier.url",
+                    reason: format!(
+                        "`{}` is a pool daemon: a daemon's lower tiers must be stores (file://, redis://, s3://, ...)",
+                        kvpool_core::redact_url(&tier.url)
+                    ),
+                });
+            }
+        }
+        Ok(DaemonOptions {
+            capacity: config.local_cpu.max_size.as_usize(),
+            eviction: config.local_cpu.eviction,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            write_behind_quota: config.write_behind.quota.as_usize(),
+        })
+    }
+}
+
+/// A committed value handed to lower tiers without a copy: its memory stays in the arena (and
+/// cannot be evicted) until every tier's write ended.
+struct ArenaBytes(MemoryObj);
+
+impl AsRef<[u8]> for ArenaBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+#[derive(Default)]
+struct WriteBehind {
+    bytes: AtomicUsize,
+    batches: AtomicUsize,
+    dropped: AtomicU64,
+    /// Values every tier accepted.
+    written: AtomicU64,
+}
+
+/// One batch admitted to the write-behind: its bytes and its count, given back on drop.
+struct WriteBehindBatch {
+    write_behind: Arc<WriteBehind>,
+    bytes: usize,
+}
+
+impl Drop for WriteBehindBatch {
+    fn drop(&mut self) {
+        self.write_behind
+            .bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+        self.write_behind.batches.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The node's pool: shared memory over the lower tiers, answering engines' requests.
+pub struct PoolDaemon {
+    pub(super) store: SharedStore,
+    tiers: Vec<Arc<dyn RemoteConnector>>,
+    runtime: Handle,
+    options: DaemonOptions,
+    pub(super) daemon_id: u64,
+    next_session: AtomicU64,
+    sessions: AtomicU64,
+    pub(super) refused: AtomicU64,
+    write_behind: Arc<WriteBehind>,
+}
+
+impl PoolDaemon {
+    /// A daemon over already opened `tiers` (values are written to every one of them and
+    /// read from the first that has them; `kvpool serve` opens its config's `[[tier]]`s with
+    /// `registry::open_connectors`).
+    pub fn with_tiers(
+        options: DaemonOptions,
+        tiers: Vec<Arc<dyn RemoteConnector>>,
+        runtime: Handle,
+    ) -> Result<Self, PoolError> {
+        let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
+        let daemon_id = rand_id();
+        Ok(PoolDaemon {
+            store,
+            tiers,
+            runtime,
+            options,
+            daemon_id,
+            next_session: AtomicU64::new(1),
+            sessions: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            write_behind: Arc::default(),
+        })
+    }
+
+    /// The daemon's counters.
+    pub fn stats(&self) -> DaemonStats {
+        DaemonStats {
+            sessions: self.sessions.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            tier_writes: self.write_behind.written.load(Ordering::Relaxed),
+            ..self.store.stats()
+        }
+    }
+
+    /// Committed values not written to the lower tiers because the write-behind quota was
+    /// full.
+    pub fn write_behind_dropped(&self) -> u64 {
+        self.write_behind.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Publishes the counters as Prometheus series (for `[metrics] listen`).
+    pub fn record_metrics(&self) {
+        let s = self.stats();
+        metrics::gauge!(telemetry::DAEMON_SESSIONS).set(s.sessions as f64);
+        metrics::gauge!(telemetry::DAEMON_USED_BYTES).set(s.used_bytes as f64);
+        metrics::gauge!(telemetry::DAEMON_ENTRIES).set(s.entries as f64);
+        metrics::gauge!(telemetry::DAEMON_LEASES).set((s.pins + s.allocations) as f64);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "memory").absolute(s.memory_hits);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "tier").absolute(s.tier_hits);
+        metrics::counter!(telemetry::DAEMON_GETS, "result" => "miss").absolute(s.misses);
+        metrics::counter!(telemetry::DAEMON_COMMITS).absolute(s.commits);
+        metrics::counter!(telemetry::DAEMON_EVICTIONS).absolute(s.evictions);
+        metrics::counter!(telemetry::DAEMON_TIER_WRITES).absolute(s.tier_writes);
+        metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED).absolute(s.leases_reclaimed);
+    }
+
+    /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.
+    pub async fn close(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.write_behind.batches.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= deadline {
+                warn!(
+                    batches = self.write_behind.batches.load(Ordering::Acquire),
+                    "closing with writes to lower tiers unfinished"
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for tier in &self.tiers {
+            if let Err(e) = tier.close().await {
+                warn!(tier = tier.name(), "closing a lower tier failed: {e}");
+            }
+        }
+    }
+
+    pub(super) fn new_session(&self) -> SessionId {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(super) fn end_session(&self, session: SessionId) {
+        self.sessions.fetch_sub(1, Ordering::Relaxed);
+        let ended = self.store.end_session(session);
+        if ended > 0 {
+            info!(
+                session,
+                leases = ended,
+                "an engine left holding leases; reclaimed"
+            );
+        }
+    }
+
+    /// Answers one request of `session` (anything but `Attach`).
+    pub fn handle(&self, session: SessionId, request: Request) -> Reply {
+        let items = match &request {
+            Request::Exists { keys }
+            | Request::Get { keys }
+            | Request::GetResident { keys }
+            | Request::Delete { keys } => keys.len(),
+            Request::PrepareSave { lens } => lens.len(),
+            Request::Commit { entries } => entries.len(),
+            Request::Release { ids } => ids.len(),
+            Request::Attach { .. } | Request::Stats => 0,
+        };
+        if items > MAX_ITEMS_PER_REQUEST {
+            return self.refuse(&format!(
+                "{items} items in one request (at most {MAX_ITEMS_PER_REQUEST})"
+            ));
+        }
+        match request {
+            Request::Attach { .. } => self.refuse("already attached"),
+            Request::Exists { keys } => Reply::Exists(self.exists(&keys)),
+            Request::Get { keys } => Reply::Pinned(self.get(session, &keys, true)),
+            Request::GetResident { keys } => Reply::Pinned(self.get(session, &keys, false)),
+            Request::PrepareSave { lens } => Reply::Prepared(
+                lens.iter()
+                    .map(|&len| self.store.prepare(session, len as usize))
+                    .collect(),
+            ),
+            Request::Commit { entries } => {
+                let committed: Vec<(String, MemoryObj)> = entries
+                    .into_iter()
+                    .filter_map(|(id, key)| {
+                        let value = self.store.commit(session, id, key.clone())?;
+                        Some((key, value))
+                    })
+                    .collect();
+                let n = committed.len() as u64;
+                self.write_behind(committed);
+                Reply::Committed(n)
+            }
+            Request::Release { ids } => {
+                self.store.release(session, &ids);
+                Reply::Released
+            }
+            Request::Delete { keys } => {
+                let removed = self.store.remove(&keys);
+                for tier in &self.tiers {
+                    if let Err(e) = self.runtime.block_on(tier.batch_delete(&keys)) {
+                        warn!(tier = tier.name(), "delete failed: {e}");
+                    }
+                }
+                Reply::Deleted(removed as u64)
+            }
+            Request::Stats => Reply::Stats(self.stats()),
+        }
+    }
+
+    pub(super) fn refuse(&self, why: &str) -> Reply {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        Reply::Error(why.to_string())
+    }
+
+    fn exists(&self, keys: &[String]) -> Vec<bool> {
+        let mut found = self.store.contains(keys);
+        for tier in &self.tiers {
+            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
+            match self.runtime.block_on(tier.batch_exists(&ask_keys)) {
+                Ok(answers) => {
+                    for (&i, yes) in ask.iter().zip(answers) {
+                        found[i] = yes;
+                    }
+                }
+                Err(e) => debug!(tier = tier.name(), "exists failed (a miss): {e}"),
+            }
+        }
+        found
+    }
+
+    /// Pins each key's value; with `from_tiers`, a value shared memory lacks is first promoted
+    /// from the first lower tier that has it.
+    fn get(
+        &self,
+        session: SessionId,
+        keys: &[String],
+        from_tiers: bool,
+    ) -> Vec<Option<super::protocol::Region>> {
+        let mut out: Vec<_> = keys.iter().map(|k| self.store.pin(session, k)).collect();
+        let mut tier_hits = 0;
+        let tiers: &[_] = if from_tiers { &self.tiers } else { &[] };
+        for tier in tiers {
+            let want: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+            if want.is_empty() {
+                break;
+            }
+            let want_keys: Vec<String> = want.iter().map(|&i| keys[i].clone()).collect();
+            match self.runtime.block_on(tier.batch_get(&want_keys)) {
+                Ok(values) => {
+                    for (&i, value) in want.iter().zip(values) {
+                        if let Some(bytes) = value {
+                            out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
+                            tier_hits += u64::from(out[i].is_some());
+                        }
+                    }
+                }
+                Err(e) => debug!(tier = tier.name(), "get failed (a miss): {e}"),
+            }
+        }
+        let misses = out.iter().filter(|r| r.is_none()).count() as u64;
+        self.store.count_lookups(tier_hits, misses);
+        out
+    }
+
+    /// Hands committed values to every lower tier in the background, within the quota.
+    fn write_behind(&self, committed: Vec<(String, MemoryObj)>) {
+        if self.tiers.is_empty() || committed.is_empty() {
+            return;
+        }
+        let bytes: usize = committed.iter().map(|(_, v)| v.len()).sum();
+        let wb = &self.write_behind;
+        let admitted = wb
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                (b + bytes <= self.options.write_behind_quota).then_some(b + bytes)
+            })
+            .is_ok();
+        if !admitted {
+            wb.dropped
+                .fetch_add(committed.len() as u64, Ordering::Relaxed);
+            debug!(
+                values = committed.len(),
+                "write-behind quota full; not written below"
+            );
+            return;
+        }
+        wb.batches.fetch_add(1, Ordering::AcqRel);
+        // Returns the quota and the count however the task ends (even never run, or panicking).
+        let admitted = WriteBehindBatch {
+            write_behind: self.write_behind.clone(),
+            bytes,
+        };
+        let entries: Vec<(String, Bytes)> = committed
+            .into_iter()
+            .map(|(k, v)| (k, Bytes::from_owner(ArenaBytes(v))))
+            .collect();
+        let tiers = self.tiers.clone();
+        self.runtime.spawn(async move {
+            let mut all_ok = true;
+            for tier in &tiers {
+                if let Err(e) = tier.batch_put(entries.clone()).await {
+                    warn!(tier = tier.name(), "write-behind failed: {e}");
+                    all_ok = false;
+                }
+            }
+            if all_ok {
+                admitted
+                    .write_behind
+                    .written
+                    .fetch_add(entries.len() as u64, Ordering::Relaxed);
+            }
+            drop(entries);
+            drop(admitted);
+        });
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(Instant::now())
+}
