@@ -111,8 +111,11 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         &self,
         keys: &[String],
     ) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.bounded("batch_get", self.inner.batch_get_node_memory(keys))
-            .await
+        self.bounded(
+            "batch_get_node_memory",
+            self.inner.batch_get_node_memory(keys),
+        )
+        .await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());

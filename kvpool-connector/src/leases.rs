@@ -1,5 +1,6 @@
-//! Lookup leases: the L1 chunks a lookup promised, held from the scheduler's lookup until the
-//! worker loads them or the request ends, so saves in between cannot evict what was promised.
+//! Lookup leases: the in-memory chunks a lookup promised (L1's, and those it loaded from the
+//! node's pool daemon), held from the scheduler's lookup until the worker loads them or the
+//! request ends, so saves in between cannot evict what was promised.
 //!
 //! A lease holds the chunks themselves (their memory stays alive even if L1 evicts the keys),
 //! so the load reads exactly what the lookup saw. Leases are bounded: in bytes (a lookup that
@@ -163,20 +164,26 @@ impl LeaseTable {
     }
 }
 
-/// How long a lookup may spend loading chunks from a tier that [reads node
-/// memory](kvpool_core::StorageManager::tier_reads_node_memory) before it leaves them to an
-/// asynchronous load. A copy out of the node's shared memory takes milliseconds; a tier this
-/// slow is overloaded, and the scheduler must not wait on it.
+/// The most bytes of KV one lookup loads from a tier that [reads node
+/// memory](kvpool_core::StorageManager::tier_reads_node_memory). The scheduler waits for the
+/// load, so it is bounded like a synchronous L1 load's copy (tens of milliseconds); the chunks
+/// past it are left to an asynchronous load, which finds the loaded ones leased.
+pub const NODE_MEMORY_LOAD_MAX_BYTES: usize = 256 << 20;
+
+/// How long a lookup may spend loading chunks from a tier that reads node memory before it
+/// leaves them to an asynchronous load: a safety net for an overloaded daemon (a copy of
+/// [`NODE_MEMORY_LOAD_MAX_BYTES`] out of shared memory takes far less).
 pub const NODE_MEMORY_LOAD_BUDGET: Duration = Duration::from_millis(500);
 
 /// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier), leasing the
 /// leading run held in memory under `req_id` (no lease when `req_id` is empty).
 ///
-/// Held in memory means: in L1, then the run right after it that the first lower tier
-/// reading node memory (the node's pool daemon) holds, which the lookup loads into L1 at
-/// once, as much as the lease budget has room for and within [`NODE_MEMORY_LOAD_BUDGET`].
-/// Those chunks are decoded and checked like any lower tier's, and when they complete the
-/// answer the request loads them before its forward pass like an L1 hit.
+/// Held in memory means: in L1, then, when every chunk after L1's prefix was found in one
+/// tier that reads node memory (the node's pool daemon), those chunks, which the lookup loads
+/// (promoting them into L1) when they fit the lease budget's room and
+/// [`NODE_MEMORY_LOAD_MAX_BYTES`], within [`NODE_MEMORY_LOAD_BUDGET`]. They are decoded and
+/// checked like any lower tier's, and the request loads them before its forward pass like an
+/// L1 hit. A hit the lookup cannot complete this way is loaded asynchronously.
 ///
 /// A chunk L1 reported but lost before it could be leased ends the answer there: a promise
 /// is only made for what is held or what a lower tier reported.
@@ -221,9 +228,13 @@ pub async fn lookup_and_lease(
     let got = held.len();
     let room = leases
         .room_for(req_id)
-        .saturating_sub(held.iter().map(|c| c.data.len()).sum());
+        .saturating_sub(held.iter().map(|c| c.data.len()).sum())
+        .min(NODE_MEMORY_LOAD_MAX_BYTES);
     let fitting = in_node_memory.min(room / engine.layout().chunk_bytes(chunk).max(1));
-    if let (Some(t), true) = (node_tier, got == in_l1 && fitting > 0) {
+    // Only a load that completes the answer makes the request's load synchronous; any other
+    // is left to the asynchronous load, off the scheduler's thread.
+    let completes = got == in_l1 && fitting == in_node_memory && in_l1 + fitting == found.len();
+    if let (Some(t), true) = (node_tier, completes && fitting > 0) {
         let wanted = &keys[in_l1..in_l1 + fitting];
         match tokio::time::timeout(
             NODE_MEMORY_LOAD_BUDGET,

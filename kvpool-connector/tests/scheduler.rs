@@ -370,8 +370,16 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
                 sched.build_connector_meta(&[step("a", 64, vec![])])
             };
             assert!(!meta.requests[0].load.unwrap().asynchronous);
-            // A lease budget of one chunk: the lookup loads only what it can lease; the rest
-            // is left to an asynchronous load.
+            // L1 holds the first two chunks: the lookup leases them and loads only the third.
+            let mixed = setup_with_tier(Some(&url));
+            store(&mixed, 32);
+            let mut sched = scheduler(&mixed, false);
+            let answer = sched.get_num_new_matched_tokens(&request("m", 64, false), 0);
+            assert_eq!(answer, (48, false));
+            assert_eq!(mixed.engine.storage().stats().tiers[1].hit_chunks, 1);
+            assert_eq!(mixed.leases.take("m").unwrap().chunks.len(), 3);
+            // A lease budget of one chunk: the lookup cannot complete the hit from memory, so
+            // it loads nothing and leaves the whole hit to an asynchronous load.
             let tight = Setup {
                 leases: Arc::new(LeaseTable::new(
                     reader.engine.layout().chunk_bytes(16),
@@ -382,7 +390,7 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
             let mut sched = scheduler(&tight, false);
             let answer = sched.get_num_new_matched_tokens(&request("b", 64, false), 0);
             assert_eq!(answer, (48, true));
-            assert_eq!(tight.engine.storage().stats().tiers[1].hit_chunks, 1);
+            assert_eq!(tight.engine.storage().stats().tiers[1].hit_chunks, 0);
         } else {
             assert_eq!(answer, (48, true), "any other tier loads asynchronously");
             assert_eq!(reader.leases.stats().leases, 0);

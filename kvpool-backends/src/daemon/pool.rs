@@ -290,14 +290,24 @@ impl PoolDaemon {
     }
 
     /// Pins each key's value; with `from_tiers`, a value shared memory lacks is first promoted
-    /// from the first lower tier that has it.
+    /// from the first lower tier that has it. Without, only the leading run shared memory
+    /// holds is pinned (the reader stops at its first miss).
     fn get(
         &self,
         session: SessionId,
         keys: &[String],
         from_tiers: bool,
     ) -> Vec<Option<super::protocol::Region>> {
-        let mut out: Vec<_> = keys.iter().map(|k| self.store.pin(session, k)).collect();
+        let mut out: Vec<_> = if from_tiers {
+            keys.iter().map(|k| self.store.pin(session, k)).collect()
+        } else {
+            let mut run: Vec<_> = keys
+                .iter()
+                .map_while(|k| self.store.pin(session, k).map(Some))
+                .collect();
+            run.resize(keys.len(), None);
+            run
+        };
         let mut tier_hits = 0;
         let tiers: &[_] = if from_tiers { &self.tiers } else { &[] };
         for tier in tiers {

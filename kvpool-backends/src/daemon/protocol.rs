@@ -42,8 +42,9 @@ pub enum Request {
         /// Keys to read.
         keys: Vec<String>,
     },
-    /// `Get` of what shared memory holds, reading no lower tier: what an engine's lookup
-    /// asks, so that it never waits on the daemon's disk or network. Answered with `Pinned`.
+    /// `Get` of the leading run of keys shared memory holds (a miss ends it: every later key
+    /// is `None`), reading no lower tier: what an engine's lookup loads, so that the load never
+    /// waits on the daemon's disk or network. Answered with `Pinned`.
     GetResident {
         /// Keys to read.
         keys: Vec<String>,

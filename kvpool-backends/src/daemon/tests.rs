@@ -300,6 +300,12 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
     assert_eq!(got[0].as_deref(), Some(&vec![6u8; 4096][..]));
     assert!(got[1].is_none(), "read from the daemon's lower tier");
     assert_eq!(run.daemon.stats().tier_hits, 0);
+    // A miss ends the run: nothing after it is pinned or copied.
+    let got = engine
+        .batch_get_node_memory(&["below".into(), "resident".into()])
+        .await
+        .unwrap();
+    assert_eq!(got, [None, None]);
     // A plain get promotes it from the lower tier.
     let got = engine.batch_get(&keys).await.unwrap();
     assert_eq!(got[1].as_deref(), Some(&vec![5u8; 4096][..]));

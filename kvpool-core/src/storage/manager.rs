@@ -400,8 +400,8 @@ impl StorageManager {
 
     /// The leading run of `keys` that tier `t`, a tier that [reads node
     /// memory](StorageManager::tier_reads_node_memory), holds in that memory, promoted into L1
-    /// like any other hit. Stops at the first key it lacks and asks no other tier, nor the
-    /// storage behind it: what a lookup loads.
+    /// like any other hit (with `promote_on_hit`). Returns the chunks up to the first key it
+    /// lacks, and asks no other tier, nor the storage behind it: what a lookup loads.
     pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
         let Some(tier) = self.tiers.get(t) else {
             return Vec::new();

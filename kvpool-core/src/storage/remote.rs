@@ -54,7 +54,7 @@ pub trait RemoteConnector: Send + Sync + 'static {
 
     /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): the values of
     /// `keys` held in that memory, reading no slower storage behind it (the daemon's own lower
-    /// tiers), so that a lookup never waits on a disk or a network. The default is
+    /// tiers), so that a lookup's load never waits on a disk or a network. The default is
     /// [`RemoteConnector::batch_get`].
     async fn batch_get_node_memory(
         &self,
