@@ -178,8 +178,9 @@ pub const NODE_MEMORY_LOAD_BUDGET: Duration = Duration::from_millis(500);
 /// How many leading chunks of `chunk_hashes` `engine`'s pool holds (any tier), leasing the
 /// leading run held in memory under `req_id` (no lease when `req_id` is empty).
 ///
-/// Held in memory means: in L1, then, when every chunk after L1's prefix was found in one
-/// tier that reads node memory (the node's pool daemon), those chunks, which the lookup loads
+/// Held in memory means: in L1, then, with `load_node_memory` and when every chunk after L1's
+/// prefix was found in one tier that reads node memory (the node's pool daemon), those
+/// chunks, which the lookup loads
 /// (promoting them into L1) when they fit the lease budget's room and
 /// [`NODE_MEMORY_LOAD_MAX_BYTES`], within [`NODE_MEMORY_LOAD_BUDGET`]. They are decoded and
 /// checked like any lower tier's, and the request loads them before its forward pass like an
@@ -192,6 +193,7 @@ pub async fn lookup_and_lease(
     leases: &LeaseTable,
     req_id: &str,
     chunk_hashes: &[ChunkHash],
+    load_node_memory: bool,
 ) -> LookupAnswer {
     if chunk_hashes.is_empty() {
         return LookupAnswer::default();
@@ -214,7 +216,7 @@ pub async fn lookup_and_lease(
     let node_tier = found.tiers[in_l1..]
         .first()
         .copied()
-        .filter(|&t| primary.is_some() && storage.tier_reads_node_memory(t));
+        .filter(|&t| load_node_memory && primary.is_some() && storage.tier_reads_node_memory(t));
     let in_node_memory = node_tier.map_or(0, |t| {
         found.tiers[in_l1..].iter().take_while(|&&x| x == t).count()
     });

@@ -51,6 +51,9 @@ pub enum LookupRequest {
         req_id: String,
         /// Chunk hashes, in order.
         chunk_hashes: Vec<[u8; 16]>,
+        /// Load and lease a hit the pool daemon completes (see
+        /// [`crate::leases::lookup_and_lease`]).
+        load_node_memory: bool,
     },
 }
 
@@ -190,12 +193,19 @@ fn serve(
             LookupRequest::Lookup {
                 req_id,
                 chunk_hashes,
+                load_node_memory,
             } => {
                 let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
                     .into_iter()
                     .map(kvpool_core::ChunkHash)
                     .collect();
-                let answer = runtime.block_on(lookup_and_lease(engine, leases, &req_id, &hashes));
+                let answer = runtime.block_on(lookup_and_lease(
+                    engine,
+                    leases,
+                    &req_id,
+                    &hashes,
+                    load_node_memory,
+                ));
                 LookupResponse::Chunks {
                     found: answer.chunks as u64,
                     leased: answer.leased as u64,
@@ -472,13 +482,19 @@ impl SocketLookup {
 }
 
 impl PoolLookup for SocketLookup {
-    fn lookup(&mut self, req_id: &str, chunk_hashes: &[kvpool_core::ChunkHash]) -> LookupAnswer {
+    fn lookup(
+        &mut self,
+        req_id: &str,
+        chunk_hashes: &[kvpool_core::ChunkHash],
+        load_node_memory: bool,
+    ) -> LookupAnswer {
         if chunk_hashes.is_empty() {
             return LookupAnswer::default();
         }
         let request = LookupRequest::Lookup {
             req_id: req_id.to_string(),
             chunk_hashes: chunk_hashes.iter().map(|h| h.0).collect(),
+            load_node_memory,
         };
         let deadline = Instant::now() + self.timeout;
         let expected = self.expected;

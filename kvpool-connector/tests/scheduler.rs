@@ -391,6 +391,21 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
             let answer = sched.get_num_new_matched_tokens(&request("b", 64, false), 0);
             assert_eq!(answer, (48, true));
             assert_eq!(tight.engine.storage().stats().tiers[1].hit_chunks, 0);
+            // With every load asynchronous (vLLM's asynchronous scheduling) the lookup loads
+            // nothing: the scheduler's thread would copy for no earlier load.
+            let later = setup_with_tier(Some(&url));
+            let mut always = ConnectorScheduler::new(
+                later.engine.clone(),
+                later.runtime.clone(),
+                later.leases.clone(),
+                ConnectorConfig {
+                    load_timing: kvpool_connector::LoadTiming::Always,
+                    ..ConnectorConfig::new(16)
+                },
+            );
+            let answer = always.get_num_new_matched_tokens(&request("c", 64, false), 0);
+            assert_eq!(answer, (48, true));
+            assert_eq!(later.engine.storage().stats().tiers[1].hit_chunks, 0);
         } else {
             assert_eq!(answer, (48, true), "any other tier loads asynchronously");
             assert_eq!(reader.leases.stats().leases, 0);

@@ -188,6 +188,7 @@ impl kvpool_connector::PoolLookup for RanksLookup {
         &mut self,
         req_id: &str,
         chunk_hashes: &[kvpool_core::ChunkHash],
+        load_node_memory: bool,
     ) -> kvpool_connector::LookupAnswer {
         let mut best: Option<kvpool_connector::LookupAnswer> = None;
         for (engine, leases) in &self.ranks {
@@ -198,6 +199,7 @@ impl kvpool_connector::PoolLookup for RanksLookup {
                     leases,
                     req_id,
                     chunk_hashes,
+                    load_node_memory,
                 ));
             best = Some(best.map_or(a, |b| kvpool_connector::LookupAnswer {
                 chunks: b.chunks.min(a.chunks),

@@ -22,11 +22,14 @@ impl ConnectorScheduler {
         let t = &self.trackers[req_id];
         let full = (limit / cs).min(t.hasher.hashes().len());
         let chunk_hashes: Vec<ChunkHash> = t.hasher.hashes()[..full].to_vec();
+        // Loading the daemon's chunks at lookup pays only where leasing them makes the load
+        // synchronous.
+        let load_node_memory = self.config.load_timing == crate::LoadTiming::Auto;
         let mut run = |chunks: usize| -> (crate::leases::LookupAnswer, Vec<ChunkHash>) {
             let tail = self.tail_hashes(req_id, chunks, limit);
             let mut hashes = chunk_hashes[..chunks].to_vec();
             hashes.extend_from_slice(&tail);
-            (self.lookup.lookup(req_id, &hashes), tail)
+            (self.lookup.lookup(req_id, &hashes, load_node_memory), tail)
         };
         let (mut answer, mut tail) = run(full);
         let mut chunks = full;

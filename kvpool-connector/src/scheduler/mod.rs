@@ -24,8 +24,16 @@ use step_ledger::{IssuedSave, StepLedger};
 /// and ships the hashes to the worker), not token ids, and the request's id: the pool leases
 /// the chunks it holds in memory to that request until it loads them or ends.
 pub trait PoolLookup: Send {
-    /// What the pool holds of `chunk_hashes` (nothing on any failure).
-    fn lookup(&mut self, req_id: &str, chunk_hashes: &[ChunkHash]) -> LookupAnswer;
+    /// What the pool holds of `chunk_hashes` (nothing on any failure). With
+    /// `load_node_memory`, a hit the pool daemon completes is loaded and leased at once (see
+    /// [`crate::leases::lookup_and_lease`]); the scheduler asks it only when a fully leased
+    /// hit makes the load synchronous.
+    fn lookup(
+        &mut self,
+        req_id: &str,
+        chunk_hashes: &[ChunkHash],
+        load_node_memory: bool,
+    ) -> LookupAnswer;
 
     /// The lookup's own counters (breaker misses, ranks whose breaker is open).
     fn counters(&self) -> (u64, u32) {
@@ -44,12 +52,18 @@ pub struct EngineLookup {
 }
 
 impl PoolLookup for EngineLookup {
-    fn lookup(&mut self, req_id: &str, chunk_hashes: &[ChunkHash]) -> LookupAnswer {
+    fn lookup(
+        &mut self,
+        req_id: &str,
+        chunk_hashes: &[ChunkHash],
+        load_node_memory: bool,
+    ) -> LookupAnswer {
         self.runtime.block_on(lookup_and_lease(
             &self.engine,
             &self.leases,
             req_id,
             chunk_hashes,
+            load_node_memory,
         ))
     }
 }
