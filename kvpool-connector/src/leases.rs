@@ -166,8 +166,8 @@ impl LeaseTable {
 
 /// The most bytes of KV one lookup loads from a tier that [reads node
 /// memory](kvpool_core::StorageManager::tier_reads_node_memory). The scheduler waits for the
-/// load, so it is bounded like a synchronous L1 load's copy (tens of milliseconds); the chunks
-/// past it are left to an asynchronous load, which finds the loaded ones leased.
+/// load, so it is bounded like a synchronous L1 load's copy (tens of milliseconds); a larger
+/// hit is left whole to an asynchronous load.
 pub const NODE_MEMORY_LOAD_MAX_BYTES: usize = 256 << 20;
 
 /// How long a lookup may spend loading chunks from a tier that reads node memory before it
