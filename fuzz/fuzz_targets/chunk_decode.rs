@@ -1,8 +1,9 @@
 //! The stored-chunk decoder on arbitrary bytes: never a panic, never more memory than the
-//! bound allows; and a real encoding with any one byte changed is always rejected.
+//! bound allows, and the one-copy decoder of shared memory answers exactly as the two-step one;
+//! and a real encoding with any one byte changed is always rejected.
 #![no_main]
 
-use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_to_vec};
+use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_copied, decode_to_vec};
 use kvpool_core::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression, Dtype};
 use libfuzzer_sys::fuzz_target;
 
@@ -16,9 +17,12 @@ fuzz_target!(|data: &[u8]| {
         bytes_per_token: None,
         key: None,
     };
-    if let Ok((_, raw)) = decode_to_vec(data, &loose) {
+    let two_step = decode_to_vec(data, &loose);
+    if let Ok((_, raw)) = &two_step {
         assert!(raw.len() as u64 <= MAX_RAW);
     }
+    let copied = decode_copied(data, &loose, |len| vec![0u8; len]).map(|(h, raw)| (h.meta, raw));
+    assert_eq!(two_step, copied, "the two decoders disagree");
     let key = KeyBinding {
         chunk_hash: [7; 16],
         scope_digest: 9,

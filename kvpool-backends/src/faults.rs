@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, RemoteConnector};
+use kvpool_core::{BackendError, Chunk, CopyIn, CopyOut, FormatError, RemoteConnector};
 
 /// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
 /// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
@@ -77,12 +77,16 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         self.injected_get_failure()?;
         self.inner.batch_get(keys).await
     }
-    async fn batch_get_node_memory(
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
         self.injected_get_failure()?;
-        self.inner.batch_get_node_memory(keys).await
+        self.inner
+            .batch_copy_out(keys, resident_only, copy_out)
+            .await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let entries = entries
@@ -99,6 +103,24 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
             })
             .collect();
         self.inner.batch_put(entries).await
+    }
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        let corrupt: Vec<bool> = entries
+            .iter()
+            .map(|(_, len)| Self::nth(&self.puts, self.corrupt_put_every) && *len > 0)
+            .collect();
+        let copy_in: CopyIn = Arc::new(move |i, dst| {
+            copy_in(i, dst);
+            if corrupt.get(i) == Some(&true) {
+                let mid = dst.len() / 2;
+                dst[mid] ^= 0x5a;
+            }
+        });
+        self.inner.batch_copy_in(entries, copy_in).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.inner.batch_delete(keys).await
@@ -222,16 +244,28 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.ask(keys.len()).await?;
         self.inner.batch_get(keys).await
     }
-    async fn batch_get_node_memory(
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
         self.ask(keys.len()).await?;
-        self.inner.batch_get_node_memory(keys).await
+        self.inner
+            .batch_copy_out(keys, resident_only, copy_out)
+            .await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;
         self.inner.batch_put(entries).await
+    }
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        self.before_put(entries.len()).await?;
+        self.inner.batch_copy_in(entries, copy_in).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.check().await?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, RemoteConnector};
+use kvpool_core::{BackendError, Chunk, CopyIn, CopyOut, FormatError, RemoteConnector};
 
 /// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
 pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
@@ -107,13 +107,15 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.bounded("batch_get", self.inner.batch_get(keys)).await
     }
-    async fn batch_get_node_memory(
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
         self.bounded(
-            "batch_get_node_memory",
-            self.inner.batch_get_node_memory(keys),
+            "batch_copy_out",
+            self.inner.batch_copy_out(keys, resident_only, copy_out),
         )
         .await
     }
@@ -121,6 +123,19 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());
         self.bounded_by("batch_put", limit, self.inner.batch_put(entries))
             .await
+    }
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        let limit = self.write_limit(entries.iter().map(|(_, len)| len).sum());
+        self.bounded_by(
+            "batch_copy_in",
+            limit,
+            self.inner.batch_copy_in(entries, copy_in),
+        )
+        .await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.bounded("batch_delete", self.inner.batch_delete(keys))

@@ -66,8 +66,8 @@ pub use memory::{
     MemoryPool,
 };
 pub use storage::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, ManagerStats,
-    PutOutcome, RemoteBackend, RemoteConnector, StorageBackend, StorageManager,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
+    ManagerStats, PutOutcome, RemoteBackend, RemoteConnector, StorageBackend, StorageManager,
     StorageManagerConfig, TierStats,
 };
 pub use telemetry::StatCounter;

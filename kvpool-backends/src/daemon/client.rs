@@ -1,6 +1,7 @@
 //! The engine's side of the pool daemon: `kvpool+unix://` tiers, a [`RemoteConnector`] whose
 //! values live in the daemon's shared memory. Requests go over the socket; bytes are copied
-//! between the engine's buffers and the daemon's arena, mapped once at attach.
+//! between the engine's buffers and the daemon's arena, mapped once at attach: once each way
+//! between the arena and L1's pool (`batch_copy_out`, `batch_copy_in`).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -14,7 +15,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
-use kvpool_core::{BackendError, ConfigError, RemoteConnector};
+use kvpool_core::{
+    BackendError, Chunk, ConfigError, CopyIn, CopyOut, FormatError, RemoteConnector,
+};
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
@@ -244,13 +247,15 @@ impl Inner {
         }
     }
 
-    /// Copies the values of `keys` out of the arena; with `resident_only`, only those shared
-    /// memory holds (the daemon reads none of its lower tiers).
-    fn get(
+    /// Reads the values of `keys` where they lie in the arena, handing each to `copy` while
+    /// the daemon keeps it pinned; with `resident_only`, only those shared memory holds (the
+    /// daemon reads none of its lower tiers).
+    fn read<T>(
         &self,
         keys: Vec<String>,
         resident_only: bool,
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        mut copy: impl FnMut(usize, &[u8]) -> T,
+    ) -> Result<Vec<Option<T>>, BackendError> {
         self.with_session(|s| {
             let n = keys.len();
             let request = if resident_only {
@@ -267,7 +272,7 @@ impl Inner {
             }
             let mut out = Vec::with_capacity(n);
             let mut pins = Vec::new();
-            for region in &regions {
+            for (i, region) in regions.iter().enumerate() {
                 let Some(r) = region else {
                     out.push(None);
                     continue;
@@ -278,11 +283,11 @@ impl Inner {
                 let ptr = s.bytes_of(r)?;
                 s.still_leased(answered)?;
                 // SAFETY: the region lies in the mapping and the daemon keeps it unchanged
-                // while pinned (until the release below). The bytes are copied out before the
-                // release: the chunk's checksum is verified on this copy, which no other
+                // while pinned (until the release below). `copy` copies what it keeps before
+                // the release, and checks a chunk's checksum on its copy, which no other
                 // process can change.
                 let bytes = unsafe { std::slice::from_raw_parts(ptr, r.len as usize) };
-                out.push(Some(Bytes::copy_from_slice(bytes)));
+                out.push(Some(copy(i, bytes)));
             }
             if !pins.is_empty() {
                 s.call(&Request::Release { ids: pins })?;
@@ -291,9 +296,15 @@ impl Inner {
         })
     }
 
-    fn put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+    /// Stores a value of each length under its key, each written by `fill` straight into
+    /// the allocation the daemon lends for it, then committed (visible from then on).
+    fn write(
+        &self,
+        entries: Vec<(String, usize)>,
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> Result<(), BackendError> {
         let stored = self.with_session(|s| {
-            let lens = entries.iter().map(|(_, v)| v.len() as u64).collect();
+            let lens = entries.iter().map(|(_, len)| *len as u64).collect();
             let Reply::Prepared(regions) = s.call(&Request::PrepareSave { lens })? else {
                 return Err(io::Error::other("a PrepareSave answered otherwise"));
             };
@@ -302,16 +313,17 @@ impl Inner {
                 return Err(io::Error::other("a PrepareSave answered the wrong count"));
             }
             let mut commit = Vec::new();
-            for ((key, value), region) in entries.iter().zip(&regions) {
+            for (i, ((key, len), region)) in entries.iter().zip(&regions).enumerate() {
                 let Some(r) = region else { continue };
-                if r.len != value.len() as u64 {
+                if r.len != *len as u64 {
                     return Err(io::Error::other("an allocation of the wrong length"));
                 }
                 let ptr = s.bytes_of(r)?;
                 s.still_leased(answered)?;
                 // SAFETY: the region lies in the mapping and is this session's allocation,
                 // which nobody reads until it is committed.
-                unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), ptr, value.len()) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, *len) };
+                fill(i, dst);
                 commit.push((r.id, key.clone()));
             }
             if commit.is_empty() {
@@ -416,19 +428,40 @@ impl RemoteConnector for DaemonConnector {
 
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         let keys = keys.to_vec();
-        self.blocking(move |inner| inner.get(keys, false)).await
+        self.blocking(move |inner| {
+            inner.read(keys, false, |_, bytes| Bytes::copy_from_slice(bytes))
+        })
+        .await
     }
 
-    async fn batch_get_node_memory(
+    /// Copies each value once, from the arena into the caller's buffer (L1's pool).
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
         let keys = keys.to_vec();
-        self.blocking(move |inner| inner.get(keys, true)).await
+        self.blocking(move |inner| inner.read(keys, resident_only, |i, bytes| copy_out(i, bytes)))
+            .await
     }
 
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        self.blocking(move |inner| inner.put(entries)).await
+        self.blocking(move |inner| {
+            let lens = entries.iter().map(|(k, v)| (k.clone(), v.len())).collect();
+            inner.write(lens, |i, dst| dst.copy_from_slice(&entries[i].1))
+        })
+        .await
+    }
+
+    /// Encodes each value once, from the caller's memory (L1's pool) into the arena.
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        self.blocking(move |inner| inner.write(entries, |i, dst| copy_in(i, dst)))
+            .await
     }
 
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {

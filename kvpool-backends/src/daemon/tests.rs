@@ -10,8 +10,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::EvictionKind;
+use kvpool_core::memory::MemoryObj;
 use kvpool_core::remote::{RemoteBackend, RemoteConnector};
-use kvpool_core::{ChunkCodec, StorageBackend};
+use kvpool_core::{Chunk, ChunkCodec, ChunkMeta, CopyOut, Dtype, StorageBackend};
 
 use super::*;
 use crate::conformance::{self, Subject};
@@ -137,7 +138,32 @@ async fn the_daemon_tier_passes_the_conformance_kit() {
         let path = path.clone();
         async move {
             let backend = RemoteBackend::new(client(&path), ChunkCodec::default(), 32 << 20);
+            // The kit's corrupted and misfiled values reach the engine's one-copy read of
+            // the arena: they are rewritten through a second session, as raw bytes.
+            let raw = client(&path);
+            let corrupt_raw = raw.clone();
             Subject::new(Arc::new(backend) as Arc<dyn StorageBackend>, 16 << 20)
+                .with_corruptor(Arc::new(move |key| {
+                    let raw = corrupt_raw.clone();
+                    Box::pin(async move {
+                        let key = key.to_string();
+                        let got = raw.batch_get(std::slice::from_ref(&key)).await.unwrap();
+                        let mut bytes = got[0].clone().expect("stored").to_vec();
+                        let mid = bytes.len() / 2;
+                        bytes[mid] ^= 0x20;
+                        raw.batch_put(vec![(key, Bytes::from(bytes))])
+                            .await
+                            .unwrap();
+                    })
+                }))
+                .with_raw_copier(Arc::new(move |from, to| {
+                    let raw = raw.clone();
+                    Box::pin(async move {
+                        let got = raw.batch_get(&[from.to_string()]).await.unwrap();
+                        let bytes = got[0].clone().expect("stored");
+                        raw.batch_put(vec![(to.to_string(), bytes)]).await.unwrap();
+                    })
+                }))
         }
     })
     .await;
@@ -281,6 +307,25 @@ async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
     );
 }
 
+/// What a read of shared memory alone copies out for `keys`, as raw bytes (these tests'
+/// values are not in the chunk format).
+async fn read_resident(engine: &DaemonConnector, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    let raw: CopyOut = Arc::new(|_, bytes| {
+        Ok(Chunk {
+            meta: ChunkMeta {
+                layout_fingerprint: 0,
+                dtype: Dtype::F16,
+                token_count: 0,
+            },
+            data: MemoryObj::from_vec(bytes.to_vec()),
+        })
+    });
+    let got = engine.batch_copy_out(keys, true, raw).await.unwrap();
+    got.into_iter()
+        .map(|v| v.map(|chunk| chunk.unwrap().data.as_slice().to_vec()))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
     let dir = tempfile::tempdir().unwrap();
@@ -296,15 +341,12 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
         .unwrap();
     let keys = ["resident".to_string(), "below".to_string()];
     // What a lookup asks: shared memory only, the lower tier untouched.
-    let got = engine.batch_get_node_memory(&keys).await.unwrap();
+    let got = read_resident(&engine, &keys).await;
     assert_eq!(got[0].as_deref(), Some(&vec![6u8; 4096][..]));
     assert!(got[1].is_none(), "read from the daemon's lower tier");
     assert_eq!(run.daemon.stats().tier_hits, 0);
     // A miss ends the run: nothing after it is pinned or copied.
-    let got = engine
-        .batch_get_node_memory(&["below".into(), "resident".into()])
-        .await
-        .unwrap();
+    let got = read_resident(&engine, &["below".into(), "resident".into()]).await;
     assert_eq!(got, [None, None]);
     // A plain get promotes it from the lower tier.
     let got = engine.batch_get(&keys).await.unwrap();

@@ -177,22 +177,69 @@ impl ChunkCodec {
             },
         };
         let mut out = Vec::with_capacity(HEADER_LEN + stored.len());
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        out.push(self.checksum.code());
-        out.push(code);
-        out.extend_from_slice(&meta.layout_fingerprint.to_le_bytes());
-        out.extend_from_slice(&meta.token_count.to_le_bytes());
-        out.push(meta.dtype.code());
-        out.extend_from_slice(&[0, 0, 0]);
-        out.extend_from_slice(&(stored.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        out.extend_from_slice(&key.chunk_hash);
-        out.extend_from_slice(&key.scope_digest.to_le_bytes());
-        let sum = self.checksum.compute(&out[..CHECKED_HEADER_LEN], stored);
-        out.extend_from_slice(&sum.to_le_bytes());
+        out.extend_from_slice(&self.header(meta, key, code, stored, payload.len()));
         out.extend_from_slice(stored);
         out
+    }
+
+    /// The length of `payload_len` bytes stored by this codec, when it is known before
+    /// encoding: always for a codec that does not compress, never for one that does.
+    pub fn stored_len_uncompressed(&self, payload_len: usize) -> Option<usize> {
+        match self.compression {
+            Compression::None => Some(HEADER_LEN + payload_len),
+            Compression::Zstd { .. } => None,
+        }
+    }
+
+    /// Encodes `payload` uncompressed straight into `dst`, which must be
+    /// [`HEADER_LEN`] + `payload.len()` bytes (for a store that lends the memory a value is
+    /// written to, such as the pool daemon's arena: one copy). The checksum is computed from
+    /// `payload`, so what another process does to `dst` meanwhile is caught on decoding.
+    pub fn encode_uncompressed_into(
+        &self,
+        meta: &ChunkMeta,
+        key: &KeyBinding,
+        payload: &[u8],
+        dst: &mut [u8],
+    ) -> Result<(), FormatError> {
+        if dst.len() != HEADER_LEN + payload.len() {
+            return Err(FormatError::Destination {
+                expected: HEADER_LEN + payload.len(),
+                actual: dst.len(),
+            });
+        }
+        let (head, rest) = dst.split_at_mut(HEADER_LEN);
+        head.copy_from_slice(&self.header(meta, key, 0, payload, payload.len()));
+        rest.copy_from_slice(payload);
+        Ok(())
+    }
+
+    /// The header of a value whose stored payload is `stored` (compressed when `code` is 1)
+    /// and decodes to `raw_len` bytes, its checksum included.
+    fn header(
+        &self,
+        meta: &ChunkMeta,
+        key: &KeyBinding,
+        code: u8,
+        stored: &[u8],
+        raw_len: usize,
+    ) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0..4].copy_from_slice(&MAGIC);
+        h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        h[6] = self.checksum.code();
+        h[7] = code;
+        h[8..16].copy_from_slice(&meta.layout_fingerprint.to_le_bytes());
+        h[16..20].copy_from_slice(&meta.token_count.to_le_bytes());
+        h[20] = meta.dtype.code();
+        // 21..24: reserved, zero.
+        h[24..32].copy_from_slice(&(stored.len() as u64).to_le_bytes());
+        h[32..40].copy_from_slice(&(raw_len as u64).to_le_bytes());
+        h[40..56].copy_from_slice(&key.chunk_hash);
+        h[56..64].copy_from_slice(&key.scope_digest.to_le_bytes());
+        let sum = self.checksum.compute(&h[..CHECKED_HEADER_LEN], stored);
+        h[64..72].copy_from_slice(&sum.to_le_bytes());
+        h
     }
 }
 
@@ -213,26 +260,89 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 ///
 /// Reads no more than it was given and allocates nothing.
 pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHeader, FormatError> {
-    if bytes.len() < HEADER_LEN {
-        return Err(FormatError::TruncatedHeader {
-            len: bytes.len(),
-            needed: HEADER_LEN,
+    let head = header_bytes(bytes)?;
+    let fields = parse_fields(head, bytes.len() - HEADER_LEN, expect)?;
+    verify_checksum(head, &fields, &bytes[HEADER_LEN..])?;
+    check_binding(head, fields, expect)
+}
+
+/// Decodes a value that lies in memory another process can write while it is read (the pool
+/// daemon's shared arena) with one copy: the header is copied first, then the payload straight
+/// into the buffer `allocate` returns for its decoded length, and every check, the checksum
+/// included, is made on those private copies. Bytes changed during the read therefore fail the
+/// checksum instead of reaching a model. A compressed value is copied whole and then decoded
+/// as [`decode_header`] and [`decode_payload_into`] do.
+///
+/// Unlike [`decode_header`], this allocates before the checksum is checked: a buffer of the
+/// payload's own length (as long as the value read), no larger than `expect.max_raw_len`.
+pub fn decode_copied<B: AsMut<[u8]>>(
+    shared: &[u8],
+    expect: &DecodeExpectation,
+    allocate: impl FnOnce(usize) -> B,
+) -> Result<(ChunkHeader, B), FormatError> {
+    let head: [u8; HEADER_LEN] = *header_bytes(shared)?;
+    let fields = parse_fields(&head, shared.len() - HEADER_LEN, expect)?;
+    if fields.compressed {
+        let private = shared.to_vec();
+        let header = decode_header(&private, expect)?;
+        let mut dst = allocate(header.raw_len as usize);
+        decode_payload_into(&private, &header, dst.as_mut())?;
+        return Ok((header, dst));
+    }
+    // Uncompressed: the payload is the decoded chunk (`parse_fields` checked the lengths).
+    let mut dst = allocate(fields.raw_len as usize);
+    let payload = dst.as_mut();
+    if payload.len() != shared.len() - HEADER_LEN {
+        return Err(FormatError::Destination {
+            expected: shared.len() - HEADER_LEN,
+            actual: payload.len(),
         });
     }
-    let magic: [u8; 4] = bytes[0..4].try_into().expect("4 bytes");
+    payload.copy_from_slice(&shared[HEADER_LEN..]);
+    verify_checksum(&head, &fields, payload)?;
+    let header = check_binding(&head, fields, expect)?;
+    Ok((header, dst))
+}
+
+/// The header of a stored value, which must be at least that long.
+fn header_bytes(bytes: &[u8]) -> Result<&[u8; HEADER_LEN], FormatError> {
+    bytes
+        .get(..HEADER_LEN)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(FormatError::TruncatedHeader {
+            len: bytes.len(),
+            needed: HEADER_LEN,
+        })
+}
+
+/// The header's fields the checksum is computed with, checked against the stored payload's
+/// length (`stored_len`) and the reader's bound, before the checksum vouches for them.
+struct HeaderFields {
+    checksum_algorithm: ChecksumAlgorithm,
+    compressed: bool,
+    payload_len: u64,
+    raw_len: u64,
+}
+
+fn parse_fields(
+    head: &[u8; HEADER_LEN],
+    stored_len: usize,
+    expect: &DecodeExpectation,
+) -> Result<HeaderFields, FormatError> {
+    let magic: [u8; 4] = head[0..4].try_into().expect("4 bytes");
     if magic != MAGIC {
         return Err(FormatError::BadMagic(magic));
     }
-    let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    let version = u16::from_le_bytes([head[4], head[5]]);
     if version != FORMAT_VERSION {
         return Err(FormatError::UnsupportedVersion(version, FORMAT_VERSION));
     }
     let checksum_algorithm =
-        ChecksumAlgorithm::from_code(bytes[6]).ok_or(FormatError::UnknownField {
+        ChecksumAlgorithm::from_code(head[6]).ok_or(FormatError::UnknownField {
             field: "checksum",
-            value: u64::from(bytes[6]),
+            value: u64::from(head[6]),
         })?;
-    let compressed = match bytes[7] {
+    let compressed = match head[7] {
         0 => false,
         1 => true,
         v => {
@@ -242,21 +352,21 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
             });
         }
     };
-    if bytes[21..24] != [0, 0, 0] {
+    if head[21..24] != [0, 0, 0] {
         return Err(FormatError::UnknownField {
             field: "reserved",
-            value: u64::from(u32::from_le_bytes([bytes[21], bytes[22], bytes[23], 0])),
+            value: u64::from(u32::from_le_bytes([head[21], head[22], head[23], 0])),
         });
     }
-    let payload_len = u64_at(bytes, 24);
-    let actual = (bytes.len() - HEADER_LEN) as u64;
+    let payload_len = u64_at(head, 24);
+    let actual = stored_len as u64;
     if payload_len != actual {
         return Err(FormatError::PayloadLength {
             expected: payload_len,
             actual,
         });
     }
-    let raw_len = u64_at(bytes, 32);
+    let raw_len = u64_at(head, 32);
     if raw_len > expect.max_raw_len {
         return Err(FormatError::TooLarge {
             size: raw_len,
@@ -269,15 +379,46 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
             actual: payload_len,
         });
     }
-    let stored = u64_at(bytes, 64);
-    let computed = checksum_algorithm.compute(&bytes[..CHECKED_HEADER_LEN], &bytes[HEADER_LEN..]);
+    Ok(HeaderFields {
+        checksum_algorithm,
+        compressed,
+        payload_len,
+        raw_len,
+    })
+}
+
+/// Checks the checksum over the header's first bytes and the stored payload.
+fn verify_checksum(
+    head: &[u8; HEADER_LEN],
+    fields: &HeaderFields,
+    stored_payload: &[u8],
+) -> Result<(), FormatError> {
+    let stored = u64_at(head, 64);
+    let computed = fields
+        .checksum_algorithm
+        .compute(&head[..CHECKED_HEADER_LEN], stored_payload);
     if stored != computed {
         return Err(FormatError::Checksum { stored, computed });
     }
-    // The checksum vouches for the header from here on; remaining checks are semantic.
+    Ok(())
+}
+
+/// The checks that follow the checksum, which vouches for the header from then on: the key
+/// the value is bound to, the layout, the dtype and the size per token.
+fn check_binding(
+    head: &[u8; HEADER_LEN],
+    fields: HeaderFields,
+    expect: &DecodeExpectation,
+) -> Result<ChunkHeader, FormatError> {
+    let HeaderFields {
+        checksum_algorithm,
+        compressed,
+        payload_len,
+        raw_len,
+    } = fields;
     let found = KeyBinding {
-        chunk_hash: bytes[40..56].try_into().expect("16 bytes"),
-        scope_digest: u64_at(bytes, 56),
+        chunk_hash: head[40..56].try_into().expect("16 bytes"),
+        scope_digest: u64_at(head, 56),
     };
     if let Some(expected) = expect.key
         && expected != found
@@ -290,7 +431,7 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
             found_scope: found.scope_digest,
         });
     }
-    let layout_fingerprint = u64_at(bytes, 8);
+    let layout_fingerprint = u64_at(head, 8);
     if let Some(expected) = expect.layout_fingerprint
         && expected != layout_fingerprint
     {
@@ -299,10 +440,10 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
             found: layout_fingerprint,
         });
     }
-    let token_count = u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes"));
-    let dtype = Dtype::from_code(bytes[20]).ok_or(FormatError::UnknownField {
+    let token_count = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes"));
+    let dtype = Dtype::from_code(head[20]).ok_or(FormatError::UnknownField {
         field: "dtype",
-        value: u64::from(bytes[20]),
+        value: u64::from(head[20]),
     })?;
     if let Some(bpt) = expect.bytes_per_token {
         let needed = u64::from(token_count) * bpt;
@@ -489,6 +630,66 @@ mod tests {
         fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode_to_vec(&bytes, &open(1 << 20));
         }
+
+        /// The one-copy decoder of shared memory accepts exactly what the two-step decoder
+        /// accepts, with the same bytes, and rejects with the same error: a value intact, with
+        /// one byte changed, or cut short.
+        #[test]
+        fn the_copying_decoder_agrees_with_the_two_step_one(
+            codec in codecs(), payload in payloads(), pos in any::<prop::sample::Index>(), flip in 0u8..=255, cut in any::<bool>()
+        ) {
+            let mut encoded = codec.encode(&meta(3), &KeyBinding::default(), &payload);
+            let i = pos.index(encoded.len());
+            encoded[i] ^= flip;
+            if cut {
+                encoded.truncate(i);
+            }
+            let two_step = decode_to_vec(&encoded, &open(1 << 20));
+            let copied = decode_copied(&encoded, &open(1 << 20), |len| vec![0u8; len])
+                .map(|(header, buf)| (header.meta, buf));
+            prop_assert_eq!(format!("{two_step:?}"), format!("{copied:?}"));
+        }
+    }
+
+    proptest! {
+        /// Writing a value in place is byte for byte the encoding of a codec that does not
+        /// compress.
+        #[test]
+        fn encoding_in_place_is_the_uncompressed_encoding(payload in payloads(), tokens in 0u32..1000, crc in any::<bool>()) {
+            let codec = ChunkCodec {
+                checksum: if crc { ChecksumAlgorithm::Crc32c } else { ChecksumAlgorithm::Xxh3 },
+                compression: Compression::None,
+            };
+            let key = KeyBinding { chunk_hash: [5; 16], scope_digest: 77 };
+            let len = codec.stored_len_uncompressed(payload.len()).unwrap();
+            let mut dst = vec![0xAA; len];
+            codec.encode_uncompressed_into(&meta(tokens), &key, &payload, &mut dst).unwrap();
+            prop_assert_eq!(&dst, &codec.encode(&meta(tokens), &key, &payload));
+            let short = codec.encode_uncompressed_into(&meta(tokens), &key, &payload, &mut dst[1..]);
+            prop_assert!(matches!(short, Err(FormatError::Destination { .. })), "a short destination was written");
+        }
+    }
+
+    #[test]
+    fn a_compressing_codec_does_not_know_its_stored_length_in_advance() {
+        let codec = ChunkCodec {
+            compression: Compression::Zstd { level: 1 },
+            ..ChunkCodec::default()
+        };
+        assert_eq!(codec.stored_len_uncompressed(10), None);
+        assert_eq!(
+            ChunkCodec::default().stored_len_uncompressed(10),
+            Some(HEADER_LEN + 10)
+        );
+    }
+
+    #[test]
+    fn the_copying_decoder_refuses_a_destination_of_another_length() {
+        let codec = ChunkCodec::default();
+        let encoded = codec.encode(&meta(1), &KeyBinding::default(), &[7u8; 64]);
+        // A destination of another length is refused before anything is copied.
+        let got = decode_copied(&encoded, &open(1 << 20), |len| vec![0u8; len + 1]);
+        assert!(matches!(got, Err(FormatError::Destination { .. })));
     }
 
     #[test]

@@ -373,6 +373,12 @@ impl MemoryObjMut {
     }
 }
 
+impl AsMut<[u8]> for MemoryObjMut {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
 impl fmt::Debug for MemoryObjMut {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "MemoryObjMut({} bytes)", self.len())

@@ -5,6 +5,8 @@
 pub mod backend;
 pub mod manager;
 pub mod remote;
+#[cfg(test)]
+mod remote_tests;
 mod tier;
 pub mod tier_events;
 mod tier_stats;
@@ -15,4 +17,4 @@ pub use backend::{
     StorageBackend,
 };
 pub use manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
-pub use remote::{RemoteBackend, RemoteConnector};
+pub use remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};

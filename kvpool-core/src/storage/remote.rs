@@ -9,7 +9,7 @@ use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
 use crate::format::chunk_format::{
-    ChunkCodec, DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
+    ChunkCodec, DecodeExpectation, KeyBinding, decode_copied, decode_header, decode_payload_into,
 };
 use crate::keys::cache_key::CacheKey;
 use crate::memory::pool::MemoryObjMut;
@@ -18,6 +18,17 @@ use crate::storage::backend::{
     StorageBackend,
 };
 use crate::storage::tier_events::TierEventLog;
+
+/// What a read of node memory does with one value while the tier keeps it unchanged
+/// ([`RemoteConnector::batch_copy_out`]): copies it into this process's memory and checks the
+/// copy. It is given the value's index in the batch and its bytes where they lie, which
+/// another process may write, and returns the decoded chunk or why the value is rejected.
+pub type CopyOut = Arc<dyn Fn(usize, &[u8]) -> Result<Chunk, FormatError> + Send + Sync>;
+
+/// What a write to node memory does with one value ([`RemoteConnector::batch_copy_in`]):
+/// given the value's index in the batch and the memory the tier allocated for it, exactly as
+/// long as asked, writes the value there.
+pub type CopyIn = Arc<dyn Fn(usize, &mut [u8]) + Send + Sync>;
 
 /// The small surface a third-party store implements: opaque values under string keys.
 ///
@@ -52,15 +63,49 @@ pub trait RemoteConnector: Send + Sync + 'static {
         false
     }
 
-    /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): the values of
-    /// `keys` held in that memory, reading no slower storage behind it (the daemon's own lower
-    /// tiers), so that a lookup's load never waits on a disk or a network. The default is
-    /// [`RemoteConnector::batch_get`].
-    async fn batch_get_node_memory(
+    /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): reads the
+    /// values of `keys` where that memory holds them and hands each, while the tier keeps it
+    /// unchanged, to `copy_out`, which copies it into this process's memory and checks the
+    /// copy (one copy, where [`RemoteConnector::batch_get`] is two). With `resident_only`,
+    /// only the values that memory holds are read, and no slower storage behind it (the
+    /// daemon's own lower tiers), so that a lookup's load never waits on a disk or a network.
+    ///
+    /// The default reads them with [`RemoteConnector::batch_get`] and copies those.
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.batch_get(keys).await
+        _resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+        let values = self.batch_get(keys).await?;
+        Ok(values
+            .into_iter()
+            .enumerate()
+            .map(|(i, value)| value.map(|bytes| copy_out(i, &bytes)))
+            .collect())
+    }
+
+    /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): stores a
+    /// value of each length under its key, each written by `copy_in` straight into the memory
+    /// the tier allocated for it (one copy, where [`RemoteConnector::batch_put`] is two). A
+    /// value becomes visible only once written.
+    ///
+    /// The default writes each value into a buffer and stores those with `batch_put`.
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        let values = entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, (key, len))| {
+                let mut value = vec![0u8; len];
+                copy_in(i, &mut value);
+                (key, Bytes::from(value))
+            })
+            .collect();
+        self.batch_put(values).await
     }
 
     /// Whether `key` exists.
@@ -105,11 +150,20 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     fn reads_node_memory(&self) -> bool {
         (**self).reads_node_memory()
     }
-    async fn batch_get_node_memory(
+    async fn batch_copy_out(
         &self,
         keys: &[String],
-    ) -> Result<Vec<Option<Bytes>>, BackendError> {
-        (**self).batch_get_node_memory(keys).await
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+        (**self).batch_copy_out(keys, resident_only, copy_out).await
+    }
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        (**self).batch_copy_in(entries, copy_in).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         (**self).exists(key).await
@@ -189,26 +243,97 @@ impl<C: RemoteConnector> RemoteBackend<C> {
     }
 
     fn decode(&self, key: &CacheKey, bytes: &[u8]) -> Result<Chunk, FormatError> {
-        let expect = DecodeExpectation {
-            max_raw_len: self.max_chunk_bytes,
-            layout_fingerprint: Some(key.scope.layout_fingerprint),
-            bytes_per_token: None,
-            key: Some(KeyBinding::of(key)),
-        };
+        let expect = expectation(key, self.max_chunk_bytes);
         let header = decode_header(bytes, &expect)?;
-        let len = header.raw_len as usize;
-        let mut buf = if len == 0 {
-            MemoryObjMut::heap(0)
-        } else {
-            self.allocator
-                .allocate(len)
-                .unwrap_or_else(|_| MemoryObjMut::heap(len))
-        };
+        let mut buf = allocate(self.allocator.as_ref(), header.raw_len as usize);
         decode_payload_into(bytes, &header, buf.as_mut_slice())?;
         Ok(Chunk {
             meta: header.meta,
             data: buf.freeze(),
         })
+    }
+
+    /// The [`CopyOut`] for a read of node memory under `keys`: [`decode_copied`] into a
+    /// buffer from this backend's allocator (L1's pool), checked as [`RemoteBackend::decode`]
+    /// checks a value, but on the one copy it makes.
+    fn copy_out(&self, keys: &[CacheKey]) -> CopyOut {
+        let keys = keys.to_vec();
+        let allocator = self.allocator.clone();
+        let max_chunk_bytes = self.max_chunk_bytes;
+        Arc::new(move |i, shared| {
+            let key = keys.get(i).ok_or(FormatError::UnknownField {
+                field: "index in the batch",
+                value: i as u64,
+            })?;
+            let expect = expectation(key, max_chunk_bytes);
+            let (header, buf) =
+                decode_copied(shared, &expect, |len| allocate(allocator.as_ref(), len))?;
+            Ok(Chunk {
+                meta: header.meta,
+                data: buf.freeze(),
+            })
+        })
+    }
+
+    /// Reads `keys` from node memory with one copy ([`RemoteConnector::batch_copy_out`]),
+    /// counting and dropping what fails its checks as [`RemoteBackend::decode_values`] does.
+    async fn copy_out_values(
+        &self,
+        keys: &[CacheKey],
+        resident_only: bool,
+    ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        let names = key_strings(keys);
+        let decoded = self
+            .connector
+            .batch_copy_out(&names, resident_only, self.copy_out(keys))
+            .await?;
+        if decoded.len() != keys.len() {
+            return Err(BackendError::Unavailable {
+                backend: self.name().to_string(),
+                reason: format!("answered {} of {} keys", decoded.len(), keys.len()),
+            });
+        }
+        self.tally(&names, decoded).await
+    }
+
+    /// Stores `entries` encoded in buffers of their own (two copies into the store).
+    async fn encode_and_put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<(), BackendError> {
+        let encoded: Vec<(String, Bytes)> = entries
+            .into_iter()
+            .map(|(k, c)| {
+                let value = self
+                    .codec
+                    .encode(&c.meta, &KeyBinding::of(&k), c.data.as_slice());
+                (k.to_string(), Bytes::from(value))
+            })
+            .collect();
+        self.connector.batch_put(encoded).await
+    }
+
+    /// Stores `entries` in node memory, each encoded straight into the memory the tier lends
+    /// ([`RemoteConnector::batch_copy_in`]: one copy). Only for a codec that does not compress.
+    async fn copy_in(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<(), BackendError> {
+        let codec = self.codec;
+        let mut lens = Vec::with_capacity(entries.len());
+        let mut values = Vec::with_capacity(entries.len());
+        for (key, chunk) in entries {
+            let len = codec
+                .stored_len_uncompressed(chunk.data.len())
+                .expect("checked: the codec does not compress");
+            lens.push((key.to_string(), len));
+            values.push((KeyBinding::of(&key), chunk));
+        }
+        let copy_in: CopyIn = Arc::new(move |i, dst| {
+            let written = values.get(i).map(|(key, chunk)| {
+                codec.encode_uncompressed_into(&chunk.meta, key, chunk.data.as_slice(), dst)
+            });
+            // Only an index or a destination the tier got wrong fails: zeroed, the value
+            // is not a chunk, a miss when read.
+            if !matches!(written, Some(Ok(()))) {
+                dst.fill(0);
+            }
+        });
+        self.connector.batch_copy_in(lens, copy_in).await
     }
 
     /// Decodes the values a batch get answered for `keys` (`names`: their strings), counting
@@ -219,21 +344,35 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         names: &[String],
         values: Vec<Option<Bytes>>,
     ) -> Result<Vec<Option<Chunk>>, BackendError> {
-        let mut out = Vec::with_capacity(keys.len());
+        let decoded = keys
+            .iter()
+            .zip(values)
+            .map(|(key, value)| value.map(|bytes| self.decode(key, &bytes)))
+            .collect();
+        self.tally(names, decoded).await
+    }
+
+    /// Counts hits and misses of decoded values (`names`: their keys' strings); a value that
+    /// failed its checks is a miss and is deleted from the store.
+    async fn tally(
+        &self,
+        names: &[String],
+        decoded: Vec<Option<Result<Chunk, FormatError>>>,
+    ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        let mut out = Vec::with_capacity(decoded.len());
         let mut corrupt = Vec::new();
-        for ((key, name), value) in keys.iter().zip(names).zip(values) {
-            let Some(bytes) = value else {
-                self.counters.misses.add(1);
-                out.push(None);
-                continue;
-            };
-            match self.decode(key, &bytes) {
-                Ok(chunk) => {
+        for (name, value) in names.iter().zip(decoded) {
+            match value {
+                None => {
+                    self.counters.misses.add(1);
+                    out.push(None);
+                }
+                Some(Ok(chunk)) => {
                     self.counters.hits.add(1);
                     self.counters.bytes_read.add(chunk.data.len() as u64);
                     out.push(Some(chunk));
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
                     self.counters.corrupt.add(1);
                     self.counters.misses.add(1);
@@ -251,6 +390,26 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         }
         Ok(out)
     }
+}
+
+/// What a value read under `key` must be: bound to that key, of its layout, at most `max` bytes.
+fn expectation(key: &CacheKey, max: u64) -> DecodeExpectation {
+    DecodeExpectation {
+        max_raw_len: max,
+        layout_fingerprint: Some(key.scope.layout_fingerprint),
+        bytes_per_token: None,
+        key: Some(KeyBinding::of(key)),
+    }
+}
+
+/// A buffer of `len` bytes from `allocator`, or from the heap when it has none.
+fn allocate(allocator: &dyn ChunkAllocator, len: usize) -> MemoryObjMut {
+    if len == 0 {
+        return MemoryObjMut::heap(0);
+    }
+    allocator
+        .allocate(len)
+        .unwrap_or_else(|_| MemoryObjMut::heap(len))
 }
 
 fn key_strings(keys: &[CacheKey]) -> Vec<String> {
@@ -280,6 +439,9 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        if self.connector.reads_node_memory() {
+            return self.copy_out_values(keys, false).await;
+        }
         let names = key_strings(keys);
         let values = self.connector.batch_get(&names).await?;
         self.decode_values(keys, &names, values).await
@@ -290,9 +452,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let names = key_strings(keys);
-        let values = self.connector.batch_get_node_memory(&names).await?;
-        self.decode_values(keys, &names, values).await
+        self.copy_out_values(keys, true).await
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
@@ -301,21 +461,14 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             return Ok(PutOutcome::default());
         }
         let n = entries.len();
-        let mut bytes_in = 0u64;
-        let encoded: Vec<(String, Bytes)> = entries
-            .into_iter()
-            .map(|(k, c)| {
-                bytes_in += c.data.len() as u64;
-                (
-                    k.to_string(),
-                    Bytes::from(
-                        self.codec
-                            .encode(&c.meta, &KeyBinding::of(&k), c.data.as_slice()),
-                    ),
-                )
-            })
-            .collect();
-        self.connector.batch_put(encoded).await?;
+        let bytes_in: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
+        let in_place =
+            self.connector.reads_node_memory() && self.codec.stored_len_uncompressed(0).is_some();
+        if in_place {
+            self.copy_in(entries).await?;
+        } else {
+            self.encode_and_put(entries).await?;
+        }
         self.counters.puts.add(n as u64);
         self.counters.bytes_written.add(bytes_in);
         Ok(PutOutcome {

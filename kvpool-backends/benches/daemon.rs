@@ -1,0 +1,119 @@
+//! Reading a prefix from the node's pool daemon into L1, as a lookup's load does: 32 chunks of
+//! 2 MiB (the 64 MiB of `cargo xtask bench-vllm`'s 8K-token prefix). The two-copy read every
+//! other tier does (`batch_get` copies each value out of the arena, then the decoder copies its
+//! payload into L1) side by side with the one-copy read of node memory (`get_node_memory`:
+//! straight from the arena into L1, checked there), and a plain memcpy of the same bytes.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvpool_backends::LocalCpuBackend;
+use kvpool_backends::daemon::{
+    DEFAULT_LEASE_TTL, DaemonConnector, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess,
+};
+use kvpool_core::chunk_format::{
+    DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
+};
+use kvpool_core::{
+    CacheKey, Chunk, ChunkAllocator, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind,
+    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, StorageBackend,
+};
+
+const CHUNKS: usize = 32;
+const CHUNK_BYTES: usize = 2 << 20;
+const MIB: usize = 1 << 20;
+
+fn daemon_read_into_l1(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvpool.sock");
+    let options = DaemonOptions {
+        capacity: 256 * MIB,
+        eviction: EvictionKind::Lru,
+        lease_ttl: DEFAULT_LEASE_TTL,
+        write_behind_quota: 64 * MIB,
+    };
+    let daemon = Arc::new(PoolDaemon::with_tiers(options, vec![], rt.handle().clone()).unwrap());
+    let _server = DaemonServer::bind(daemon, &path, SocketAccess::default()).unwrap();
+    let l1 = Arc::new(LocalCpuBackend::new(512 * MIB, EvictionKind::Lru).unwrap());
+    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    let max_chunk = 4 * MIB as u64;
+    let backend = RemoteBackend::new(connector.clone(), ChunkCodec::default(), max_chunk)
+        .with_allocator(l1.clone());
+
+    let scope = Arc::new(KeyScope::new("bench", 1, 0, 0, 1).unwrap());
+    let keys: Vec<CacheKey> = (0..CHUNKS)
+        .map(|i| CacheKey::new(scope.clone(), ChunkHash([i as u8; 16])))
+        .collect();
+    let names: Vec<String> = keys.iter().map(ToString::to_string).collect();
+    let meta = ChunkMeta {
+        layout_fingerprint: scope.layout_fingerprint,
+        dtype: Dtype::Bf16,
+        token_count: 256,
+    };
+    let entries = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let bytes = (0..CHUNK_BYTES).map(|b| (b * 7 + i) as u8).collect();
+            let chunk = Chunk {
+                meta,
+                data: MemoryObj::from_vec(bytes),
+            };
+            (key.clone(), chunk)
+        })
+        .collect();
+    rt.block_on(backend.put(entries)).unwrap();
+
+    let mut g = c.benchmark_group("daemon_read_64mib_into_l1");
+    g.sample_size(30);
+    g.throughput(Throughput::Bytes((CHUNKS * CHUNK_BYTES) as u64));
+    g.bench_function("two copies (batch_get, then decode)", |b| {
+        b.iter(|| {
+            let values = rt.block_on(connector.batch_get(&names)).unwrap();
+            let chunks: Vec<MemoryObj> = keys
+                .iter()
+                .zip(values)
+                .map(|(key, value)| {
+                    let bytes = value.expect("resident");
+                    let expect = DecodeExpectation {
+                        max_raw_len: max_chunk,
+                        layout_fingerprint: Some(key.scope.layout_fingerprint),
+                        bytes_per_token: None,
+                        key: Some(KeyBinding::of(key)),
+                    };
+                    let header = decode_header(&bytes, &expect).unwrap();
+                    let mut buf = l1.allocate(header.raw_len as usize).unwrap();
+                    decode_payload_into(&bytes, &header, buf.as_mut_slice()).unwrap();
+                    buf.freeze()
+                })
+                .collect();
+            black_box(chunks)
+        })
+    });
+    g.bench_function("one copy (get_node_memory)", |b| {
+        b.iter(|| {
+            let chunks = rt.block_on(backend.get_node_memory(&keys)).unwrap();
+            assert!(chunks.iter().all(Option::is_some));
+            black_box(chunks)
+        })
+    });
+    let src = vec![3u8; CHUNKS * CHUNK_BYTES];
+    let mut dst = vec![0u8; CHUNKS * CHUNK_BYTES];
+    g.bench_function("memcpy of the same bytes", |b| {
+        b.iter(|| {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, daemon_read_into_l1);
+criterion_main!(benches);

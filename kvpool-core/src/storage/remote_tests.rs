@@ -1,0 +1,209 @@
+//! `RemoteBackend` over a tier that reads node memory: one-copy reads and writes
+//! (`batch_copy_out`, `batch_copy_in`), and the checks every other tier's values get.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use crate::error::{BackendError, FormatError};
+use crate::format::chunk_format::{ChunkCodec, ChunkMeta, Compression};
+use crate::keys::cache_key::{CacheKey, KeyScope};
+use crate::keys::chunk_hash::ChunkHash;
+use crate::layout::Dtype;
+use crate::memory::pool::MemoryObj;
+use crate::storage::backend::{Chunk, StorageBackend};
+use crate::storage::remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};
+
+/// A store in this process's memory that says (or not) that it reads node memory, and logs
+/// which of its calls were made.
+#[derive(Default)]
+struct LoggingStore {
+    node_memory: bool,
+    values: Mutex<HashMap<String, Vec<u8>>>,
+    calls: Mutex<Vec<&'static str>>,
+}
+
+impl LoggingStore {
+    fn log(&self, call: &'static str) {
+        self.calls.lock().push(call);
+    }
+    fn calls(&self) -> Vec<&'static str> {
+        std::mem::take(&mut *self.calls.lock())
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for Arc<LoggingStore> {
+    fn name(&self) -> &str {
+        "logging"
+    }
+    fn reads_node_memory(&self) -> bool {
+        self.node_memory
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let values = self.values.lock();
+        Ok(keys.iter().map(|k| values.contains_key(k)).collect())
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.log("batch_get");
+        let values = self.values.lock();
+        Ok(keys
+            .iter()
+            .map(|k| values.get(k).map(|v| Bytes::copy_from_slice(v)))
+            .collect())
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.log("batch_put");
+        let mut values = self.values.lock();
+        for (k, v) in entries {
+            values.insert(k, v.to_vec());
+        }
+        Ok(())
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let mut values = self.values.lock();
+        Ok(keys.iter().filter(|k| values.remove(*k).is_some()).count())
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Reads in place: the copy-out sees the stored bytes themselves.
+    async fn batch_copy_out(
+        &self,
+        keys: &[String],
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+        self.log(if resident_only {
+            "batch_copy_out(resident)"
+        } else {
+            "batch_copy_out"
+        });
+        let values = self.values.lock();
+        Ok(keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| values.get(k).map(|v| copy_out(i, v)))
+            .collect())
+    }
+    /// Writes in place: the copy-in fills the stored bytes themselves, over what was there.
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        self.log("batch_copy_in");
+        let mut values = self.values.lock();
+        for (i, (k, len)) in entries.into_iter().enumerate() {
+            let mut value = vec![0xEE; len];
+            copy_in(i, &mut value);
+            values.insert(k, value);
+        }
+        Ok(())
+    }
+}
+
+fn keys(n: u8) -> Vec<CacheKey> {
+    let scope = Arc::new(KeyScope::new("m", 1, 0, 0, 9).unwrap());
+    (0..n)
+        .map(|i| CacheKey::new(scope.clone(), ChunkHash([i; 16])))
+        .collect()
+}
+
+fn chunk(byte: u8) -> Chunk {
+    Chunk {
+        meta: ChunkMeta {
+            layout_fingerprint: 9,
+            dtype: Dtype::Bf16,
+            token_count: 4,
+        },
+        data: MemoryObj::from_vec(vec![byte; 4096]),
+    }
+}
+
+fn tier(
+    node_memory: bool,
+    codec: ChunkCodec,
+) -> (Arc<LoggingStore>, RemoteBackend<Arc<LoggingStore>>) {
+    let store = Arc::new(LoggingStore {
+        node_memory,
+        ..Default::default()
+    });
+    (store.clone(), RemoteBackend::new(store, codec, 1 << 20))
+}
+
+#[tokio::test]
+async fn a_node_memory_tier_is_read_and_written_in_place_and_still_checked() {
+    let (store, backend) = tier(true, ChunkCodec::default());
+    let keys = keys(3);
+    let entries = keys
+        .iter()
+        .zip([1, 2, 3])
+        .map(|(k, b)| (k.clone(), chunk(b)));
+    backend.put(entries.collect()).await.unwrap();
+    assert_eq!(store.calls(), ["batch_copy_in"]);
+
+    let got = backend.get(&keys).await.unwrap();
+    assert_eq!(store.calls(), ["batch_copy_out"]);
+    for (chunk, byte) in got.iter().zip([1u8, 2, 3]) {
+        let chunk = chunk.as_ref().expect("stored");
+        assert_eq!(chunk.data.as_slice(), &[byte; 4096][..]);
+        assert_eq!(chunk.meta.token_count, 4);
+    }
+    let got = backend.get_node_memory(&keys[..1]).await.unwrap();
+    assert_eq!(store.calls(), ["batch_copy_out(resident)"]);
+    assert!(got[0].is_some());
+
+    // A value changed where it lies, and one filed under another key, are misses: dropped
+    // from the store and counted corrupt.
+    let names: Vec<String> = keys.iter().map(ToString::to_string).collect();
+    {
+        let mut values = store.values.lock();
+        values.get_mut(&names[0]).unwrap()[100] ^= 1;
+        let misfiled = values[&names[2]].clone();
+        values.insert(names[1].clone(), misfiled);
+    }
+    let got = backend.get(&keys).await.unwrap();
+    assert!(
+        got[0].is_none() && got[1].is_none(),
+        "a bad value was returned"
+    );
+    assert!(got[2].is_some());
+    assert_eq!(backend.stats().corrupt, 2);
+    assert_eq!(
+        backend.contains(&keys).await.unwrap(),
+        [false, false, true],
+        "the bad values were not deleted"
+    );
+}
+
+#[tokio::test]
+async fn other_tiers_and_compressing_codecs_keep_the_buffered_path() {
+    let (store, backend) = tier(false, ChunkCodec::default());
+    let keys = keys(1);
+    backend
+        .put(vec![(keys[0].clone(), chunk(4))])
+        .await
+        .unwrap();
+    let got = backend.get(&keys).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap().data.as_slice(), &[4u8; 4096][..]);
+    assert_eq!(store.calls(), ["batch_put", "batch_get"]);
+
+    // A compressed value's length is known only once encoded: it is stored from a buffer,
+    // and still read in place.
+    let zstd = ChunkCodec {
+        compression: Compression::Zstd { level: 1 },
+        ..ChunkCodec::default()
+    };
+    let (store, backend) = tier(true, zstd);
+    backend
+        .put(vec![(keys[0].clone(), chunk(5))])
+        .await
+        .unwrap();
+    let got = backend.get(&keys).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap().data.as_slice(), &[5u8; 4096][..]);
+    assert_eq!(store.calls(), ["batch_put", "batch_copy_out"]);
+}
