@@ -158,12 +158,12 @@ fn user_errors_are_messages_not_panics() {
 
 #[test]
 fn sim_drives_the_vllm_protocol_with_failures_and_gets_every_token_right() {
-    // 10,000 requests, up to 16 a step, shared prefixes, preemption, reused ids and 5% of
+    // 4,000 requests, up to 16 a step, shared prefixes, preemption, reused ids and 5% of
     // loaded chunks lost between lookup and load.
     let out = kvpool(&[
         "sim",
         "--requests",
-        "10000",
+        "4000",
         "--gpu-blocks",
         "128",
         "--load-failure-rate",
@@ -172,7 +172,7 @@ fn sim_drives_the_vllm_protocol_with_failures_and_gets_every_token_right() {
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(v["requests"], 10000);
+    assert_eq!(v["requests"], 4000);
     assert_eq!(v["wrong_tokens"], 0);
     assert_eq!(v["leaked_request_states"], 0);
     assert_eq!(v["unreported_failed_blocks"], 0);

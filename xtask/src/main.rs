@@ -229,7 +229,7 @@ fn ci() -> Result<(), String> {
     })?;
     // A bounded fuzzing pass and the sanitizer run, then every backend against real
     // servers, and last kvpool inside real vLLM and SGLang.
-    clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "15".into()]))?;
+    clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "10".into()]))?;
     clock.stage("sanitize", sanitize::sanitize)?;
     // Anonymous RSS still drifts up by about 0.2 MiB a minute after the warm-up (medians of
     // the first and last windows; docs/reliability.md); until that is explained, 2 minutes may
@@ -259,10 +259,11 @@ fn ci() -> Result<(), String> {
     })?;
     clock.stage("example backend", third_party::example_backend)?;
     clock.stage("matrix", matrix::matrix)?;
-    // The GPU bundle, built as a lent GPU machine gets it but in the dev profile (it shares the
-    // test build), is dry-run on CPU tensors by the vLLM suite's `test_gpu_check.py`.
+    // The GPU bundle, as a lent GPU machine gets it but carrying the wheel the vLLM suite
+    // installs (dev profile, default features: one build for both), is dry-run on CPU tensors
+    // by the vLLM suite's `test_gpu_check.py`.
     let bundle = clock.stage_value("gpu bundle", || {
-        vllm::gpu_bundle(&["--profile".into(), "dev".into()])
+        vllm::build_gpu_bundle("dev", vllm::BundleWheel::AsTested)
     })?;
     let bundle = vllm::path_str(&bundle)?.to_string();
     clock.stage("vllm", || {

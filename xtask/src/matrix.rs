@@ -39,10 +39,12 @@ fn run_suites(cargo: &str, env: &[(String, String)]) -> Result<(Vec<TestRow>, bo
     let mut rows = Vec::new();
     let mut all_ok = true;
     for suite in SUITES {
+        // `--workspace`, not `-p kvpool-backends`: the features then unify as in the
+        // workspace tests, whose build this reuses (alone, the package resolves other
+        // features for its dependencies, a second build of most of the tree).
         let args = [
             "test",
-            "-p",
-            "kvpool-backends",
+            "--workspace",
             "--all-features",
             "--test",
             suite,
@@ -143,16 +145,11 @@ pub fn matrix() -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let prepared = prepare()?;
     // Build first, so server start-up is not raced against a long compile.
-    run(
-        &cargo,
-        &[
-            "test",
-            "-p",
-            "kvpool-backends",
-            "--all-features",
-            "--no-run",
-        ],
-    )?;
+    let mut build = vec!["test", "--workspace", "--all-features", "--no-run"];
+    for suite in SUITES {
+        build.extend(["--test", suite]);
+    }
+    run(&cargo, &build)?;
     let dir = scratch_dir("matrix")?;
     let report = dir.join("conformance.tsv");
     let (tests, ok) = {

@@ -176,22 +176,30 @@ pub(crate) fn start_mooncake(dir: &Path, venv: &Path) -> Result<MooncakeCluster,
     Ok(cluster)
 }
 
-/// Creates `venv` with `requirement` installed, once; returns the venv path.
+/// Creates `venv` (on the system's `python3`) with `requirement` installed, once, with uv
+/// from the tool virtualenv (a cold install of moto's dependencies took pip about a minute).
 fn ensure_venv(venv: &Path, requirement: &str, marker: &str) -> Result<(), String> {
     if venv.join(marker).exists() {
         return Ok(());
     }
+    let python = which("python3")?;
+    let tools = crate::vllm::ensure_tools(&crate::vllm::python312()?)?;
+    let uv = tools.join("uv").display().to_string();
     let venv_str = venv.display().to_string();
-    run("python3", &["-m", "venv", &venv_str])?;
-    let pip = venv.join("bin/pip").display().to_string();
     run(
-        &pip,
+        &uv,
         &[
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            requirement,
+            "venv",
+            "--clear",
+            "--python",
+            &python.display().to_string(),
+            &venv_str,
         ],
+    )?;
+    crate::run_with_env(
+        &uv,
+        &["pip", "install", "--quiet", requirement],
+        &[("VIRTUAL_ENV", venv_str.as_str())],
     )?;
     if !venv.join(marker).exists() {
         return Err(format!("{requirement} installed no {marker} in {venv_str}"));

@@ -164,10 +164,14 @@ fn build_wheel(
 }
 
 /// Builds the kvpool wheel in `profile` (`dev` for tests: it shares the test build's
-/// artifacts; `release` for benchmarks) and installs it into the vLLM virtualenv.
+/// artifacts; `release` for benchmarks) and installs it into the virtualenv of `venv_python`.
+///
+/// The wheel is abi3, so it is built for the interpreter the virtualenvs are made from
+/// ([`python312`]), not for each one's own: the vLLM and SGLang wheels and the GPU bundle then
+/// share one cargo build instead of rebuilding PyO3 and everything above it for each path.
 pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
     let wheels = target_dir().join("wheels");
-    let wheel = build_wheel(tools, venv_python, profile, &wheels, &[])?;
+    let wheel = build_wheel(tools, &python312()?, profile, &wheels, &[])?;
     uv_pip_install(
         tools,
         venv_python,
@@ -401,16 +405,29 @@ pub(crate) fn gpu_bundle(args: &[String]) -> Result<PathBuf, String> {
         [flag, profile] if flag == "--profile" => profile.as_str(),
         _ => return Err("usage: cargo xtask gpu-bundle [--profile dev|release]".into()),
     };
+    build_gpu_bundle(profile, BundleWheel::Lean)
+}
+
+/// Which kvpool wheel a GPU bundle carries.
+pub(crate) enum BundleWheel {
+    /// Without the disk, Redis and S3 tiers, stripped: what a GPU machine gets (the bundle
+    /// travels in a 64 MiB carry).
+    Lean,
+    /// The wheel the vLLM suite installs (default features), from the same build: CI's CPU
+    /// dry run of the bundle, which uses none of those tiers, then costs no build of its own.
+    AsTested,
+}
+
+/// Builds the GPU bundle (see [`gpu_bundle`]) with `wheel` in cargo profile `profile`.
+pub(crate) fn build_gpu_bundle(profile: &str, wheel: BundleWheel) -> Result<PathBuf, String> {
     let python = python312()?;
     let tools = ensure_tools(&python)?;
     let bundle = target_dir().join("gpu-bundle");
-    let wheel = build_wheel(
-        &tools,
-        &python,
-        profile,
-        &bundle,
-        &["--no-default-features", "--strip"],
-    )?;
+    let extra: &[&str] = match wheel {
+        BundleWheel::Lean => &["--no-default-features", "--strip"],
+        BundleWheel::AsTested => &[],
+    };
+    let wheel = build_wheel(&tools, &python, profile, &bundle, extra)?;
     let root = workspace_root();
     std::fs::copy(
         root.join("kvpool-py/gpu/gpu_check.py"),
