@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, Chunk, CopyIn, CopyOut, FormatError, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, RemoteConnector};
 
 /// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
 /// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
@@ -82,7 +82,7 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         self.injected_get_failure()?;
         self.inner
             .batch_copy_out(keys, resident_only, copy_out)
@@ -249,7 +249,7 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         self.ask(keys.len()).await?;
         self.inner
             .batch_copy_out(keys, resident_only, copy_out)
@@ -270,5 +270,30 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.check().await?;
         self.inner.batch_delete(keys).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::InMemoryConnector;
+
+    /// In-place writes are corrupted at the same rate as buffered ones: here every second
+    /// value, one byte flipped after it was written.
+    #[tokio::test]
+    async fn in_place_writes_are_corrupted_like_puts() {
+        let store = FaultInjector::new(InMemoryConnector::new(), 0, 2);
+        let entries = (0..4).map(|i| (format!("k{i}"), 64)).collect();
+        store
+            .batch_copy_in(entries, Arc::new(|_, dst: &mut [u8]| dst.fill(7)))
+            .await
+            .unwrap();
+        let keys: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
+        let got = store.batch_get(&keys).await.unwrap();
+        let intact: Vec<bool> = got
+            .iter()
+            .map(|v| v.as_deref() == Some(&[7u8; 64][..]))
+            .collect();
+        assert_eq!(intact, [true, false, true, false]);
     }
 }

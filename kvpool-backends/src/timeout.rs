@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, Chunk, CopyIn, CopyOut, FormatError, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, RemoteConnector};
 
 /// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
 pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
@@ -112,7 +112,7 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         self.bounded(
             "batch_copy_out",
             self.inner.batch_copy_out(keys, resident_only, copy_out),
@@ -145,6 +145,8 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use crate::faults::ControlledFaults;
     use crate::memory::InMemoryConnector;
@@ -205,5 +207,41 @@ mod tests {
             "{err}"
         );
         assert_eq!(started.elapsed(), Duration::from_millis(2250));
+    }
+
+    /// Node memory's in-place reads and writes are bounded as gets and puts are.
+    #[tokio::test(start_paused = true)]
+    async fn hung_in_place_reads_and_writes_time_out() {
+        let slow = TimeoutConnector::new(hangs(), Duration::from_millis(250));
+        let err = slow
+            .batch_copy_out(&["k".to_string()], true, Arc::new(|_, _| {}))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Timeout {
+                    op: "batch_copy_out",
+                    millis: 250,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = slow
+            .batch_copy_in(vec![("k".into(), 64 << 20)], Arc::new(|_, _| {}))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Timeout {
+                    op: "batch_copy_in",
+                    millis: 2250,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }

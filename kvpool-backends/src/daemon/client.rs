@@ -15,9 +15,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
-use kvpool_core::{
-    BackendError, Chunk, ConfigError, CopyIn, CopyOut, FormatError, RemoteConnector,
-};
+use kvpool_core::{BackendError, ConfigError, CopyIn, CopyOut, RemoteConnector};
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
@@ -434,16 +432,21 @@ impl RemoteConnector for DaemonConnector {
         .await
     }
 
-    /// Copies each value once, from the arena into the caller's buffer (L1's pool).
+    /// Hands each value to `copy_out` where it lies in the arena, pinned: one copy, from the
+    /// arena into the reader's buffer (L1's pool).
     async fn batch_copy_out(
         &self,
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         let keys = keys.to_vec();
-        self.blocking(move |inner| inner.read(keys, resident_only, |i, bytes| copy_out(i, bytes)))
-            .await
+        self.blocking(move |inner| {
+            inner
+                .read(keys, resident_only, |i, bytes| copy_out(i, bytes))
+                .map(drop)
+        })
+        .await
     }
 
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {

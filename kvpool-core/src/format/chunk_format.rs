@@ -18,7 +18,9 @@
 //! 72      …   payload
 //! ```
 //! Decoding checks every field, the length and the checksum before it allocates or hands out a
-//! byte, so a truncated, oversized or corrupt value is a typed [`FormatError`], never data. The
+//! byte, so a truncated, oversized or corrupt value is a typed [`FormatError`], never data.
+//! [`decode_copied`], for values in memory another process can write, checks the checksum on
+//! its one copy instead, so it allocates that copy's buffer first (bounded the same way). The
 //! value is bound to its key: read under any other key, it is [`FormatError::KeyMismatch`].
 //! Version 1 values (without the binding) are [`FormatError::UnsupportedVersion`]: misses.
 
@@ -274,7 +276,8 @@ pub fn decode_header(bytes: &[u8], expect: &DecodeExpectation) -> Result<ChunkHe
 /// as [`decode_header`] and [`decode_payload_into`] do.
 ///
 /// Unlike [`decode_header`], this allocates before the checksum is checked: a buffer of the
-/// payload's own length (as long as the value read), no larger than `expect.max_raw_len`.
+/// payload's own length (as long as the value read), no larger than `expect.max_raw_len`,
+/// and only for a value whose header names the expected key and layout.
 pub fn decode_copied<B: AsMut<[u8]>>(
     shared: &[u8],
     expect: &DecodeExpectation,
@@ -289,7 +292,10 @@ pub fn decode_copied<B: AsMut<[u8]>>(
         decode_payload_into(&private, &header, dst.as_mut())?;
         return Ok((header, dst));
     }
-    // Uncompressed: the payload is the decoded chunk (`parse_fields` checked the lengths).
+    // Uncompressed: the payload is the decoded chunk (`parse_fields` checked the lengths). A
+    // value under another key or layout is refused before its buffer is taken (which may evict
+    // from L1); it would fail after the checksum anyway.
+    check_key_and_layout(&head, expect)?;
     let mut dst = allocate(fields.raw_len as usize);
     let payload = dst.as_mut();
     if payload.len() != shared.len() - HEADER_LEN {
@@ -416,6 +422,40 @@ fn check_binding(
         payload_len,
         raw_len,
     } = fields;
+    check_key_and_layout(head, expect)?;
+    let token_count = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes"));
+    let dtype = Dtype::from_code(head[20]).ok_or(FormatError::UnknownField {
+        field: "dtype",
+        value: u64::from(head[20]),
+    })?;
+    if let Some(bpt) = expect.bytes_per_token {
+        let needed = u64::from(token_count) * bpt;
+        if needed != raw_len {
+            return Err(FormatError::SizeMismatch {
+                raw_len,
+                tokens: token_count,
+                expected: needed,
+            });
+        }
+    }
+    Ok(ChunkHeader {
+        meta: ChunkMeta {
+            layout_fingerprint: u64_at(head, 8),
+            dtype,
+            token_count,
+        },
+        checksum_algorithm,
+        compressed,
+        payload_len,
+        raw_len,
+    })
+}
+
+/// The key the header names and its layout, against what the reader expects.
+fn check_key_and_layout(
+    head: &[u8; HEADER_LEN],
+    expect: &DecodeExpectation,
+) -> Result<(), FormatError> {
     let found = KeyBinding {
         chunk_hash: head[40..56].try_into().expect("16 bytes"),
         scope_digest: u64_at(head, 56),
@@ -440,32 +480,7 @@ fn check_binding(
             found: layout_fingerprint,
         });
     }
-    let token_count = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes"));
-    let dtype = Dtype::from_code(head[20]).ok_or(FormatError::UnknownField {
-        field: "dtype",
-        value: u64::from(head[20]),
-    })?;
-    if let Some(bpt) = expect.bytes_per_token {
-        let needed = u64::from(token_count) * bpt;
-        if needed != raw_len {
-            return Err(FormatError::SizeMismatch {
-                raw_len,
-                tokens: token_count,
-                expected: needed,
-            });
-        }
-    }
-    Ok(ChunkHeader {
-        meta: ChunkMeta {
-            layout_fingerprint,
-            dtype,
-            token_count,
-        },
-        checksum_algorithm,
-        compressed,
-        payload_len,
-        raw_len,
-    })
+    Ok(())
 }
 
 /// Writes the decoded payload of an already validated value into `dst`, which must be exactly

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use parking_lot::Mutex;
 use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
@@ -19,11 +20,11 @@ use crate::storage::backend::{
 };
 use crate::storage::tier_events::TierEventLog;
 
-/// What a read of node memory does with one value while the tier keeps it unchanged
-/// ([`RemoteConnector::batch_copy_out`]): copies it into this process's memory and checks the
-/// copy. It is given the value's index in the batch and its bytes where they lie, which
-/// another process may write, and returns the decoded chunk or why the value is rejected.
-pub type CopyOut = Arc<dyn Fn(usize, &[u8]) -> Result<Chunk, FormatError> + Send + Sync>;
+/// What a read of node memory does with one value it found ([`RemoteConnector::batch_copy_out`]):
+/// given the value's index in the batch and its bytes where they lie (which another process
+/// can write), copies them into this process's memory and checks the copy. The reader keeps
+/// what it copied, under that index; a tier only hands out bytes.
+pub type CopyOut = Arc<dyn Fn(usize, &[u8]) + Send + Sync>;
 
 /// What a write to node memory does with one value ([`RemoteConnector::batch_copy_in`]):
 /// given the value's index in the batch and the memory the tier allocated for it, exactly as
@@ -64,11 +65,12 @@ pub trait RemoteConnector: Send + Sync + 'static {
     }
 
     /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): reads the
-    /// values of `keys` where that memory holds them and hands each, while the tier keeps it
-    /// unchanged, to `copy_out`, which copies it into this process's memory and checks the
-    /// copy (one copy, where [`RemoteConnector::batch_get`] is two). With `resident_only`,
-    /// only the values that memory holds are read, and no slower storage behind it (the
-    /// daemon's own lower tiers), so that a lookup's load never waits on a disk or a network.
+    /// values of `keys` where that memory holds them and hands each one found, as
+    /// `copy_out(i, bytes)` for `keys[i]`, to `copy_out` while the tier keeps it pinned;
+    /// `copy_out` copies it into this process's memory and checks the copy (one copy, where
+    /// [`RemoteConnector::batch_get`] is two). With `resident_only`, only the values that memory
+    /// holds are read, and no slower storage behind it (the daemon's own lower tiers), so that
+    /// a lookup's load never waits on a disk or a network.
     ///
     /// The default reads them with [`RemoteConnector::batch_get`] and copies those.
     async fn batch_copy_out(
@@ -76,13 +78,14 @@ pub trait RemoteConnector: Send + Sync + 'static {
         keys: &[String],
         _resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         let values = self.batch_get(keys).await?;
-        Ok(values
-            .into_iter()
-            .enumerate()
-            .map(|(i, value)| value.map(|bytes| copy_out(i, &bytes)))
-            .collect())
+        for (i, value) in values.into_iter().enumerate() {
+            if let Some(bytes) = value {
+                copy_out(i, &bytes);
+            }
+        }
+        Ok(())
     }
 
     /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): stores a
@@ -155,7 +158,7 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         (**self).batch_copy_out(keys, resident_only, copy_out).await
     }
     async fn batch_copy_in(
@@ -253,46 +256,46 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         })
     }
 
-    /// The [`CopyOut`] for a read of node memory under `keys`: [`decode_copied`] into a
-    /// buffer from this backend's allocator (L1's pool), checked as [`RemoteBackend::decode`]
-    /// checks a value, but on the one copy it makes.
-    fn copy_out(&self, keys: &[CacheKey]) -> CopyOut {
-        let keys = keys.to_vec();
-        let allocator = self.allocator.clone();
-        let max_chunk_bytes = self.max_chunk_bytes;
-        Arc::new(move |i, shared| {
-            let key = keys.get(i).ok_or(FormatError::UnknownField {
-                field: "index in the batch",
-                value: i as u64,
-            })?;
-            let expect = expectation(key, max_chunk_bytes);
-            let (header, buf) =
-                decode_copied(shared, &expect, |len| allocate(allocator.as_ref(), len))?;
-            Ok(Chunk {
-                meta: header.meta,
-                data: buf.freeze(),
-            })
-        })
-    }
-
     /// Reads `keys` from node memory with one copy ([`RemoteConnector::batch_copy_out`]),
     /// counting and dropping what fails its checks as [`RemoteBackend::decode_values`] does.
+    ///
+    /// Each value is decoded by [`decode_copied`] into a buffer from this backend's allocator
+    /// (L1's pool), checked against the key of the index the tier names, and kept in that
+    /// index's slot, which this backend owns: a tier cannot hand back a chunk of its own or
+    /// file one under another key.
     async fn copy_out_values(
         &self,
         keys: &[CacheKey],
         resident_only: bool,
     ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        type Slots = Vec<Option<Result<Chunk, FormatError>>>;
+        let slots: Arc<Mutex<Slots>> =
+            Arc::new(Mutex::new((0..keys.len()).map(|_| None).collect()));
+        let copy_out: CopyOut = {
+            let keys = keys.to_vec();
+            let slots = slots.clone();
+            let allocator = self.allocator.clone();
+            let max_chunk_bytes = self.max_chunk_bytes;
+            Arc::new(move |i, shared| {
+                let Some(key) = keys.get(i) else { return };
+                let expect = expectation(key, max_chunk_bytes);
+                let decoded =
+                    decode_copied(shared, &expect, |len| allocate(allocator.as_ref(), len)).map(
+                        |(header, buf)| Chunk {
+                            meta: header.meta,
+                            data: buf.freeze(),
+                        },
+                    );
+                if let Some(slot) = slots.lock().get_mut(i) {
+                    *slot = Some(decoded);
+                }
+            })
+        };
         let names = key_strings(keys);
-        let decoded = self
-            .connector
-            .batch_copy_out(&names, resident_only, self.copy_out(keys))
+        self.connector
+            .batch_copy_out(&names, resident_only, copy_out)
             .await?;
-        if decoded.len() != keys.len() {
-            return Err(BackendError::Unavailable {
-                backend: self.name().to_string(),
-                reason: format!("answered {} of {} keys", decoded.len(), keys.len()),
-            });
-        }
+        let decoded = std::mem::take(&mut *slots.lock());
         self.tally(&names, decoded).await
     }
 

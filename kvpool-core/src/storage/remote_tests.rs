@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use crate::error::{BackendError, FormatError};
+use crate::error::BackendError;
 use crate::format::chunk_format::{ChunkCodec, ChunkMeta, Compression};
 use crate::keys::cache_key::{CacheKey, KeyScope};
 use crate::keys::chunk_hash::ChunkHash;
@@ -76,18 +76,19 @@ impl RemoteConnector for Arc<LoggingStore> {
         keys: &[String],
         resident_only: bool,
         copy_out: CopyOut,
-    ) -> Result<Vec<Option<Result<Chunk, FormatError>>>, BackendError> {
+    ) -> Result<(), BackendError> {
         self.log(if resident_only {
             "batch_copy_out(resident)"
         } else {
             "batch_copy_out"
         });
         let values = self.values.lock();
-        Ok(keys
-            .iter()
-            .enumerate()
-            .map(|(i, k)| values.get(k).map(|v| copy_out(i, v)))
-            .collect())
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(v) = values.get(k) {
+                copy_out(i, v);
+            }
+        }
+        Ok(())
     }
     /// Writes in place: the copy-in fills the stored bytes themselves, over what was there.
     async fn batch_copy_in(
