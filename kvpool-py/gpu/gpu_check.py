@@ -7,20 +7,23 @@ lookup socket) over KV caches shaped as vLLM 0.32 hands them to a connector on C
 FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
 
 1. the layout is recognised and each block becomes one page;
-2. kvpool's L1 memory is page-locked (``cudaHostRegister``);
+2. kvpool's L1 memory is page-locked (``cudaHostRegister``), and unlocked before it is freed:
+   a worker dropped without a shutdown, then a new one in the same process, locks again;
 3. a save copies exactly the blocks the compute stream wrote just before it (the side stream
    waits for the compute stream), and a synchronous and an asynchronous load put those bytes
    into other blocks, byte for byte; no copy synchronizes with the device (torch's sync debug
    mode set to raise while the copies are queued);
-4. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the same bytes
-   between contiguous device memory and page-locked host memory (median of 5; a ratio of 1
-   means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
+4. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
+   same bytes between contiguous device memory and page-locked host memory (medians of 5; a
+   ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
 
 Prints a JSON report (also written to ``$OUT/gpu-check.json`` when ``OUT`` is set); exits 1 if
 a check fails; without a CUDA device it says it skipped and exits 0. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
-own test, where no GPU is; page-locking is then not checked).
+own test, where no GPU is; page-locking is then not checked). ``KVPOOL_CHECK_THROUGHPUT_MIB``
+sets the throughput check's size (under ``compute-sanitizer``, say).
 """
 
+import gc
 import json
 import os
 import statistics
@@ -84,9 +87,14 @@ class Engine:
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
             dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
             socket_path=sock)
-        self.pinned = pin_host_memory(*self.worker.host_memory())
+        self.pin = pin_host_memory(*self.worker.host_memory(), owner=self.worker)
+        self.pinned = self.pin.pinned
         self.sched = _native.Scheduler(socket_paths=[sock], block_size=BLOCK,
                                        load_timing=load_timing)
+
+    def shutdown(self):
+        self.pin.release()
+        self.worker.shutdown()
 
     def run_jobs(self, jobs):
         # On CUDA, any operation that synchronizes with the device raises here: the step path
@@ -179,7 +187,7 @@ def correctness(report, caches, tmp, use_mla=False):
     report["async_load_exact"] = bool(done) and all(
         blocks_equal(caches, a_blocks[i], c_blocks[i]) for i in range(got[0] // BLOCK))
     report["in_flight_after"] = list(e.worker.in_flight())
-    e.worker.shutdown()
+    e.shutdown()
 
 
 def throughput(report, tmp):
@@ -187,40 +195,49 @@ def throughput(report, tmp):
     # x 16-token blocks x 2048 blocks... sized so one transfer moves 512 MiB.
     layers, heads, head, dtype = 8, 8, 128, torch.bfloat16
     page = BLOCK * heads * 2 * head * 2
-    size = (512 << 20) if DEVICE == "cuda" else (64 << 20)
+    size = int(os.environ.get("KVPOOL_CHECK_THROUGHPUT_MIB",
+                              512 if DEVICE == "cuda" else 64)) << 20
     nblocks = size // (page * layers)
     total = 2 * nblocks + 8
     caches = fa_caches(layers, total, heads, head, dtype, DEVICE)
-    e = Engine(caches, tmp, l1="3GiB")
+    e = Engine(caches, tmp, l1="4GiB")
     n = nblocks * BLOCK
     prompt = list(range(7, 7 + n + 1))
     src = list(range(nblocks + 1))
     dst = list(range(nblocks + 1, 2 * nblocks + 2))
-    e.sched.get_num_new_matched_tokens("s", prompt, b"", 0)
-    e.sched.update_state_after_alloc("s", src, 0)
-    meta = e.sched.build_connector_meta([("s", n + 1, [], 2, src, n + 1)], [])
-    e.worker.bind(meta)
-    jobs = e.worker.save_jobs()
-    sync()
-    t0 = time.perf_counter()
-    e.run_jobs(jobs)
-    sync()
-    save_s = time.perf_counter() - t0
-    e.drain()
-    e.worker.step_report()
-    e.worker.clear()
+    # Five saves of the same blocks under five prompts (other keys: nothing is deduplicated).
+    saves, save_enqueues = [], []
+    for i in range(5):
+        tokens = [t + i * 1_000_000 for t in prompt]
+        e.sched.get_num_new_matched_tokens(f"s{i}", tokens, b"", 0)
+        e.sched.update_state_after_alloc(f"s{i}", src, 0)
+        meta = e.sched.build_connector_meta([(f"s{i}", n + 1, [], 2, src, n + 1)], [])
+        e.worker.bind(meta)
+        jobs = e.worker.save_jobs()
+        sync()
+        t0 = time.perf_counter()
+        e.run_jobs(jobs)
+        save_enqueues.append(time.perf_counter() - t0)
+        sync()
+        saves.append(time.perf_counter() - t0)
+        e.drain()
+        e.worker.step_report()
+        e.worker.clear()
     # A job moves its chunks' blocks (field 5: blocks per chunk) of block_bytes (field 6) each.
     nbytes = sum(sum(j[5]) * j[6] for j in jobs)
-    saves, loads = [save_s], []
+    loads, load_enqueues = [], []
     for i in range(5):
         got = e.sched.get_num_new_matched_tokens(f"l{i}", prompt, b"", 0)
         e.sched.update_state_after_alloc(f"l{i}", dst, got[0])
         meta = e.sched.build_connector_meta([(f"l{i}", n + 1, [], 2, dst, n + 1)], [])
         e.worker.bind(meta)
         jobs = e.worker.load_jobs()
+        if sum(sum(j[5]) * j[6] for j in jobs) != nbytes:
+            raise AssertionError("the throughput check's load missed part of what it saved")
         sync()
         t0 = time.perf_counter()
         e.run_jobs(jobs)
+        load_enqueues.append(time.perf_counter() - t0)
         sync()
         loads.append(time.perf_counter() - t0)
         e.drain()
@@ -244,13 +261,42 @@ def throughput(report, tmp):
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     report["throughput"] = {
         "bytes": nbytes, "pinned": e.pinned,
-        "kvpool_save_GBps": gbps(save_s), "torch_d2h_GBps": gbps(statistics.median(d2h)),
+        "kvpool_save_GBps_median": gbps(statistics.median(saves)),
+        "torch_d2h_GBps": gbps(statistics.median(d2h)),
         "kvpool_load_GBps_median": gbps(statistics.median(loads)),
         "torch_h2d_GBps": gbps(statistics.median(h2d)),
-        "save_vs_torch": statistics.median(d2h) / save_s,
+        "save_vs_torch": statistics.median(d2h) / statistics.median(saves),
+        # What the step pays: the host time to queue a save's or load's copies (on CUDA the
+        # copies then run on the side stream; on CPU queueing is copying).
+        "save_enqueue_ms_median": statistics.median(save_enqueues) * 1e3,
+        "load_enqueue_ms_median": statistics.median(load_enqueues) * 1e3,
+        "chunks_per_transfer": sum(len(j[5]) for j in jobs), "planes": len(caches),
         "load_vs_torch": statistics.median(h2d) / statistics.median(loads),
     }
-    e.worker.shutdown()
+    e.shutdown()
+
+
+def host_memory_lifetime(report, tmp):
+    """Workers coming and going in one process (CUDA only): a worker dropped without a
+    shutdown unlocks its memory before freeing it, so the next worker's memory (likely the same
+    addresses) locks again; locking a range twice is refused with kvpool's error, and torch's
+    next op still runs (the refused call's CUDA error does not linger)."""
+    caches = fa_caches(2, 64, 8, 128, torch.bfloat16, DEVICE)
+    e = Engine(caches, tmp)
+    first = e.worker.host_memory()
+    report["pinned_first"] = e.pinned
+    del e
+    gc.collect()
+    e = Engine(caches, tmp)
+    report["same_range_after_drop"] = e.worker.host_memory() == first
+    report["pinned_after_drop"] = e.pinned
+    try:
+        pin_host_memory(*e.worker.host_memory())
+        report["double_pin_refused"] = False
+    except RuntimeError as err:
+        report["double_pin_refused"] = "page-locked earlier" in str(err)
+    report["torch_runs_after_refusal"] = bool(torch.ones(4, device=DEVICE).sum().item() == 4)
+    e.shutdown()
 
 
 def main():
@@ -281,6 +327,17 @@ def main():
                         failures.append(f"{name}: {key} {r.get(key)!r} {r.get('error', '')}")
                 if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
                     failures.append(f"{name}: left in flight {r.get('in_flight_after')}")
+            if DEVICE == "cuda":
+                r = report.setdefault("host_memory_lifetime", {})
+                try:
+                    host_memory_lifetime(r, tmp)
+                except Exception as e:  # noqa: BLE001
+                    r["error"] = repr(e)
+                for key in ("pinned_first", "pinned_after_drop", "double_pin_refused",
+                            "torch_runs_after_refusal"):
+                    if not r.get(key):
+                        failures.append(f"host_memory_lifetime: {key} {r.get(key)!r} "
+                                        f"{r.get('error', '')}")
             try:
                 throughput(report, tmp)
             except Exception as e:  # noqa: BLE001

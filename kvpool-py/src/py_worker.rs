@@ -153,7 +153,9 @@ fn py_job(j: CopyJob) -> PyCopyJob {
 type PyTierEvent<'py> = (String, bool, Vec<Bound<'py, PyBytes>>);
 
 /// The worker half of the vLLM connector (one per vLLM worker process / TP rank).
-#[pyclass(name = "Worker", module = "kvpool._native")]
+// `weakref`: the Python side unregisters L1's page-locked arena in a finalizer that must run
+// before this object frees it (`kvpool.transfer.HostMemoryPin`).
+#[pyclass(name = "Worker", module = "kvpool._native", weakref)]
 pub struct PyWorker {
     core: Mutex<WorkerCore>,
 }

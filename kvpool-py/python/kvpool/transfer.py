@@ -4,12 +4,18 @@ with torch's own ops, the same code for CPU and CUDA tensors.
 A copy job (planned by the Rust worker) names engine block ids and the addresses of kvpool's
 host chunks; a chunk holds its blocks plane by plane (``[planes, chunk_blocks[c],
 plane_block_bytes]``, a plane being one layer's pages; a job's chunks are whole chunks, then a
-prompt's tail blocks, one block each). Per chunk and plane a job takes two
-ops, never one per block:
+prompt's tail blocks, one block each). Per chunk a job takes one op per plane and one copy
+of the whole chunk, never one per block:
 
-- save: ``index_select`` the chunk's blocks of the plane on the engine's device, then
-  ``copy_`` them into the chunk's host buffer;
-- load: ``to`` the engine's device (a no-op on CPU), then ``index_copy_`` into the plane.
+- save: ``index_select`` each plane's blocks of the chunk into the chunk's layout (on CPU
+  straight into the chunk's host buffer; on CUDA into a device buffer shaped like the chunk),
+  then, on CUDA, one ``copy_`` of it to the host;
+- load: ``to`` the engine's device (a no-op on CPU: the chunk itself), then ``index_copy_``
+  each plane's part into the plane.
+
+On an H100 one DMA per chunk instead of one per chunk and plane took loads from 0.49× to 0.73×
+and saves from 0.45× to 0.56× of torch's copy of the same bytes as one contiguous buffer
+(docs/benchmarks.md, with a two-stream variant that was not adopted).
 
 Both ops see the bytes as the widest integer word (8, 4 or 2 bytes) that divides the block
 length, the planes' row strides and every address: torch's ``index_copy_`` moves one element at
@@ -22,12 +28,13 @@ slower on CPU, where the regrouping copies are not free; measured in docs/benchm
 CUDA (the only differences): the copies run on a side stream ordered after the compute stream
 (saves) and waited for by it (loads), and each job records an event that ``poll`` checks;
 nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
-(``pin_host_memory``).
+(``pin_host_memory``) and unlocked before it is freed (``HostMemoryPin``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -124,12 +131,10 @@ class BlockMover:
                 skip = job.skip_blocks if c == 0 else 0
                 chunk_ids = ids[first:first + bpc - skip]
                 first += bpc - skip
-                for p, plane in enumerate(engine):
-                    if job.is_load:
-                        plane.index_copy_(0, chunk_ids, host[p, skip:].to(self.device,
-                                                                          non_blocking=True))
-                    else:
-                        host[p, skip:].copy_(plane.index_select(0, chunk_ids), non_blocking=True)
+                if job.is_load:
+                    self._load_chunk(engine, host, skip, chunk_ids)
+                else:
+                    self._save_chunk(engine, host, skip, chunk_ids)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -137,6 +142,31 @@ class BlockMover:
                 if job.is_load:
                     # The engine reads loaded blocks only after the copy (a device-side wait).
                     torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _load_chunk(self, engine: list[torch.Tensor], host: torch.Tensor, skip: int,
+                    ids: torch.Tensor) -> None:
+        # The whole chunk in one host-to-device copy (on CPU ``to`` is a no-op: the chunk
+        # itself), then one scatter per plane.
+        staged = host.to(self.device, non_blocking=True)
+        for p, plane in enumerate(engine):
+            plane.index_copy_(0, ids, staged[p, skip:])
+
+    def _save_chunk(self, engine: list[torch.Tensor], host: torch.Tensor, skip: int,
+                    ids: torch.Tensor) -> None:
+        # One gather per plane straight into the chunk's layout: on CPU into the chunk itself;
+        # on CUDA into a device buffer shaped like it, then one device-to-host copy.
+        staged = host[:, skip:] if not self.cuda else torch.empty(
+            (host.shape[0], host.shape[1] - skip, host.shape[2]), dtype=host.dtype,
+            device=self.device)
+        for p, plane in enumerate(engine):
+            torch.index_select(plane, 0, ids, out=staged[p])
+        if self.cuda:
+            if skip == 0:
+                host.copy_(staged, non_blocking=True)
+            else:
+                # The blocks before ``skip`` are not this job's: row by row, contiguous.
+                for p in range(host.shape[0]):
+                    host[p, skip:].copy_(staged[p], non_blocking=True)
 
     def poll(self) -> list[int]:
         """Ids of jobs whose copies ended since the last call (on CPU: every job run)."""
@@ -152,10 +182,76 @@ class BlockMover:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
 
-def pin_host_memory(ptr: int, nbytes: int) -> bool:
-    """Page-locks kvpool's host memory for CUDA DMA (``cudaHostRegister``); a no-op without
-    CUDA. Returns whether it is pinned."""
-    if not torch.cuda.is_available() or nbytes == 0:
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    return int(err) == 0
+#: ``cudaErrorHostMemoryAlreadyRegistered``: part of the range is page-locked already.
+_ALREADY_REGISTERED = 712
+
+
+class HostMemoryPin:
+    """kvpool's host memory (L1's arena), page-locked for CUDA DMA (``cudaHostRegister``) for
+    as long as the memory lives.
+
+    A registration must end before its memory is freed: CUDA keeps the old pages locked under
+    the address range, and once the allocator hands that range out again (the next worker in
+    the same process), copies through it move the old pages, not the new ones, which is wrong
+    KV with no error. (A first version never unregistered; on an H100 the next worker's
+    registration then failed with ``cudaErrorHostMemoryAlreadyRegistered``.) So the memory is
+    unregistered by :meth:`release` (a worker's shutdown) or, if its ``owner`` (the native
+    worker that holds the memory) is collected first, by a finalizer that runs before the owner
+    frees it. Both first wait for the device, so no copy is in flight when the pages unlock.
+
+    Without CUDA (or for an empty range) nothing is registered and ``pinned`` is false.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any = None):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.pinned = False
+        if not torch.cuda.is_available() or nbytes == 0:
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            _consume_cuda_error()
+            if err == _ALREADY_REGISTERED:
+                raise RuntimeError(
+                    f"kvpool: its host memory ({nbytes} bytes at {ptr:#x}) overlaps memory "
+                    "page-locked earlier in this process and never unregistered (memory freed "
+                    "while registered); CUDA copies through it could move stale pages, so "
+                    "kvpool refuses to run on it")
+            return
+        self.pinned = True
+        self._finalizer = weakref.finalize(owner, _unregister, ptr) if owner is not None \
+            else None
+
+    def release(self) -> None:
+        """Waits for the device, then unregisters the memory (idempotent). Call before the
+        memory is freed."""
+        if not self.pinned:
+            return
+        self.pinned = False
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _unregister(self.ptr)
+
+
+def _unregister(ptr: int) -> None:
+    # Copies to or from the pages may still be queued: they end before the pages unlock.
+    torch.cuda.synchronize()
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _consume_cuda_error()
+
+
+def _consume_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error as the thread's last error, and torch's next
+    kernel launch raises it (``cudaGetLastError`` is not bound in torch): one small launch here
+    reads and clears it, so a refused registration does not fail an unrelated op later."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError:
+        pass
+
+
+def pin_host_memory(ptr: int, nbytes: int, owner: Any = None) -> HostMemoryPin:
+    """Page-locks kvpool's host memory for CUDA DMA while ``owner`` (the object holding the
+    memory) lives; see :class:`HostMemoryPin`. Its ``pinned`` says whether it is page-locked
+    (false without CUDA)."""
+    return HostMemoryPin(ptr, nbytes, owner)

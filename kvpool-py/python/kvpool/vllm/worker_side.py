@@ -54,10 +54,14 @@ class WorkerSide:
             replicated=layout.replicated,
             socket_path=socket_path_of(self.tp_rank),
         )
+        self.host_pin = None
         if self.mover.cuda:
-            # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here.
+            # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here and
+            # unlocked before the arena is freed (shutdown, or the native worker's collection).
             region = self.native.host_memory()
-            if region is None or not pin_host_memory(*region):
+            if region is not None:
+                self.host_pin = pin_host_memory(*region, owner=self.native)
+            if self.host_pin is None or not self.host_pin.pinned:
                 logger.warning("kvpool: could not page-lock kvpool's host memory; copies to and "
                                "from the GPU go through pageable memory (slower)")
         self.kv_events = kv_events
@@ -128,6 +132,11 @@ class WorkerSide:
         return KvpoolConnectorStats(data=delta)
 
     def shutdown(self) -> None:
+        if self.host_pin is not None:
+            try:
+                self.host_pin.release()
+            except Exception:  # noqa: BLE001 - the pool still flushes and closes
+                logger.exception("kvpool: could not unlock kvpool's host memory")
         self.native.shutdown()
 
 

@@ -1,0 +1,109 @@
+"""Page-locking kvpool's host memory (``kvpool.transfer.HostMemoryPin``) without a GPU: CUDA's
+runtime replaced by a fake that keeps the registered ranges as CUDA does. On an H100 the first
+version never unregistered L1's arena, so the next worker in the same process got the freed
+addresses and could not lock them (and copies through such a range would move the old pages);
+the GPU bundle checks the real thing (``gpu_check.py``'s ``host_memory_lifetime``)."""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from kvpool import _native, transfer
+from kvpool.transfer import pin_host_memory
+from kvpool.vllm.layouts import detect
+
+ALREADY_REGISTERED = 712
+NOT_REGISTERED = 713
+
+
+class FakeCudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` over a table of registered ranges, refusing
+    a range that overlaps one still registered; ``log`` records every call in order."""
+
+    def __init__(self):
+        self.ranges: dict[int, int] = {}
+        self.log: list[tuple] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - CUDA's name
+        if any(p < ptr + nbytes and ptr < p + n for p, n in self.ranges.items()):
+            self.log.append(("refused", ptr))
+            return ALREADY_REGISTERED
+        self.ranges[ptr] = nbytes
+        self.log.append(("register", ptr))
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.log.append(("unregister", ptr))
+        return 0 if self.ranges.pop(ptr, None) is not None else NOT_REGISTERED
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: fake.log.append(("synchronize",)))
+    monkeypatch.setattr(transfer, "_consume_cuda_error", lambda: fake.log.append(("consumed",)))
+    return fake
+
+
+def native_worker(tmp_path, name):
+    caches = {f"model.layers.{i}.self_attn.attn":
+              torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+              for i in range(2)}
+    layout = detect(caches, 16, use_mla=False, backend="FLASH_ATTN", layout_name="LBNHC")
+    return _native.Worker(
+        config_text='[local_cpu]\nmax_size = "16MiB"\n', config_format="toml", model="m",
+        weights="w", tp_size=1, tp_rank=0, pp_rank=0, block_size=16,
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_size, dtype=str(layout.dtype), kv_format=layout.kv_format,
+        kind=layout.kind, socket_path=os.path.join(str(tmp_path), f"{name}.sock"))
+
+
+def test_a_worker_dropped_without_shutdown_unlocks_its_memory_first(cuda, tmp_path):
+    worker = native_worker(tmp_path, "a")
+    ptr, nbytes = worker.host_memory()
+    # The finalizer hangs on the native worker (weak references to it must be possible).
+    pin = pin_host_memory(ptr, nbytes, owner=worker)
+    assert pin.pinned and cuda.ranges == {ptr: nbytes}
+    del worker
+    gc.collect()
+    # The device is waited for, then the range unlocked: nothing stays registered.
+    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr)]
+    assert cuda.ranges == {}
+
+
+def test_a_shutdown_unlocks_once_and_the_next_worker_locks_again(cuda, tmp_path):
+    worker = native_worker(tmp_path, "a")
+    pin = pin_host_memory(*worker.host_memory(), owner=worker)
+    pin.release()
+    pin.release()
+    ptr = pin.ptr
+    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr)]
+    worker.shutdown()
+    del worker
+    gc.collect()
+    assert len(cuda.log) == 3  # the finalizer was detached: no second unregister
+    nxt = native_worker(tmp_path, "b")
+    again = pin_host_memory(*nxt.host_memory(), owner=nxt)
+    assert again.pinned
+    again.release()
+
+
+def test_a_range_locked_already_is_refused_and_its_error_consumed(cuda, tmp_path):
+    worker = native_worker(tmp_path, "a")
+    ptr, nbytes = worker.host_memory()
+    first = pin_host_memory(ptr, nbytes, owner=worker)
+    with pytest.raises(RuntimeError, match="page-locked earlier in this process"):
+        pin_host_memory(ptr + 4096, 4096)
+    assert cuda.log[-2:] == [("refused", ptr + 4096), ("consumed",)]
+    first.release()
+
+
+def test_without_cuda_nothing_is_locked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pin = pin_host_memory(4096, 4096, owner=None)
+    assert not pin.pinned
+    pin.release()  # a no-op
