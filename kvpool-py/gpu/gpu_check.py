@@ -20,7 +20,8 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
 Prints a JSON report (also written to ``$OUT/gpu-check.json`` when ``OUT`` is set); exits 1 if
 a check fails; without a CUDA device it says it skipped and exits 0. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
 own test, where no GPU is; page-locking is then not checked). ``KVPOOL_CHECK_THROUGHPUT_MIB``
-sets the throughput check's size (under ``compute-sanitizer``, say).
+sets the throughput check's size (under ``compute-sanitizer``, say), ``KVPOOL_CHECK_CHUNK_TOKENS``
+kvpool's chunk size (default 256, kvpool's default).
 """
 
 import gc
@@ -38,7 +39,7 @@ from kvpool.transfer import BlockMover, CopyJob, pin_host_memory
 from kvpool.vllm.layouts import detect
 
 BLOCK = 16
-CHUNK = 256
+CHUNK = int(os.environ.get("KVPOOL_CHECK_CHUNK_TOKENS", 256))
 DEVICE = os.environ.get("KVPOOL_CHECK_DEVICE", "cuda")
 
 
@@ -141,7 +142,7 @@ def blocks_equal(caches, a, b):
 def correctness(report, caches, tmp, use_mla=False):
     e = Engine(caches, tmp, use_mla=use_mla)
     report["pinned"] = e.pinned
-    n = 4 * CHUNK + 1
+    n = 4 * 256 + 1  # 1,024 tokens to hit whatever the chunk size (256 or 1,024), then one more
     prompt = list(range(100, 100 + n))
     nblocks = (n + BLOCK - 1) // BLOCK
     a_blocks = list(range(0, nblocks))

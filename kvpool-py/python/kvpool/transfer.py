@@ -15,7 +15,8 @@ of the whole chunk, never one per block:
 
 On an H100 one DMA per chunk instead of one per chunk and plane took loads from 0.49× to 0.73×
 and saves from 0.45× to 0.56× of torch's copy of the same bytes as one contiguous buffer
-(docs/benchmarks.md, with a two-stream variant that was not adopted).
+(with 1,024-token chunks: 0.86-0.88× both ways; docs/benchmarks.md, with a two-stream variant
+not adopted yet).
 
 Both ops see the bytes as the widest integer word (8, 4 or 2 bytes) that divides the block
 length, the planes' row strides and every address: torch's ``index_copy_`` moves one element at
