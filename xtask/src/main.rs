@@ -227,6 +227,8 @@ fn ci() -> Result<(), String> {
             )
         }
     })?;
+    // The soak and the vLLM tests run the `kvpool` the workspace tests built.
+    vllm::take_kvpool_cli_from_workspace_tests();
     // A bounded fuzzing pass and the sanitizer run, then every backend against real
     // servers, and last kvpool inside real vLLM and SGLang.
     clock.stage("fuzz", || fuzz::fuzz(&["--seconds".into(), "10".into()]))?;

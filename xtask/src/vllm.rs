@@ -7,7 +7,8 @@
 //! their own loopback Redis servers and stop them by PID.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::{ensure_system_packages, run, run_with_env, workspace_root};
@@ -204,15 +205,78 @@ fn uv_pip_install(tools: &Path, venv_python: &Path, args: &[&str]) -> Result<(),
     )
 }
 
+/// Set by `cargo xtask ci` once its workspace tests have run: [`build_kvpool_cli`] then takes
+/// the `kvpool` those tests built.
+static CLI_FROM_WORKSPACE_TESTS: AtomicBool = AtomicBool::new(false);
+
+/// From now on, [`build_kvpool_cli`] returns the `kvpool` of the workspace test build (every
+/// feature) instead of building its own. `-p kvpool-cli --features …` resolves other features
+/// than `--workspace --all-features`, so in CI it rebuilt most of the tree (142 s) for the soak.
+pub(crate) fn take_kvpool_cli_from_workspace_tests() {
+    CLI_FROM_WORKSPACE_TESTS.store(true, Ordering::Relaxed);
+}
+
 /// Builds the `kvpool` command (debug, with the disk, Redis and S3 tiers: the build the soak
-/// uses too) and returns its path.
+/// uses too; in CI, the workspace tests' build) and returns its path.
 pub(crate) fn build_kvpool_cli() -> Result<PathBuf, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    if CLI_FROM_WORKSPACE_TESTS.load(Ordering::Relaxed) {
+        return workspace_test_build_kvpool(&cargo);
+    }
     crate::run(
         &cargo,
         &["build", "-p", "kvpool-cli", "--features", "disk,redis,s3"],
     )?;
     Ok(target_dir().join("debug/kvpool"))
+}
+
+/// The `kvpool` executable of `cargo test --workspace --all-features` (a no-op build after the
+/// workspace tests), as cargo reports it.
+fn workspace_test_build_kvpool(cargo: &str) -> Result<PathBuf, String> {
+    let args = [
+        "test",
+        "--workspace",
+        "--all-features",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ];
+    eprintln!("\n==> {cargo} {}", args.join(" "));
+    let out = Command::new(cargo)
+        .args(args)
+        .current_dir(workspace_root())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start `{cargo}`: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{cargo} {}` failed with {}",
+            args.join(" "),
+            out.status
+        ));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(kvpool_executable)
+        .map(PathBuf::from)
+        .ok_or_else(|| "the workspace test build reported no `kvpool` executable".to_string())
+}
+
+/// The `executable` of a cargo JSON message for the `kvpool` bin target built as the program,
+/// if `line` is one. A test build reports that target twice: as its unit-test harness (profile
+/// `"test":true`, in `deps/`) and as the program (`"test":false`, uplifted).
+fn kvpool_executable(line: &str) -> Option<&str> {
+    if !line.contains(r#""reason":"compiler-artifact""#)
+        || !line.contains(r#""kind":["bin"],"crate_types":["bin"],"name":"kvpool""#)
+    {
+        return None;
+    }
+    let profile = &line[line.find(r#""profile":{"#)?..];
+    if !profile[..profile.find('}')?].contains(r#""test":false"#) {
+        return None;
+    }
+    let start = line.find(r#""executable":""#)? + r#""executable":""#.len();
+    let len = line[start..].find('"')?;
+    Some(&line[start..start + len])
 }
 
 /// `cargo xtask vllm [pytest args...]`.
@@ -464,4 +528,21 @@ PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
         size as f64 / (1 << 20) as f64
     );
     Ok(bundle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kvpool_executable;
+
+    /// Cargo's two messages for the `kvpool` bin in a test build (trimmed), in cargo's order.
+    const HARNESS: &str = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/kvpool-cli#0.1.0","target":{"kind":["bin"],"crate_types":["bin"],"name":"kvpool","src_path":"/w/kvpool-cli/src/main.rs","edition":"2024","doc":true,"doctest":false,"test":true},"profile":{"opt_level":"0","debug_assertions":true,"overflow_checks":true,"test":true},"features":["disk"],"filenames":["/w/target/debug/deps/kvpool-84b2"],"executable":"/w/target/debug/deps/kvpool-84b2","fresh":false}"#;
+    const PROGRAM: &str = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/kvpool-cli#0.1.0","target":{"kind":["bin"],"crate_types":["bin"],"name":"kvpool","src_path":"/w/kvpool-cli/src/main.rs","edition":"2024","doc":true,"doctest":false,"test":true},"profile":{"opt_level":"0","debug_assertions":true,"overflow_checks":true,"test":false},"features":["disk"],"filenames":["/w/target/debug/kvpool"],"executable":"/w/target/debug/kvpool","fresh":false}"#;
+
+    #[test]
+    fn the_program_is_taken_not_its_test_harness() {
+        assert_eq!(kvpool_executable(HARNESS), None);
+        assert_eq!(kvpool_executable(PROGRAM), Some("/w/target/debug/kvpool"));
+        let other = PROGRAM.replace(r#""name":"kvpool""#, r#""name":"kvpool-sim""#);
+        assert_eq!(kvpool_executable(&other), None);
+    }
 }
