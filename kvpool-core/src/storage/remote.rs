@@ -465,8 +465,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         }
         let n = entries.len();
         let bytes_in: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
-        let in_place =
-            self.connector.reads_node_memory() && self.codec.stored_len_uncompressed(0).is_some();
+        let in_place = self.connector.reads_node_memory() && !self.codec.compresses();
         if in_place {
             self.copy_in(entries).await?;
         } else {
