@@ -88,7 +88,8 @@ class Engine:
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
             dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
             socket_path=sock)
-        self.pin = pin_host_memory(*self.worker.host_memory(), owner=self.worker)
+        self.pin = pin_host_memory(*self.worker.host_memory(),
+                                   before_free=self.worker.call_before_free)
         self.pinned = self.pin.pinned
         self.sched = _native.Scheduler(socket_paths=[sock], block_size=BLOCK,
                                        load_timing=load_timing)
@@ -165,8 +166,8 @@ def correctness(report, caches, tmp, use_mla=False):
     e.step([("b", n, [], 2, b_blocks, n)])
     sync()
     loaded = got[0] // BLOCK
-    report["sync_load_exact"] = all(blocks_equal(caches, a_blocks[i], b_blocks[i])
-                                    for i in range(loaded))
+    report["sync_load_exact"] = loaded > 0 and all(
+        blocks_equal(caches, a_blocks[i], b_blocks[i]) for i in range(loaded))
     # The same chunks loaded asynchronously (a second scheduler that makes every load so).
     asy = _native.Scheduler(socket_paths=[e.sock], block_size=BLOCK, load_timing="always")
     got = asy.get_num_new_matched_tokens("c", prompt, b"", 0)
@@ -334,8 +335,9 @@ def main():
                     host_memory_lifetime(r, tmp)
                 except Exception as e:  # noqa: BLE001
                     r["error"] = repr(e)
-                for key in ("pinned_first", "pinned_after_drop", "double_pin_refused",
-                            "torch_runs_after_refusal"):
+                # same_range_after_drop: else the check did not see memory reused after a drop.
+                for key in ("pinned_first", "same_range_after_drop", "pinned_after_drop",
+                            "double_pin_refused", "torch_runs_after_refusal"):
                     if not r.get(key):
                         failures.append(f"host_memory_lifetime: {key} {r.get(key)!r} "
                                         f"{r.get('error', '')}")

@@ -153,11 +153,31 @@ fn py_job(j: CopyJob) -> PyCopyJob {
 type PyTierEvent<'py> = (String, bool, Vec<Bound<'py, PyBytes>>);
 
 /// The worker half of the vLLM connector (one per vLLM worker process / TP rank).
-// `weakref`: the Python side unregisters L1's page-locked arena in a finalizer that must run
-// before this object frees it (`kvpool.transfer.HostMemoryPin`).
-#[pyclass(name = "Worker", module = "kvpool._native", weakref)]
+#[pyclass(name = "Worker", module = "kvpool._native")]
 pub struct PyWorker {
     core: Mutex<WorkerCore>,
+    /// Called once when this object is dropped, before `core` (and L1's arena with it) is:
+    /// where the Python side ends the arena's page-locking (`kvpool.transfer.HostMemoryPin`).
+    /// A weak-reference finalizer would be too late: pyo3 drops the Rust value first.
+    before_free: Mutex<Option<Py<PyAny>>>,
+}
+
+impl Drop for PyWorker {
+    fn drop(&mut self) {
+        let callback = self
+            .before_free
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(callback) = callback {
+            Python::attach(|py| {
+                if let Err(e) = callback.call0(py) {
+                    e.write_unraisable(py, None);
+                }
+            });
+        }
+        // Fields drop after this body: the arena is freed only now.
+    }
 }
 
 fn runtime_err(e: impl ToString) -> PyErr {
@@ -234,6 +254,7 @@ impl PyWorker {
             .map_err(PyValueError::new_err)?;
         Ok(PyWorker {
             core: Mutex::new(core),
+            before_free: Mutex::new(None),
         })
     }
 
@@ -319,6 +340,14 @@ impl PyWorker {
     /// engine side to page-lock once (CUDA); `None` without an L1 pool.
     fn host_memory(&self) -> PyResult<Option<(usize, usize)>> {
         Ok(core_guard(self)?.worker.engine().storage().host_region())
+    }
+
+    /// Calls `callback()` once when this worker is freed, before the host memory of
+    /// [`host_memory`](Self::host_memory) is (replacing an earlier callback): for the engine
+    /// side to end what it set up on that memory, such as CUDA's page-locking.
+    fn call_before_free(&self, callback: Py<PyAny>) -> PyResult<()> {
+        *crate::lock(&self.before_free)? = Some(callback);
+        Ok(())
     }
 
     /// `(copy jobs in flight, async loads, staged save bytes, held requests)`.

@@ -1,7 +1,7 @@
 """Page-locking kvpool's host memory (``kvpool.transfer.HostMemoryPin``) without a GPU: CUDA's
 runtime replaced by a fake that keeps the registered ranges as CUDA does. On an H100 the first
 version never unregistered L1's arena, so the next worker in the same process got the freed
-addresses and could not lock them (and copies through such a range would move the old pages);
+addresses and could not lock them (and copies through such a range could move the old pages);
 the GPU bundle checks the real thing (``gpu_check.py``'s ``host_memory_lifetime``)."""
 
 import gc
@@ -16,11 +16,25 @@ from kvpool.vllm.layouts import detect
 
 ALREADY_REGISTERED = 712
 NOT_REGISTERED = 713
+#: Above glibc's largest mmap threshold (32 MiB): the arena is its own mapping, gone from
+#: /proc/self/maps once freed.
+ARENA = "64MiB"
+
+
+def mapped(ptr: int) -> bool:
+    """Whether ``ptr`` lies in one of this process's mappings."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
 
 
 class FakeCudart:
     """``cudaHostRegister`` / ``cudaHostUnregister`` over a table of registered ranges, refusing
-    a range that overlaps one still registered; ``log`` records every call in order."""
+    a range that overlaps one still registered; ``log`` records every call in order, and each
+    unregistration whether the memory was still mapped."""
 
     def __init__(self):
         self.ranges: dict[int, int] = {}
@@ -35,7 +49,7 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr):  # noqa: N802
-        self.log.append(("unregister", ptr))
+        self.log.append(("unregister", ptr, "mapped" if mapped(ptr) else "FREED"))
         return 0 if self.ranges.pop(ptr, None) is not None else NOT_REGISTERED
 
 
@@ -55,39 +69,41 @@ def native_worker(tmp_path, name):
               for i in range(2)}
     layout = detect(caches, 16, use_mla=False, backend="FLASH_ATTN", layout_name="LBNHC")
     return _native.Worker(
-        config_text='[local_cpu]\nmax_size = "16MiB"\n', config_format="toml", model="m",
+        config_text=f'[local_cpu]\nmax_size = "{ARENA}"\n', config_format="toml", model="m",
         weights="w", tp_size=1, tp_rank=0, pp_rank=0, block_size=16,
         num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
         head_size=layout.head_size, dtype=str(layout.dtype), kv_format=layout.kv_format,
         kind=layout.kind, socket_path=os.path.join(str(tmp_path), f"{name}.sock"))
 
 
-def test_a_worker_dropped_without_shutdown_unlocks_its_memory_first(cuda, tmp_path):
+def test_a_worker_freed_without_shutdown_unlocks_its_memory_while_it_is_still_mapped(
+        cuda, tmp_path):
     worker = native_worker(tmp_path, "a")
     ptr, nbytes = worker.host_memory()
-    # The finalizer hangs on the native worker (weak references to it must be possible).
-    pin = pin_host_memory(ptr, nbytes, owner=worker)
+    pin = pin_host_memory(ptr, nbytes, before_free=worker.call_before_free)
     assert pin.pinned and cuda.ranges == {ptr: nbytes}
     del worker
     gc.collect()
-    # The device is waited for, then the range unlocked: nothing stays registered.
-    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr)]
+    # The device is waited for, then the range unlocked before the arena is freed (a
+    # weak-reference finalizer ran only after pyo3 had dropped the worker: "FREED").
+    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr, "mapped")]
     assert cuda.ranges == {}
+    assert not mapped(ptr), "the arena was not freed: this test no longer sees the order"
 
 
 def test_a_shutdown_unlocks_once_and_the_next_worker_locks_again(cuda, tmp_path):
     worker = native_worker(tmp_path, "a")
-    pin = pin_host_memory(*worker.host_memory(), owner=worker)
+    pin = pin_host_memory(*worker.host_memory(), before_free=worker.call_before_free)
     pin.release()
     pin.release()
     ptr = pin.ptr
-    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr)]
+    assert cuda.log == [("register", ptr), ("synchronize",), ("unregister", ptr, "mapped")]
     worker.shutdown()
     del worker
     gc.collect()
-    assert len(cuda.log) == 3  # the finalizer was detached: no second unregister
+    assert len(cuda.log) == 3  # released already: freeing the worker unlocks nothing again
     nxt = native_worker(tmp_path, "b")
-    again = pin_host_memory(*nxt.host_memory(), owner=nxt)
+    again = pin_host_memory(*nxt.host_memory(), before_free=nxt.call_before_free)
     assert again.pinned
     again.release()
 
@@ -95,7 +111,7 @@ def test_a_shutdown_unlocks_once_and_the_next_worker_locks_again(cuda, tmp_path)
 def test_a_range_locked_already_is_refused_and_its_error_consumed(cuda, tmp_path):
     worker = native_worker(tmp_path, "a")
     ptr, nbytes = worker.host_memory()
-    first = pin_host_memory(ptr, nbytes, owner=worker)
+    first = pin_host_memory(ptr, nbytes, before_free=worker.call_before_free)
     with pytest.raises(RuntimeError, match="page-locked earlier in this process"):
         pin_host_memory(ptr + 4096, 4096)
     assert cuda.log[-2:] == [("refused", ptr + 4096), ("consumed",)]
@@ -104,6 +120,6 @@ def test_a_range_locked_already_is_refused_and_its_error_consumed(cuda, tmp_path
 
 def test_without_cuda_nothing_is_locked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    pin = pin_host_memory(4096, 4096, owner=None)
+    pin = pin_host_memory(4096, 4096)
     assert not pin.pinned
     pin.release()  # a no-op

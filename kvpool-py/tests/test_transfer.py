@@ -90,16 +90,18 @@ def test_a_load_skips_the_blocks_the_engine_already_holds():
         assert torch.equal(p[keep], b[keep])
 
 
-def test_a_save_that_starts_part_way_into_a_chunk_leaves_its_first_blocks_alone():
+def test_a_save_with_fewer_engine_blocks_than_its_chunks_hold_is_refused():
+    """Ops that take an output resize a too-large one rather than fail: without the check, the
+    chunk's last block would be left as it was (on CUDA: uninitialised staging memory) and
+    stored as KV."""
     planes = _planes(2, 16, 64, 64)
     mover = BlockMover(planes)
     arena = torch.full((2 * 4 * 64,), 0xAB, dtype=torch.uint8)
-    # A chunk of 4 blocks whose first 3 are not this job's: only its last block is written.
-    mover.run(_job(1, False, [9], [4], 2 * 64, [arena.data_ptr()], skip=3))
-    chunk = arena.view(2, 4, 64)
-    for i, p in enumerate(planes):
-        assert torch.equal(chunk[i, 3], p[9])
-        assert bool((chunk[i, :3] == 0xAB).all())
+    with pytest.raises(ValueError, match="3 engine blocks for chunks of 4 blocks"):
+        mover.run(_job(1, False, [1, 2, 3], [4], 2 * 64, [arena.data_ptr()]))
+    assert bool((arena == 0xAB).all()), "a refused save wrote into the chunk"
+    with pytest.raises(ValueError, match="a save starts at a chunk's first block"):
+        mover.run(_job(2, False, [9], [4], 2 * 64, [arena.data_ptr()], skip=3))
 
 
 def test_a_job_whose_sizes_disagree_with_the_planes_is_refused():

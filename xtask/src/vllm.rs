@@ -217,7 +217,8 @@ pub(crate) fn take_kvpool_cli_from_workspace_tests() {
 }
 
 /// Builds the `kvpool` command (debug, with the disk, Redis and S3 tiers: the build the soak
-/// uses too; in CI, the workspace tests' build) and returns its path.
+/// uses too) and returns its path. In CI it is the workspace tests' build instead, with every
+/// feature (Mooncake's too, which links libpython3: those tests run it already).
 pub(crate) fn build_kvpool_cli() -> Result<PathBuf, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     if CLI_FROM_WORKSPACE_TESTS.load(Ordering::Relaxed) {
@@ -230,13 +231,16 @@ pub(crate) fn build_kvpool_cli() -> Result<PathBuf, String> {
     Ok(target_dir().join("debug/kvpool"))
 }
 
-/// The `kvpool` executable of `cargo test --workspace --all-features` (a no-op build after the
-/// workspace tests), as cargo reports it.
+/// The `kvpool` executable of `cargo test --workspace --all-features --lib --bins --tests` (the
+/// targets CI's workspace tests build, so a no-op after them), as cargo reports it.
 fn workspace_test_build_kvpool(cargo: &str) -> Result<PathBuf, String> {
     let args = [
         "test",
         "--workspace",
         "--all-features",
+        "--lib",
+        "--bins",
+        "--tests",
         "--no-run",
         "--message-format=json-render-diagnostics",
     ];

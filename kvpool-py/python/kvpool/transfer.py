@@ -8,8 +8,9 @@ prompt's tail blocks, one block each). Per chunk a job takes one op per plane an
 of the whole chunk, never one per block:
 
 - save: ``index_select`` each plane's blocks of the chunk into the chunk's layout (on CPU
-  straight into the chunk's host buffer; on CUDA into a device buffer shaped like the chunk),
-  then, on CUDA, one ``copy_`` of it to the host;
+  straight into the chunk's host buffer; on CUDA into a device buffer shaped like the chunk,
+  so a chunk's worth of device memory for staging), then, on CUDA, one ``copy_`` of it to
+  the host;
 - load: ``to`` the engine's device (a no-op on CPU: the chunk itself), then ``index_copy_``
   each plane's part into the plane.
 
@@ -35,7 +36,6 @@ nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
 from __future__ import annotations
 
 import ctypes
-import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +115,14 @@ class BlockMover:
             raise ValueError(f"kvpool: chunk blocks of {job.block_bytes} bytes for {planes} "
                              f"planes of {self.plane_block_bytes} bytes "
                              f"({len(job.chunk_blocks)} block counts, {len(job.chunk_ptrs)} chunks)")
+        # Every block of the job's chunks, but the first chunk's leading `skip_blocks`, has an
+        # engine block: a save with fewer would leave part of a chunk unwritten (ops that take
+        # an output resize it rather than fail), and that chunk would be stored as KV.
+        if len(job.block_ids) != sum(job.chunk_blocks) - job.skip_blocks:
+            raise ValueError(f"kvpool: {len(job.block_ids)} engine blocks for chunks of "
+                             f"{sum(job.chunk_blocks)} blocks less {job.skip_blocks} held")
+        if job.skip_blocks and not job.is_load:
+            raise ValueError("kvpool: a save starts at a chunk's first block")
         ids = torch.tensor(job.block_ids, dtype=torch.long)
         word = word_dtype([self.word.itemsize, *job.chunk_ptrs])
         words = self.plane_block_bytes // word.itemsize
@@ -135,7 +143,7 @@ class BlockMover:
                 if job.is_load:
                     self._load_chunk(engine, host, skip, chunk_ids)
                 else:
-                    self._save_chunk(engine, host, skip, chunk_ids)
+                    self._save_chunk(engine, host, chunk_ids)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -152,22 +160,16 @@ class BlockMover:
         for p, plane in enumerate(engine):
             plane.index_copy_(0, ids, staged[p, skip:])
 
-    def _save_chunk(self, engine: list[torch.Tensor], host: torch.Tensor, skip: int,
+    def _save_chunk(self, engine: list[torch.Tensor], host: torch.Tensor,
                     ids: torch.Tensor) -> None:
         # One gather per plane straight into the chunk's layout: on CPU into the chunk itself;
-        # on CUDA into a device buffer shaped like it, then one device-to-host copy.
-        staged = host[:, skip:] if not self.cuda else torch.empty(
-            (host.shape[0], host.shape[1] - skip, host.shape[2]), dtype=host.dtype,
-            device=self.device)
+        # on CUDA into a device buffer shaped like it (torch's caching allocator hands the same
+        # memory to the next chunk, in stream order), then one device-to-host copy.
+        staged = host if not self.cuda else torch.empty_like(host, device=self.device)
         for p, plane in enumerate(engine):
             torch.index_select(plane, 0, ids, out=staged[p])
         if self.cuda:
-            if skip == 0:
-                host.copy_(staged, non_blocking=True)
-            else:
-                # The blocks before ``skip`` are not this job's: row by row, contiguous.
-                for p in range(host.shape[0]):
-                    host[p, skip:].copy_(staged[p], non_blocking=True)
+            host.copy_(staged, non_blocking=True)
 
     def poll(self) -> list[int]:
         """Ids of jobs whose copies ended since the last call (on CPU: every job run)."""
@@ -193,19 +195,22 @@ class HostMemoryPin:
 
     A registration must end before its memory is freed: CUDA keeps the old pages locked under
     the address range, and once the allocator hands that range out again (the next worker in
-    the same process), copies through it move the old pages, not the new ones, which is wrong
-    KV with no error. (A first version never unregistered; on an H100 the next worker's
+    the same process), copies through it could move the old pages, not the new ones: wrong KV
+    with no error. (A first version never unregistered; on an H100 the next worker's
     registration then failed with ``cudaErrorHostMemoryAlreadyRegistered``.) So the memory is
-    unregistered by :meth:`release` (a worker's shutdown) or, if its ``owner`` (the native
-    worker that holds the memory) is collected first, by a finalizer that runs before the owner
-    frees it. Both first wait for the device, so no copy is in flight when the pages unlock.
+    unregistered by :meth:`release` (a worker's shutdown) or, if the worker is freed first, by
+    a callback that the owner of the memory runs before freeing it: ``before_free`` registers
+    that callback (the native worker's ``call_before_free``; a weak-reference finalizer would
+    run too late, after pyo3 has dropped the worker). Both first wait for ``device``, so no
+    copy is in flight when the pages unlock.
 
     Without CUDA (or for an empty range) nothing is registered and ``pinned`` is false.
     """
 
-    def __init__(self, ptr: int, nbytes: int, owner: Any = None):
+    def __init__(self, ptr: int, nbytes: int, before_free: Any = None, device: Any = None):
         self.ptr = ptr
         self.nbytes = nbytes
+        self.device = device
         self.pinned = False
         if not torch.cuda.is_available() or nbytes == 0:
             return
@@ -220,8 +225,9 @@ class HostMemoryPin:
                     "kvpool refuses to run on it")
             return
         self.pinned = True
-        self._finalizer = weakref.finalize(owner, _unregister, ptr) if owner is not None \
-            else None
+        if before_free is not None:
+            # The owner holds this bound method, not the other way round: no reference cycle.
+            before_free(self.release)
 
     def release(self) -> None:
         """Waits for the device, then unregisters the memory (idempotent). Call before the
@@ -229,30 +235,26 @@ class HostMemoryPin:
         if not self.pinned:
             return
         self.pinned = False
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        _unregister(self.ptr)
-
-
-def _unregister(ptr: int) -> None:
-    # Copies to or from the pages may still be queued: they end before the pages unlock.
-    torch.cuda.synchronize()
-    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-        _consume_cuda_error()
+        # Copies to or from the pages may still be queued: they end before the pages unlock.
+        torch.cuda.synchronize(self.device)
+        if int(torch.cuda.cudart().cudaHostUnregister(self.ptr)) != 0:
+            _consume_cuda_error()
 
 
 def _consume_cuda_error() -> None:
     """A failed CUDA runtime call leaves its error as the thread's last error, and torch's next
     kernel launch raises it (``cudaGetLastError`` is not bound in torch): one small launch here
-    reads and clears it, so a refused registration does not fail an unrelated op later."""
+    reads and clears it, so a refused registration does not fail an unrelated op later. (An
+    error already pending from something else is cleared with it.)"""
     try:
         torch.empty(1, device="cuda").fill_(0)
     except RuntimeError:
         pass
 
 
-def pin_host_memory(ptr: int, nbytes: int, owner: Any = None) -> HostMemoryPin:
-    """Page-locks kvpool's host memory for CUDA DMA while ``owner`` (the object holding the
-    memory) lives; see :class:`HostMemoryPin`. Its ``pinned`` says whether it is page-locked
-    (false without CUDA)."""
-    return HostMemoryPin(ptr, nbytes, owner)
+def pin_host_memory(ptr: int, nbytes: int, before_free: Any = None,
+                    device: Any = None) -> HostMemoryPin:
+    """Page-locks kvpool's host memory for CUDA DMA until it is released or its owner frees it;
+    see :class:`HostMemoryPin`. Its ``pinned`` says whether it is page-locked (false without
+    CUDA)."""
+    return HostMemoryPin(ptr, nbytes, before_free, device)

@@ -57,10 +57,13 @@ class WorkerSide:
         self.host_pin = None
         if self.mover.cuda:
             # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here and
-            # unlocked before the arena is freed (shutdown, or the native worker's collection).
+            # unlocked before the arena is freed (at shutdown, or by the native worker just
+            # before it frees the arena).
             region = self.native.host_memory()
             if region is not None:
-                self.host_pin = pin_host_memory(*region, owner=self.native)
+                self.host_pin = pin_host_memory(*region,
+                                                before_free=self.native.call_before_free,
+                                                device=self.mover.device)
             if self.host_pin is None or not self.host_pin.pinned:
                 logger.warning("kvpool: could not page-lock kvpool's host memory; copies to and "
                                "from the GPU go through pageable memory (slower)")
