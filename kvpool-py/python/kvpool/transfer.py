@@ -27,7 +27,8 @@ a time on CPU, so a load of 8-byte words is about seven times faster than one of
 On CPU every copy is done when the call returns, and each byte is copied once. (A first
 version staged a whole batch on the device and regrouped it with one op per plane: ten times
 slower on CPU, where the regrouping copies are not free; measured in docs/benchmarks.md.) On
-CUDA (the only differences): the copies run on a side stream ordered after the compute stream
+CUDA (the only differences): a save gathers into a device buffer rather than the chunk itself,
+then copies it out; the copies run on a side stream ordered after the compute stream
 (saves) and waited for by it (loads), and each job records an event that ``poll`` checks;
 nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
 (``pin_host_memory``) and unlocked before it is freed (``HostMemoryPin``).
