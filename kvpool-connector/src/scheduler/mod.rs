@@ -3,6 +3,8 @@
 
 mod async_loads;
 mod chunk_tail;
+mod engine_io;
+mod pool_lookup;
 mod step_ledger;
 
 use std::collections::{HashMap, HashSet};
@@ -13,118 +15,12 @@ use tokio::runtime::Runtime;
 use tracing::debug;
 
 use crate::ConnectorConfig;
-use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
+use crate::leases::LeaseTable;
 use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec, SchedulerCounters};
+pub use engine_io::{BlockUpdate, ConnectorOutput, EngineRequest, ScheduledRequest};
+pub use pool_lookup::{EngineLookup, PoolLookup};
 pub use step_ledger::STEP_REPORT_TIMEOUT;
 use step_ledger::{IssuedSave, StepLedger};
-
-/// How the scheduler learns what the pool holds: in-process, or across a process boundary.
-///
-/// Lookups take the chunk hashes the scheduler computed (it hashes each request's tokens once
-/// and ships the hashes to the worker), not token ids, and the request's id: the pool leases
-/// the chunks it holds in memory to that request until it loads them or ends.
-pub trait PoolLookup: Send {
-    /// What the pool holds of `chunk_hashes` (nothing on any failure). With
-    /// `load_node_memory`, a hit the pool daemon completes is loaded and leased at once (see
-    /// [`crate::leases::lookup_and_lease`]); the scheduler asks it only when a fully leased
-    /// hit makes the load synchronous.
-    fn lookup(
-        &mut self,
-        req_id: &str,
-        chunk_hashes: &[ChunkHash],
-        load_node_memory: bool,
-    ) -> LookupAnswer;
-
-    /// The lookup's own counters (breaker misses, ranks whose breaker is open).
-    fn counters(&self) -> (u64, u32) {
-        (0, 0)
-    }
-}
-
-/// Lookups against a cache engine in this process.
-pub struct EngineLookup {
-    /// The engine.
-    pub engine: Arc<CacheEngine>,
-    /// The runtime its async lookups run on.
-    pub runtime: Arc<Runtime>,
-    /// The engine's lookup leases (shared with its worker).
-    pub leases: Arc<LeaseTable>,
-}
-
-impl PoolLookup for EngineLookup {
-    fn lookup(
-        &mut self,
-        req_id: &str,
-        chunk_hashes: &[ChunkHash],
-        load_node_memory: bool,
-    ) -> LookupAnswer {
-        self.runtime.block_on(lookup_and_lease(
-            &self.engine,
-            &self.leases,
-            req_id,
-            chunk_hashes,
-            load_node_memory,
-        ))
-    }
-}
-
-/// A request as the engine's scheduler sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineRequest {
-    /// Request id.
-    pub req_id: String,
-    /// Prompt token ids.
-    pub prompt_token_ids: Vec<u32>,
-    /// Do not save this request's KV (e.g. a private prompt).
-    pub skip_save: bool,
-    /// What the request's KV depends on besides its token ids: LoRA adapter, multimodal input
-    /// hashes, cache salt (see [`crate::extra_keys`]). Empty for a plain text request.
-    pub extra_keys: Vec<u8>,
-}
-
-/// How a step changes a request's engine block list.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum BlockUpdate {
-    /// No new blocks.
-    #[default]
-    Unchanged,
-    /// Blocks allocated this step, appended (vLLM `scheduled_cached_reqs.new_block_ids`).
-    Append(Vec<u32>),
-    /// The whole list (a new request, or one resumed after preemption).
-    Replace(Vec<u32>),
-}
-
-/// One scheduled request of a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScheduledRequest {
-    /// Request id.
-    pub req_id: String,
-    /// Tokens joining the sequence (generated ones, with `save_decode_tokens`), starting at
-    /// position `new_tokens_start` of the request's sequence: the scheduler's own count
-    /// ([`ConnectorScheduler::token_count`]), so both sides agree on the sequence by
-    /// construction; a mismatch stops the request's decode saves.
-    pub new_token_ids: Vec<u32>,
-    /// The position of `new_token_ids[0]`.
-    pub new_tokens_start: usize,
-    /// How the request's blocks changed.
-    pub blocks: BlockUpdate,
-    /// Tokens whose KV will be in the engine's cache when this step ends.
-    pub num_computed_tokens_after_step: usize,
-}
-
-/// What the workers reported back for a step (vLLM's `KVConnectorOutput`, aggregated over
-/// ranks).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ConnectorOutput {
-    /// Requests whose asynchronous loads ended on every rank.
-    pub finished_recving: Vec<String>,
-    /// Engine blocks whose load failed on some rank: the engine recomputes them.
-    pub failed_block_ids: Vec<u32>,
-    /// Steps run, with how many ranks reported each.
-    pub executed_steps: Vec<(u64, u32)>,
-    /// Steps whose save copies ended, with how many ranks reported each.
-    pub copied_steps: Vec<(u64, u32)>,
-}
 
 /// Per-request state kept by the scheduler.
 #[derive(Debug, Clone, PartialEq, Eq)]
