@@ -110,6 +110,17 @@ pub(crate) fn run_with_env(
     }
 }
 
+/// What CI's workspace tests build (`cargo test` without nextest): the build whose `kvpool` the
+/// soak and the vLLM tests then take (`vllm::build_kvpool_cli`), so the two must name the same
+/// targets and features.
+pub(crate) const WORKSPACE_TEST_TARGETS: &[&str] = &[
+    "--workspace",
+    "--all-features",
+    "--lib",
+    "--bins",
+    "--tests",
+];
+
 fn has_nextest() -> bool {
     Command::new("cargo")
         .args(["nextest", "--version"])
@@ -215,14 +226,7 @@ fn ci() -> Result<(), String> {
             eprintln!("cargo-nextest not found; using cargo test");
             run_with_env(
                 cargo,
-                &[
-                    "test",
-                    "--workspace",
-                    "--all-features",
-                    "--lib",
-                    "--bins",
-                    "--tests",
-                ],
+                &[&["test"], WORKSPACE_TEST_TARGETS].concat(),
                 &require,
             )
         }

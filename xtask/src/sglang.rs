@@ -18,18 +18,6 @@ use crate::{ensure_system_packages, run_with_env};
 
 /// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.
 const SGLANG_REQUIREMENT: &str = "sglang==0.5.23";
-/// What the wheel's build and the tests need from Debian: the build's libraries (the wheel's
-/// default features include the disk tier: RocksDB, libclang; a first version asked only for
-/// Redis, so on a fresh machine this command failed in RocksDB's bindings) and Redis for
-/// the shared-tier test.
-const PACKAGES: &[&str] = &[
-    "librocksdb-dev",
-    "libclang-dev",
-    "libssl-dev",
-    "pkg-config",
-    "redis-server",
-    "redis-tools",
-];
 
 /// The SGLang virtualenv with the kvpool wheel of `profile` installed; returns its python.
 fn ready_venv(profile: &str) -> Result<PathBuf, String> {
@@ -49,7 +37,8 @@ fn ready_venv(profile: &str) -> Result<PathBuf, String> {
 /// `cargo xtask sglang [pytest args...]`.
 pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
     let started = Instant::now();
-    ensure_system_packages(PACKAGES)?;
+    // The same as the vLLM tests': the wheel's build, and Redis for the shared-tier test.
+    ensure_system_packages(crate::vllm::PACKAGES)?;
     let venv_python = ready_venv("dev")?;
     eprintln!("SGLang environment ready in {:.0?}", started.elapsed());
     run_pytest(

