@@ -2,7 +2,9 @@
 //! 2 MiB (the 64 MiB of `cargo xtask bench-vllm`'s 8K-token prefix). The two-copy read every
 //! other tier does (`batch_get` copies each value out of the arena, then the decoder copies its
 //! payload into L1) side by side with the one-copy read of node memory (`get_node_memory`:
-//! straight from the arena into L1, checked there), and a plain memcpy of the same bytes.
+//! straight from the arena into L1, checked there), and a plain memcpy of the same bytes. Then
+//! a load into an engine's blocks: through L1, or copied once from where the chunk lies
+//! (`pin_node_memory`) and checked in the blocks.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -110,6 +112,40 @@ fn daemon_read_into_l1(c: &mut Criterion) {
         b.iter(|| {
             dst.copy_from_slice(black_box(&src));
             black_box(&dst);
+        })
+    });
+    g.finish();
+
+    // A load into an engine's KV blocks (host memory, as vLLM's CPU blocks): through L1 as
+    // above, then L1 into the blocks; or pinned where it lies, copied once into the blocks
+    // and checked there (what a lookup's lease and the worker's load do since the one-copy
+    // cut). The blocks here are one buffer, each chunk's bytes contiguous in it.
+    let mut g = c.benchmark_group("daemon_load_64mib_into_blocks");
+    g.sample_size(30);
+    g.throughput(Throughput::Bytes((CHUNKS * CHUNK_BYTES) as u64));
+    let mut blocks = vec![0u8; CHUNKS * CHUNK_BYTES];
+    g.bench_function("through L1 (get_node_memory, then L1 into the blocks)", |b| {
+        b.iter(|| {
+            let chunks = rt.block_on(backend.get_node_memory(&keys)).unwrap();
+            for (chunk, dst) in chunks.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
+                dst.copy_from_slice(chunk.as_ref().expect("resident").data.as_slice());
+            }
+            black_box(&blocks);
+        })
+    });
+    g.bench_function("one copy (pin_node_memory, copy into the blocks, check there)", |b| {
+        b.iter(|| {
+            let pinned = rt.block_on(backend.pin_node_memory(&keys)).unwrap();
+            for (chunk, dst) in pinned.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
+                let chunk = chunk.as_ref().expect("resident");
+                // SAFETY: the chunk keeps its payload mapped and pinned while it lives.
+                let src = unsafe {
+                    std::slice::from_raw_parts(chunk.payload_ptr() as *const u8, CHUNK_BYTES)
+                };
+                dst.copy_from_slice(src);
+                chunk.verify_copy([&*dst]).unwrap();
+            }
+            black_box(&blocks);
         })
     });
     g.finish();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
 
 /// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
 /// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
@@ -60,6 +60,13 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     }
     fn reads_node_memory(&self) -> bool {
         self.inner.reads_node_memory()
+    }
+    fn lends_node_memory(&self) -> bool {
+        self.inner.lends_node_memory()
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.injected_get_failure()?;
+        self.inner.batch_pin(keys).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await

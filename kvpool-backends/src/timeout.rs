@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
 
 /// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
 pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
@@ -81,6 +81,12 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     }
     fn reads_node_memory(&self) -> bool {
         self.inner.reads_node_memory()
+    }
+    fn lends_node_memory(&self) -> bool {
+        self.inner.lends_node_memory()
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.bounded("batch_pin", self.inner.batch_pin(keys)).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.bounded("exists", self.inner.exists(key)).await

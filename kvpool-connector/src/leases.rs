@@ -9,19 +9,50 @@
 //! cannot pin memory for ever).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvpool_core::{CacheEngine, CacheKey, Chunk, ChunkHash};
+use kvpool_core::{CacheEngine, CacheKey, Chunk, ChunkHash, SharedChunk};
 use parking_lot::Mutex;
 
 /// How long an untaken lease lives by default.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
 
+/// A leased chunk: in this process's memory (L1), or lent by the node's pool daemon where it
+/// lies in shared memory, for the load to copy once into the engine's blocks and check there.
+#[derive(Debug)]
+pub enum LeasedChunk {
+    /// A chunk in this process's memory, checked.
+    Held(Chunk),
+    /// A chunk in node memory, pinned, its payload not yet checked (see [`SharedChunk`]).
+    Shared {
+        /// The chunk.
+        chunk: SharedChunk,
+        /// The tier that lent it.
+        tier: String,
+    },
+}
+
+impl LeasedChunk {
+    /// Bytes of the chunk's KV.
+    pub fn len(&self) -> usize {
+        match self {
+            LeasedChunk::Held(c) => c.data.len(),
+            LeasedChunk::Shared { chunk, .. } => chunk.payload_len(),
+        }
+    }
+
+    /// Whether the chunk holds no KV.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One request's leased chunks: the leading chunks of its lookup, in order.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Lease {
     /// Chunk hashes and the chunks, in chain order from the first chunk.
-    pub chunks: Vec<(ChunkHash, Chunk)>,
+    pub chunks: Vec<(ChunkHash, LeasedChunk)>,
     bytes: usize,
     expires: Instant,
 }
@@ -49,6 +80,9 @@ pub struct LeaseTable {
     state: Mutex<LeaseState>,
     max_bytes: usize,
     ttl: Duration,
+    /// Whether the worker checks its loads' copies in the engine's blocks, so a lookup may
+    /// lease node memory where it lies ([`LeasedChunk::Shared`]).
+    checks_copies: AtomicBool,
 }
 
 /// A snapshot of a lease table.
@@ -69,7 +103,19 @@ impl LeaseTable {
             state: Mutex::new(LeaseState::default()),
             max_bytes,
             ttl,
+            checks_copies: AtomicBool::new(false),
         }
+    }
+
+    /// Says whether the worker can check a load's copy in the engine's blocks (it reads them:
+    /// host memory), so lookups may lease chunks of node memory where they lie.
+    pub fn set_checks_copies(&self, checks: bool) {
+        self.checks_copies.store(checks, Ordering::Release);
+    }
+
+    /// Whether lookups may lease chunks of node memory where they lie.
+    pub fn checks_copies(&self) -> bool {
+        self.checks_copies.load(Ordering::Acquire)
     }
 
     fn expire(&self, st: &mut LeaseState, now: Instant) {
@@ -88,7 +134,7 @@ impl LeaseTable {
 
     /// Replaces `req_id`'s lease with the leading `chunks` that fit the byte budget; returns
     /// how many were leased.
-    pub fn grant(&self, req_id: &str, chunks: Vec<(ChunkHash, Chunk)>) -> usize {
+    pub fn grant(&self, req_id: &str, chunks: Vec<(ChunkHash, LeasedChunk)>) -> usize {
         let now = Instant::now();
         let mut st = self.state.lock();
         self.expire(&mut st, now);
@@ -99,7 +145,7 @@ impl LeaseTable {
         let fitting = chunks
             .iter()
             .take_while(|(_, c)| {
-                let next = bytes + c.data.len();
+                let next = bytes + c.len();
                 let fits = st.bytes + next <= self.max_bytes;
                 if fits {
                     bytes = next;
@@ -180,11 +226,14 @@ pub const NODE_MEMORY_LOAD_BUDGET: Duration = Duration::from_millis(500);
 ///
 /// Held in memory means: in L1, then, with `load_node_memory` and when every chunk after L1's
 /// prefix was found in one tier that reads node memory (the node's pool daemon), those
-/// chunks, which the lookup loads
-/// (promoting them into L1) when they fit the lease budget's room and
-/// [`NODE_MEMORY_LOAD_MAX_BYTES`], within [`NODE_MEMORY_LOAD_BUDGET`]. They are decoded and
-/// checked like any lower tier's, and the request loads them before its forward pass like an
-/// L1 hit. A hit the lookup cannot complete this way is loaded asynchronously.
+/// chunks, when they fit the lease budget's room and [`NODE_MEMORY_LOAD_MAX_BYTES`], within
+/// [`NODE_MEMORY_LOAD_BUDGET`]. Where the worker checks its copies
+/// ([`LeaseTable::checks_copies`]: an engine whose KV blocks are in host memory) and the tier
+/// lends its memory, the lookup pins them where they lie, and the load copies each once into
+/// the engine's blocks and checks the copy there; otherwise the lookup loads them into L1
+/// (promoting them), decoded and checked like any lower tier's. Either way the request loads
+/// them before its forward pass like an L1 hit. A hit the lookup cannot complete this way is
+/// loaded asynchronously.
 ///
 /// A chunk L1 reported but lost before it could be leased ends the answer there: a promise
 /// is only made for what is held or what a lower tier reported.
@@ -226,24 +275,42 @@ pub async fn lookup_and_lease(
             leased: 0,
         };
     }
-    let mut held = storage.primary_get_prefix(&keys[..in_l1]).await;
+    let held = storage.primary_get_prefix(&keys[..in_l1]).await;
     let got = held.len();
     let room = leases
         .room_for(req_id)
-        .saturating_sub(held.iter().map(|c| c.data.len()).sum())
+        .saturating_sub(held.iter().map(|c| c.data.len()).sum::<usize>())
         .min(NODE_MEMORY_LOAD_MAX_BYTES);
     let fitting = in_node_memory.min(room / engine.layout().chunk_bytes(chunk).max(1));
     // Only a load that completes the answer makes the request's load synchronous; any other
     // is left to the asynchronous load, off the scheduler's thread.
     let completes = got == in_l1 && fitting == in_node_memory && in_l1 + fitting == found.len();
+    let mut held: Vec<LeasedChunk> = held.into_iter().map(LeasedChunk::Held).collect();
     if let (Some(t), true) = (node_tier, completes && fitting > 0) {
         let wanted = &keys[in_l1..in_l1 + fitting];
-        match tokio::time::timeout(
-            NODE_MEMORY_LOAD_BUDGET,
-            storage.get_node_memory_prefix(t, wanted),
-        )
-        .await
-        {
+        // Where the worker checks its copies in the engine's blocks, the chunks stay where
+        // they lie, pinned, for one copy into the blocks; else they are copied into L1 and
+        // checked there.
+        let load = async {
+            if leases.checks_copies() && storage.tier_lends_node_memory(t) {
+                let pinned = storage.pin_node_memory_prefix(t, wanted).await;
+                let tier = &storage.tier_names()[t];
+                pinned
+                    .into_iter()
+                    .map(|chunk| LeasedChunk::Shared {
+                        chunk,
+                        tier: tier.clone(),
+                    })
+                    .collect()
+            } else {
+                let loaded = storage.get_node_memory_prefix(t, wanted).await;
+                loaded
+                    .into_iter()
+                    .map(LeasedChunk::Held)
+                    .collect::<Vec<_>>()
+            }
+        };
+        match tokio::time::timeout(NODE_MEMORY_LOAD_BUDGET, load).await {
             Ok(loaded) => held.extend(loaded),
             Err(_) => tracing::warn!(
                 tier = %storage.tier_names()[t],

@@ -86,7 +86,7 @@ pub mod worker;
 use kvpool_core::CacheEngine;
 use thiserror::Error;
 
-pub use leases::{LeaseTable, LookupAnswer};
+pub use leases::{LeaseTable, LeasedChunk, LookupAnswer};
 pub use lookup_service::{LookupServer, SocketLookup, WorkerInfo};
 pub use metadata::{
     ConnectorMetadata, LoadSpec, MetadataError, ReqMeta, SaveDiscard, SaveSpec, SchedulerCounters,
@@ -97,7 +97,8 @@ pub use scheduler::{
     RequestTracker, ScheduledRequest,
 };
 pub use worker::{
-    ConnectorWorker, CopyDirection, CopyJob, LoadLimits, StepReport, TransferResults, WorkerStats,
+    ConnectorWorker, CopyDirection, CopyJob, HostPlanes, LoadLimits, StepReport, TransferResults,
+    WorkerStats,
 };
 
 /// When a load is asynchronous (the request waits while other requests run) rather than done

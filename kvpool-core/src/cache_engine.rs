@@ -406,7 +406,17 @@ impl CacheEngine {
     }
 
     fn validate(&self, span: &ChunkSpan, chunk: &Chunk) -> Result<(), FormatError> {
-        let meta = &chunk.meta;
+        self.validate_meta(span, &chunk.meta, chunk.data.len())
+    }
+
+    /// Whether a chunk described by `meta`, of `len` bytes of KV, fits `span` under this
+    /// engine: its layout, dtype, token count and size.
+    pub fn validate_meta(
+        &self,
+        span: &ChunkSpan,
+        meta: &ChunkMeta,
+        len: usize,
+    ) -> Result<(), FormatError> {
         if meta.layout_fingerprint != self.fingerprint {
             return Err(FormatError::LayoutMismatch {
                 expected: self.fingerprint,
@@ -420,9 +430,9 @@ impl CacheEngine {
             });
         }
         let expected = self.layout.chunk_bytes(span.len()) as u64;
-        if meta.token_count as usize != span.len() || chunk.data.len() as u64 != expected {
+        if meta.token_count as usize != span.len() || len as u64 != expected {
             return Err(FormatError::SizeMismatch {
-                raw_len: chunk.data.len() as u64,
+                raw_len: len as u64,
                 tokens: meta.token_count,
                 expected,
             });

@@ -167,6 +167,9 @@ pub enum FormatError {
         /// Given.
         actual: usize,
     },
+    /// A compressed value cannot be copied where it lies; it must be decoded into a buffer.
+    #[error("a compressed chunk cannot be copied where it lies")]
+    Compressed,
 }
 
 /// The host memory pool could not satisfy a request.

@@ -342,6 +342,35 @@ impl PyWorker {
         Ok(core_guard(self)?.worker.engine().storage().host_region())
     }
 
+    /// Gives the worker the engine's KV planes in host memory (vLLM's CPU tensors): one
+    /// `(address of block 0, bytes between blocks)` per plane, in the chunk layout's plane
+    /// order, of `num_blocks` blocks of `plane_block_bytes`. The worker then reads a load's
+    /// blocks to check the copy of a chunk it copied straight from the node's pool daemon
+    /// (one copy instead of two). The caller keeps the tensors alive while it uses the worker.
+    fn set_host_planes(
+        &self,
+        planes: Vec<(usize, usize)>,
+        plane_block_bytes: usize,
+        num_blocks: usize,
+    ) -> PyResult<()> {
+        if planes
+            .iter()
+            .any(|&(address, stride)| address == 0 || stride < plane_block_bytes)
+        {
+            return Err(PyValueError::new_err(
+                "kvpool: a host KV plane without an address, or with blocks overlapping",
+            ));
+        }
+        // SAFETY: the engine side registers its KV tensors, which live as long as the engine
+        // (and this worker's use); the checks above exclude null and overlapping rows.
+        let planes =
+            unsafe { kvpool_connector::HostPlanes::new(planes, plane_block_bytes, num_blocks) };
+        core_guard(self)?
+            .worker
+            .set_host_planes(planes)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
     /// Calls `callback()` once when this worker is freed, before the host memory of
     /// [`host_memory`](Self::host_memory) is (replacing an earlier callback): for the engine
     /// side to end what it set up on that memory, such as CUDA's page-locking.

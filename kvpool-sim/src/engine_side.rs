@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use kvpool_connector::host_blocks::run_copy_job;
 use kvpool_connector::{
-    ConnectorError, ConnectorOutput, ConnectorWorker, CopyDirection, LeaseTable, StepReport,
+    ConnectorError, ConnectorOutput, ConnectorWorker, CopyDirection, HostPlanes, LeaseTable,
+    StepReport,
 };
 use kvpool_core::{CacheEngine, HostPagedKvCache, KvLayout};
 use tokio::runtime::Runtime;
@@ -47,14 +48,31 @@ impl EngineWorker {
     ) -> Result<Self, ConnectorError> {
         let mut worker = ConnectorWorker::new(engine, runtime, layout.block_size, leases);
         worker.register_kv_caches(&layout)?;
-        Ok(EngineWorker {
+        let mut rank = EngineWorker {
             worker,
             kv: HostPagedKvCache::new(layout, num_blocks),
             loaded: BTreeSet::new(),
-        })
+        };
+        rank.show_blocks()?;
+        Ok(rank)
+    }
+
+    /// Shows the worker the KV blocks, as vLLM's CPU connector does, so that chunks of the
+    /// node's pool daemon are copied once, straight into them, and checked there. Again
+    /// before every batch of jobs: a test may replace `kv`.
+    fn show_blocks(&mut self) -> Result<(), ConnectorError> {
+        // SAFETY: `kv` outlives the worker's use of the planes: the worker reads them only in
+        // `copy_done`, called by `run_jobs` right after this refresh, and `kv` is replaced
+        // only between steps (the refresh then follows before any job).
+        let planes = unsafe { HostPlanes::of_host_cache(&self.kv) };
+        self.worker.set_host_planes(planes)
     }
 
     fn run_jobs(&mut self, jobs: Vec<kvpool_connector::CopyJob>) {
+        // `kv` was made for the layout the worker checked at `new` (a test replacing it uses
+        // the engine's layout too).
+        self.show_blocks()
+            .expect("the KV blocks match the worker's layout");
         for job in jobs {
             if job.direction == CopyDirection::Load {
                 self.loaded.extend(&job.block_ids);

@@ -1,7 +1,8 @@
 //! The engine's side of the pool daemon: `kvpool+unix://` tiers, a [`RemoteConnector`] whose
 //! values live in the daemon's shared memory. Requests go over the socket; bytes are copied
 //! between the engine's buffers and the daemon's arena, mapped once at attach: once each way
-//! between the arena and L1's pool (`batch_copy_out`, `batch_copy_in`).
+//! between the arena and L1's pool (`batch_copy_out`, `batch_copy_in`), or lent where they lie
+//! (`batch_pin`) for a reader that copies them once, straight into an engine's KV blocks.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -15,7 +16,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
-use kvpool_core::{BackendError, ConfigError, CopyIn, CopyOut, RemoteConnector};
+use kvpool_core::{BackendError, ConfigError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
@@ -39,6 +40,9 @@ struct Session {
     daemon_id: u64,
     /// How long the daemon keeps what it lends this session.
     lease_ttl: Duration,
+    /// Pins lent out of this session ([`Inner::pin`]) whose holders let go, to release on
+    /// the session's next call (the daemon reclaims them anyway when the session ends).
+    unreleased: Arc<Mutex<Vec<u64>>>,
 }
 
 impl Session {
@@ -79,7 +83,17 @@ impl Session {
             arena,
             daemon_id,
             lease_ttl,
+            unreleased: Arc::default(),
         })
+    }
+
+    /// Releases the pins lent out of this session that their holders let go of.
+    fn release_let_go(&mut self) -> io::Result<()> {
+        let ids = std::mem::take(&mut *self.unreleased.lock());
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.call(&Request::Release { ids }).map(drop)
     }
 
     fn call(&mut self, request: &Request) -> io::Result<Reply> {
@@ -227,7 +241,7 @@ impl Inner {
             }
         }
         let session = guard.as_mut().expect("attached above");
-        match f(session) {
+        match session.release_let_go().and_then(|()| f(session)) {
             Ok(v) => Ok(v),
             Err(e) => {
                 warn!(socket = %self.path.display(), "daemon session ended: {e}");
@@ -294,6 +308,42 @@ impl Inner {
         })
     }
 
+    /// Pins the values of `keys` that shared memory holds and lends each where it lies, until
+    /// its [`PinnedBytes`] is dropped (then released on the session's next call), and no
+    /// longer than half the daemon's lease time to live from its answer.
+    fn pin(&self, keys: Vec<String>) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.with_session(|s| {
+            let n = keys.len();
+            let Reply::Pinned(regions) = s.call(&Request::GetResident { keys })? else {
+                return Err(io::Error::other("a Get answered otherwise"));
+            };
+            let usable_until = Instant::now() + s.lease_ttl / 2;
+            if regions.len() != n {
+                return Err(io::Error::other("a Get answered the wrong number of keys"));
+            }
+            let mut out = Vec::with_capacity(n);
+            for region in &regions {
+                let Some(r) = region else {
+                    out.push(None);
+                    continue;
+                };
+                // A region outside the arena ends the session (the daemon then reclaims the
+                // pins) before anything is lent.
+                let ptr = s.bytes_of(r)?;
+                let pin = LentPin {
+                    id: r.id,
+                    unreleased: s.unreleased.clone(),
+                    _arena: s.arena.clone(),
+                };
+                // SAFETY: the region lies in the mapping, which `pin` keeps mapped.
+                out.push(Some(unsafe {
+                    PinnedBytes::new(ptr, r.len as usize, usable_until, Box::new(pin))
+                }));
+            }
+            Ok(out)
+        })
+    }
+
     /// Stores a value of each length under its key, each written by `fill` straight into
     /// the allocation the daemon lends for it, then committed (visible from then on).
     fn write(
@@ -340,6 +390,20 @@ impl Inner {
             )));
         }
         Ok(())
+    }
+}
+
+/// One pin a session lent out: keeps the arena mapped, and queues the pin's release on the
+/// session that holds it when dropped.
+struct LentPin {
+    id: u64,
+    unreleased: Arc<Mutex<Vec<u64>>>,
+    _arena: Arc<SharedMapping>,
+}
+
+impl Drop for LentPin {
+    fn drop(&mut self) {
+        self.unreleased.lock().push(self.id);
     }
 }
 
@@ -411,6 +475,16 @@ impl RemoteConnector for DaemonConnector {
     /// A read copies a value out of the daemon's shared arena.
     fn reads_node_memory(&self) -> bool {
         true
+    }
+
+    /// Values are lent where they lie in the shared arena, pinned.
+    fn lends_node_memory(&self) -> bool {
+        true
+    }
+
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| inner.pin(keys)).await
     }
 
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {

@@ -8,9 +8,10 @@ use kvpool_core::telemetry;
 use kvpool_core::{Chunk, ChunkMeta};
 use tracing::warn;
 
+use super::copy_check::LoadSource;
 use super::copy_job::JobMemory;
 use super::staged::StagedChunk;
-use super::{ConnectorWorker, CopyDirection, STAGED_STEP_TTL};
+use super::{ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
 
 impl ConnectorWorker {
     /// The engine side finished job `id` (`ok`: the copy happened; else it failed and the
@@ -24,7 +25,9 @@ impl ConnectorWorker {
         metrics::gauge!(telemetry::COPY_JOBS_IN_FLIGHT).set(self.in_flight.len() as f64);
         match f.direction {
             CopyDirection::Load => {
+                let mut f = f;
                 if ok {
+                    self.check_copies(&mut f);
                     self.stats.loaded_tokens += f.tokens as u64;
                     metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
                         .increment(f.tokens as u64);
@@ -75,6 +78,46 @@ impl ConnectorWorker {
                 self.staged.copy_ended(f.step, chunks);
                 self.store_ready();
             }
+        }
+    }
+
+    /// Checks the copies of a load's chunks lent by node memory in the engine's blocks
+    /// (see [`super::HostPlanes`]). At the first that fails, its blocks and every later
+    /// block of the job are reported failed, and the job counts only what came before it.
+    fn check_copies(&mut self, f: &mut InFlight) {
+        let checks = std::mem::take(&mut f.checks);
+        let (Some(planes), false) = (&self.host_planes, checks.is_empty()) else {
+            return;
+        };
+        let JobMemory::Load(chunks) = &f.memory else {
+            return;
+        };
+        for check in &checks {
+            let Some(LoadSource::Shared(chunk)) = chunks.get(check.chunk) else {
+                continue;
+            };
+            let Err(e) = planes.check(chunk, &check.blocks) else {
+                continue;
+            };
+            warn!(req = %f.req_id, key = %check.key, error = %e, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
+            metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
+            // As any tier's value that fails its checks: a miss, and deleted, so that a later
+            // save stores it again.
+            self.runtime.block_on(
+                self.engine
+                    .storage()
+                    .remove(std::slice::from_ref(&check.key)),
+            );
+            let first = check
+                .blocks
+                .first()
+                .and_then(|b| f.blocks.iter().position(|x| x == b));
+            let failed = f.blocks.split_off(first.unwrap_or(0));
+            let kept = f.blocks.len() * self.block_size;
+            self.fail_blocks_of(&f.req_id, &failed);
+            f.tokens = f.tokens.min(kept);
+            f.tier_tokens.clear();
+            return;
         }
     }
 

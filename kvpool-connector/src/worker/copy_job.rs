@@ -9,7 +9,9 @@
 //! (whole chunks, then a prompt's tail blocks, one block each). A job covers whole chunks; a
 //! load may skip the leading blocks of its first chunk (blocks the engine already holds).
 
-use kvpool_core::{MemoryObj, MemoryObjMut};
+use kvpool_core::MemoryObjMut;
+
+use super::copy_check::LoadSource;
 
 /// Which way a job copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,8 +59,9 @@ impl CopyJob {
 
 /// The host memory a job's addresses point into, owned by the worker until the job is done.
 pub(crate) enum JobMemory {
-    /// A load's source chunks (shared, read-only).
-    Load(Vec<MemoryObj>),
+    /// A load's source chunks (read-only; those lent by node memory stay pinned until the
+    /// copy is checked).
+    Load(Vec<LoadSource>),
     /// A save's destination buffers (written by the engine side).
     Save(Vec<MemoryObjMut>),
 }
@@ -66,10 +69,7 @@ pub(crate) enum JobMemory {
 impl JobMemory {
     pub(crate) fn pointers(&mut self) -> Vec<usize> {
         match self {
-            JobMemory::Load(chunks) => chunks
-                .iter()
-                .map(|c| c.as_slice().as_ptr() as usize)
-                .collect(),
+            JobMemory::Load(chunks) => chunks.iter().map(LoadSource::address).collect(),
             JobMemory::Save(bufs) => bufs
                 .iter_mut()
                 .map(|b| b.as_mut_slice().as_mut_ptr() as usize)

@@ -6,9 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvpool_core::telemetry;
-use kvpool_core::{CacheEngine, ChunkSpan, FetchedChunks};
+use kvpool_core::{CacheEngine, ChunkSpan};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
+
+use super::copy_check::{LoadSources, fetch_load};
+use crate::leases::LeasedChunk;
 
 /// Limits on asynchronous loads in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +33,7 @@ impl Default for LoadLimits {
 }
 
 /// A load to perform: what to fetch and which engine blocks receive it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct PlannedLoad {
     pub(crate) req_id: String,
     /// The request's engine blocks from token 0.
@@ -41,8 +44,8 @@ pub(crate) struct PlannedLoad {
     pub(crate) load_until: usize,
     /// The spans covering `gpu_cached_tokens..load_until`, whole: chunks, then tail blocks.
     pub(crate) spans: Vec<ChunkSpan>,
-    /// Chunks in hand for the leading spans (the lookup lease's).
-    pub(crate) leased: Vec<kvpool_core::Chunk>,
+    /// Chunks in hand for the leading spans (the lookup lease's), taken by the fetch.
+    pub(crate) leased: Vec<LeasedChunk>,
 }
 
 impl PlannedLoad {
@@ -57,7 +60,7 @@ pub(crate) enum AsyncState {
     /// Waiting for room under the limits.
     Queued(PlannedLoad),
     /// Reading the tiers.
-    Fetching(PlannedLoad, JoinHandle<FetchedChunks>),
+    Fetching(PlannedLoad, JoinHandle<LoadSources>),
     /// Its copy job is with the engine.
     Copying,
 }
@@ -101,13 +104,13 @@ impl AsyncLoads {
                 break;
             }
             let bytes = *bytes;
-            let Some((AsyncState::Queued(load), _)) = self.loads.remove(&id) else {
+            let Some((AsyncState::Queued(mut load), _)) = self.loads.remove(&id) else {
                 unreachable!("checked above")
             };
             let engine = engine.clone();
             let spans = load.spans.clone();
-            let leased = load.leased.clone();
-            let handle = runtime.spawn(async move { engine.fetch_spans(&spans, leased).await });
+            let leased = std::mem::take(&mut load.leased);
+            let handle = runtime.spawn(async move { fetch_load(&engine, &spans, leased).await });
             self.fetching += 1;
             self.bytes += bytes;
             self.loads
@@ -117,7 +120,7 @@ impl AsyncLoads {
     }
 
     /// Loads whose fetch ended, with what arrived (a fetch that panicked brought nothing).
-    pub(crate) fn take_fetched(&mut self, runtime: &Runtime) -> Vec<(PlannedLoad, FetchedChunks)> {
+    pub(crate) fn take_fetched(&mut self, runtime: &Runtime) -> Vec<(PlannedLoad, LoadSources)> {
         let done: Vec<String> = self
             .loads
             .iter()
@@ -132,7 +135,7 @@ impl AsyncLoads {
             self.fetching -= 1;
             let fetched = runtime.block_on(handle).unwrap_or_else(|e| {
                 tracing::error!(req = %id, error = %e, "a load's fetch task failed");
-                FetchedChunks::default()
+                LoadSources::default()
             });
             self.loads.insert(id, (AsyncState::Copying, bytes));
             out.push((load, fetched));

@@ -7,6 +7,7 @@
 //! done with [`ConnectorWorker::copy_done`]. Until then the job's host memory stays owned here.
 
 mod completion;
+mod copy_check;
 mod copy_job;
 mod loads;
 mod planning;
@@ -20,6 +21,7 @@ use kvpool_core::{CacheEngine, ChunkSpan, KvLayout};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
+pub use copy_check::HostPlanes;
 pub use copy_job::{CopyDirection, CopyJob};
 pub use loads::LoadLimits;
 pub use staged::STAGED_STEP_TTL;
@@ -91,6 +93,19 @@ struct InFlight {
     tier_tokens: Vec<(String, usize)>,
     /// The engine blocks the job writes (a load's, to report them if it fails).
     blocks: Vec<u32>,
+    /// A load's chunks lent by node memory, to check in the engine's blocks once copied.
+    checks: Vec<BlockCheck>,
+}
+
+/// A chunk lent by node memory that a load copies straight into the engine's blocks, to
+/// check there once copied.
+struct BlockCheck {
+    /// Its index in the job.
+    chunk: usize,
+    /// Its key (deleted from the pool if the copy fails its check).
+    key: kvpool_core::CacheKey,
+    /// The engine blocks it is copied into, in chunk order.
+    blocks: Vec<u32>,
 }
 
 /// The worker side of the connector (one per engine worker / TP rank).
@@ -121,6 +136,12 @@ pub struct ConnectorWorker {
     copied: Vec<u64>,
     traces: RequestTraces,
     stats: WorkerStats,
+    /// The engine's KV blocks, where they are in host memory and the worker may read them to
+    /// check a load's copy (see [`ConnectorWorker::set_host_planes`]).
+    host_planes: Option<HostPlanes>,
+    /// Keys of the chunks this step's loads copy straight from node memory: in the pool
+    /// already, so the step's saves skip them as they skip L1's.
+    loaded_from_node_memory: HashSet<kvpool_core::CacheKey>,
 }
 
 impl ConnectorWorker {
@@ -158,7 +179,29 @@ impl ConnectorWorker {
             copied: Vec::new(),
             traces: RequestTraces::default(),
             stats: WorkerStats::default(),
+            host_planes: None,
+            loaded_from_node_memory: HashSet::new(),
         }
+    }
+
+    /// Gives the worker the engine's KV blocks in host memory (vLLM's CPU tensors), which it
+    /// then reads to check loads copied once, straight from node memory into the blocks: the
+    /// node's pool daemon's chunks stay where they lie until that copy, instead of being
+    /// copied into L1 first. Without them (blocks on a GPU) such chunks go through L1. A
+    /// worker that does not read the engine's blocks never touches them.
+    ///
+    /// Refused when the planes do not make up this worker's block layout.
+    pub fn set_host_planes(&mut self, planes: HostPlanes) -> Result<(), ConnectorError> {
+        if planes.block_bytes() != self.block_bytes() {
+            return Err(ConnectorError::Layout(format!(
+                "host KV planes of {} bytes per block, the layout has {}",
+                planes.block_bytes(),
+                self.block_bytes()
+            )));
+        }
+        self.host_planes = Some(planes);
+        self.leases.set_checks_copies(true);
+        Ok(())
     }
 
     /// The pool this worker loads from and saves to.
@@ -243,6 +286,7 @@ impl ConnectorWorker {
         }
         self.drop_untaken_jobs();
         self.step_failed.clear();
+        self.loaded_from_node_memory.clear();
         self.stats.steps += 1;
         for d in &meta.discards {
             self.staged.cut(d.step, &d.req_id, d.keep_until);

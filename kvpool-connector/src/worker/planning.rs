@@ -3,12 +3,14 @@
 
 use std::time::Instant;
 
-use kvpool_core::{Chunk, ChunkHash, ChunkSpan, MemoryObjMut};
+use kvpool_core::{ChunkHash, ChunkSpan, MemoryObj, MemoryObjMut, SharedChunk};
 use tracing::warn;
 
+use super::copy_check::{LoadSource, LoadSources, fetch_load};
 use super::copy_job::JobMemory;
 use super::loads::PlannedLoad;
-use super::{ConnectorWorker, CopyDirection, CopyJob, InFlight};
+use super::{BlockCheck, ConnectorWorker, CopyDirection, CopyJob, InFlight};
+use crate::leases::LeasedChunk;
 use crate::metadata::ReqMeta;
 
 impl ConnectorWorker {
@@ -99,7 +101,7 @@ impl ConnectorWorker {
             // The load starts among the tail blocks.
             spans[0].start / cs + (spans[0].start % cs) / self.block_size
         };
-        let leased: Vec<Chunk> = self
+        let leased: Vec<LeasedChunk> = self
             .leases
             .take(&r.req_id)
             .map(|lease| {
@@ -130,9 +132,11 @@ impl ConnectorWorker {
         } else {
             self.stats.sync_loads += 1;
             let started = Instant::now();
+            let mut load = load;
+            let leased = std::mem::take(&mut load.leased);
             let fetched = self
                 .runtime
-                .block_on(self.engine.fetch_spans(&load.spans, load.leased.clone()));
+                .block_on(fetch_load(&self.engine, &load.spans, leased));
             if let Some(t) = self.traces.of(&r.req_id) {
                 t.load_time += started.elapsed();
             }
@@ -142,18 +146,73 @@ impl ConnectorWorker {
         }
     }
 
+    /// A chunk lent by node memory, copied into a buffer of this process (L1's pool, else
+    /// the heap) and checked there: for a copy the worker cannot check in the engine's blocks.
+    fn copy_into_memory(&self, chunk: &SharedChunk) -> Option<MemoryObj> {
+        let len = chunk.payload_len();
+        let mut buf = self
+            .engine
+            .storage()
+            .allocate(len)
+            .unwrap_or_else(|_| MemoryObjMut::heap(len));
+        match chunk.copy_into(buf.as_mut_slice()) {
+            Ok(()) => Some(buf.freeze()),
+            Err(e) => {
+                warn!(error = %e, "a chunk lent by node memory failed its check; not loading it");
+                metrics::counter!(kvpool_core::telemetry::COPY_CHECK_FAILURES).increment(1);
+                None
+            }
+        }
+    }
+
+    /// The chunks of a load as the job copies them: a chunk lent by node memory is copied
+    /// straight into the engine's blocks where the worker can check it there, that is, when
+    /// it reads the engine's blocks ([`super::HostPlanes`]) and the job copies the whole
+    /// chunk (`whole(c)`; the first chunk may start past blocks the engine holds, whose bytes
+    /// the check needs); otherwise through a buffer of this process, checked there. Stops at
+    /// the first chunk that fails. Returns the chunks to check in the blocks.
+    fn load_sources(
+        &self,
+        mut fetched: LoadSources,
+        whole: impl Fn(usize) -> bool,
+    ) -> (LoadSources, Vec<usize>) {
+        let mut checked_in_blocks = Vec::new();
+        for (c, source) in fetched.chunks.iter_mut().enumerate() {
+            let LoadSource::Shared(chunk) = source else {
+                continue;
+            };
+            if self.host_planes.is_some() && whole(c) {
+                checked_in_blocks.push(c);
+                continue;
+            }
+            match self.copy_into_memory(chunk) {
+                Some(memory) => *source = LoadSource::Memory(memory),
+                None => {
+                    fetched.chunks.truncate(c);
+                    fetched.tiers.truncate(c);
+                    break;
+                }
+            }
+        }
+        (fetched, checked_in_blocks)
+    }
+
     /// The copy job for what a fetch brought; reports the blocks it could not bring.
     pub(super) fn load_job(
         &mut self,
         load: PlannedLoad,
-        fetched: kvpool_core::FetchedChunks,
+        fetched: LoadSources,
         asynchronous: bool,
     ) -> Option<(CopyJob, InFlight)> {
         let bs = self.block_size;
         let first_token = load.spans[0].start;
+        let wanted = load.gpu_cached_tokens.max(first_token);
+        let spans = &load.spans;
+        let (fetched, checked_in_blocks) = self.load_sources(fetched, |c| {
+            spans[c].start >= wanted && spans[c].end <= load.load_until
+        });
         let fetched_spans = &load.spans[..fetched.chunks.len().min(load.spans.len())];
         let loaded_until = fetched_spans.last().map_or(first_token, |s| s.end);
-        let wanted = load.gpu_cached_tokens.max(first_token);
         if loaded_until < load.load_until {
             warn!(req = %load.req_id, expected = load.load_until - wanted, loaded = loaded_until.saturating_sub(wanted), "load incomplete; reporting failed blocks");
             let from = loaded_until.max(wanted);
@@ -173,7 +232,24 @@ impl ConnectorWorker {
         let chunk_blocks: Vec<usize> = fetched_spans.iter().map(|s| s.len() / bs).collect();
         self.engine
             .record_retrieve(load.load_until - wanted, end - wanted);
-        let mut memory = JobMemory::Load(fetched.chunks.into_iter().map(|c| c.data).collect());
+        // The engine blocks each chunk checked in the blocks is copied into (the whole
+        // chunk's: `load_sources` checked that the job copies all of it).
+        let checks: Vec<BlockCheck> = checked_in_blocks
+            .into_iter()
+            .map(|c| {
+                let span = &fetched_spans[c];
+                BlockCheck {
+                    chunk: c,
+                    key: span.key.clone(),
+                    blocks: load.block_ids[span.start / bs..span.end / bs].to_vec(),
+                }
+            })
+            .collect();
+        self.loaded_from_node_memory
+            .extend(checks.iter().map(|c| c.key.clone()));
+        let mut chunks = fetched.chunks;
+        chunks.truncate(fetched_spans.len());
+        let mut memory = JobMemory::Load(chunks);
         let job = CopyJob {
             id: self.next_job_id(),
             direction: CopyDirection::Load,
@@ -196,6 +272,7 @@ impl ConnectorWorker {
                 asynchronous,
                 tier_tokens,
                 blocks,
+                checks,
             },
         ))
     }
@@ -214,10 +291,17 @@ impl ConnectorWorker {
             }
         };
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
-        // Chunks L1 already holds were committed (nothing unverified is ever stored).
-        let present = self
+        // Chunks L1 already holds were committed (nothing unverified is ever stored), and so
+        // were those this step loads straight from node memory (if one's copy fails its
+        // check, it is deleted, and its blocks recomputed and saved by a later step).
+        let in_l1 = self
             .runtime
             .block_on(self.engine.storage().primary_prefix(&keys));
+        let present = in_l1
+            + keys[in_l1..]
+                .iter()
+                .take_while(|k| self.loaded_from_node_memory.contains(k))
+                .count();
         let mut buffers: Vec<MemoryObjMut> = Vec::new();
         let mut kept = Vec::new();
         for span in spans.into_iter().skip(present) {
@@ -267,6 +351,7 @@ impl ConnectorWorker {
                 asynchronous: false,
                 tier_tokens: Vec::new(),
                 blocks,
+                checks: Vec::new(),
             },
         ));
     }

@@ -133,6 +133,20 @@ pub trait StorageBackend: Send + Sync + 'static {
     async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
         self.get(keys).await
     }
+    /// Whether the tier lends chunks where they lie in node memory
+    /// ([`StorageBackend::pin_node_memory`]). The default is `false`.
+    fn lends_node_memory(&self) -> bool {
+        false
+    }
+    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): the chunks of
+    /// `keys` that memory holds, pinned where they lie, headers checked, payloads to be
+    /// checked on the reader's copy ([`SharedChunk`]). The default lends nothing.
+    async fn pin_node_memory(
+        &self,
+        keys: &[CacheKey],
+    ) -> Result<Vec<Option<crate::storage::node_memory::SharedChunk>>, BackendError> {
+        Ok(keys.iter().map(|_| None).collect())
+    }
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -15,6 +15,7 @@ use crate::memory::pool::MemoryObjMut;
 use crate::storage::backend::{
     Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend,
 };
+use crate::storage::node_memory::SharedChunk;
 use crate::storage::tier::Tier;
 use crate::storage::tier_events::{TierEventKind, TierEventLog};
 use crate::storage::tier_stats::{ManagerCounters, TierOp};
@@ -426,6 +427,44 @@ impl StorageManager {
         self.count_hits_and_promote(keys, &loaded).await;
         metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
         loaded.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// Whether tier `t` lends chunks where they lie in node memory (see
+    /// [`StorageBackend::lends_node_memory`]).
+    pub fn tier_lends_node_memory(&self, t: usize) -> bool {
+        self.tiers
+            .get(t)
+            .is_some_and(|tier| tier.backend.lends_node_memory())
+    }
+
+    /// The leading run of `keys` that tier `t`, a tier that [lends node
+    /// memory](StorageManager::tier_lends_node_memory), holds in that memory, pinned where it
+    /// lies (nothing is copied, nor promoted into L1); the reader copies each payload once and
+    /// checks its copy. Asks no other tier, nor the storage behind it.
+    pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
+        let Some(tier) = self.tiers.get(t) else {
+            return Vec::new();
+        };
+        if self.ensure_open().is_err() || keys.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let result = tier.backend.pin_node_memory(keys).await;
+        tier.counters.call(TierOp::Get, started.elapsed());
+        let pinned: Vec<SharedChunk> = match result {
+            Ok(values) => values.into_iter().map_while(|v| v).collect(),
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "pin failed; treating as misses");
+                Vec::new()
+            }
+        };
+        for c in &pinned {
+            tier.counters
+                .hit(u64::from(c.meta.token_count), c.payload_len() as u64);
+        }
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        pinned
     }
 
     /// Counts each loaded chunk as a hit of the tier that served it, and promotes those a

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod manager;
+pub mod node_memory;
 pub mod remote;
 #[cfg(test)]
 mod remote_tests;
@@ -17,4 +18,5 @@ pub use backend::{
     StorageBackend,
 };
 pub use manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use node_memory::{PinnedBytes, SharedChunk};
 pub use remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};

@@ -18,6 +18,7 @@ use crate::storage::backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
+use crate::storage::node_memory::{PinnedBytes, SharedChunk, shared_chunk};
 use crate::storage::tier_events::TierEventLog;
 
 /// What a read of node memory does with one value it found ([`RemoteConnector::batch_copy_out`]):
@@ -88,6 +89,20 @@ pub trait RemoteConnector: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether the tier lends values where they lie in node memory
+    /// ([`RemoteConnector::batch_pin`]), so a reader can copy them once, straight to where it
+    /// needs them. The default is `false`.
+    fn lends_node_memory(&self) -> bool {
+        false
+    }
+
+    /// For a tier that [lends node memory](RemoteConnector::lends_node_memory): pins the
+    /// values of `keys` that its memory holds (reading no slower storage behind it) and lends
+    /// each where it lies until its [`PinnedBytes`] is dropped. The default lends nothing.
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        Ok(keys.iter().map(|_| None).collect())
+    }
+
     /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): stores a
     /// value of each length under its key, each written by `copy_in` straight into the memory
     /// the tier allocated for it (one copy, where [`RemoteConnector::batch_put`] is two). A
@@ -152,6 +167,12 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     }
     fn reads_node_memory(&self) -> bool {
         (**self).reads_node_memory()
+    }
+    fn lends_node_memory(&self) -> bool {
+        (**self).lends_node_memory()
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        (**self).batch_pin(keys).await
     }
     async fn batch_copy_out(
         &self,
@@ -362,6 +383,16 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         names: &[String],
         decoded: Vec<Option<Result<Chunk, FormatError>>>,
     ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        self.tally_by(names, decoded, |c| c.data.len()).await
+    }
+
+    /// [`RemoteBackend::tally`] of values of any kind, `len` giving each one's bytes.
+    async fn tally_by<T>(
+        &self,
+        names: &[String],
+        decoded: Vec<Option<Result<T, FormatError>>>,
+        len: impl Fn(&T) -> usize,
+    ) -> Result<Vec<Option<T>>, BackendError> {
         let mut out = Vec::with_capacity(decoded.len());
         let mut corrupt = Vec::new();
         for (name, value) in names.iter().zip(decoded) {
@@ -372,7 +403,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                 }
                 Some(Ok(chunk)) => {
                     self.counters.hits.add(1);
-                    self.counters.bytes_read.add(chunk.data.len() as u64);
+                    self.counters.bytes_read.add(len(&chunk) as u64);
                     out.push(Some(chunk));
                 }
                 Some(Err(e)) => {
@@ -456,6 +487,34 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             return Ok(Vec::new());
         }
         self.copy_out_values(keys, true).await
+    }
+
+    fn lends_node_memory(&self) -> bool {
+        self.connector.lends_node_memory() && !self.codec.compresses()
+    }
+
+    /// Pins the values node memory holds and checks each one's header where it lies
+    /// ([`crate::chunk_format::check_before_copy`]); the payload's checksum is the reader's to
+    /// check on its copy. A value whose header fails is a miss and is deleted, as in `get`.
+    async fn pin_node_memory(
+        &self,
+        keys: &[CacheKey],
+    ) -> Result<Vec<Option<SharedChunk>>, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() || !self.lends_node_memory() {
+            return Ok(keys.iter().map(|_| None).collect());
+        }
+        let names = key_strings(keys);
+        let lent = self.connector.batch_pin(&names).await?;
+        let checked = keys
+            .iter()
+            .zip(lent)
+            .map(|(key, bytes)| {
+                bytes.map(|b| shared_chunk(b, &expectation(key, self.max_chunk_bytes)))
+            })
+            .collect();
+        self.tally_by(&names, checked, SharedChunk::payload_len)
+            .await
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {

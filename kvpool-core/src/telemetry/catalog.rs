@@ -122,6 +122,8 @@ pub const EVICTIONS: &str = "kvpool_evictions_total";
 pub const L1_USED_BYTES: &str = "kvpool_l1_used_bytes";
 /// Bytes of L1 memory in all.
 pub const L1_CAPACITY_BYTES: &str = "kvpool_l1_capacity_bytes";
+/// Chunks lent by node memory (the pool daemon) whose copy failed its checksum: not loaded.
+pub const COPY_CHECK_FAILURES: &str = "kvpool_copy_check_failures_total";
 /// Engine blocks reported to the engine as failed loads.
 pub const LOAD_ERROR_BLOCKS: &str = "kvpool_load_error_blocks_total";
 /// Tokens the connector loaded into the engine's cache.
@@ -304,6 +306,11 @@ pub const METRICS: &[MetricInfo] = &[
     counter(EVICTIONS, &["tier"], "Entries evicted from a tier."),
     gauge(L1_USED_BYTES, &[], "Bytes of L1 memory holding chunks."),
     gauge(L1_CAPACITY_BYTES, &[], "Bytes of L1 memory in all."),
+    counter(
+        COPY_CHECK_FAILURES,
+        &[],
+        "Chunks lent by the node's pool daemon whose copy (in the engine's blocks or a buffer) failed its checksum: reported as failed loads, recomputed.",
+    ),
     counter(
         LOAD_ERROR_BLOCKS,
         &[],

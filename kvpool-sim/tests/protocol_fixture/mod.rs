@@ -43,6 +43,25 @@ pub fn setup_with(ranks: usize, config: ConnectorConfig) -> Setup {
 
 /// `ranks` worker ranks whose lookup leases live `lease_ttl`.
 pub fn setup_full(ranks: usize, config: ConnectorConfig, lease_ttl: Duration) -> Setup {
+    setup_pools(ranks, config, lease_ttl, None)
+}
+
+/// One rank whose pool has a lower tier at `tier` (a URL).
+pub fn setup_tiered(tier: &str) -> Setup {
+    setup_pools(
+        1,
+        ConnectorConfig::new(BLOCK),
+        Duration::from_secs(60),
+        Some(tier),
+    )
+}
+
+fn setup_pools(
+    ranks: usize,
+    config: ConnectorConfig,
+    lease_ttl: Duration,
+    tier: Option<&str>,
+) -> Setup {
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -62,6 +81,7 @@ pub fn setup_full(ranks: usize, config: ConnectorConfig, lease_ttl: Duration) ->
         pool.layout.block_size = BLOCK;
         pool.model.world_size = ranks as u32;
         pool.model.rank = rank as u32;
+        pool.tiers.extend(tier.map(kvpool_core::TierConfig::new));
         let engine = runtime
             .block_on(kvpool_backends::build_pool(&pool))
             .unwrap()

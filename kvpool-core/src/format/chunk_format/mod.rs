@@ -20,7 +20,9 @@
 //! Decoding checks every field, the length and the checksum before it allocates or hands out a
 //! byte, so a truncated, oversized or corrupt value is a typed [`FormatError`], never data.
 //! [`decode_copied`], for values in memory another process can write, checks the checksum on
-//! its one copy instead, so it allocates that copy's buffer first (bounded the same way). The
+//! its one copy instead, so it allocates that copy's buffer first (bounded the same way);
+//! [`check_before_copy`] and [`CopyCheck::verify`] split the same checks around a copy the
+//! caller makes (into an engine's blocks), the checksum checked on the copy. The
 //! value is bound to its key: read under any other key, it is [`FormatError::KeyMismatch`].
 //! Version 1 values (without the binding) are [`FormatError::UnsupportedVersion`]: misses.
 
@@ -314,6 +316,90 @@ pub fn decode_copied<B: AsMut<[u8]>>(
     verify_checksum(&head, &fields, payload)?;
     let header = check_binding(&head, fields, expect)?;
     Ok((header, dst))
+}
+
+/// What a value read where it lies must hash to once copied: its header (copied privately
+/// before the copy) and the checksum it states. Made by [`check_before_copy`]; see
+/// [`CopyCheck::verify`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyCheck {
+    head: [u8; HEADER_LEN],
+    algorithm: ChecksumAlgorithm,
+    payload_len: usize,
+}
+
+impl CopyCheck {
+    /// Bytes of the payload the copy must hold.
+    pub fn payload_len(&self) -> usize {
+        self.payload_len
+    }
+
+    /// Checks the payload's copy, given as `pieces` in the payload's byte order (a chunk's
+    /// blocks where the copy scattered them), against the checksum of the header copied
+    /// before the copy. The copy must be memory no other process writes: what passes is what
+    /// the copy holds, and nothing can change it afterwards.
+    pub fn verify<'a>(
+        &self,
+        pieces: impl IntoIterator<Item = &'a [u8]>,
+    ) -> Result<(), FormatError> {
+        let header = &self.head[..CHECKED_HEADER_LEN];
+        let mut len = 0;
+        let computed = match self.algorithm {
+            ChecksumAlgorithm::Xxh3 => {
+                let mut h = Xxh3::new();
+                h.update(header);
+                for piece in pieces {
+                    len += piece.len();
+                    h.update(piece);
+                }
+                h.digest()
+            }
+            ChecksumAlgorithm::Crc32c => {
+                let mut crc = crc32c::crc32c(header);
+                for piece in pieces {
+                    len += piece.len();
+                    crc = crc32c::crc32c_append(crc, piece);
+                }
+                u64::from(crc)
+            }
+        };
+        if len != self.payload_len {
+            return Err(FormatError::Destination {
+                expected: self.payload_len,
+                actual: len,
+            });
+        }
+        let stored = u64_at(&self.head, 64);
+        if stored != computed {
+            return Err(FormatError::Checksum { stored, computed });
+        }
+        Ok(())
+    }
+}
+
+/// The checks a value in memory another process can write passes before it is copied where
+/// it lies (one copy, straight into the engine's blocks): the header is copied privately and
+/// checked (fields, length, key, layout, size per token), and the checksum is left to
+/// [`CopyCheck::verify`] on the copy. Returns the header those checks vouch for once the
+/// copy verifies; until then nothing of the value may be used. A compressed value cannot be
+/// copied where it lies ([`FormatError::Compressed`]): read it with [`decode_copied`].
+pub fn check_before_copy(
+    shared: &[u8],
+    expect: &DecodeExpectation,
+) -> Result<(ChunkHeader, CopyCheck), FormatError> {
+    let head: [u8; HEADER_LEN] = *header_bytes(shared)?;
+    let fields = parse_fields(&head, shared.len() - HEADER_LEN, expect)?;
+    if fields.compressed {
+        return Err(FormatError::Compressed);
+    }
+    let algorithm = fields.checksum_algorithm;
+    let header = check_binding(&head, fields, expect)?;
+    let check = CopyCheck {
+        head,
+        algorithm,
+        payload_len: shared.len() - HEADER_LEN,
+    };
+    Ok((header, check))
 }
 
 /// The header of a stored value, which must be at least that long.

@@ -55,6 +55,13 @@ class WorkerSide:
             socket_path=socket_path_of(self.tp_rank),
         )
         self.host_pin = None
+        if not self.mover.cuda:
+            # The worker reads the blocks to check a chunk copied straight from the node's
+            # pool daemon into them (one copy; on a GPU such chunks go through L1 instead).
+            # The tensors outlive the worker's use: vLLM and self.kv_caches hold them.
+            planes = self.mover.planes
+            self.native.set_host_planes([(p.data_ptr(), p.stride(0)) for p in planes],
+                                        self.mover.plane_block_bytes, int(planes[0].shape[0]))
         if self.mover.cuda:
             # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here and
             # unlocked before the arena is freed (at shutdown, or by the native worker just

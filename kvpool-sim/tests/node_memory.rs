@@ -1,0 +1,169 @@
+//! Loads from the node's pool daemon with one copy: a lookup pins the daemon's chunks where
+//! they lie in shared memory, the load copies each straight into the engine's blocks, and the
+//! worker checks the copy there. A real daemon on a socket in a temp dir; the engine side is
+//! the simulator's (host KV blocks, as vLLM's CPU build has).
+
+mod protocol_fixture;
+
+use std::sync::Arc;
+
+use kvpool_backends::daemon::{DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
+use kvpool_connector::{BlockUpdate, LeasedChunk};
+use kvpool_core::memory::EvictionKind;
+use kvpool_sim::kv_model::model_mismatches;
+use protocol_fixture::*;
+
+struct Daemon {
+    daemon: Arc<PoolDaemon>,
+    _server: DaemonServer,
+    _runtime: tokio::runtime::Runtime,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+fn daemon() -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvpool.sock");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let options = DaemonOptions {
+        capacity: 64 << 20,
+        eviction: EvictionKind::Lru,
+        lease_ttl: kvpool_backends::daemon::DEFAULT_LEASE_TTL,
+        write_behind_quota: 16 << 20,
+    };
+    let daemon =
+        Arc::new(PoolDaemon::with_tiers(options, Vec::new(), runtime.handle().clone()).unwrap());
+    let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+    Daemon {
+        daemon,
+        _server: server,
+        _runtime: runtime,
+        url: format!("kvpool+unix://{}", path.display()),
+        _dir: dir,
+    }
+}
+
+/// An engine that stored `p` through the daemon (it reaches the daemon behind L1), gone.
+fn stored_by_another_engine(d: &Daemon, p: &[u32]) {
+    let mut writer = setup_tiered(&d.url);
+    writer.seed_pool(p);
+    writer
+        .runtime
+        .block_on(writer.engine.storage().flush())
+        .unwrap();
+    assert_eq!(d.daemon.stats().entries as usize, p.len() / CHUNK);
+}
+
+/// A request of `p` in a fresh engine: looked up (`stored` tokens hit, leased) and allocated
+/// `blocks`; returns its connector metadata for the step that loads it.
+fn looked_up(
+    s: &mut Setup,
+    p: &[u32],
+    stored: usize,
+    blocks: &[u32],
+) -> kvpool_connector::ConnectorMetadata {
+    let hit = s.sched.get_num_new_matched_tokens(&request("r", p), 0);
+    assert_eq!(
+        hit,
+        (stored, false),
+        "a synchronous load of the daemon's chunks"
+    );
+    s.sched.update_state_after_alloc("r", blocks, hit.0);
+    s.sched.build_connector_meta(&[scheduled(
+        "r",
+        BlockUpdate::Replace(blocks.to_vec()),
+        p.len(),
+    )])
+}
+
+#[test]
+fn the_daemons_chunks_are_copied_once_into_the_blocks_and_checked_there() {
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 3);
+    stored_by_another_engine(&d, &p[..3 * CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (10..17).collect();
+    let meta = looked_up(&mut s, &p, 3 * CHUNK, &blocks);
+    // The lease holds the daemon's chunks where they lie: nothing was copied into L1.
+    assert_eq!(s.engine.storage().stats().tiers[0].backend.entries, 0);
+    assert_eq!(d.daemon.stats().pins, 3, "the lease pins the three chunks");
+    let failed = s.worker_step(&meta, &[]);
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(
+        model_mismatches(&s.w.kv, &p[..3 * CHUNK], &blocks[..6]),
+        0,
+        "the blocks hold the stored KV"
+    );
+    let trace = s.w.worker.stats();
+    assert_eq!(trace.loaded_tokens as usize, 3 * CHUNK);
+    assert_eq!(trace.failed_load_blocks, 0);
+    assert_eq!(
+        trace.saved_tokens, 0,
+        "what the load brought is not saved again"
+    );
+    assert_eq!(
+        s.engine.storage().stats().tiers[0].backend.entries,
+        0,
+        "still nothing in L1: one copy, from the daemon's memory into the blocks"
+    );
+    // The pins are released on the session's next call: nothing stays pinned.
+    s.pool_hit(&p);
+    assert_eq!(d.daemon.stats().pins, 0);
+}
+
+#[test]
+fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv() {
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 4);
+    stored_by_another_engine(&d, &p[..3 * CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (0..7).collect();
+    let meta = looked_up(&mut s, &p, 3 * CHUNK, &blocks);
+    // Another process writes into the second chunk's payload after the lookup checked its
+    // header (a misbehaving engine, or a pin the daemon reclaimed and lent again).
+    let lease = s.w.worker.leases().take("r").unwrap();
+    let LeasedChunk::Shared { chunk, .. } = &lease.chunks[1].1 else {
+        panic!("the lookup leases the daemon's chunk where it lies")
+    };
+    // SAFETY: the pinned payload lies in the engine's mapping of the daemon's arena, which
+    // the chunk keeps mapped; the test plays the other process writing into it.
+    unsafe { *((chunk.payload_ptr() + 100) as *mut u8) ^= 0x40 };
+    s.w.worker.leases().grant("r", lease.chunks);
+    let failed = s.worker_step(&meta, &[]);
+    // The second chunk's blocks (2 and 3) and everything after it are reported, so the
+    // engine recomputes them; the first chunk's copy checked and stays.
+    assert_eq!(failed, [2, 3, 4, 5]);
+    assert_eq!(model_mismatches(&s.w.kv, &p[..CHUNK], &blocks[..2]), 0);
+    assert_eq!(s.w.worker.stats().loaded_tokens as usize, CHUNK);
+    assert_eq!(
+        s.pool_hit(&p),
+        CHUNK,
+        "the chunk that failed its check was deleted (the one after it is unreachable)"
+    );
+    assert_eq!(
+        d.daemon.stats().pins,
+        0,
+        "the failed load's pins are released too"
+    );
+}
+
+#[test]
+fn without_the_engines_blocks_in_host_memory_the_daemons_chunks_go_through_l1() {
+    // A worker that cannot read the blocks (a GPU engine's) never leases shared memory: the
+    // lookup copies the chunks into L1 and checks them there, as before.
+    let d = daemon();
+    let p = prompt(CHUNK + 1, 5);
+    stored_by_another_engine(&d, &p[..CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    s.w.worker.leases().set_checks_copies(false);
+    let blocks: Vec<u32> = (0..3).collect();
+    let meta = looked_up(&mut s, &p, CHUNK, &blocks);
+    assert_eq!(
+        s.engine.storage().stats().tiers[0].backend.entries,
+        1,
+        "promoted into L1"
+    );
+    let failed = s.worker_step(&meta, &[]);
+    assert!(failed.is_empty());
+    assert_eq!(model_mismatches(&s.w.kv, &p[..CHUNK], &blocks[..2]), 0);
+}
