@@ -43,12 +43,18 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
 
     b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
-                    "multiprocess": True})
+                    "multiprocess": True, "vllm_metrics": True})
     assert_same_outputs(base, b, "B")
     for i, r in enumerate(b["results"]):
         assert r["num_cached_tokens"] >= PREFIX, (i, r["num_cached_tokens"])
     daemon.wait(lambda s: s.get("gets_total:memory", 0) >= PREFIX // CHUNK,
                 "B's loads answered from shared memory")
+    # Copied once, from the daemon's shared memory straight into vLLM's blocks, and checked
+    # there (vLLM's CPU blocks are host memory the worker reads).
+    ours = b["vllm_metrics"]
+    assert ours.get("vllm:kvpool_node_memory_tokens_total", 0) >= PREFIX, ours
+    assert ours.get("vllm:kvpool_corrupt_chunks_total", 0) == 0, ours
+    assert ours.get("vllm:kvpool_failed_load_blocks_total", 0) == 0, ours
 
     killed = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
                          "batches": [[1], [2]], "kill_after_batch": {"0": "self"}},
@@ -65,6 +71,7 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     # L1 hit is, not a step later.
     assert again["stats"]["async_loads"] == 0, again["stats"]
     assert again["stats"]["sync_loads"] >= 1, again["stats"]
+    assert again["stats"]["node_memory_tokens"] >= PREFIX, again["stats"]
 
 
 def test_the_daemon_killed_mid_run_costs_only_recomputes_and_its_disk_serves_after_a_restart(

@@ -97,6 +97,7 @@ impl ConnectorWorker {
                 continue;
             };
             let Err(e) = planes.check(chunk, &check.blocks) else {
+                self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
                 continue;
             };
             warn!(req = %f.req_id, key = %check.key, error = %e, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");

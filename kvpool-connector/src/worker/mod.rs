@@ -49,6 +49,9 @@ pub struct WorkerStats {
     pub sync_loads: u64,
     /// Engine blocks reported as failed loads.
     pub failed_load_blocks: u64,
+    /// Tokens loaded with one copy from the node's pool daemon's shared memory into the
+    /// engine's blocks, and checked there (part of `loaded_tokens`).
+    pub node_memory_tokens: u64,
     /// Tokens copied out of the engine for saving (visible once their step is committed).
     pub saved_tokens: u64,
     /// Tokens stored into the pool (committed).

@@ -62,6 +62,8 @@ PROM_COUNTERS = (
      "Tokens whose KV kvpool loaded into vLLM's KV cache (prefill saved)."),
     ("async_loads", "vllm:kvpool_async_loads",
      "Loads kvpool ran in the background while other requests ran."),
+    ("node_memory_tokens", "vllm:kvpool_node_memory_tokens",
+     "Tokens kvpool copied once from the node's pool daemon into vLLM's blocks, checked there."),
     ("stored_tokens", "vllm:kvpool_stored_tokens",
      "Tokens whose KV vLLM saved into kvpool (committed)."),
     ("failed_load_blocks", "vllm:kvpool_failed_load_blocks",
