@@ -61,7 +61,8 @@ class WorkerSide:
             # The tensors outlive the worker's use: vLLM and self.kv_caches hold them.
             planes = self.mover.planes
             self.native.set_host_planes([(p.data_ptr(), p.stride(0)) for p in planes],
-                                        self.mover.plane_block_bytes, int(planes[0].shape[0]))
+                                        self.mover.plane_block_bytes,
+                                        min(int(p.shape[0]) for p in planes))
         if self.mover.cuda:
             # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here and
             # unlocked before the arena is freed (at shutdown, or by the native worker just
