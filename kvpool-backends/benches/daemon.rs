@@ -124,30 +124,36 @@ fn daemon_read_into_l1(c: &mut Criterion) {
     g.sample_size(30);
     g.throughput(Throughput::Bytes((CHUNKS * CHUNK_BYTES) as u64));
     let mut blocks = vec![0u8; CHUNKS * CHUNK_BYTES];
-    g.bench_function("through L1 (get_node_memory, then L1 into the blocks)", |b| {
-        b.iter(|| {
-            let chunks = rt.block_on(backend.get_node_memory(&keys)).unwrap();
-            for (chunk, dst) in chunks.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
-                dst.copy_from_slice(chunk.as_ref().expect("resident").data.as_slice());
-            }
-            black_box(&blocks);
-        })
-    });
-    g.bench_function("one copy (pin_node_memory, copy into the blocks, check there)", |b| {
-        b.iter(|| {
-            let pinned = rt.block_on(backend.pin_node_memory(&keys)).unwrap();
-            for (chunk, dst) in pinned.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
-                let chunk = chunk.as_ref().expect("resident");
-                // SAFETY: the chunk keeps its payload mapped and pinned while it lives.
-                let src = unsafe {
-                    std::slice::from_raw_parts(chunk.payload_ptr() as *const u8, CHUNK_BYTES)
-                };
-                dst.copy_from_slice(src);
-                chunk.verify_copy([&*dst]).unwrap();
-            }
-            black_box(&blocks);
-        })
-    });
+    g.bench_function(
+        "through L1 (get_node_memory, then L1 into the blocks)",
+        |b| {
+            b.iter(|| {
+                let chunks = rt.block_on(backend.get_node_memory(&keys)).unwrap();
+                for (chunk, dst) in chunks.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
+                    dst.copy_from_slice(chunk.as_ref().expect("resident").data.as_slice());
+                }
+                black_box(&blocks);
+            })
+        },
+    );
+    g.bench_function(
+        "one copy (pin_node_memory, copy into the blocks, check there)",
+        |b| {
+            b.iter(|| {
+                let pinned = rt.block_on(backend.pin_node_memory(&keys)).unwrap();
+                for (chunk, dst) in pinned.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
+                    let chunk = chunk.as_ref().expect("resident");
+                    // SAFETY: the chunk keeps its payload mapped and pinned while it lives.
+                    let src = unsafe {
+                        std::slice::from_raw_parts(chunk.payload_ptr() as *const u8, CHUNK_BYTES)
+                    };
+                    dst.copy_from_slice(src);
+                    chunk.verify_copy([&*dst]).unwrap();
+                }
+                black_box(&blocks);
+            })
+        },
+    );
     g.finish();
 }
 
