@@ -1,0 +1,107 @@
+"""Where a daemon hit's TTFT goes: the connector's calls timed inside vLLM (CPU build), an
+in-process L1 hit against a hit from the pool daemon, in one run.
+
+    cargo xtask bench-vllm --daemon   # once: installs the release wheel, builds `kvpool serve`
+    KVPOOL_BIN=target/release/kvpool HF_HUB_OFFLINE=1 \\
+        target/vllm-venv/bin/python kvpool-py/bench/time_connector_calls.py
+
+Same model and engine settings as bench_vllm.py. Each engine process serves five 8K-token
+prefixes (an L1 hit: the same prompt again; the daemon: prefixes another process computed)
+and prints, per connector call, its slowest twelve durations in milliseconds (the measured
+requests and the warm-up; the other calls of a process take well under a millisecond).
+"""
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+CALLS = {
+    "connector": ["get_num_new_matched_tokens", "build_connector_meta", "start_load_kv",
+                  "wait_for_save"],
+    "worker_side": ["bind", "start_load", "save"],
+    "transfer": ["run"],
+}
+
+
+def engine(spec_path, out_path):
+    """One engine process (bench_vllm's), its connector calls timed."""
+    import atexit
+
+    import bench_vllm
+    from kvpool import transfer
+    from kvpool.vllm import connector, worker_side
+
+    times = {}
+    classes = {"connector": connector.KvpoolConnector, "worker_side": worker_side.WorkerSide,
+               "transfer": transfer.BlockMover}
+    for module, names in CALLS.items():
+        cls = classes[module]
+        for name in names:
+            def timed(*a, _f=getattr(cls, name), _n=f"{module}.{name}", **k):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    times.setdefault(_n, []).append(time.perf_counter() - t)
+            setattr(cls, name, timed)
+    atexit.register(lambda: print("TIMES " + json.dumps(
+        {k: [round(x * 1e3, 2) for x in sorted(v)[-12:]] for k, v in times.items()})))
+    bench_vllm.engine_main(spec_path, out_path)
+
+
+def run(spec, scratch, name):
+    spec_path = os.path.join(scratch, f"{name}.spec.json")
+    out_path = os.path.join(scratch, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    done = subprocess.run([sys.executable, __file__, "--engine", spec_path, out_path],
+                          capture_output=True, text=True, check=True)
+    with open(out_path) as f:
+        out = json.load(f)
+    print(f"{name}: TTFT {[round(x, 3) for x in out['ttft_s']]}, "
+          f"median {statistics.median(out['ttft_s']):.3f} s")
+    for line in done.stdout.splitlines():
+        if line.startswith("TIMES "):
+            for call, ms in json.loads(line[6:]).items():
+                print(f"  {call:45} {ms}")
+
+
+def main():
+    import bench_vllm
+    from make_model import make_model
+    from pool_daemon import PoolDaemon
+
+    scratch = tempfile.mkdtemp(prefix="kvpool-time-calls-")
+    model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
+                       kv_heads=4, intermediate=1408, seed=0)
+    r = random.Random(0)
+    base = {"model": model, "max_model_len": 8192 + 256}
+    l1 = {"local_cpu": {"max_size": "4GiB"}}
+    unrelated = [r.randrange(3, 999) for _ in range(512)]
+    prompts = [[r.randrange(3, 999) for _ in range(8192 + 64)] for _ in range(6)]
+    run({**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, prompts[0]],
+         "measure": [prompts[0]] * 5}, scratch, "in-process L1, same prompt")
+    daemon = PoolDaemon(scratch, "daemon", size="8GiB")
+    try:
+        via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
+        bench_vllm.run_engine({**via, "measure": prompts}, scratch, "store")
+        run({**via, "warm": [unrelated, prompts[0]], "measure": prompts[1:]}, scratch,
+            "daemon, warm process, computed by another")
+    finally:
+        daemon.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--engine":
+        engine(sys.argv[2], sys.argv[3])
+    else:
+        main()
