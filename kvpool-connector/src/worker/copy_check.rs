@@ -189,3 +189,45 @@ pub(crate) async fn fetch_load(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two planes of four blocks of 8 bytes, rows 16 bytes apart (padded, as vLLM's pages can
+    /// be); block `b` of plane `p` holds the byte `p * 10 + b`.
+    fn planes(memory: &mut Vec<u8>) -> HostPlanes {
+        *memory = vec![0xee; 2 * 4 * 16];
+        for p in 0..2 {
+            for b in 0..4 {
+                let at = p * 64 + b * 16;
+                memory[at..at + 8].fill((p * 10 + b) as u8);
+            }
+        }
+        let base = memory.as_ptr() as usize;
+        // SAFETY: `memory` outlives the planes in each test and is not resized.
+        unsafe { HostPlanes::new(vec![(base, 16), (base + 64, 16)], 8, 4) }
+    }
+
+    #[test]
+    fn a_chunks_bytes_are_read_plane_by_plane_then_block_by_block_skipping_row_padding() {
+        let mut memory = Vec::new();
+        let planes = planes(&mut memory);
+        assert_eq!(planes.block_bytes(), 16);
+        let pieces = planes.chunk_pieces(&[3, 1]).unwrap();
+        let bytes: Vec<u8> = pieces.concat();
+        let expected: Vec<u8> = [3u8, 1, 13, 11]
+            .iter()
+            .flat_map(|&v| std::iter::repeat_n(v, 8))
+            .collect();
+        assert_eq!(bytes, expected);
+    }
+
+    #[test]
+    fn a_block_past_the_planes_is_refused_never_read() {
+        let mut memory = Vec::new();
+        let planes = planes(&mut memory);
+        assert!(planes.chunk_pieces(&[0, 4]).is_none());
+        assert!(planes.chunk_pieces(&[u32::MAX]).is_none());
+    }
+}
