@@ -404,6 +404,30 @@ impl StorageManager {
     /// like any other hit (with `promote_on_hit`). Returns the chunks up to the first key it
     /// lacks, and asks no other tier, nor the storage behind it: what a lookup loads.
     pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
+        let started = Instant::now();
+        let loaded: Vec<(usize, Chunk)> = self
+            .node_memory_run(t, keys, |b| b.get_node_memory(keys))
+            .await
+            .into_iter()
+            .map(|c| (t, c))
+            .collect();
+        self.count_hits_and_promote(keys, &loaded).await;
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        loaded.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// The leading run of `keys` that `read` (a read of tier `t`'s node memory) answered,
+    /// counted as one get of the tier; nothing when there is no tier `t`, the manager is
+    /// closed, or the read failed (a miss, logged).
+    async fn node_memory_run<'a, T, F>(
+        &'a self,
+        t: usize,
+        keys: &[CacheKey],
+        read: impl FnOnce(&'a dyn StorageBackend) -> F,
+    ) -> Vec<T>
+    where
+        F: std::future::Future<Output = Result<Vec<Option<T>>, BackendError>>,
+    {
         let Some(tier) = self.tiers.get(t) else {
             return Vec::new();
         };
@@ -411,22 +435,16 @@ impl StorageManager {
             return Vec::new();
         }
         let started = Instant::now();
-        let result = tier.backend.get_node_memory(keys).await;
+        let result = read(tier.backend.as_ref()).await;
         tier.counters.call(TierOp::Get, started.elapsed());
-        let loaded: Vec<(usize, Chunk)> = match result {
-            Ok(values) => values
-                .into_iter()
-                .map_while(|v| v.map(|c| (t, c)))
-                .collect(),
+        match result {
+            Ok(values) => values.into_iter().map_while(|v| v).collect(),
             Err(e) => {
                 tier.counters.error();
                 warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
                 Vec::new()
             }
-        };
-        self.count_hits_and_promote(keys, &loaded).await;
-        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
-        loaded.into_iter().map(|(_, c)| c).collect()
+        }
     }
 
     /// Whether tier `t` lends chunks where they lie in node memory (see
@@ -442,25 +460,13 @@ impl StorageManager {
     /// lies (nothing is copied, nor promoted into L1); the reader copies each payload once and
     /// checks its copy. Asks no other tier, nor the storage behind it.
     pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
-        let Some(tier) = self.tiers.get(t) else {
-            return Vec::new();
-        };
-        if self.ensure_open().is_err() || keys.is_empty() {
-            return Vec::new();
-        }
         let started = Instant::now();
-        let result = tier.backend.pin_node_memory(keys).await;
-        tier.counters.call(TierOp::Get, started.elapsed());
-        let pinned: Vec<SharedChunk> = match result {
-            Ok(values) => values.into_iter().map_while(|v| v).collect(),
-            Err(e) => {
-                tier.counters.error();
-                warn!(tier = tier.backend.name(), error = %e, "pin failed; treating as misses");
-                Vec::new()
-            }
-        };
+        let pinned = self
+            .node_memory_run(t, keys, |b| b.pin_node_memory(keys))
+            .await;
         for c in &pinned {
-            tier.counters
+            self.tiers[t]
+                .counters
                 .hit(u64::from(c.meta.token_count), c.payload_len() as u64);
         }
         metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
