@@ -4,13 +4,14 @@
 //! payload into L1) side by side with the one-copy read of node memory (`get_node_memory`:
 //! straight from the arena into L1, checked there), and a plain memcpy of the same bytes. Then
 //! a load into an engine's blocks: through L1, or copied once from where the chunk lies
-//! (`pin_node_memory`) and checked in the blocks.
+//! (`pin_node_memory`) and checked in the blocks. Last, the first copy out of an arena an
+//! engine has just mapped: faulting page by page, or with its pages mapped ahead.
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::daemon::{
     DEFAULT_LEASE_TTL, DaemonConnector, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess,
@@ -18,6 +19,7 @@ use kvpool_backends::daemon::{
 use kvpool_core::chunk_format::{
     DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
 };
+use kvpool_core::memory::SharedMapping;
 use kvpool_core::{
     CacheKey, Chunk, ChunkAllocator, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind,
     KeyScope, MemoryObj, RemoteBackend, RemoteConnector, StorageBackend,
@@ -157,5 +159,50 @@ fn daemon_read_into_l1(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, daemon_read_into_l1);
+/// The first copy out of a daemon's arena in an engine that has just mapped it (the pages were
+/// written by another process): page by page on first touch, or with every page mapped ahead
+/// (`SharedMapping::map_all_pages`, which an engine runs on a thread of its own on attaching).
+/// The mapping is made, and mapped ahead, outside the timed copy.
+fn first_copy_out_of_a_fresh_mapping(c: &mut Criterion) {
+    let owner = SharedMapping::create("kvpool-bench-arena", 4 * CHUNKS * CHUNK_BYTES).unwrap();
+    owner.commit_pages().unwrap();
+    // SAFETY: the whole mapping is ours; nothing else writes it.
+    unsafe { std::ptr::write_bytes(owner.as_ptr().as_ptr(), 7, owner.len()) };
+    let mut dst = vec![0u8; CHUNKS * CHUNK_BYTES];
+    let map = |ahead: bool| {
+        let view = SharedMapping::map(owner.fd().try_clone_to_owned().unwrap(), owner.len());
+        let view = view.unwrap();
+        if ahead {
+            view.map_all_pages().unwrap();
+        }
+        view
+    };
+    let mut g = c.benchmark_group("first_copy_64mib_out_of_a_fresh_mapping");
+    g.sample_size(30);
+    g.throughput(Throughput::Bytes(dst.len() as u64));
+    for (name, ahead) in [("faulting page by page", false), ("mapped ahead", true)] {
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                || map(ahead),
+                |view| {
+                    // SAFETY: the first 64 MiB of the 256 MiB mapping; nothing writes them.
+                    let src = unsafe {
+                        std::slice::from_raw_parts(view.as_ptr().as_ptr(), CHUNKS * CHUNK_BYTES)
+                    };
+                    dst.copy_from_slice(src);
+                    black_box(&dst);
+                    view
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    daemon_read_into_l1,
+    first_copy_out_of_a_fresh_mapping
+);
 criterion_main!(benches);

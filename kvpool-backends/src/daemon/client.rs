@@ -76,7 +76,12 @@ impl Session {
         let fd = recv_fd(&stream)?;
         let arena = match known {
             Some((id, arena)) if id == daemon_id && arena.len() as u64 == arena_len => arena,
-            _ => Arc::new(SharedMapping::map(fd, arena_len as usize)?),
+            _ => {
+                let arena = Arc::new(SharedMapping::map(fd, arena_len as usize)?);
+                // The daemon allocated every page at start; this fills page tables only.
+                arena.map_all_pages_behind();
+                arena
+            }
         };
         Ok(Session {
             stream,

@@ -79,8 +79,8 @@ pub struct SharedStore {
 }
 
 impl SharedStore {
-    /// A store of `capacity` bytes in a new memory file, evicting by `eviction`; pins and
-    /// allocations not ended within `lease_ttl` are reclaimed.
+    /// A store of `capacity` bytes in a new memory file, all allocated now, evicting by
+    /// `eviction`; pins and allocations not ended within `lease_ttl` are reclaimed.
     pub fn new(
         capacity: usize,
         eviction: EvictionKind,
@@ -92,6 +92,18 @@ impl SharedStore {
             bytes: capacity,
             reason: "the shared allocator kept no arena".into(),
         })?;
+        // Taken whole at start, as engines take their KV memory: no page is allocated under
+        // load, and an engine's mapping of a committed page needs no allocation either.
+        let started = Instant::now();
+        arena.commit_pages().map_err(|e| PoolError::Arena {
+            bytes: capacity,
+            reason: format!("committing the shared memory: {e}"),
+        })?;
+        tracing::info!(
+            bytes = capacity,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "committed the pool's shared memory"
+        );
         Ok(SharedStore {
             pool,
             arena,
