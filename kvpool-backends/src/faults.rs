@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector};
 
 /// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
 /// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
@@ -67,6 +67,24 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         self.injected_get_failure()?;
         self.inner.batch_pin(keys).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        self.inner.batch_lend(lens).await
+    }
+    /// Corrupts every `corrupt_put_every`-th value where it lies before committing it, as
+    /// `batch_copy_in` does to what it writes.
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        for (_, bytes) in &entries {
+            if Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty() {
+                // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
+                // writable, and no reader sees before the commit below.
+                unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };
+            }
+        }
+        self.inner.batch_commit_lent(entries).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
+use kvpool_core::{BackendError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector};
 
 /// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
 pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
@@ -87,6 +87,17 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         self.bounded("batch_pin", self.inner.batch_pin(keys)).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        self.bounded("batch_lend", self.inner.batch_lend(lens))
+            .await
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        self.bounded("batch_commit_lent", self.inner.batch_commit_lent(entries))
+            .await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.bounded("exists", self.inner.exists(key)).await

@@ -67,8 +67,8 @@ pub use memory::{
 };
 pub use storage::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
-    ManagerStats, PinnedBytes, PutOutcome, RemoteBackend, RemoteConnector, SharedChunk,
-    StorageBackend, StorageManager, StorageManagerConfig, TierStats,
+    LentBytes, ManagerStats, PinnedBytes, PutOutcome, RemoteBackend, RemoteConnector, SaveSlot,
+    SharedChunk, StorageBackend, StorageManager, StorageManagerConfig, TierStats,
 };
 pub use telemetry::StatCounter;
 pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};

@@ -440,6 +440,7 @@ impl PyWorker {
         d.set_item("sync_loads", w.sync_loads)?;
         d.set_item("failed_load_blocks", w.failed_load_blocks)?;
         d.set_item("node_memory_tokens", w.node_memory_tokens)?;
+        d.set_item("node_memory_saved_tokens", w.node_memory_saved_tokens)?;
         d.set_item("saved_tokens", w.saved_tokens)?;
         d.set_item("stored_tokens", w.stored_tokens)?;
         d.set_item("save_errors", w.save_errors)?;

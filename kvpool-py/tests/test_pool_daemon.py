@@ -28,10 +28,11 @@ def attach(daemon, size="256MiB"):
 
 def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
         runner, model_dir, pool_daemon):
-    """Engine A computes a prompt; engine B (another process, another engine id, vLLM's
-    default multi-process mode) is served every prompt sharing it from the daemon. Then A is
-    killed with SIGKILL right after a batch (its write-behind to the daemon may be in
-    flight): the daemon ends A's session and reclaims what it held; A restarted is served its
+    """Engine A computes a prompt, saved with one copy into the daemon's shared memory;
+    engine B (another process, another engine id, vLLM's default multi-process mode) is
+    served every prompt sharing it from the daemon. Then A is killed with SIGKILL right after
+    a batch (places the daemon lent it may be uncommitted): the daemon ends A's session and
+    reclaims what it held; A restarted is served its
     first repeated prompt from the daemon, loaded synchronously (before its forward pass)."""
     daemon = pool_daemon("shared")
     cfg = attach(daemon)
@@ -40,6 +41,9 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
 
     a = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
     assert a["stats"]["stored_tokens"] >= PREFIX
+    # Copied once, from vLLM's blocks straight into the daemon's shared memory (its checksum
+    # hashed from the blocks), not through A's L1.
+    assert a["stats"]["node_memory_saved_tokens"] >= PREFIX, a["stats"]
     daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
 
     b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,

@@ -1,6 +1,8 @@
-//! Loads from the node's pool daemon with one copy: a lookup pins the daemon's chunks where
-//! they lie in shared memory, the load copies each straight into the engine's blocks, and the
-//! worker checks the copy there. A real daemon on a socket in a temp dir; the engine side is
+//! Loads and saves through the node's pool daemon with one copy. A load: a lookup pins the
+//! daemon's chunks where they lie in shared memory, the load copies each straight into the
+//! engine's blocks, and the worker checks the copy there. A save: the daemon lends places in
+//! its memory, the save copies each chunk straight into one, and the worker seals it with a
+//! checksum hashed from the blocks. A real daemon on a socket in a temp dir; the engine side is
 //! the simulator's (host KV blocks, as vLLM's CPU build has).
 
 mod protocol_fixture;
@@ -8,7 +10,8 @@ mod protocol_fixture;
 use std::sync::Arc;
 
 use kvpool_backends::daemon::{DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
-use kvpool_connector::{BlockUpdate, LeasedChunk};
+use kvpool_connector::host_blocks::run_copy_job;
+use kvpool_connector::{BlockUpdate, ConnectorMetadata, LeasedChunk};
 use kvpool_core::memory::EvictionKind;
 use kvpool_sim::kv_model::model_mismatches;
 use protocol_fixture::*;
@@ -166,4 +169,125 @@ fn without_the_engines_blocks_in_host_memory_the_daemons_chunks_go_through_l1() 
     let failed = s.worker_step(&meta, &[]);
     assert!(failed.is_empty());
     assert_eq!(model_mismatches(&s.w.kv, &p[..CHUNK], &blocks[..2]), 0);
+}
+
+/// Schedules a request `id` of `p` that nothing in the pool covers, into `blocks`: the
+/// metadata of the step that computes it all (and saves it).
+fn computed_in_one_step(s: &mut Setup, id: &str, p: &[u32], blocks: &[u32]) -> ConnectorMetadata {
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request(id, p), 0),
+        (0, false)
+    );
+    s.sched.update_state_after_alloc(id, blocks, 0);
+    s.sched.build_connector_meta(&[scheduled(
+        id,
+        BlockUpdate::Replace(blocks.to_vec()),
+        p.len(),
+    )])
+}
+
+#[test]
+fn a_save_is_copied_once_into_the_daemons_memory_and_another_engine_loads_it() {
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 6);
+    let mut a = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (0..7).collect();
+    let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
+    let failed = a.worker_step(&meta, &[(&p, &blocks, 0..p.len())]);
+    assert!(failed.is_empty(), "{failed:?}");
+    a.settle();
+    let stats = a.w.worker.stats();
+    assert_eq!(stats.stored_tokens as usize, 3 * CHUNK, "{stats:?}");
+    assert_eq!(stats.node_memory_saved_tokens as usize, 3 * CHUNK);
+    assert_eq!(
+        a.engine.storage().stats().tiers[0].backend.entries,
+        0,
+        "nothing went through L1: one copy, from the blocks into the daemon's memory"
+    );
+    let daemon_stats = d.daemon.stats();
+    assert_eq!(daemon_stats.entries as usize, 3, "{daemon_stats:?}");
+    assert_eq!(
+        daemon_stats.allocations, 0,
+        "every place lent was committed"
+    );
+
+    // Another engine loads them with the right KV.
+    let mut b = setup_tiered(&d.url);
+    let b_blocks: Vec<u32> = (20..27).collect();
+    let meta = looked_up(&mut b, &p, 3 * CHUNK, &b_blocks);
+    let failed = b.worker_step(&meta, &[]);
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(
+        model_mismatches(&b.w.kv, &p[..3 * CHUNK], &b_blocks[..6]),
+        0
+    );
+    assert_eq!(b.w.worker.stats().node_memory_tokens as usize, 3 * CHUNK);
+}
+
+#[test]
+fn a_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers_never_kv() {
+    // The checksum is hashed from the engine's blocks, not from the place the save was copied
+    // to: another process writing there after the copy (a misbehaving engine) makes the value
+    // fail every reader's check. Hashed from the place, the change would be vouched for.
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 7);
+    let mut a = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (0..7).collect();
+    let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
+    a.w.begin_step(&meta.encode()).unwrap();
+    a.compute(&p, &blocks, 0..p.len());
+    let saves = a.w.worker.take_save_jobs();
+    assert_eq!(saves.len(), 1);
+    let job = &saves[0];
+    // SAFETY: the job comes straight from this rank's worker, reported done below.
+    unsafe { run_copy_job(job, &mut a.w.kv) }.unwrap();
+    // SAFETY: the second chunk's place lies in the engine's mapping of the daemon's arena,
+    // lent until the job is reported done; the test plays the other process writing there.
+    unsafe { *((job.chunk_ptrs[1] + 100) as *mut u8) ^= 0x40 };
+    a.w.worker.copy_done(job.id, true);
+    let out = a.w.end_step(&[]);
+    a.report(&[out]);
+    a.settle();
+    assert_eq!(
+        d.daemon.stats().entries,
+        3,
+        "stored: the writer cannot tell"
+    );
+
+    let mut b = setup_tiered(&d.url);
+    let b_blocks: Vec<u32> = (20..27).collect();
+    let meta = looked_up(&mut b, &p, 3 * CHUNK, &b_blocks);
+    let failed = b.worker_step(&meta, &[]);
+    assert_eq!(
+        failed,
+        [22, 23, 24, 25],
+        "the changed chunk on is recomputed"
+    );
+    assert_eq!(model_mismatches(&b.w.kv, &p[..CHUNK], &b_blocks[..2]), 0);
+    assert_eq!(b.w.worker.stats().loaded_tokens as usize, CHUNK);
+}
+
+#[test]
+fn with_a_tier_besides_the_daemon_saves_go_through_l1_to_reach_every_tier() {
+    // One copy into a daemon would skip the other tier: with more than one tier below L1,
+    // saves keep the L1 path, which writes each tier behind.
+    let (d1, d2) = (daemon(), daemon());
+    let p = prompt(CHUNK + 1, 8);
+    let mut a = setup_tiers(&[d1.url.as_str(), d2.url.as_str()]);
+    let blocks: Vec<u32> = (0..3).collect();
+    let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
+    a.worker_step(&meta, &[(&p, &blocks, 0..p.len())]);
+    a.settle();
+    a.runtime.block_on(a.engine.storage().flush()).unwrap();
+    assert_eq!(a.w.worker.stats().node_memory_saved_tokens, 0);
+    assert_eq!(a.w.worker.stats().stored_tokens as usize, CHUNK);
+    assert_eq!(
+        a.engine.storage().stats().tiers[0].backend.entries,
+        1,
+        "in L1"
+    );
+    assert_eq!(
+        (d1.daemon.stats().entries, d2.daemon.stats().entries),
+        (1, 1)
+    );
 }

@@ -5,13 +5,16 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvpool_core::telemetry;
-use kvpool_core::{Chunk, ChunkMeta};
+use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
 use super::copy_check::LoadSource;
-use super::copy_job::JobMemory;
-use super::staged::StagedChunk;
+use super::copy_job::{JobMemory, SaveDestination};
+use super::staged::{StagedChunk, StagedValue};
 use super::{ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
+
+/// A request's chunks ready to store: through L1, and sealed in places node memory lent.
+type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
 
 impl ConnectorWorker {
     /// The engine side finished job `id` (`ok`: the copy happened; else it failed and the
@@ -47,38 +50,70 @@ impl ConnectorWorker {
                 }
             }
             CopyDirection::Save => {
-                let JobMemory::Save(buffers) = f.memory else {
-                    unreachable!("a save job owns save buffers")
-                };
-                let layout = *self.engine.layout();
-                let fingerprint = layout.fingerprint();
+                let step = f.step;
                 let chunks = if ok {
                     self.stats.saved_tokens += f.tokens as u64;
-                    f.spans
-                        .into_iter()
-                        .zip(buffers)
-                        .map(|(span, buf)| StagedChunk {
-                            req_id: f.req_id.clone(),
-                            end: span.end as u32,
-                            chunk: Chunk {
-                                meta: ChunkMeta {
-                                    layout_fingerprint: fingerprint,
-                                    dtype: layout.dtype,
-                                    token_count: span.len() as u32,
-                                },
-                                data: buf.freeze(),
-                            },
-                            key: span.key,
-                        })
-                        .collect()
+                    self.stage_copied(f)
                 } else {
                     self.save_failed(&f.req_id, "the engine's copy failed");
                     Vec::new()
                 };
-                self.staged.copy_ended(f.step, chunks);
+                self.staged.copy_ended(step, chunks);
                 self.store_ready();
             }
         }
+    }
+
+    /// The chunks a save job copied, to stage until its step is committed: a buffer as it
+    /// is; a place in node memory sealed first, its checksum hashed from the engine's blocks
+    /// the chunk came from. A place that cannot be sealed (its loan ran out before the copy
+    /// ended, or a block is out of range) is given back, and the job's later chunks with it.
+    fn stage_copied(&mut self, f: InFlight) -> Vec<StagedChunk> {
+        let JobMemory::Save(destinations) = f.memory else {
+            unreachable!("a save job owns save destinations")
+        };
+        let layout = *self.engine.layout();
+        let fingerprint = layout.fingerprint();
+        let mut blocks = f.blocks.as_slice();
+        let mut staged = Vec::with_capacity(f.spans.len());
+        for (span, destination) in f.spans.into_iter().zip(destinations) {
+            let meta = ChunkMeta {
+                layout_fingerprint: fingerprint,
+                dtype: layout.dtype,
+                token_count: span.len() as u32,
+            };
+            let (own, rest) = blocks.split_at((span.len() / self.block_size).min(blocks.len()));
+            blocks = rest;
+            let value = match destination {
+                SaveDestination::Memory(buf) => StagedValue::Memory(Chunk {
+                    meta,
+                    data: buf.freeze(),
+                }),
+                SaveDestination::Slot(mut slot) => {
+                    let sealed = match &self.host_planes {
+                        Some(_) if !slot.usable() => {
+                            Err("its loan ran out before the copy ended".to_string())
+                        }
+                        Some(planes) => planes.seal(&mut slot, &meta, own),
+                        None => Err("the engine's blocks are not in host memory".to_string()),
+                    };
+                    if let Err(why) = sealed {
+                        warn!(req = %f.req_id, key = %span.key, error = %why, "a save copied into node memory could not be sealed; dropping it and the rest of the job");
+                        self.stats.save_errors += 1;
+                        break;
+                    }
+                    self.stats.node_memory_saved_tokens += span.len() as u64;
+                    StagedValue::Slot(slot)
+                }
+            };
+            staged.push(StagedChunk {
+                req_id: f.req_id.clone(),
+                end: span.end as u32,
+                key: span.key,
+                value,
+            });
+        }
+        staged
     }
 
     /// Checks the copies of a load's chunks lent by node memory in the engine's blocks
@@ -129,28 +164,51 @@ impl ConnectorWorker {
         if ready.is_empty() {
             return;
         }
-        let mut by_req: HashMap<String, Vec<(kvpool_core::CacheKey, Chunk)>> = HashMap::new();
+        let mut by_req: HashMap<String, ReadyToStore> = HashMap::new();
         for c in ready {
-            by_req.entry(c.req_id).or_default().push((c.key, c.chunk));
+            let (memory, slots) = by_req.entry(c.req_id).or_default();
+            match c.value {
+                StagedValue::Memory(chunk) => memory.push((c.key, chunk)),
+                StagedValue::Slot(slot) => slots.push(slot),
+            }
         }
-        for (req, entries) in by_req {
+        for (req, (memory, slots)) in by_req {
             let started = Instant::now();
-            let tokens: usize = entries
-                .iter()
-                .map(|(_, c)| c.meta.token_count as usize)
-                .sum();
-            match self.runtime.block_on(self.engine.storage().put(entries)) {
-                Ok(outcome) => {
-                    let stored = if outcome.skipped == 0 { tokens } else { 0 };
-                    self.engine.record_stored(stored);
-                    self.stats.stored_tokens += stored as u64;
-                    metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
-                    if let Some(t) = self.traces.of(&req) {
-                        t.stored_tokens += stored as u64;
-                        t.store_time += started.elapsed();
-                    }
+            let mut stored = 0;
+            if !memory.is_empty() {
+                let tokens: usize = memory
+                    .iter()
+                    .map(|(_, c)| c.meta.token_count as usize)
+                    .sum();
+                match self.runtime.block_on(self.engine.storage().put(memory)) {
+                    Ok(outcome) if outcome.skipped == 0 => stored += tokens,
+                    Ok(_) => {}
+                    Err(e) => self.save_failed(&req, &e.to_string()),
                 }
-                Err(e) => self.save_failed(&req, &e.to_string()),
+            }
+            if !slots.is_empty() {
+                let tokens: usize = slots
+                    .iter()
+                    .filter_map(|s| s.sealed())
+                    .map(|m| m.token_count as usize)
+                    .sum();
+                match self
+                    .runtime
+                    .block_on(self.engine.storage().commit_save_slots(slots))
+                {
+                    Ok(outcome) if outcome.skipped == 0 => stored += tokens,
+                    Ok(outcome) => {
+                        warn!(req = %req, skipped = outcome.skipped, "node memory did not store every save copied into it (a loan ran out, or the daemon restarted)");
+                    }
+                    Err(e) => self.save_failed(&req, &e.to_string()),
+                }
+            }
+            self.engine.record_stored(stored);
+            self.stats.stored_tokens += stored as u64;
+            metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
+            if let Some(t) = self.traces.of(&req) {
+                t.stored_tokens += stored as u64;
+                t.store_time += started.elapsed();
             }
         }
     }

@@ -6,9 +6,10 @@
 //! then checked here on the engine's blocks, memory no other process writes: its blocks'
 //! bytes, in the chunk's byte order, must hash to the checksum of the header copied before
 //! the copy. A copy that fails is reported as failed blocks (vLLM recomputes them, and drops
-//! what the step computed from them), never used as KV.
+//! what the step computed from them), never used as KV. A save copied straight into node
+//! memory is sealed the same way round: its checksum is hashed from the blocks it came from.
 
-use kvpool_core::{Chunk, ChunkSpan, KvTransfer, MemoryObj, SharedChunk};
+use kvpool_core::{Chunk, ChunkMeta, ChunkSpan, KvTransfer, MemoryObj, SaveSlot, SharedChunk};
 
 use crate::leases::LeasedChunk;
 
@@ -93,6 +94,23 @@ impl HostPlanes {
                 })
                 .collect(),
         )
+    }
+
+    /// Seals `slot`, into which a save copied `blocks` (in chunk order): its header says
+    /// `meta`, with a checksum hashed from the blocks, memory no other process writes.
+    pub(crate) fn seal(
+        &self,
+        slot: &mut SaveSlot,
+        meta: &ChunkMeta,
+        blocks: &[u32],
+    ) -> Result<(), String> {
+        let pieces = self.chunk_pieces(blocks).ok_or_else(|| {
+            format!(
+                "a block of {blocks:?} is past the engine's {}",
+                self.num_blocks
+            )
+        })?;
+        slot.seal(meta, pieces).map_err(|e| e.to_string())
     }
 
     /// Checks the copy of `chunk` in `blocks` (the engine blocks it was copied into, in chunk

@@ -9,7 +9,7 @@
 //! (whole chunks, then a prompt's tail blocks, one block each). A job covers whole chunks; a
 //! load may skip the leading blocks of its first chunk (blocks the engine already holds).
 
-use kvpool_core::MemoryObjMut;
+use kvpool_core::{MemoryObjMut, SaveSlot};
 
 use super::copy_check::LoadSource;
 
@@ -62,17 +62,30 @@ pub(crate) enum JobMemory {
     /// A load's source chunks (read-only; those lent by node memory stay pinned until the
     /// copy is checked).
     Load(Vec<LoadSource>),
-    /// A save's destination buffers (written by the engine side).
-    Save(Vec<MemoryObjMut>),
+    /// A save's destinations (written by the engine side).
+    Save(Vec<SaveDestination>),
+}
+
+/// Where a save copies one chunk.
+#[derive(Debug)]
+pub(crate) enum SaveDestination {
+    /// A buffer of this process (L1's pool), stored through L1 once its step is committed.
+    Memory(MemoryObjMut),
+    /// A place node memory lends (the pool daemon's arena): sealed once copied, with a
+    /// checksum hashed from the engine's blocks, and committed there with its step.
+    Slot(SaveSlot),
 }
 
 impl JobMemory {
     pub(crate) fn pointers(&mut self) -> Vec<usize> {
         match self {
             JobMemory::Load(chunks) => chunks.iter().map(LoadSource::address).collect(),
-            JobMemory::Save(bufs) => bufs
+            JobMemory::Save(destinations) => destinations
                 .iter_mut()
-                .map(|b| b.as_mut_slice().as_mut_ptr() as usize)
+                .map(|d| match d {
+                    SaveDestination::Memory(b) => b.as_mut_slice().as_mut_ptr() as usize,
+                    SaveDestination::Slot(slot) => slot.payload_ptr(),
+                })
                 .collect(),
         }
     }

@@ -52,6 +52,9 @@ pub struct WorkerStats {
     /// Tokens loaded with one copy from the node's pool daemon's shared memory into the
     /// engine's blocks, and checked there (part of `loaded_tokens`).
     pub node_memory_tokens: u64,
+    /// Tokens saved with one copy from the engine's blocks into the node's pool daemon's
+    /// shared memory, sealed with a checksum hashed from the blocks (part of `saved_tokens`).
+    pub node_memory_saved_tokens: u64,
     /// Tokens copied out of the engine for saving (visible once their step is committed).
     pub saved_tokens: u64,
     /// Tokens stored into the pool (committed).

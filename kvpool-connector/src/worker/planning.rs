@@ -1,17 +1,21 @@
 //! Planning: which chunks and tail blocks a step's load or save covers (from the hashes the
 //! scheduler shipped), and the copy jobs and in-flight records that move them.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvpool_core::{ChunkHash, ChunkSpan, MemoryObj, MemoryObjMut, SharedChunk};
+use kvpool_core::{CacheKey, ChunkHash, ChunkSpan, MemoryObj, MemoryObjMut, SaveSlot, SharedChunk};
 use tracing::warn;
 
 use super::copy_check::{LoadSource, LoadSources, fetch_load};
-use super::copy_job::JobMemory;
+use super::copy_job::{JobMemory, SaveDestination};
 use super::loads::PlannedLoad;
 use super::{BlockCheck, ConnectorWorker, CopyDirection, CopyJob, InFlight};
 use crate::leases::LeasedChunk;
 use crate::metadata::ReqMeta;
+
+/// How long a step's save waits for node memory to lend places for its chunks (a round trip
+/// to the pool daemon, on the step's path) before it saves them through L1 instead.
+pub(crate) const SAVE_SLOT_BUDGET: Duration = Duration::from_millis(100);
 
 impl ConnectorWorker {
     /// The spans of `r` covering tokens `from..until` (from the hashes the scheduler shipped;
@@ -302,16 +306,23 @@ impl ConnectorWorker {
                 .iter()
                 .take_while(|k| self.loaded_from_node_memory.contains(k))
                 .count();
-        let mut buffers: Vec<MemoryObjMut> = Vec::new();
+        let spans: Vec<ChunkSpan> = spans.into_iter().skip(present).collect();
+        let mut slots = self.lend_save_slots(&spans).into_iter();
+        let mut destinations: Vec<SaveDestination> = Vec::new();
         let mut kept = Vec::new();
-        for span in spans.into_iter().skip(present) {
+        for span in spans {
+            if let Some(slot) = slots.next() {
+                destinations.push(SaveDestination::Slot(slot));
+                kept.push(span);
+                continue;
+            }
             match self
                 .engine
                 .storage()
                 .allocate(self.engine.layout().chunk_bytes(span.len()))
             {
                 Ok(buf) => {
-                    buffers.push(buf);
+                    destinations.push(SaveDestination::Memory(buf));
                     kept.push(span);
                 }
                 Err(e) => {
@@ -327,7 +338,7 @@ impl ConnectorWorker {
             .iter()
             .flat_map(|s| r.block_ids[s.start / bs..s.end / bs].iter().copied())
             .collect();
-        let mut memory = JobMemory::Save(buffers);
+        let mut memory = JobMemory::Save(destinations);
         let job = CopyJob {
             id: self.next_job_id(),
             direction: CopyDirection::Save,
@@ -354,5 +365,28 @@ impl ConnectorWorker {
                 checks: Vec::new(),
             },
         ));
+    }
+
+    /// Places in node memory for the leading run of `spans`, for the save's copy to go straight
+    /// there (one copy, where L1 then write-behind is two): only when the worker sees the
+    /// engine's blocks in host memory, to hash each chunk's checksum from them, and the pool
+    /// has a [save slot tier](kvpool_core::StorageManager::save_slot_tier). Waits at most
+    /// [`SAVE_SLOT_BUDGET`] (this runs on the step's path); the rest goes through L1.
+    fn lend_save_slots(&self, spans: &[ChunkSpan]) -> Vec<SaveSlot> {
+        let storage = self.engine.storage();
+        if self.host_planes.is_none() || spans.is_empty() || storage.save_slot_tier().is_none() {
+            return Vec::new();
+        }
+        let wanted: Vec<(CacheKey, usize)> = spans
+            .iter()
+            .map(|s| (s.key.clone(), self.engine.layout().chunk_bytes(s.len())))
+            .collect();
+        let lent = self.runtime.block_on(async {
+            tokio::time::timeout(SAVE_SLOT_BUDGET, storage.lend_save_slots(&wanted)).await
+        });
+        lent.unwrap_or_else(|_| {
+            tracing::debug!("node memory lent no places for a save in time; saving through L1");
+            Vec::new()
+        })
     }
 }

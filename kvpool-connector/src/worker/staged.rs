@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvpool_core::telemetry;
-use kvpool_core::{CacheKey, Chunk};
+use kvpool_core::{CacheKey, Chunk, SaveSlot};
 
 /// How long a step's saves wait for a commit before they are dropped (the scheduler commits
 /// a step one or two steps after it ran).
@@ -23,7 +23,26 @@ pub(crate) struct StagedChunk {
     /// The token the chunk ends at.
     pub(crate) end: u32,
     pub(crate) key: CacheKey,
-    pub(crate) chunk: Chunk,
+    pub(crate) value: StagedValue,
+}
+
+/// A staged chunk's bytes.
+#[derive(Debug)]
+pub(crate) enum StagedValue {
+    /// In this process's memory, stored through L1.
+    Memory(Chunk),
+    /// Sealed where it will lie in node memory, committed there.
+    Slot(SaveSlot),
+}
+
+impl StagedValue {
+    /// Bytes staged.
+    fn len(&self) -> usize {
+        match self {
+            StagedValue::Memory(chunk) => chunk.data.len(),
+            StagedValue::Slot(slot) => slot.payload_len(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -84,7 +103,7 @@ impl StagedSaves {
     pub(crate) fn copy_ended(&mut self, step: u64, chunks: Vec<StagedChunk>) {
         let s = self.step(step);
         s.copies_in_flight = s.copies_in_flight.saturating_sub(1);
-        let bytes: usize = chunks.iter().map(|c| c.chunk.data.len()).sum();
+        let bytes: usize = chunks.iter().map(|c| c.value.len()).sum();
         s.chunks.extend(chunks);
         self.bytes += bytes;
         self.record();
@@ -125,7 +144,7 @@ impl StagedSaves {
         for k in ready {
             let s = self.steps.remove(&k).expect("listed above");
             let committed = s.committed;
-            let bytes: usize = s.chunks.iter().map(|c| c.chunk.data.len()).sum();
+            let bytes: usize = s.chunks.iter().map(|c| c.value.len()).sum();
             self.bytes -= bytes;
             let (kept, dropped) = s.surviving();
             let dropped = if committed {

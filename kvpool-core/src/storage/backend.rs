@@ -147,6 +147,27 @@ pub trait StorageBackend: Send + Sync + 'static {
     ) -> Result<Vec<Option<crate::storage::node_memory::SharedChunk>>, BackendError> {
         Ok(keys.iter().map(|_| None).collect())
     }
+    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): a place in it
+    /// for each `(key, payload length)`, for a save to be copied straight into and committed
+    /// with [`StorageBackend::commit_save_slots`] (`None` where the tier had no room). The
+    /// default lends nothing.
+    async fn lend_save_slots(
+        &self,
+        entries: &[(CacheKey, usize)],
+    ) -> Result<Vec<Option<crate::storage::save_slot::SaveSlot>>, BackendError> {
+        Ok(entries.iter().map(|_| None).collect())
+    }
+    /// Stores the [sealed](crate::SaveSlot::seal) slots this tier lent, each under its key;
+    /// any other slot is given back and counted as skipped. The default stores nothing.
+    async fn commit_save_slots(
+        &self,
+        slots: Vec<crate::storage::save_slot::SaveSlot>,
+    ) -> Result<PutOutcome, BackendError> {
+        Ok(PutOutcome {
+            stored: 0,
+            skipped: slots.len(),
+        })
+    }
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -8,6 +8,7 @@ pub mod node_memory;
 pub mod remote;
 #[cfg(test)]
 mod remote_tests;
+pub mod save_slot;
 mod tier;
 pub mod tier_events;
 mod tier_stats;
@@ -20,3 +21,4 @@ pub use backend::{
 pub use manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
 pub use node_memory::{PinnedBytes, SharedChunk};
 pub use remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};
+pub use save_slot::{LentBytes, SaveSlot};

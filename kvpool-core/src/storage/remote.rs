@@ -10,7 +10,8 @@ use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
 use crate::format::chunk_format::{
-    ChunkCodec, DecodeExpectation, KeyBinding, decode_copied, decode_header, decode_payload_into,
+    ChunkCodec, DecodeExpectation, HEADER_LEN, KeyBinding, decode_copied, decode_header,
+    decode_payload_into,
 };
 use crate::keys::cache_key::CacheKey;
 use crate::memory::pool::MemoryObjMut;
@@ -19,6 +20,7 @@ use crate::storage::backend::{
     StorageBackend,
 };
 use crate::storage::node_memory::{PinnedBytes, SharedChunk, shared_chunk};
+use crate::storage::save_slot::{LentBytes, SaveSlot};
 use crate::storage::tier_events::TierEventLog;
 
 /// What a read of node memory does with one value it found ([`RemoteConnector::batch_copy_out`]):
@@ -103,6 +105,25 @@ pub trait RemoteConnector: Send + Sync + 'static {
         Ok(keys.iter().map(|_| None).collect())
     }
 
+    /// For a tier that [lends node memory](RemoteConnector::lends_node_memory): allocates a
+    /// value of each length where it will lie, outside the tier's index until
+    /// [committed](RemoteConnector::batch_commit_lent), and lends it to be written there
+    /// (`None` where there was no room). The default lends nothing.
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        Ok(lens.iter().map(|_| None).collect())
+    }
+
+    /// Publishes values written into memory this tier [lent](RemoteConnector::batch_lend),
+    /// each under its key; returns how many were stored (a loan past its time, or one the
+    /// tier no longer knows, stores nothing). The default stores nothing.
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        drop(entries);
+        Ok(0)
+    }
+
     /// For a tier that [reads node memory](RemoteConnector::reads_node_memory): stores a
     /// value of each length under its key, each written by `copy_in` straight into the memory
     /// the tier allocated for it (one copy, where [`RemoteConnector::batch_put`] is two). A
@@ -181,6 +202,15 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
         copy_out: CopyOut,
     ) -> Result<(), BackendError> {
         (**self).batch_copy_out(keys, resident_only, copy_out).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        (**self).batch_lend(lens).await
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        (**self).batch_commit_lent(entries).await
     }
     async fn batch_copy_in(
         &self,
@@ -515,6 +545,61 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             .collect();
         self.tally_by(&names, checked, SharedChunk::payload_len)
             .await
+    }
+
+    /// Lends each value's place in node memory: its header, then a payload of the given
+    /// length, encoded by this tier's codec (which does not compress, or the tier would not
+    /// lend node memory).
+    async fn lend_save_slots(
+        &self,
+        entries: &[(CacheKey, usize)],
+    ) -> Result<Vec<Option<SaveSlot>>, BackendError> {
+        self.ensure_open()?;
+        if entries.is_empty() || !self.lends_node_memory() {
+            return Ok(entries.iter().map(|_| None).collect());
+        }
+        let lens: Vec<usize> = entries.iter().map(|(_, len)| HEADER_LEN + len).collect();
+        let lent = self.connector.batch_lend(&lens).await?;
+        if lent.len() != entries.len() {
+            return Err(BackendError::Unavailable {
+                backend: self.connector.name().to_string(),
+                reason: format!("lent {} places for {} values", lent.len(), entries.len()),
+            });
+        }
+        Ok(entries
+            .iter()
+            .zip(lent)
+            .zip(&lens)
+            .map(|(((key, _), bytes), &len)| {
+                bytes
+                    .filter(|b| b.len() == len)
+                    .map(|b| SaveSlot::new(b, key.clone(), self.codec))
+            })
+            .collect())
+    }
+
+    /// Commits the sealed slots; one not sealed, or no longer usable, is dropped (given
+    /// back) and counted as skipped.
+    async fn commit_save_slots(&self, slots: Vec<SaveSlot>) -> Result<PutOutcome, BackendError> {
+        self.ensure_open()?;
+        let n = slots.len();
+        let entries: Vec<(String, LentBytes)> = slots
+            .into_iter()
+            .filter(|s| s.sealed().is_some() && s.usable())
+            .map(|s| {
+                let (key, bytes) = s.into_parts();
+                (key.to_string(), bytes)
+            })
+            .collect();
+        let stored = if entries.is_empty() {
+            0
+        } else {
+            self.connector.batch_commit_lent(entries).await?.min(n)
+        };
+        Ok(PutOutcome {
+            stored,
+            skipped: n - stored,
+        })
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {

@@ -43,16 +43,21 @@ pub fn setup_with(ranks: usize, config: ConnectorConfig) -> Setup {
 
 /// `ranks` worker ranks whose lookup leases live `lease_ttl`.
 pub fn setup_full(ranks: usize, config: ConnectorConfig, lease_ttl: Duration) -> Setup {
-    setup_pools(ranks, config, lease_ttl, None)
+    setup_pools(ranks, config, lease_ttl, &[])
 }
 
 /// One rank whose pool has a lower tier at `tier` (a URL).
 pub fn setup_tiered(tier: &str) -> Setup {
+    setup_tiers(&[tier])
+}
+
+/// One rank whose pool has lower tiers at `tiers` (URLs), in order.
+pub fn setup_tiers(tiers: &[&str]) -> Setup {
     setup_pools(
         1,
         ConnectorConfig::new(BLOCK),
         Duration::from_secs(60),
-        Some(tier),
+        tiers,
     )
 }
 
@@ -60,7 +65,7 @@ fn setup_pools(
     ranks: usize,
     config: ConnectorConfig,
     lease_ttl: Duration,
-    tier: Option<&str>,
+    tiers: &[&str],
 ) -> Setup {
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
@@ -81,7 +86,8 @@ fn setup_pools(
         pool.layout.block_size = BLOCK;
         pool.model.world_size = ranks as u32;
         pool.model.rank = rank as u32;
-        pool.tiers.extend(tier.map(kvpool_core::TierConfig::new));
+        pool.tiers
+            .extend(tiers.iter().map(|&t| kvpool_core::TierConfig::new(t)));
         let engine = runtime
             .block_on(kvpool_backends::build_pool(&pool))
             .unwrap()

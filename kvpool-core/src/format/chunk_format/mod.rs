@@ -234,6 +234,29 @@ impl ChunkCodec {
         Ok(())
     }
 
+    /// The header of an uncompressed value whose payload is `pieces`, in payload order (for a
+    /// payload written where the value will lie, and hashed from memory no other process
+    /// writes: the engine's blocks the payload was copied from). Fails unless the pieces add up
+    /// to `payload_len` bytes.
+    pub fn uncompressed_header_over<'a>(
+        &self,
+        meta: &ChunkMeta,
+        key: &KeyBinding,
+        payload_len: usize,
+        pieces: impl IntoIterator<Item = &'a [u8]>,
+    ) -> Result<[u8; HEADER_LEN], FormatError> {
+        let mut len = 0;
+        let pieces = pieces.into_iter().inspect(|p| len += p.len());
+        let head = self.header_over(meta, key, 0, payload_len, payload_len, pieces);
+        if len != payload_len {
+            return Err(FormatError::Destination {
+                expected: payload_len,
+                actual: len,
+            });
+        }
+        Ok(head)
+    }
+
     /// The header of a value whose stored payload is `stored` (compressed when `code` is 1)
     /// and decodes to `raw_len` bytes, its checksum included.
     fn header(
@@ -244,6 +267,20 @@ impl ChunkCodec {
         stored: &[u8],
         raw_len: usize,
     ) -> [u8; HEADER_LEN] {
+        self.header_over(meta, key, code, stored.len(), raw_len, [stored])
+    }
+
+    /// [`ChunkCodec::header`] with the stored payload given as `pieces` of `stored_len` bytes
+    /// in all.
+    fn header_over<'a>(
+        &self,
+        meta: &ChunkMeta,
+        key: &KeyBinding,
+        code: u8,
+        stored_len: usize,
+        raw_len: usize,
+        pieces: impl IntoIterator<Item = &'a [u8]>,
+    ) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[0..4].copy_from_slice(&MAGIC);
         h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -253,11 +290,11 @@ impl ChunkCodec {
         h[16..20].copy_from_slice(&meta.token_count.to_le_bytes());
         h[20] = meta.dtype.code();
         // 21..24: reserved, zero.
-        h[24..32].copy_from_slice(&(stored.len() as u64).to_le_bytes());
+        h[24..32].copy_from_slice(&(stored_len as u64).to_le_bytes());
         h[32..40].copy_from_slice(&(raw_len as u64).to_le_bytes());
         h[40..56].copy_from_slice(&key.chunk_hash);
         h[56..64].copy_from_slice(&key.scope_digest.to_le_bytes());
-        let sum = self.checksum.compute(&h[..CHECKED_HEADER_LEN], stored);
+        let sum = self.checksum.compute_over(&h[..CHECKED_HEADER_LEN], pieces);
         h[64..72].copy_from_slice(&sum.to_le_bytes());
         h
     }

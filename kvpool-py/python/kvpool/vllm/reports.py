@@ -64,6 +64,8 @@ PROM_COUNTERS = (
      "Loads kvpool ran in the background while other requests ran."),
     ("node_memory_tokens", "vllm:kvpool_node_memory_tokens",
      "Tokens kvpool copied once from the node's pool daemon into vLLM's blocks, checked there."),
+    ("node_memory_saved_tokens", "vllm:kvpool_node_memory_saved_tokens",
+     "Tokens kvpool copied once from vLLM's blocks into the node's pool daemon, checksummed from the blocks."),
     ("stored_tokens", "vllm:kvpool_stored_tokens",
      "Tokens whose KV vLLM saved into kvpool (committed)."),
     ("failed_load_blocks", "vllm:kvpool_failed_load_blocks",

@@ -1,5 +1,7 @@
 //! The storage manager: ordered tiers, prefix lookup, promotion into L1, bounded write-behind.
 
+mod node_memory;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -15,7 +17,6 @@ use crate::memory::pool::MemoryObjMut;
 use crate::storage::backend::{
     Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome, StorageBackend,
 };
-use crate::storage::node_memory::SharedChunk;
 use crate::storage::tier::Tier;
 use crate::storage::tier_events::{TierEventKind, TierEventLog};
 use crate::storage::tier_stats::{ManagerCounters, TierOp};
@@ -389,88 +390,6 @@ impl StorageManager {
         self.counters.missed((keys.len() - loaded.len()) as u64);
         metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
         loaded
-    }
-
-    /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
-    /// node with no I/O (see [`StorageBackend::reads_node_memory`]).
-    pub fn tier_reads_node_memory(&self, t: usize) -> bool {
-        self.tiers
-            .get(t)
-            .is_some_and(|tier| tier.backend.reads_node_memory())
-    }
-
-    /// The leading run of `keys` that tier `t`, a tier that [reads node
-    /// memory](StorageManager::tier_reads_node_memory), holds in that memory, promoted into L1
-    /// like any other hit (with `promote_on_hit`). Returns the chunks up to the first key it
-    /// lacks, and asks no other tier, nor the storage behind it: what a lookup loads.
-    pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
-        let started = Instant::now();
-        let loaded: Vec<(usize, Chunk)> = self
-            .node_memory_run(t, keys, |b| b.get_node_memory(keys))
-            .await
-            .into_iter()
-            .map(|c| (t, c))
-            .collect();
-        self.count_hits_and_promote(keys, &loaded).await;
-        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
-        loaded.into_iter().map(|(_, c)| c).collect()
-    }
-
-    /// The leading run of `keys` that `read` (a read of tier `t`'s node memory) answered,
-    /// counted as one get of the tier; nothing when there is no tier `t`, the manager is
-    /// closed, or the read failed (a miss, logged).
-    async fn node_memory_run<'a, T, F>(
-        &'a self,
-        t: usize,
-        keys: &[CacheKey],
-        read: impl FnOnce(&'a dyn StorageBackend) -> F,
-    ) -> Vec<T>
-    where
-        F: std::future::Future<Output = Result<Vec<Option<T>>, BackendError>>,
-    {
-        let Some(tier) = self.tiers.get(t) else {
-            return Vec::new();
-        };
-        if self.ensure_open().is_err() || keys.is_empty() {
-            return Vec::new();
-        }
-        let started = Instant::now();
-        let result = read(tier.backend.as_ref()).await;
-        tier.counters.call(TierOp::Get, started.elapsed());
-        match result {
-            Ok(values) => values.into_iter().map_while(|v| v).collect(),
-            Err(e) => {
-                tier.counters.error();
-                warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
-                Vec::new()
-            }
-        }
-    }
-
-    /// Whether tier `t` lends chunks where they lie in node memory (see
-    /// [`StorageBackend::lends_node_memory`]).
-    pub fn tier_lends_node_memory(&self, t: usize) -> bool {
-        self.tiers
-            .get(t)
-            .is_some_and(|tier| tier.backend.lends_node_memory())
-    }
-
-    /// The leading run of `keys` that tier `t`, a tier that [lends node
-    /// memory](StorageManager::tier_lends_node_memory), holds in that memory, pinned where it
-    /// lies (nothing is copied, nor promoted into L1); the reader copies each payload once and
-    /// checks its copy. Asks no other tier, nor the storage behind it.
-    pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
-        let started = Instant::now();
-        let pinned = self
-            .node_memory_run(t, keys, |b| b.pin_node_memory(keys))
-            .await;
-        for c in &pinned {
-            self.tiers[t]
-                .counters
-                .hit(u64::from(c.meta.token_count), c.payload_len() as u64);
-        }
-        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
-        pinned
     }
 
     /// Counts each loaded chunk as a hit of the tier that served it, and promotes those a

@@ -2,26 +2,31 @@
 //! values live in the daemon's shared memory. Requests go over the socket; bytes are copied
 //! between the engine's buffers and the daemon's arena, mapped once at attach: once each way
 //! between the arena and L1's pool (`batch_copy_out`, `batch_copy_in`), or lent where they lie
-//! (`batch_pin`) for a reader that copies them once, straight into an engine's KV blocks.
+//! (`batch_pin`) for a reader that copies them once, straight into an engine's KV blocks, and
+//! allocations lent (`batch_lend`) for a writer that copies a value once, straight out of an
+//! engine's KV blocks, then commits it (`batch_commit_lent`).
+
+mod loans;
+mod session;
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::SharedMapping;
-use kvpool_core::{BackendError, ConfigError, CopyIn, CopyOut, PinnedBytes, RemoteConnector};
+use kvpool_core::{
+    BackendError, ConfigError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector,
+};
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
-use super::protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
+use super::protocol::{DaemonStats, Reply, Request};
 use crate::backend_factory::{BackendFactory, TierRequest};
+use session::{Session, protocol_error};
 
 /// The schemes of a daemon tier: `kvpool+unix:///run/kvpool/kvpool.sock`.
 pub const SCHEMES: &[&str] = &["kvpool+unix"];
@@ -32,165 +37,6 @@ pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 /// Sessions one connector keeps open, so a long write-behind does not hold up a load (each
 /// call runs on one session; copies of different calls run on different threads).
 pub const SESSIONS_PER_CONNECTOR: usize = 4;
-
-/// One attached session: the socket and the daemon's arena as this process maps it.
-struct Session {
-    stream: UnixStream,
-    arena: Arc<SharedMapping>,
-    daemon_id: u64,
-    /// How long the daemon keeps what it lends this session.
-    lease_ttl: Duration,
-    /// Pins lent out of this session ([`Inner::pin`]) whose holders let go, to release on
-    /// the session's next call (the daemon reclaims them anyway when the session ends).
-    unreleased: Arc<Mutex<Vec<u64>>>,
-}
-
-impl Session {
-    /// Attaches; maps the arena unless `known` is this daemon's (one mapping per process and
-    /// daemon, however many sessions).
-    fn attach(
-        path: &Path,
-        timeout: Duration,
-        known: Option<(u64, Arc<SharedMapping>)>,
-    ) -> io::Result<Self> {
-        let mut stream = UnixStream::connect(path)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        let client = format!("pid {}", std::process::id());
-        write_frame(
-            &mut stream,
-            &Request::Attach {
-                version: PROTOCOL_VERSION,
-                client,
-            },
-        )?;
-        let (arena_len, daemon_id, lease_ttl) = match read_frame::<Reply>(&mut stream)? {
-            Reply::Attached {
-                arena_len,
-                daemon_id,
-                lease_ttl_ms,
-            } => (arena_len, daemon_id, Duration::from_millis(lease_ttl_ms)),
-            Reply::Error(why) => return Err(io::Error::other(format!("refused: {why}"))),
-            other => return Err(protocol_error(&other)),
-        };
-        let fd = recv_fd(&stream)?;
-        let arena = match known {
-            Some((id, arena)) if id == daemon_id && arena.len() as u64 == arena_len => arena,
-            _ => {
-                let arena = Arc::new(SharedMapping::map(fd, arena_len as usize)?);
-                // The daemon allocated every page at start; this fills page tables only.
-                arena.map_all_pages_behind();
-                arena
-            }
-        };
-        Ok(Session {
-            stream,
-            arena,
-            daemon_id,
-            lease_ttl,
-            unreleased: Arc::default(),
-        })
-    }
-
-    /// Releases the pins lent out of this session that their holders let go of.
-    fn release_let_go(&mut self) -> io::Result<()> {
-        let ids = std::mem::take(&mut *self.unreleased.lock());
-        if ids.is_empty() {
-            return Ok(());
-        }
-        self.call(&Request::Release { ids }).map(drop)
-    }
-
-    fn call(&mut self, request: &Request) -> io::Result<Reply> {
-        write_frame(&mut self.stream, request)?;
-        match read_frame::<Reply>(&mut self.stream)? {
-            Reply::Error(why) => Err(io::Error::other(format!("the daemon refused: {why}"))),
-            reply => Ok(reply),
-        }
-    }
-
-    /// Fails when the daemon may already have reclaimed what it lent at `answered` (this
-    /// process stalled for half the lease's time to live): the caller then touches nothing.
-    fn still_leased(&self, answered: Instant) -> io::Result<()> {
-        if answered.elapsed() > self.lease_ttl / 2 {
-            return Err(io::Error::other(
-                "stalled for half a lease's time to live; not touching the arena",
-            ));
-        }
-        Ok(())
-    }
-
-    /// The arena bytes of `region`, checked to lie inside the mapping.
-    fn bytes_of(&self, region: &Region) -> io::Result<*mut u8> {
-        let end = region.offset.checked_add(region.len);
-        if end.is_none_or(|e| e > self.arena.len() as u64) {
-            return Err(io::Error::other(format!(
-                "the daemon named bytes {}+{} outside its {}-byte arena",
-                region.offset,
-                region.len,
-                self.arena.len()
-            )));
-        }
-        // SAFETY: offset + len lies inside the mapping, as checked.
-        Ok(unsafe { self.arena.as_ptr().as_ptr().add(region.offset as usize) })
-    }
-}
-
-/// Receives the one descriptor the daemon passes with a one-byte message, close-on-exec from
-/// the start (`MSG_CMSG_CLOEXEC`): a child the engine starts never inherits the arena, which
-/// would otherwise keep a dead daemon's memory alive.
-fn recv_fd(stream: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: byte.len(),
-    };
-    // Room for one descriptor's control message, aligned as cmsghdr requires.
-    let mut control = [0u64; 8];
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    assert!(space <= std::mem::size_of_val(&control));
-    // SAFETY: zeroed msghdr is a valid empty header; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at live buffers of the stated sizes for the duration of the call.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(io::Error::other(
-            "the daemon's control message was truncated",
-        ));
-    }
-    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR reads within msg_control.
-    let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    // SAFETY: a non-null cmsg points into `control`, which recvmsg filled.
-    let passed = !cmsg.is_null()
-        && unsafe {
-            (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS
-        };
-    if !passed {
-        return Err(io::Error::other("the daemon sent no arena descriptor"));
-    }
-    // SAFETY: an SCM_RIGHTS message's data holds at least one descriptor.
-    let raw = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>()) };
-    if raw < 0 {
-        return Err(io::Error::other("the daemon sent an invalid descriptor"));
-    }
-    // SAFETY: recvmsg just installed this descriptor in our table; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-fn protocol_error(reply: &Reply) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::InvalidData,
-        format!("unexpected reply from the daemon: {reply:?}"),
-    )
-}
 
 struct Inner {
     name: String,
@@ -204,15 +50,21 @@ struct Inner {
 }
 
 impl Inner {
-    /// A session slot: the first free one (calls one at a time use only the first), else
-    /// the next in turn, waited for at most the tier's timeout.
-    fn slot(&self) -> Result<MutexGuard<'_, Option<Session>>, BackendError> {
-        if let Some(free) = self.sessions.iter().find_map(|slot| slot.try_lock()) {
+    /// A session slot and its index: the first free one (calls one at a time use only the
+    /// first), else the next in turn, waited for at most the tier's timeout.
+    fn slot(&self) -> Result<(usize, MutexGuard<'_, Option<Session>>), BackendError> {
+        if let Some(free) = self
+            .sessions
+            .iter()
+            .enumerate()
+            .find_map(|(i, slot)| slot.try_lock().map(|guard| (i, guard)))
+        {
             return Ok(free);
         }
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        self.sessions[turn % self.sessions.len()]
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % self.sessions.len();
+        self.sessions[turn]
             .try_lock_for(self.timeout)
+            .map(|guard| (turn, guard))
             .ok_or_else(|| self.unavailable("every session stayed busy past the timeout".into()))
     }
 
@@ -223,7 +75,7 @@ impl Inner {
         &self,
         f: impl FnOnce(&mut Session) -> io::Result<T>,
     ) -> Result<T, BackendError> {
-        let mut guard = self.slot()?;
+        let (slot, mut guard) = self.slot()?;
         if guard.is_none() {
             if let Some(t) = *self.last_failure.lock()
                 && t.elapsed() < RECONNECT_INTERVAL
@@ -231,7 +83,7 @@ impl Inner {
                 return Err(self.unavailable("not attached (retrying shortly)".into()));
             }
             let known = self.arena.lock().clone();
-            match Session::attach(&self.path, self.timeout, known) {
+            match Session::attach(&self.path, self.timeout, known, slot) {
                 Ok(s) => {
                     *self.arena.lock() = Some((s.daemon_id, s.arena.clone()));
                     info!(socket = %self.path.display(), daemon = s.daemon_id, arena_bytes = s.arena.len(), "attached to the kvpool daemon");
@@ -245,12 +97,43 @@ impl Inner {
                 }
             }
         }
-        let session = guard.as_mut().expect("attached above");
+        self.run(&mut guard, f)
+    }
+
+    /// Runs `f` on the session in slot `slot` if one is attached there (`None` otherwise:
+    /// what a session lent ends with it, so nothing attaches for it).
+    fn with_attached_session<T>(
+        &self,
+        slot: usize,
+        f: impl FnOnce(&mut Session) -> io::Result<T>,
+    ) -> Result<Option<T>, BackendError> {
+        let Some(slot) = self.sessions.get(slot) else {
+            return Ok(None);
+        };
+        let mut guard = slot
+            .try_lock_for(self.timeout)
+            .ok_or_else(|| self.unavailable("the session stayed busy past the timeout".into()))?;
+        if guard.is_none() {
+            return Ok(None);
+        }
+        self.run(&mut guard, f).map(Some)
+    }
+
+    /// Runs `f` on the attached session in `guard`, after releasing what its holders let go
+    /// of; an error ends the session.
+    fn run<T>(
+        &self,
+        guard: &mut MutexGuard<'_, Option<Session>>,
+        f: impl FnOnce(&mut Session) -> io::Result<T>,
+    ) -> Result<T, BackendError> {
+        let session = guard
+            .as_mut()
+            .expect("the caller checked a session is attached");
         match session.release_let_go().and_then(|()| f(session)) {
             Ok(v) => Ok(v),
             Err(e) => {
                 warn!(socket = %self.path.display(), "daemon session ended: {e}");
-                *guard = None;
+                **guard = None;
                 *self.last_failure.lock() = Some(Instant::now());
                 Err(self.unavailable(e.to_string()))
             }
@@ -313,42 +196,6 @@ impl Inner {
         })
     }
 
-    /// Pins the values of `keys` that shared memory holds and lends each where it lies, until
-    /// its [`PinnedBytes`] is dropped (then released on the session's next call), and no
-    /// longer than half the daemon's lease time to live from its answer.
-    fn pin(&self, keys: Vec<String>) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.with_session(|s| {
-            let n = keys.len();
-            let Reply::Pinned(regions) = s.call(&Request::GetResident { keys })? else {
-                return Err(io::Error::other("a Get answered otherwise"));
-            };
-            let usable_until = Instant::now() + s.lease_ttl / 2;
-            if regions.len() != n {
-                return Err(io::Error::other("a Get answered the wrong number of keys"));
-            }
-            let mut out = Vec::with_capacity(n);
-            for region in &regions {
-                let Some(r) = region else {
-                    out.push(None);
-                    continue;
-                };
-                // A region outside the arena ends the session (the daemon then reclaims the
-                // pins) before anything is lent.
-                let ptr = s.bytes_of(r)?;
-                let pin = LentPin {
-                    id: r.id,
-                    unreleased: s.unreleased.clone(),
-                    _arena: s.arena.clone(),
-                };
-                // SAFETY: the region lies in the mapping, which `pin` keeps mapped.
-                out.push(Some(unsafe {
-                    PinnedBytes::new(ptr, r.len as usize, usable_until, Box::new(pin))
-                }));
-            }
-            Ok(out)
-        })
-    }
-
     /// Stores a value of each length under its key, each written by `fill` straight into
     /// the allocation the daemon lends for it, then committed (visible from then on).
     fn write(
@@ -395,20 +242,6 @@ impl Inner {
             )));
         }
         Ok(())
-    }
-}
-
-/// One pin a session lent out: keeps the arena mapped, and queues the pin's release on the
-/// session that holds it when dropped.
-struct LentPin {
-    id: u64,
-    unreleased: Arc<Mutex<Vec<u64>>>,
-    _arena: Arc<SharedMapping>,
-}
-
-impl Drop for LentPin {
-    fn drop(&mut self) {
-        self.unreleased.lock().push(self.id);
     }
 }
 
@@ -490,6 +323,18 @@ impl RemoteConnector for DaemonConnector {
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         let keys = keys.to_vec();
         self.blocking(move |inner| inner.pin(keys)).await
+    }
+
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        let lens = lens.to_vec();
+        self.blocking(move |inner| inner.lend(lens)).await
+    }
+
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        self.blocking(move |inner| inner.commit_lent(entries)).await
     }
 
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {

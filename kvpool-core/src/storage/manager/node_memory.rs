@@ -1,0 +1,173 @@
+//! The storage manager's reads and writes of memory on this node that another process can
+//! write (the pool daemon's arena): chunks read or pinned where they lie, and saves copied
+//! straight into places it lends.
+
+use std::time::Instant;
+
+use tracing::warn;
+
+use super::StorageManager;
+use crate::error::BackendError;
+use crate::keys::cache_key::CacheKey;
+use crate::storage::backend::{Chunk, PutOutcome, StorageBackend};
+use crate::storage::node_memory::SharedChunk;
+use crate::storage::save_slot::SaveSlot;
+use crate::storage::tier_events::TierEventKind;
+use crate::storage::tier_stats::TierOp;
+
+impl StorageManager {
+    /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
+    /// node with no I/O (see [`StorageBackend::reads_node_memory`]).
+    pub fn tier_reads_node_memory(&self, t: usize) -> bool {
+        self.tiers
+            .get(t)
+            .is_some_and(|tier| tier.backend.reads_node_memory())
+    }
+
+    /// The leading run of `keys` that tier `t`, a tier that [reads node
+    /// memory](StorageManager::tier_reads_node_memory), holds in that memory, promoted into L1
+    /// like any other hit (with `promote_on_hit`). Returns the chunks up to the first key it
+    /// lacks, and asks no other tier, nor the storage behind it: what a lookup loads.
+    pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
+        let started = Instant::now();
+        let loaded: Vec<(usize, Chunk)> = self
+            .node_memory_run(t, keys, |b| b.get_node_memory(keys))
+            .await
+            .into_iter()
+            .map(|c| (t, c))
+            .collect();
+        self.count_hits_and_promote(keys, &loaded).await;
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        loaded.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// The leading run of `keys` that `read` (a read of tier `t`'s node memory) answered,
+    /// counted as one get of the tier; nothing when there is no tier `t`, the manager is
+    /// closed, or the read failed (a miss, logged).
+    async fn node_memory_run<'a, T, F>(
+        &'a self,
+        t: usize,
+        keys: &[CacheKey],
+        read: impl FnOnce(&'a dyn StorageBackend) -> F,
+    ) -> Vec<T>
+    where
+        F: std::future::Future<Output = Result<Vec<Option<T>>, BackendError>>,
+    {
+        let Some(tier) = self.tiers.get(t) else {
+            return Vec::new();
+        };
+        if self.ensure_open().is_err() || keys.is_empty() {
+            return Vec::new();
+        }
+        let started = Instant::now();
+        let result = read(tier.backend.as_ref()).await;
+        tier.counters.call(TierOp::Get, started.elapsed());
+        match result {
+            Ok(values) => values.into_iter().map_while(|v| v).collect(),
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Whether tier `t` lends chunks where they lie in node memory (see
+    /// [`StorageBackend::lends_node_memory`]).
+    pub fn tier_lends_node_memory(&self, t: usize) -> bool {
+        self.tiers
+            .get(t)
+            .is_some_and(|tier| tier.backend.lends_node_memory())
+    }
+
+    /// The leading run of `keys` that tier `t`, a tier that [lends node
+    /// memory](StorageManager::tier_lends_node_memory), holds in that memory, pinned where it
+    /// lies (nothing is copied, nor promoted into L1); the reader copies each payload once and
+    /// checks its copy. Asks no other tier, nor the storage behind it.
+    pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
+        let started = Instant::now();
+        let pinned = self
+            .node_memory_run(t, keys, |b| b.pin_node_memory(keys))
+            .await;
+        for c in &pinned {
+            self.tiers[t]
+                .counters
+                .hit(u64::from(c.meta.token_count), c.payload_len() as u64);
+        }
+        metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
+        pinned
+    }
+
+    /// The tier a save is copied straight into, when there is one: the only tier below L1,
+    /// and one that lends node memory (the pool daemon's). With other tiers below L1, saves go
+    /// through L1, which writes each of them behind.
+    pub fn save_slot_tier(&self) -> Option<usize> {
+        let mut lower = (0..self.tiers.len()).filter(|&t| Some(t) != self.primary);
+        match (lower.next(), lower.next()) {
+            (Some(t), None) if self.tier_lends_node_memory(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Places in the [save slot tier](StorageManager::save_slot_tier) for the values of
+    /// `entries` (`(key, payload length)`): the leading run it had room for. Nothing when there
+    /// is no such tier, the manager is closed, or the call failed (logged).
+    pub async fn lend_save_slots(&self, entries: &[(CacheKey, usize)]) -> Vec<SaveSlot> {
+        let Some(t) = self.save_slot_tier() else {
+            return Vec::new();
+        };
+        if self.ensure_open().is_err() || entries.is_empty() {
+            return Vec::new();
+        }
+        let tier = &self.tiers[t];
+        let started = Instant::now();
+        let result = tier.backend.lend_save_slots(entries).await;
+        tier.counters.call(TierOp::Put, started.elapsed());
+        match result {
+            Ok(slots) => slots.into_iter().map_while(|s| s).collect(),
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "no places lent for saves; saving through L1");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Stores [sealed](SaveSlot::seal) save slots under their keys in the [save slot
+    /// tier](StorageManager::save_slot_tier); a slot not sealed, or past its loan, is given
+    /// back and counted as skipped. Records the tier's stored events when every slot was
+    /// stored (which ones were not is unknown otherwise: no event beats a false one).
+    pub async fn commit_save_slots(
+        &self,
+        slots: Vec<SaveSlot>,
+    ) -> Result<PutOutcome, BackendError> {
+        self.ensure_open()?;
+        let Some(t) = self.save_slot_tier() else {
+            return Ok(PutOutcome {
+                stored: 0,
+                skipped: slots.len(),
+            });
+        };
+        let tier = &self.tiers[t];
+        let keys: Vec<CacheKey> = slots.iter().map(|s| s.key().clone()).collect();
+        let bytes: u64 = slots.iter().map(|s| s.payload_len() as u64).sum();
+        let started = Instant::now();
+        let result = tier.backend.commit_save_slots(slots).await;
+        tier.counters.call(TierOp::Put, started.elapsed());
+        metrics::histogram!(crate::telemetry::PUT_SECONDS).record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(out) => {
+                tier.counters.written(bytes);
+                if out.skipped == 0 {
+                    self.events
+                        .record(tier.backend.name(), TierEventKind::Stored, keys.iter());
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                tier.counters.error();
+                Err(e)
+            }
+        }
+    }
+}
