@@ -83,10 +83,14 @@ impl Inner {
                 return Err(self.unavailable("not attached (retrying shortly)".into()));
             }
             let known = self.arena.lock().clone();
+            let known_id = known.as_ref().map(|(id, _)| *id);
             match Session::attach(&self.path, self.timeout, known, slot) {
                 Ok(s) => {
                     *self.arena.lock() = Some((s.daemon_id, s.arena.clone()));
                     info!(socket = %self.path.display(), daemon = s.daemon_id, arena_bytes = s.arena.len(), "attached to the kvpool daemon");
+                    if known_id.is_some_and(|id| id != s.daemon_id) {
+                        self.end_stale_sessions(s.daemon_id);
+                    }
                     *guard = Some(s);
                 }
                 Err(e) => {
@@ -98,6 +102,20 @@ impl Inner {
             }
         }
         self.run(&mut guard, f)
+    }
+
+    /// Ends the idle sessions still attached to a daemon other than `daemon_id` (one that
+    /// died or was replaced): each keeps that daemon's whole arena mapped, and a slot used
+    /// only when calls overlap might not fail for a long time. A busy one ends on its own at
+    /// its next error.
+    fn end_stale_sessions(&self, daemon_id: u64) {
+        for slot in &self.sessions {
+            if let Some(mut guard) = slot.try_lock()
+                && guard.as_ref().is_some_and(|s| s.daemon_id != daemon_id)
+            {
+                *guard = None;
+            }
+        }
     }
 
     /// Runs `f` on the session in slot `slot` if one is attached there (`None` otherwise:
@@ -452,5 +470,63 @@ impl BackendFactory for DaemonFactory {
             Err(e) => warn!("attaching to the daemon failed: {e}"),
         }
         Ok(Box::new(connector))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::daemon::tests::{socket, start};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_daemon_ends_every_idle_session_still_attached_to_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = socket(&dir);
+        let run = start(&path, 4 << 20, vec![]);
+        let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+        let inner = connector.inner.clone();
+        let attached = |inner: &Inner, slot: usize| {
+            inner.sessions[slot]
+                .lock()
+                .as_ref()
+                .map(|s: &Session| s.daemon_id)
+        };
+        tokio::task::spawn_blocking(move || {
+            // Slot 1 is used only while slot 0 is busy (calls that overlap).
+            {
+                let _busy = inner.sessions[0].lock();
+                inner.with_session(|_| Ok(())).unwrap();
+            }
+            inner.with_session(|_| Ok(())).unwrap();
+            inner
+        })
+        .await
+        .map(|inner| {
+            let old = run.daemon.daemon_id;
+            assert_eq!(attached(&inner, 0), Some(old));
+            assert_eq!(attached(&inner, 1), Some(old));
+        })
+        .unwrap();
+
+        run.server.shutdown();
+        drop(run.daemon);
+        let run = start(&path, 4 << 20, vec![]);
+        let inner = connector.inner.clone();
+        let new = run.daemon.daemon_id;
+        tokio::task::spawn_blocking(move || {
+            // Slot 0's call fails on the dead daemon (its session ends); once the reconnect
+            // interval has passed, the next call attaches to the new one.
+            assert!(inner.with_session(|s| s.call(&Request::Stats)).is_err());
+            std::thread::sleep(RECONNECT_INTERVAL + Duration::from_millis(100));
+            inner.with_session(|_| Ok(())).unwrap();
+            assert_eq!(attached(&inner, 0), Some(new));
+            assert_eq!(
+                attached(&inner, 1),
+                None,
+                "the idle session on the old daemon ended, unmapping its arena"
+            );
+        })
+        .await
+        .unwrap();
     }
 }

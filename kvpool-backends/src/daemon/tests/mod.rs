@@ -30,12 +30,12 @@ fn options(capacity: usize) -> DaemonOptions {
     }
 }
 
-struct Running {
-    daemon: Arc<PoolDaemon>,
-    server: DaemonServer,
+pub(super) struct Running {
+    pub(super) daemon: Arc<PoolDaemon>,
+    pub(super) server: DaemonServer,
 }
 
-fn start(path: &Path, capacity: usize, tiers: Vec<Arc<dyn RemoteConnector>>) -> Running {
+pub(super) fn start(path: &Path, capacity: usize, tiers: Vec<Arc<dyn RemoteConnector>>) -> Running {
     let daemon = Arc::new(
         PoolDaemon::with_tiers(options(capacity), tiers, tokio::runtime::Handle::current())
             .unwrap(),
@@ -44,7 +44,7 @@ fn start(path: &Path, capacity: usize, tiers: Vec<Arc<dyn RemoteConnector>>) -> 
     Running { daemon, server }
 }
 
-fn socket(dir: &tempfile::TempDir) -> PathBuf {
+pub(super) fn socket(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().join("kvpool.sock")
 }
 
