@@ -4,8 +4,9 @@
 //! payload into L1) side by side with the one-copy read of node memory (`get_node_memory`:
 //! straight from the arena into L1, checked there), and a plain memcpy of the same bytes. Then
 //! a load into an engine's blocks: through L1, or copied once from where the chunk lies
-//! (`pin_node_memory`) and checked in the blocks. Last, the first copy out of an arena an
-//! engine has just mapped: faulting page by page, or with its pages mapped ahead.
+//! (`pin_node_memory`) and checked in the blocks. A save out of those blocks: through L1, or
+//! copied once into a place the daemon lends (`lend_save_slots`). Last, the first copy out of
+//! an arena an engine has just mapped: faulting page by page, or with its pages mapped ahead.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use kvpool_core::chunk_format::{
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{
     CacheKey, Chunk, ChunkAllocator, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind,
-    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, StorageBackend,
+    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, SaveSlot, StorageBackend,
 };
 
 const CHUNKS: usize = 32;
@@ -153,6 +154,60 @@ fn daemon_read_into_l1(c: &mut Criterion) {
                     chunk.verify_copy([&*dst]).unwrap();
                 }
                 black_box(&blocks);
+            })
+        },
+    );
+    g.finish();
+
+    // A save out of an engine's KV blocks (the same buffer): copied into an L1 buffer, then
+    // written behind into a daemon allocation (encoded, checksummed from L1's bytes); or
+    // copied once into a place the daemon lends, sealed with a checksum hashed from the
+    // blocks, and committed. Each iteration stores the 32 keys again (replacing the values).
+    let mut g = c.benchmark_group("daemon_save_64mib_from_blocks");
+    g.sample_size(30);
+    g.throughput(Throughput::Bytes((CHUNKS * CHUNK_BYTES) as u64));
+    g.bench_function(
+        "through L1 (blocks into L1, then batch_copy_in into the arena)",
+        |b| {
+            b.iter(|| {
+                let entries = keys
+                    .iter()
+                    .zip(blocks.chunks(CHUNK_BYTES))
+                    .map(|(key, src)| {
+                        let mut buf = l1.allocate(CHUNK_BYTES).unwrap();
+                        buf.as_mut_slice().copy_from_slice(src);
+                        let chunk = Chunk {
+                            meta,
+                            data: buf.freeze(),
+                        };
+                        (key.clone(), chunk)
+                    })
+                    .collect();
+                rt.block_on(backend.put(entries)).unwrap();
+            })
+        },
+    );
+    let wanted: Vec<(CacheKey, usize)> = keys.iter().map(|k| (k.clone(), CHUNK_BYTES)).collect();
+    g.bench_function(
+        "one copy (lend_save_slots, blocks into the arena, seal from the blocks, commit)",
+        |b| {
+            b.iter(|| {
+                let mut slots: Vec<SaveSlot> = rt
+                    .block_on(backend.lend_save_slots(&wanted))
+                    .unwrap()
+                    .into_iter()
+                    .map(|slot| slot.expect("room in the arena"))
+                    .collect();
+                for (slot, src) in slots.iter_mut().zip(blocks.chunks(CHUNK_BYTES)) {
+                    // SAFETY: the slot's payload is CHUNK_BYTES lent to this writer.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(slot.payload_ptr() as *mut u8, CHUNK_BYTES)
+                    };
+                    dst.copy_from_slice(src);
+                    slot.seal(&meta, [src]).unwrap();
+                }
+                let stored = rt.block_on(backend.commit_save_slots(slots)).unwrap();
+                assert_eq!(stored.stored, CHUNKS);
             })
         },
     );

@@ -135,7 +135,7 @@ def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
     daemon = PoolDaemon(scratch, "daemon", size="8GiB")
     try:
         via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
-        rows["daemon, same process (private L1 hit)"] = run_engine(
+        rows["daemon, same process (its own save)"] = run_engine(
             {**via, "warm": [unrelated, warm], "measure": [warm] * a.repeats}, scratch,
             "daemon-same")
         fresh = [run_engine({**via, "warm": [unrelated], "measure": [warm]}, scratch,
