@@ -78,7 +78,8 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         entries: Vec<(String, LentBytes)>,
     ) -> Result<usize, BackendError> {
         for (_, bytes) in &entries {
-            if Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty() {
+            if bytes.usable() && Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty()
+            {
                 // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
                 // writable, and no reader sees before the commit below.
                 unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };

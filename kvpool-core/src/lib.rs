@@ -67,8 +67,9 @@ pub use memory::{
 };
 pub use storage::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
-    LentBytes, ManagerStats, PinnedBytes, PutOutcome, RemoteBackend, RemoteConnector, SaveSlot,
-    SharedChunk, StorageBackend, StorageManager, StorageManagerConfig, TierStats,
+    LentBytes, LentSaveSlots, ManagerStats, PinnedBytes, PutOutcome, RemoteBackend,
+    RemoteConnector, SaveSlot, SharedChunk, StorageBackend, StorageManager, StorageManagerConfig,
+    TierStats,
 };
 pub use telemetry::StatCounter;
 pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};

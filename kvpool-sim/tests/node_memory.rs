@@ -25,13 +25,18 @@ struct Daemon {
 }
 
 fn daemon() -> Daemon {
+    daemon_lending_for(kvpool_backends::daemon::DEFAULT_LEASE_TTL)
+}
+
+/// A daemon whose pins and allocations live `lease_ttl` (engines use them for half of it).
+fn daemon_lending_for(lease_ttl: std::time::Duration) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvpool.sock");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let options = DaemonOptions {
         capacity: 64 << 20,
         eviction: EvictionKind::Lru,
-        lease_ttl: kvpool_backends::daemon::DEFAULT_LEASE_TTL,
+        lease_ttl,
         write_behind_quota: 16 << 20,
     };
     let daemon =
@@ -290,4 +295,69 @@ fn with_a_tier_besides_the_daemon_saves_go_through_l1_to_reach_every_tier() {
         (d1.daemon.stats().entries, d2.daemon.stats().entries),
         (1, 1)
     );
+}
+
+#[test]
+fn a_prefix_the_daemon_holds_is_not_saved_again_when_the_engine_computes_it() {
+    // vLLM's own prefix cache serves a prompt the engine saved before (no load): its save
+    // skips what the daemon holds, as it skips what L1 holds.
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 9);
+    let mut a = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (0..7).collect();
+    let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
+    a.worker_step(&meta, &[(&p, &blocks, 0..p.len())]);
+    a.settle();
+    assert_eq!(d.daemon.stats().commits, 3);
+    let saved = a.w.worker.stats().saved_tokens;
+
+    // Request b: the same prompt in the same blocks, which vLLM's prefix cache holds.
+    assert_eq!(
+        a.sched
+            .get_num_new_matched_tokens(&request("b", &p), 3 * CHUNK),
+        (0, false)
+    );
+    a.sched.update_state_after_alloc("b", &blocks, 0);
+    let meta = a.sched.build_connector_meta(&[scheduled(
+        "b",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    a.worker_step(&meta, &[(&p, &blocks, 3 * CHUNK..p.len())]);
+    a.settle();
+    assert_eq!(d.daemon.stats().commits, 3, "nothing committed again");
+    assert_eq!(
+        a.w.worker.stats().saved_tokens,
+        saved,
+        "nothing copied again"
+    );
+}
+
+#[test]
+fn a_place_whose_loan_ran_out_before_the_copy_is_never_written() {
+    // The step stalls past half the daemon's lease between planning the save and running
+    // its copy: the daemon may have lent that memory to another value, so the save is
+    // dropped, not written.
+    let d = daemon_lending_for(std::time::Duration::from_millis(200));
+    let p = prompt(CHUNK + 1, 10);
+    let mut a = setup_tiered(&d.url);
+    let blocks: Vec<u32> = (0..3).collect();
+    let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
+    a.w.begin_step(&meta.encode()).unwrap();
+    a.compute(&p, &blocks, 0..p.len());
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    assert!(
+        a.w.worker.take_save_jobs().is_empty(),
+        "no copy into a lapsed loan"
+    );
+    let out = a.w.end_step(&[]);
+    a.report(&[out]);
+    a.settle();
+    let stats = a.w.worker.stats();
+    assert_eq!(
+        (stats.stored_tokens, stats.save_errors),
+        (0, 1),
+        "{stats:?}"
+    );
+    assert_eq!(d.daemon.stats().entries, 0);
 }

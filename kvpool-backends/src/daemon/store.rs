@@ -230,9 +230,12 @@ impl SharedStore {
     }
 
     /// Publishes `session`'s allocation `id` under `key`; the committed value (for the lower
-    /// tiers), or `None` when the id is not this session's live allocation.
+    /// tiers), or `None` when the id is not this session's live allocation (one past its
+    /// deadline is reclaimed, not committed: its engine may have stopped writing it halfway).
     pub fn commit(&self, session: SessionId, id: u64, key: String) -> Option<MemoryObj> {
+        let now = Instant::now();
         let mut st = self.state.lock();
+        self.reclaim_expired(&mut st, now);
         if st.allocations.get(&id).is_none_or(|a| a.session != session) {
             return None;
         }
@@ -382,5 +385,16 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.pins, st.allocations, st.leases_reclaimed), (0, 0, 2));
         assert_eq!(st.used_bytes, 4096);
+    }
+
+    #[test]
+    fn an_allocation_past_its_deadline_is_never_committed() {
+        let s = SharedStore::new(1 << 20, EvictionKind::Lru, Duration::from_millis(20)).unwrap();
+        let r = s.prepare(1, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(40));
+        // Nothing swept it since (no prepare, pin or stats call): the commit itself refuses.
+        assert!(s.commit(1, r.id, "late".into()).is_none());
+        assert_eq!(s.contains(&["late".into()]), [false]);
+        assert_eq!(s.stats().leases_reclaimed, 1);
     }
 }

@@ -10,6 +10,7 @@ use tracing::warn;
 
 use super::copy_check::LoadSource;
 use super::copy_job::{JobMemory, SaveDestination};
+use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
 use super::{ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
 
@@ -52,8 +53,10 @@ impl ConnectorWorker {
             CopyDirection::Save => {
                 let step = f.step;
                 let chunks = if ok {
-                    self.stats.saved_tokens += f.tokens as u64;
-                    self.stage_copied(f)
+                    let chunks = self.stage_copied(f);
+                    self.stats.saved_tokens +=
+                        chunks.iter().map(|c| c.value.tokens() as u64).sum::<u64>();
+                    chunks
                 } else {
                     self.save_failed(&f.req_id, "the engine's copy failed");
                     Vec::new()
@@ -98,11 +101,10 @@ impl ConnectorWorker {
                         None => Err("the engine's blocks are not in host memory".to_string()),
                     };
                     if let Err(why) = sealed {
-                        warn!(req = %f.req_id, key = %span.key, error = %why, "a save copied into node memory could not be sealed; dropping it and the rest of the job");
-                        self.stats.save_errors += 1;
+                        warn!(req = %f.req_id, key = %span.key, "a save copied into node memory could not be sealed; dropping it and the rest of the job");
+                        self.save_failed(&f.req_id, &why);
                         break;
                     }
-                    self.stats.node_memory_saved_tokens += span.len() as u64;
                     StagedValue::Slot(slot)
                 }
             };
@@ -172,44 +174,84 @@ impl ConnectorWorker {
                 StagedValue::Slot(slot) => slots.push(slot),
             }
         }
+        let mut lent: Vec<SaveSlot> = Vec::new();
+        let mut lent_tokens: Vec<(String, usize)> = Vec::new();
         for (req, (memory, slots)) in by_req {
-            let started = Instant::now();
-            let mut stored = 0;
-            if !memory.is_empty() {
-                let tokens: usize = memory
-                    .iter()
-                    .map(|(_, c)| c.meta.token_count as usize)
-                    .sum();
-                match self.runtime.block_on(self.engine.storage().put(memory)) {
-                    Ok(outcome) if outcome.skipped == 0 => stored += tokens,
-                    Ok(_) => {}
-                    Err(e) => self.save_failed(&req, &e.to_string()),
-                }
-            }
             if !slots.is_empty() {
-                let tokens: usize = slots
+                let tokens = slots
                     .iter()
                     .filter_map(|s| s.sealed())
                     .map(|m| m.token_count as usize)
                     .sum();
-                match self
-                    .runtime
-                    .block_on(self.engine.storage().commit_save_slots(slots))
-                {
-                    Ok(outcome) if outcome.skipped == 0 => stored += tokens,
-                    Ok(outcome) => {
-                        warn!(req = %req, skipped = outcome.skipped, "node memory did not store every save copied into it (a loan ran out, or the daemon restarted)");
-                    }
-                    Err(e) => self.save_failed(&req, &e.to_string()),
+                lent_tokens.push((req.clone(), tokens));
+                lent.extend(slots);
+            }
+            if memory.is_empty() {
+                continue;
+            }
+            let started = Instant::now();
+            let tokens: usize = memory
+                .iter()
+                .map(|(_, c)| c.meta.token_count as usize)
+                .sum();
+            match self.runtime.block_on(self.engine.storage().put(memory)) {
+                Ok(outcome) => {
+                    let stored = if outcome.skipped == 0 { tokens } else { 0 };
+                    self.count_stored(&req, stored, started);
+                }
+                Err(e) => self.save_failed(&req, &e.to_string()),
+            }
+        }
+        if !lent.is_empty() {
+            self.commit_lent(lent, lent_tokens);
+        }
+    }
+
+    /// Commits the step's saves sealed in places node memory lent, in one call waited for at
+    /// most [`SAVE_SLOT_BUDGET`] (on the step's path: a call still running then goes on
+    /// behind, uncounted). `tokens` are each request's share.
+    fn commit_lent(&mut self, slots: Vec<SaveSlot>, tokens: Vec<(String, usize)>) {
+        let started = Instant::now();
+        let storage = self.engine.storage();
+        let committed = self.runtime.block_on(async {
+            tokio::time::timeout(SAVE_SLOT_BUDGET, storage.commit_save_slots(slots)).await
+        });
+        match committed {
+            Ok(Ok(outcome)) if outcome.skipped == 0 => {
+                for (req, stored) in tokens {
+                    self.stats.node_memory_saved_tokens += stored as u64;
+                    self.count_stored(&req, stored, started);
                 }
             }
-            self.engine.record_stored(stored);
-            self.stats.stored_tokens += stored as u64;
-            metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
-            if let Some(t) = self.traces.of(&req) {
-                t.stored_tokens += stored as u64;
-                t.store_time += started.elapsed();
+            Ok(Ok(outcome)) => {
+                warn!(
+                    skipped = outcome.skipped,
+                    stored = outcome.stored,
+                    "node memory did not store every save copied into it (a loan ran out, or the daemon restarted)"
+                );
+                for (req, _) in tokens {
+                    self.save_failed(&req, "node memory did not commit the step's saves");
+                }
             }
+            Ok(Err(e)) => {
+                for (req, _) in tokens {
+                    self.save_failed(&req, &e.to_string());
+                }
+            }
+            Err(_) => warn!(
+                "committing saves into node memory took longer than {SAVE_SLOT_BUDGET:?}; it goes on behind, uncounted"
+            ),
+        }
+    }
+
+    /// Counts `stored` tokens of `req` as stored into the pool.
+    fn count_stored(&mut self, req: &str, stored: usize, started: Instant) {
+        self.engine.record_stored(stored);
+        self.stats.stored_tokens += stored as u64;
+        metrics::counter!(telemetry::CONNECTOR_STORED_TOKENS).increment(stored as u64);
+        if let Some(t) = self.traces.of(req) {
+            t.stored_tokens += stored as u64;
+            t.store_time += started.elapsed();
         }
     }
 

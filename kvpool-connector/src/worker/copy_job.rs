@@ -77,6 +77,18 @@ pub(crate) enum SaveDestination {
 }
 
 impl JobMemory {
+    /// Whether every place node memory lent the job may still be written (always, for memory
+    /// of this process).
+    pub(crate) fn lent_memory_usable(&self) -> bool {
+        match self {
+            JobMemory::Load(_) => true,
+            JobMemory::Save(destinations) => destinations.iter().all(|d| match d {
+                SaveDestination::Memory(_) => true,
+                SaveDestination::Slot(slot) => slot.usable(),
+            }),
+        }
+    }
+
     pub(crate) fn pointers(&mut self) -> Vec<usize> {
         match self {
             JobMemory::Load(chunks) => chunks.iter().map(LoadSource::address).collect(),

@@ -148,6 +148,8 @@ pub struct ConnectorWorker {
     /// Keys of the chunks this step's loads copy straight from node memory: in the pool
     /// already, so the step's saves skip them as they skip L1's.
     loaded_from_node_memory: HashSet<kvpool_core::CacheKey>,
+    /// Until when this step's saves may wait for node memory ([`planning::SAVE_SLOT_BUDGET`]).
+    save_slot_deadline: std::time::Instant,
 }
 
 impl ConnectorWorker {
@@ -187,6 +189,7 @@ impl ConnectorWorker {
             stats: WorkerStats::default(),
             host_planes: None,
             loaded_from_node_memory: HashSet::new(),
+            save_slot_deadline: std::time::Instant::now(),
         }
     }
 
@@ -326,6 +329,7 @@ impl ConnectorWorker {
                 );
             }
         }
+        self.save_slot_deadline = std::time::Instant::now() + planning::SAVE_SLOT_BUDGET;
         for r in &meta.requests {
             if let Some(save) = r.save {
                 self.plan_save(
@@ -385,12 +389,21 @@ impl ConnectorWorker {
     /// engine's blocks.
     pub fn take_save_jobs(&mut self) -> Vec<CopyJob> {
         let jobs: Vec<_> = std::mem::take(&mut self.planned_saves);
-        jobs.into_iter()
-            .map(|(job, f)| {
-                self.staged.copy_started(f.step);
-                self.hand_out(job, f)
-            })
-            .collect()
+        let mut out = Vec::with_capacity(jobs.len());
+        for (job, f) in jobs {
+            // A place node memory lent may have been reclaimed since (the step stalled for
+            // half the daemon's lease): no copy may write there. The save is dropped.
+            if !f.memory.lent_memory_usable() {
+                self.save_failed(
+                    &f.req_id,
+                    "node memory's loan ran out before the save's copy",
+                );
+                continue;
+            }
+            self.staged.copy_started(f.step);
+            out.push(self.hand_out(job, f));
+        }
+        out
     }
 
     fn hand_out(&mut self, job: CopyJob, f: InFlight) -> CopyJob {

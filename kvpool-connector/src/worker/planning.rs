@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvpool_core::{CacheKey, ChunkHash, ChunkSpan, MemoryObj, MemoryObjMut, SaveSlot, SharedChunk};
+use kvpool_core::{
+    CacheKey, ChunkHash, ChunkSpan, LentSaveSlots, MemoryObj, MemoryObjMut, SharedChunk,
+};
 use tracing::warn;
 
 use super::copy_check::{LoadSource, LoadSources, fetch_load};
@@ -13,8 +15,10 @@ use super::{BlockCheck, ConnectorWorker, CopyDirection, CopyJob, InFlight};
 use crate::leases::LeasedChunk;
 use crate::metadata::ReqMeta;
 
-/// How long a step's save waits for node memory to lend places for its chunks (a round trip
-/// to the pool daemon, on the step's path) before it saves them through L1 instead.
+/// How long a step's saves wait for node memory in all, to learn what it holds and to lend
+/// places for their chunks (round trips to the pool daemon, on the step's path), before they
+/// go through L1 instead; and how long a step waits for node memory to commit what was copied
+/// into its places.
 pub(crate) const SAVE_SLOT_BUDGET: Duration = Duration::from_millis(100);
 
 impl ConnectorWorker {
@@ -307,10 +311,12 @@ impl ConnectorWorker {
                 .take_while(|k| self.loaded_from_node_memory.contains(k))
                 .count();
         let spans: Vec<ChunkSpan> = spans.into_iter().skip(present).collect();
-        let mut slots = self.lend_save_slots(&spans).into_iter();
+        // In node memory already (a save through it skips those too), then places lent there.
+        let lent = self.lend_save_slots(&spans);
+        let mut slots = lent.slots.into_iter();
         let mut destinations: Vec<SaveDestination> = Vec::new();
         let mut kept = Vec::new();
-        for span in spans {
+        for span in spans.into_iter().skip(lent.stored) {
             if let Some(slot) = slots.next() {
                 destinations.push(SaveDestination::Slot(slot));
                 kept.push(span);
@@ -367,26 +373,35 @@ impl ConnectorWorker {
         ));
     }
 
-    /// Places in node memory for the leading run of `spans`, for the save's copy to go straight
-    /// there (one copy, where L1 then write-behind is two): only when the worker sees the
-    /// engine's blocks in host memory, to hash each chunk's checksum from them, and the pool
-    /// has a [save slot tier](kvpool_core::StorageManager::save_slot_tier). Waits at most
-    /// [`SAVE_SLOT_BUDGET`] (this runs on the step's path); the rest goes through L1.
-    fn lend_save_slots(&self, spans: &[ChunkSpan]) -> Vec<SaveSlot> {
+    /// What node memory holds of the leading run of `spans` already, and places it lends for
+    /// the save's copy of the rest to go straight there (one copy, where L1 then write-behind
+    /// is two): only when the worker sees the engine's blocks in host memory, to hash each
+    /// chunk's checksum from them, and the pool has a [save slot
+    /// tier](kvpool_core::StorageManager::save_slot_tier). The step's saves wait for node
+    /// memory at most [`SAVE_SLOT_BUDGET`] in all (this runs on the step's path); what gets no
+    /// place goes through L1.
+    fn lend_save_slots(&self, spans: &[ChunkSpan]) -> LentSaveSlots {
         let storage = self.engine.storage();
-        if self.host_planes.is_none() || spans.is_empty() || storage.save_slot_tier().is_none() {
-            return Vec::new();
+        let left = self
+            .save_slot_deadline
+            .saturating_duration_since(Instant::now());
+        if self.host_planes.is_none()
+            || spans.is_empty()
+            || left.is_zero()
+            || storage.save_slot_tier().is_none()
+        {
+            return LentSaveSlots::default();
         }
         let wanted: Vec<(CacheKey, usize)> = spans
             .iter()
             .map(|s| (s.key.clone(), self.engine.layout().chunk_bytes(s.len())))
             .collect();
-        let lent = self.runtime.block_on(async {
-            tokio::time::timeout(SAVE_SLOT_BUDGET, storage.lend_save_slots(&wanted)).await
-        });
+        let lent = self
+            .runtime
+            .block_on(async { tokio::time::timeout(left, storage.lend_save_slots(&wanted)).await });
         lent.unwrap_or_else(|_| {
             tracing::debug!("node memory lent no places for a save in time; saving through L1");
-            Vec::new()
+            LentSaveSlots::default()
         })
     }
 }

@@ -36,6 +36,14 @@ pub(crate) enum StagedValue {
 }
 
 impl StagedValue {
+    /// Tokens the chunk holds.
+    pub(crate) fn tokens(&self) -> usize {
+        match self {
+            StagedValue::Memory(chunk) => chunk.meta.token_count as usize,
+            StagedValue::Slot(slot) => slot.sealed().map_or(0, |m| m.token_count as usize),
+        }
+    }
+
     /// Bytes staged.
     fn len(&self) -> usize {
         match self {

@@ -18,7 +18,7 @@ pub use backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
-pub use manager::{ManagerStats, StorageManager, StorageManagerConfig, TierStats};
+pub use manager::{LentSaveSlots, ManagerStats, StorageManager, StorageManagerConfig, TierStats};
 pub use node_memory::{PinnedBytes, SharedChunk};
 pub use remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};
 pub use save_slot::{LentBytes, SaveSlot};

@@ -188,14 +188,24 @@ mod tests {
         SaveSlot::new(bytes, key.clone(), ChunkCodec::default())
     }
 
+    fn expect(key: &CacheKey) -> DecodeExpectation {
+        DecodeExpectation {
+            max_raw_len: 1 << 20,
+            layout_fingerprint: Some(11),
+            bytes_per_token: None,
+            key: Some(KeyBinding::of(key)),
+        }
+    }
+
+    const META: ChunkMeta = ChunkMeta {
+        layout_fingerprint: 11,
+        dtype: Dtype::F32,
+        token_count: 2,
+    };
+
     #[test]
-    fn a_sealed_slot_decodes_and_a_payload_changed_in_the_slot_does_not() {
+    fn a_sealed_slot_decodes_to_the_blocks_it_was_copied_from() {
         let key = key(4);
-        let meta = ChunkMeta {
-            layout_fingerprint: 11,
-            dtype: Dtype::F32,
-            token_count: 2,
-        };
         let blocks: Vec<u8> = (0..96u8).collect();
         let mut buf = vec![0u8; HEADER_LEN + blocks.len()];
         let mut s = slot(&mut buf, &key);
@@ -204,23 +214,31 @@ mod tests {
         // The engine side's copy into the slot, then the seal over the blocks, in pieces.
         // SAFETY: the payload lies inside `buf`.
         unsafe { std::ptr::copy_nonoverlapping(blocks.as_ptr(), s.payload_ptr() as *mut u8, 96) };
-        s.seal(&meta, [&blocks[..32], &blocks[32..]]).unwrap();
-        assert_eq!(s.sealed(), Some(meta));
-        let expect = DecodeExpectation {
-            max_raw_len: 1 << 20,
-            layout_fingerprint: Some(11),
-            bytes_per_token: None,
-            key: Some(KeyBinding::of(&key)),
-        };
+        s.seal(&META, [&blocks[..32], &blocks[32..]]).unwrap();
+        assert_eq!(s.sealed(), Some(META));
         drop(s);
-        let (decoded, payload) = decode_to_vec(&buf, &expect).unwrap();
-        assert_eq!(decoded, meta);
+        let (decoded, payload) = decode_to_vec(&buf, &expect(&key)).unwrap();
+        assert_eq!(decoded, META);
         assert_eq!(payload, blocks);
-        // Another process changes the payload where it lies after the copy: the checksum
-        // came from the blocks, so readers refuse it.
-        buf[HEADER_LEN + 40] ^= 1;
+    }
+
+    #[test]
+    fn a_payload_changed_in_the_slot_between_the_copy_and_the_seal_fails_to_decode() {
+        // Another process writes into the place after the engine's copy, before the seal:
+        // the seal hashes the blocks, not the place, so readers refuse what is there.
+        let key = key(6);
+        let blocks: Vec<u8> = (0..96u8).rev().collect();
+        let mut buf = vec![0u8; HEADER_LEN + blocks.len()];
+        let mut s = slot(&mut buf, &key);
+        // SAFETY: the payload lies inside `buf`; the second write plays the other process.
+        unsafe {
+            std::ptr::copy_nonoverlapping(blocks.as_ptr(), s.payload_ptr() as *mut u8, 96);
+            *((s.payload_ptr() + 40) as *mut u8) ^= 1;
+        }
+        s.seal(&META, [&blocks[..]]).unwrap();
+        drop(s);
         assert!(matches!(
-            decode_to_vec(&buf, &expect),
+            decode_to_vec(&buf, &expect(&key)),
             Err(FormatError::Checksum { .. })
         ));
     }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -107,6 +108,7 @@ impl Inner {
         }
         let mut stored = 0;
         for (slot, mut loans) in by_slot {
+            // A session that fails ends (the daemon reclaims its loans); the others go on.
             stored += self
                 .with_attached_session(slot, |s| {
                     loans.retain(|(_, loan)| loan.lent_by(s));
@@ -123,7 +125,9 @@ impl Inner {
                         loans.iter_mut().for_each(|(_, l)| l.settled = true);
                     }
                     Ok(committed)
-                })?
+                })
+                .ok()
+                .flatten()
                 .unwrap_or(0);
         }
         Ok(stored)
@@ -139,6 +143,10 @@ pub(super) struct Loan {
     unreleased: Arc<Mutex<Vec<u64>>>,
     settled: bool,
     _arena: Arc<SharedMapping>,
+    /// The session's socket, kept open while the loan lives: the daemon reclaims the loan
+    /// (and may reuse its memory) only once the socket closes, or after its time to live,
+    /// which [`LentBytes::usable`] and [`PinnedBytes::usable`] stop short of.
+    _socket: Arc<UnixStream>,
 }
 
 impl Loan {
@@ -149,6 +157,7 @@ impl Loan {
             unreleased: s.unreleased.clone(),
             settled: false,
             _arena: s.arena.clone(),
+            _socket: s.stream.clone(),
         }
     }
 

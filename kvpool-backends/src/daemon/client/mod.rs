@@ -85,8 +85,24 @@ impl Inner {
             let known = self.arena.lock().clone();
             let known_id = known.as_ref().map(|(id, _)| *id);
             match Session::attach(&self.path, self.timeout, known, slot) {
-                Ok(s) => {
-                    *self.arena.lock() = Some((s.daemon_id, s.arena.clone()));
+                Ok(mut s) => {
+                    let mut arena = self.arena.lock();
+                    match &*arena {
+                        // This daemon's arena is mapped already (another slot may have
+                        // attached meanwhile): one mapping per daemon.
+                        Some((id, mapped))
+                            if *id == s.daemon_id && mapped.len() == s.arena.len() =>
+                        {
+                            s.arena = mapped.clone();
+                        }
+                        _ => {
+                            // The daemon allocated every page at start; this fills this
+                            // process's page tables only, on a thread of its own.
+                            s.arena.map_all_pages_behind();
+                            *arena = Some((s.daemon_id, s.arena.clone()));
+                        }
+                    }
+                    drop(arena);
                     info!(socket = %self.path.display(), daemon = s.daemon_id, arena_bytes = s.arena.len(), "attached to the kvpool daemon");
                     if known_id.is_some_and(|id| id != s.daemon_id) {
                         self.end_stale_sessions(s.daemon_id);
@@ -147,13 +163,37 @@ impl Inner {
         let session = guard
             .as_mut()
             .expect("the caller checked a session is attached");
-        match session.release_let_go().and_then(|()| f(session)) {
-            Ok(v) => Ok(v),
-            Err(e) => {
+        let result = session.release_let_go().and_then(|()| f(session));
+        let slot = session.slot;
+        if let Err(e) = &result {
+            warn!(socket = %self.path.display(), "daemon session ended: {e}");
+            **guard = None;
+            *self.last_failure.lock() = Some(Instant::now());
+        }
+        self.release_let_go_elsewhere(slot);
+        result.map_err(|e| self.unavailable(e.to_string()))
+    }
+
+    /// Releases what holders let go of on the idle sessions other than `slot`'s: a slot used
+    /// only when calls overlap may see no call of its own for long, and the daemon cannot
+    /// evict an allocation or a pinned value until it is released.
+    fn release_let_go_elsewhere(&self, slot: usize) {
+        for (i, other) in self.sessions.iter().enumerate() {
+            if i == slot {
+                continue;
+            }
+            let Some(mut guard) = other.try_lock() else {
+                continue;
+            };
+            let Some(session) = guard.as_mut() else {
+                continue;
+            };
+            if session.unreleased.lock().is_empty() {
+                continue;
+            }
+            if let Err(e) = session.release_let_go() {
                 warn!(socket = %self.path.display(), "daemon session ended: {e}");
-                **guard = None;
-                *self.last_failure.lock() = Some(Instant::now());
-                Err(self.unavailable(e.to_string()))
+                *guard = None;
             }
         }
     }
@@ -477,6 +517,79 @@ impl BackendFactory for DaemonFactory {
 mod tests {
     use super::*;
     use crate::daemon::tests::{socket, start};
+
+    /// Polls `done` for up to 5 s.
+    fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if done() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("never: {what}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_loan_outlives_its_session_ending_on_an_error_and_is_reclaimed_after_it() {
+        // A save's copy may still write into a place lent on a session that has since ended
+        // on an error: the daemon must not reuse that memory until the loan is dropped.
+        let dir = tempfile::tempdir().unwrap();
+        let path = socket(&dir);
+        let run = start(&path, 4 << 20, vec![]);
+        let daemon = run.daemon.clone();
+        let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+        let inner = connector.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut lent = inner.lend(vec![4096]).unwrap();
+            let loan = lent.pop().flatten().expect("room for 4 KiB");
+            assert_eq!(daemon.stats().allocations, 1);
+            let ended =
+                inner.with_session(|_| -> io::Result<()> { Err(io::Error::other("a bad frame")) });
+            assert!(ended.is_err());
+            assert!(inner.sessions[0].lock().is_none(), "the session ended");
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(
+                daemon.stats().allocations,
+                1,
+                "still lent while the loan lives"
+            );
+            drop(loan);
+            eventually(
+                "the daemon reclaims the loan once its socket closes",
+                || daemon.stats().allocations == 0,
+            );
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_loan_let_go_on_an_idle_session_is_released_by_another_sessions_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = socket(&dir);
+        let run = start(&path, 4 << 20, vec![]);
+        let daemon = run.daemon.clone();
+        let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+        let inner = connector.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            inner.with_session(|_| Ok(())).unwrap();
+            // Lent on slot 1 (slot 0 busy), then let go; slot 1 sees no call of its own.
+            let loan = {
+                let _busy = inner.sessions[0].lock();
+                inner.lend(vec![4096]).unwrap().pop().flatten().unwrap()
+            };
+            drop(loan);
+            assert_eq!(daemon.stats().allocations, 1);
+            inner.with_session(|_| Ok(())).unwrap();
+            assert_eq!(
+                daemon.stats().allocations,
+                0,
+                "released through slot 1 by slot 0's call"
+            );
+        })
+        .await
+        .unwrap();
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_new_daemon_ends_every_idle_session_still_attached_to_the_old_one() {

@@ -16,7 +16,10 @@ use crate::daemon::protocol::{PROTOCOL_VERSION, Region, Reply, Request};
 
 /// One attached session: the socket and the daemon's arena as this process maps it.
 pub(super) struct Session {
-    stream: UnixStream,
+    /// The socket, shared with every loan made on it: the daemon reclaims what a session
+    /// lent only once its socket closes, so the socket stays open, even after the session
+    /// ends on an error, until no loan of it is left that a copy may still write or read.
+    pub(super) stream: Arc<UnixStream>,
     pub(super) arena: Arc<SharedMapping>,
     pub(super) daemon_id: u64,
     /// How long the daemon keeps what it lends this session.
@@ -31,7 +34,8 @@ pub(super) struct Session {
 
 impl Session {
     /// Attaches; maps the arena unless `known` is this daemon's (one mapping per process and
-    /// daemon, however many sessions).
+    /// daemon, however many sessions). A new mapping is not yet mapped ahead: the caller keeps
+    /// one mapping per daemon and maps that one ahead.
     pub(super) fn attach(
         path: &Path,
         timeout: Duration,
@@ -61,15 +65,10 @@ impl Session {
         let fd = recv_fd(&stream)?;
         let arena = match known {
             Some((id, arena)) if id == daemon_id && arena.len() as u64 == arena_len => arena,
-            _ => {
-                let arena = Arc::new(SharedMapping::map(fd, arena_len as usize)?);
-                // The daemon allocated every page at start; this fills page tables only.
-                arena.map_all_pages_behind();
-                arena
-            }
+            _ => Arc::new(SharedMapping::map(fd, arena_len as usize)?),
         };
         Ok(Session {
-            stream,
+            stream: Arc::new(stream),
             arena,
             daemon_id,
             lease_ttl,
@@ -88,8 +87,9 @@ impl Session {
     }
 
     pub(super) fn call(&mut self, request: &Request) -> io::Result<Reply> {
-        write_frame(&mut self.stream, request)?;
-        match read_frame::<Reply>(&mut self.stream)? {
+        let mut stream: &UnixStream = &self.stream;
+        write_frame(&mut stream, request)?;
+        match read_frame::<Reply>(&mut stream)? {
             Reply::Error(why) => Err(io::Error::other(format!("the daemon refused: {why}"))),
             reply => Ok(reply),
         }

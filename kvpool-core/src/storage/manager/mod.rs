@@ -2,6 +2,8 @@
 
 mod node_memory;
 
+pub use node_memory::LentSaveSlots;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;

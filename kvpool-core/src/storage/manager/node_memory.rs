@@ -15,6 +15,15 @@ use crate::storage::save_slot::SaveSlot;
 use crate::storage::tier_events::TierEventKind;
 use crate::storage::tier_stats::TierOp;
 
+/// What [`StorageManager::lend_save_slots`] answered.
+#[derive(Debug, Default)]
+pub struct LentSaveSlots {
+    /// How many of the values asked for, from the first, the tier holds already.
+    pub stored: usize,
+    /// Places for the values after those, in order (a leading run of them).
+    pub slots: Vec<SaveSlot>,
+}
+
 impl StorageManager {
     /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
     /// node with no I/O (see [`StorageBackend::reads_node_memory`]).
@@ -109,26 +118,50 @@ impl StorageManager {
         }
     }
 
-    /// Places in the [save slot tier](StorageManager::save_slot_tier) for the values of
-    /// `entries` (`(key, payload length)`): the leading run it had room for. Nothing when there
-    /// is no such tier, the manager is closed, or the call failed (logged).
-    pub async fn lend_save_slots(&self, entries: &[(CacheKey, usize)]) -> Vec<SaveSlot> {
+    /// For the values of `entries` (`(key, payload length)`), in order: how many of the first
+    /// the [save slot tier](StorageManager::save_slot_tier) holds already (a save skips them,
+    /// as it skips what L1 holds), then places it lends for the leading run of the rest it had
+    /// room for. Nothing when there is no such tier, the manager is closed, or a call failed
+    /// (logged).
+    pub async fn lend_save_slots(&self, entries: &[(CacheKey, usize)]) -> LentSaveSlots {
         let Some(t) = self.save_slot_tier() else {
-            return Vec::new();
+            return LentSaveSlots::default();
         };
         if self.ensure_open().is_err() || entries.is_empty() {
-            return Vec::new();
+            return LentSaveSlots::default();
         }
         let tier = &self.tiers[t];
+        let keys: Vec<CacheKey> = entries.iter().map(|(k, _)| k.clone()).collect();
         let started = Instant::now();
-        let result = tier.backend.lend_save_slots(entries).await;
-        tier.counters.call(TierOp::Put, started.elapsed());
-        match result {
-            Ok(slots) => slots.into_iter().map_while(|s| s).collect(),
+        let held = tier.backend.contains(&keys).await;
+        tier.counters.call(TierOp::Contains, started.elapsed());
+        let stored = match held {
+            Ok(held) => held.iter().take_while(|&&h| h).count(),
             Err(e) => {
                 tier.counters.error();
                 warn!(tier = tier.backend.name(), error = %e, "no places lent for saves; saving through L1");
-                Vec::new()
+                return LentSaveSlots::default();
+            }
+        };
+        let rest = &entries[stored..];
+        if rest.is_empty() {
+            return LentSaveSlots {
+                stored,
+                slots: Vec::new(),
+            };
+        }
+        match tier.backend.lend_save_slots(rest).await {
+            Ok(slots) => LentSaveSlots {
+                stored,
+                slots: slots.into_iter().map_while(|s| s).collect(),
+            },
+            Err(e) => {
+                tier.counters.error();
+                warn!(tier = tier.backend.name(), error = %e, "no places lent for saves; saving through L1");
+                LentSaveSlots {
+                    stored,
+                    slots: Vec::new(),
+                }
             }
         }
     }
@@ -157,8 +190,8 @@ impl StorageManager {
         metrics::histogram!(crate::telemetry::PUT_SECONDS).record(started.elapsed().as_secs_f64());
         match result {
             Ok(out) => {
-                tier.counters.written(bytes);
                 if out.skipped == 0 {
+                    tier.counters.written(bytes);
                     self.events
                         .record(tier.backend.name(), TierEventKind::Stored, keys.iter());
                 }
