@@ -1,0 +1,129 @@
+//! The daemon client's sessions and loans, against a real daemon on a socket in a temp dir.
+
+use super::*;
+use crate::daemon::tests::{socket, start};
+
+/// Polls `done` for up to 5 s.
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if done() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_outlives_its_session_ending_on_an_error_and_is_reclaimed_after_it() {
+    // A save's copy may still write into a place lent on a session that has since ended
+    // on an error: the daemon must not reuse that memory until the loan is dropped.
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 << 20, vec![]);
+    let daemon = run.daemon.clone();
+    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    let inner = connector.inner.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut lent = inner.lend(vec![4096]).unwrap();
+        let loan = lent.pop().flatten().expect("room for 4 KiB");
+        assert_eq!(daemon.stats().allocations, 1);
+        let ended =
+            inner.with_session(|_| -> io::Result<()> { Err(io::Error::other("a bad frame")) });
+        assert!(ended.is_err());
+        assert!(inner.sessions[0].lock().is_none(), "the session ended");
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            daemon.stats().allocations,
+            1,
+            "still lent while the loan lives"
+        );
+        drop(loan);
+        eventually(
+            "the daemon reclaims the loan once its socket closes",
+            || daemon.stats().allocations == 0,
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_let_go_on_an_idle_session_is_released_by_another_sessions_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 << 20, vec![]);
+    let daemon = run.daemon.clone();
+    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    let inner = connector.inner.clone();
+    tokio::task::spawn_blocking(move || {
+        inner.with_session(|_| Ok(())).unwrap();
+        // Lent on slot 1 (slot 0 busy), then let go; slot 1 sees no call of its own.
+        let loan = {
+            let _busy = inner.sessions[0].lock();
+            inner.lend(vec![4096]).unwrap().pop().flatten().unwrap()
+        };
+        drop(loan);
+        assert_eq!(daemon.stats().allocations, 1);
+        inner.with_session(|_| Ok(())).unwrap();
+        assert_eq!(
+            daemon.stats().allocations,
+            0,
+            "released through slot 1 by slot 0's call"
+        );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_daemon_ends_every_idle_session_still_attached_to_the_old_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 << 20, vec![]);
+    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    let inner = connector.inner.clone();
+    let attached = |inner: &Inner, slot: usize| {
+        inner.sessions[slot]
+            .lock()
+            .as_ref()
+            .map(|s: &Session| s.daemon_id)
+    };
+    tokio::task::spawn_blocking(move || {
+        // Slot 1 is used only while slot 0 is busy (calls that overlap).
+        {
+            let _busy = inner.sessions[0].lock();
+            inner.with_session(|_| Ok(())).unwrap();
+        }
+        inner.with_session(|_| Ok(())).unwrap();
+        inner
+    })
+    .await
+    .map(|inner| {
+        let old = run.daemon.daemon_id;
+        assert_eq!(attached(&inner, 0), Some(old));
+        assert_eq!(attached(&inner, 1), Some(old));
+    })
+    .unwrap();
+
+    run.server.shutdown();
+    drop(run.daemon);
+    let run = start(&path, 4 << 20, vec![]);
+    let inner = connector.inner.clone();
+    let new = run.daemon.daemon_id;
+    tokio::task::spawn_blocking(move || {
+        // Slot 0's call fails on the dead daemon (its session ends); once the reconnect
+        // interval has passed, the next call attaches to the new one.
+        assert!(inner.with_session(|s| s.call(&Request::Stats)).is_err());
+        std::thread::sleep(RECONNECT_INTERVAL + Duration::from_millis(100));
+        inner.with_session(|_| Ok(())).unwrap();
+        assert_eq!(attached(&inner, 0), Some(new));
+        assert_eq!(
+            attached(&inner, 1),
+            None,
+            "the idle session on the old daemon ended, unmapping its arena"
+        );
+    })
+    .await
+    .unwrap();
+}
