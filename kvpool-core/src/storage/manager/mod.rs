@@ -315,13 +315,30 @@ impl StorageManager {
         let Some(p) = self.primary else {
             return Vec::new();
         };
-        if keys.is_empty() || self.ensure_open().is_err() {
+        self.leading_run(p, keys, |b| b.get(keys)).await
+    }
+
+    /// The leading run of `keys` that `read` (one read of tier `t`) answered, counted as one
+    /// get of the tier; nothing when there is no tier `t`, the manager is closed, or the read
+    /// failed (a miss, logged).
+    async fn leading_run<'a, T, F>(
+        &'a self,
+        t: usize,
+        keys: &[CacheKey],
+        read: impl FnOnce(&'a dyn StorageBackend) -> F,
+    ) -> Vec<T>
+    where
+        F: std::future::Future<Output = Result<Vec<Option<T>>, BackendError>>,
+    {
+        let Some(tier) = self.tiers.get(t) else {
+            return Vec::new();
+        };
+        if self.ensure_open().is_err() || keys.is_empty() {
             return Vec::new();
         }
-        let tier = &self.tiers[p];
-        let t0 = Instant::now();
-        let result = tier.backend.get(keys).await;
-        tier.counters.call(TierOp::Get, t0.elapsed());
+        let started = Instant::now();
+        let result = read(tier.backend.as_ref()).await;
+        tier.counters.call(TierOp::Get, started.elapsed());
         match result {
             Ok(values) => values.into_iter().map_while(|v| v).collect(),
             Err(e) => {

@@ -9,7 +9,7 @@ use tracing::warn;
 use super::StorageManager;
 use crate::error::BackendError;
 use crate::keys::cache_key::CacheKey;
-use crate::storage::backend::{Chunk, PutOutcome, StorageBackend};
+use crate::storage::backend::{Chunk, PutOutcome};
 use crate::storage::node_memory::SharedChunk;
 use crate::storage::save_slot::SaveSlot;
 use crate::storage::tier_events::TierEventKind;
@@ -40,7 +40,7 @@ impl StorageManager {
     pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
         let started = Instant::now();
         let loaded: Vec<(usize, Chunk)> = self
-            .node_memory_run(t, keys, |b| b.get_node_memory(keys))
+            .leading_run(t, keys, |b| b.get_node_memory(keys))
             .await
             .into_iter()
             .map(|c| (t, c))
@@ -48,37 +48,6 @@ impl StorageManager {
         self.count_hits_and_promote(keys, &loaded).await;
         metrics::histogram!(crate::telemetry::GET_SECONDS).record(started.elapsed().as_secs_f64());
         loaded.into_iter().map(|(_, c)| c).collect()
-    }
-
-    /// The leading run of `keys` that `read` (a read of tier `t`'s node memory) answered,
-    /// counted as one get of the tier; nothing when there is no tier `t`, the manager is
-    /// closed, or the read failed (a miss, logged).
-    async fn node_memory_run<'a, T, F>(
-        &'a self,
-        t: usize,
-        keys: &[CacheKey],
-        read: impl FnOnce(&'a dyn StorageBackend) -> F,
-    ) -> Vec<T>
-    where
-        F: std::future::Future<Output = Result<Vec<Option<T>>, BackendError>>,
-    {
-        let Some(tier) = self.tiers.get(t) else {
-            return Vec::new();
-        };
-        if self.ensure_open().is_err() || keys.is_empty() {
-            return Vec::new();
-        }
-        let started = Instant::now();
-        let result = read(tier.backend.as_ref()).await;
-        tier.counters.call(TierOp::Get, started.elapsed());
-        match result {
-            Ok(values) => values.into_iter().map_while(|v| v).collect(),
-            Err(e) => {
-                tier.counters.error();
-                warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
-                Vec::new()
-            }
-        }
     }
 
     /// Whether tier `t` lends chunks where they lie in node memory (see
@@ -95,9 +64,7 @@ impl StorageManager {
     /// checks its copy. Asks no other tier, nor the storage behind it.
     pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
         let started = Instant::now();
-        let pinned = self
-            .node_memory_run(t, keys, |b| b.pin_node_memory(keys))
-            .await;
+        let pinned = self.leading_run(t, keys, |b| b.pin_node_memory(keys)).await;
         for c in &pinned {
             self.tiers[t]
                 .counters
