@@ -30,7 +30,7 @@ def engine_main(spec_path, out_path):
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 4)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -62,11 +62,22 @@ def engine_main(spec_path, out_path):
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
         out["warm"].append(time.perf_counter() - t0)
-    for p in spec["measure"]:
+    for p in spec.get("measure", []):
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
         out["ttft_s"].append(time.perf_counter() - t0)
         out.setdefault("cached", []).append(res[0].num_cached_tokens)
+    if spec.get("serve"):
+        # Driven by the bench, one prompt at a time (`paired_target`): each request's TTFT
+        # and cached tokens go back as soon as it finishes.
+        from multiprocessing.connection import Listener
+
+        with Listener(spec["serve"], authkey=b"kvpool-bench") as listener, \
+                listener.accept() as conn:
+            while (prompt := conn.recv()) is not None:
+                t0 = time.perf_counter()
+                res = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+                conn.send((time.perf_counter() - t0, res[0].num_cached_tokens))
     if spec.get("throughput"):
         batch = [{"prompt_token_ids": p} for p in spec["throughput"]]
         t0 = time.perf_counter()
@@ -121,6 +132,95 @@ def print_rows(rows, reference):
     return summary
 
 
+class ServedEngine:
+    """An engine process the bench drives one prompt at a time (over a local socket)."""
+
+    def __init__(self, spec, scratch, name):
+        from multiprocessing.connection import Client
+
+        address = os.path.join(scratch, f"{name}.sock")
+        self.started = start_engine({**spec, "serve": address}, scratch, name)
+        deadline = time.time() + 600
+        while True:
+            try:
+                self.conn = Client(address, authkey=b"kvpool-bench")
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.started[0].poll() is not None or time.time() > deadline:
+                    self.started[0].kill()
+                    raise RuntimeError(f"engine {name} never listened; its log is in {scratch}")
+                time.sleep(0.2)
+
+    def run(self, prompt):
+        """Sends one prompt and waits for its (TTFT in seconds, cached tokens)."""
+        self.conn.send(prompt)
+        return self.conn.recv()
+
+    def stop(self):
+        self.conn.send(None)
+        self.conn.close()
+        return finish_engine(self.started)
+
+
+def paired_target(a, base, scratch, r, daemon, unrelated):
+    """The 1.2x target side by side: three engine processes alive at once, driven one request
+    at a time. For each pair a new prefix; the in-process engine computes it, then serves it
+    again from its L1; engine A computes it and saves it into the daemon, then the warm engine
+    B serves it from the daemon. The two measured requests run back to back, in alternating
+    order, so both sides of each pair see the same machine; the target is the median of the
+    pairs' ratios."""
+    # Three engines and a daemon at once: 1 GiB of vLLM blocks and of L1 each (an 8K prompt's
+    # KV is 66 MiB here), so that they fit this machine's memory together.
+    small = {"local_cpu": {"max_size": "1GiB"}}
+    engines = {}
+    try:
+        for name, extra in [("inproc", {}), ("daemon-a", {"pool": daemon.url}),
+                            ("daemon-b", {"pool": daemon.url})]:
+            engines[name] = ServedEngine(
+                {**base, "connector": "kvpool", "kvpool": small, **extra, "kv_cache_gib": 1,
+                 "warm": [unrelated]}, scratch, f"paired-{name}")
+        # B's first load from the daemon, and the in-process engine's first L1 hit, are part
+        # of the warm-up (as in the rows below).
+        chunks = a.prefix // 256  # the connector's default chunk of 256 tokens
+        first = [r.randrange(3, 999) for _ in range(a.prefix + 64)]
+        before = daemon.stats().get("commits_total", 0)
+        engines["daemon-a"].run(first)
+        daemon.wait(lambda s: s.get("commits_total", 0) >= before + chunks,
+                    "A's warm-up committed")
+        engines["daemon-b"].run(first)
+        engines["inproc"].run(first)
+        engines["inproc"].run(first)
+        pairs = []
+        for i in range(a.pairs):
+            prompt = [r.randrange(3, 999) for _ in range(a.prefix + 64)]
+            engines["inproc"].run(prompt)
+            before = daemon.stats().get("commits_total", 0)
+            engines["daemon-a"].run(prompt)
+            daemon.wait(lambda s: s.get("commits_total", 0) >= before + chunks,
+                        f"A's prefix {i} committed")
+            order = ["inproc", "daemon-b"] if i % 2 == 0 else ["daemon-b", "inproc"]
+            got = {name: engines[name].run(prompt) for name in order}
+            pairs.append({"l1_s": got["inproc"][0], "daemon_s": got["daemon-b"][0],
+                          "l1_cached": got["inproc"][1], "daemon_cached": got["daemon-b"][1],
+                          "daemon_first": order[0] == "daemon-b"})
+    finally:
+        for e in engines.values():
+            e.stop()
+    ratios = [p["daemon_s"] / p["l1_s"] for p in pairs]
+    result = {"pairs": pairs, "ratios": ratios,
+              "l1_median_s": statistics.median(p["l1_s"] for p in pairs),
+              "daemon_median_s": statistics.median(p["daemon_s"] for p in pairs),
+              "median_ratio": statistics.median(ratios)}
+    print(f"\nside by side, {a.pairs} pairs (a new {a.prefix}-token prefix each):")
+    print(f"  in-process L1 hit, same prompt            median {result['l1_median_s']:.3f}s")
+    print(f"  daemon, warm process, computed by another median {result['daemon_median_s']:.3f}s")
+    print(f"  ratio per pair: {', '.join(f'{x:.2f}' for x in ratios)}")
+    print(f"  median of the pairs' ratios: {result['median_ratio']:.2f}x (target: within 1.2x)")
+    cached = [(p["l1_cached"], p["daemon_cached"]) for p in pairs]
+    print(f"  cached tokens (L1, daemon) per pair: {cached}")
+    return result
+
+
 def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
     """The pool daemon against the in-process pool: TTFT on the repeated prefix (the daemon
     serving a fresh process, whose own L1 is empty), and the combined hit rate of two engine
@@ -128,6 +228,13 @@ def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
     from pool_daemon import PoolDaemon
 
     l1 = {"local_cpu": {"max_size": "4GiB"}}
+    daemon = PoolDaemon(scratch, "paired-daemon", size="2GiB")
+    try:
+        paired = paired_target(a, base, scratch, r, daemon, unrelated)
+    finally:
+        daemon.stop()
+    if a.paired_only:
+        return {"paired": paired}
     rows = {}
     rows["in-process pool (L1), same prompt"] = run_engine(
         {**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, warm],
@@ -185,7 +292,8 @@ def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
         print(f"\n{'two engine processes at once':30} {'hit rate':>9} {'cached tokens':>14}")
         for label, h in hit.items():
             print(f"{label:30} {h['hit_rate']:9.3f} {h['cached_tokens']:14}")
-        return {"ttft": summary, "hit_rate": hit, "daemon_stats": daemon.stats()}
+        return {"paired": paired, "ttft": summary, "hit_rate": hit,
+                "daemon_stats": daemon.stats()}
     finally:
         daemon.stop()
 
@@ -198,6 +306,10 @@ def main():
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--daemon", action="store_true",
                     help="measure the pool daemon (kvpool serve) instead")
+    ap.add_argument("--pairs", type=int, default=10,
+                    help="with --daemon: requests per side in the side-by-side target")
+    ap.add_argument("--paired-only", action="store_true",
+                    help="with --daemon: only the side-by-side target")
     a = ap.parse_args()
     from make_model import make_model
 

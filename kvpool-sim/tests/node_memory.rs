@@ -119,18 +119,20 @@ fn the_daemons_chunks_are_copied_once_into_the_blocks_and_checked_there() {
     assert_eq!(d.daemon.stats().pins, 0);
 }
 
-#[test]
-fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv() {
+/// Loads `chunks` chunks the daemon holds into a fresh engine, with chunk `changed` written
+/// by another process after the lookup: its blocks and every later one must be reported
+/// failed, the chunks before it loaded, and nothing in the blocks used as KV unchecked.
+fn a_chunk_changed_after_the_lookup_fails_from_it_on(chunks: usize, changed: usize, seed: u32) {
     let d = daemon();
-    let p = prompt(3 * CHUNK + 1, 4);
-    stored_by_another_engine(&d, &p[..3 * CHUNK]);
+    let p = prompt(chunks * CHUNK + 1, seed);
+    stored_by_another_engine(&d, &p[..chunks * CHUNK]);
     let mut s = setup_tiered(&d.url);
-    let blocks: Vec<u32> = (0..7).collect();
-    let meta = looked_up(&mut s, &p, 3 * CHUNK, &blocks);
-    // Another process writes into the second chunk's payload after the lookup checked its
-    // header (a misbehaving engine, or a pin the daemon reclaimed and lent again).
+    let blocks: Vec<u32> = (0..2 * chunks as u32 + 1).collect();
+    let meta = looked_up(&mut s, &p, chunks * CHUNK, &blocks);
+    // Another process writes into the chunk's payload after the lookup checked its header (a
+    // misbehaving engine, or a pin the daemon reclaimed and lent again).
     let lease = s.w.worker.leases().take("r").unwrap();
-    let LeasedChunk::Shared { chunk, .. } = &lease.chunks[1].1 else {
+    let LeasedChunk::Shared { chunk, .. } = &lease.chunks[changed].1 else {
         panic!("the lookup leases the daemon's chunk where it lies")
     };
     // SAFETY: the pinned payload lies in the engine's mapping of the daemon's arena, which
@@ -138,21 +140,37 @@ fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv()
     unsafe { *((chunk.payload_ptr() + 100) as *mut u8) ^= 0x40 };
     s.w.worker.leases().grant("r", lease.chunks);
     let failed = s.worker_step(&meta, &[]);
-    // The second chunk's blocks (2 and 3) and everything after it are reported, so the
-    // engine recomputes them; the first chunk's copy checked and stays.
-    assert_eq!(failed, [2, 3, 4, 5]);
-    assert_eq!(model_mismatches(&s.w.kv, &p[..CHUNK], &blocks[..2]), 0);
-    assert_eq!(s.w.worker.stats().loaded_tokens as usize, CHUNK);
+    // The changed chunk's blocks and everything after it are reported, so the engine
+    // recomputes them; the chunks before it checked and stay.
+    let kept = 2 * changed;
+    assert_eq!(failed, blocks[kept..2 * chunks]);
+    assert_eq!(
+        model_mismatches(&s.w.kv, &p[..changed * CHUNK], &blocks[..kept]),
+        0
+    );
+    assert_eq!(s.w.worker.stats().loaded_tokens as usize, changed * CHUNK);
     assert_eq!(
         s.pool_hit(&p),
-        CHUNK,
-        "the chunk that failed its check was deleted (the one after it is unreachable)"
+        changed * CHUNK,
+        "the chunk that failed its check was deleted (the ones after it are unreachable)"
     );
     assert_eq!(
         d.daemon.stats().pins,
         0,
         "the failed load's pins are released too"
     );
+}
+
+#[test]
+fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv() {
+    a_chunk_changed_after_the_lookup_fails_from_it_on(3, 1, 4);
+}
+
+#[test]
+fn a_changed_chunk_checked_on_another_thread_is_still_the_one_reported() {
+    // The copies are checked on up to four threads, each a run of the load's chunks (on two
+    // cores: chunks 0-3 here, 4-6 on a second thread); results come back in chunk order.
+    a_chunk_changed_after_the_lookup_fails_from_it_on(7, 5, 9);
 }
 
 #[test]
