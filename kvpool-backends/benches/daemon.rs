@@ -4,7 +4,7 @@
 //! payload into L1) side by side with the one-copy read of node memory (`get_node_memory`:
 //! straight from the arena into L1, checked there), and a plain memcpy of the same bytes. Then
 //! a load into an engine's blocks: through L1, or copied once from where the chunk lies
-//! (`pin_node_memory`) and checked in the blocks, on one thread or two. A save out of those blocks: through L1, or
+//! (`pin_node_memory`) and checked in the blocks. A save out of those blocks: through L1, or
 //! copied once into a place the daemon lends (`lend_save_slots`). Last, the first copy out of
 //! an arena an engine has just mapped: faulting page by page, or with its pages mapped ahead.
 
@@ -23,7 +23,7 @@ use kvpool_core::chunk_format::{
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{
     CacheKey, Chunk, ChunkAllocator, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind,
-    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, SaveSlot, StorageBackend, verify_copies,
+    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, SaveSlot, StorageBackend,
 };
 
 const CHUNKS: usize = 32;
@@ -157,32 +157,6 @@ fn daemon_read_into_l1(c: &mut Criterion) {
             })
         },
     );
-    // The same copy, then the checks spread over two threads, as the worker runs them
-    // (`verify_copies`, up to four threads; this machine has two cores).
-    g.bench_function("one copy, checked on two threads (verify_copies)", |b| {
-        b.iter(|| {
-            let pinned = rt.block_on(backend.pin_node_memory(&keys)).unwrap();
-            let pinned: Vec<_> = pinned
-                .iter()
-                .map(|c| c.as_ref().expect("resident"))
-                .collect();
-            for (chunk, dst) in pinned.iter().zip(blocks.chunks_mut(CHUNK_BYTES)) {
-                // SAFETY: the chunk keeps its payload mapped and pinned while it lives.
-                let src = unsafe {
-                    std::slice::from_raw_parts(chunk.payload_ptr() as *const u8, CHUNK_BYTES)
-                };
-                dst.copy_from_slice(src);
-            }
-            let copies: Vec<_> = pinned
-                .iter()
-                .zip(blocks.chunks(CHUNK_BYTES))
-                .map(|(chunk, copy)| (*chunk, vec![copy]))
-                .collect();
-            let results = verify_copies(&copies, 2);
-            assert!(results.iter().all(Result::is_ok));
-            black_box(&blocks);
-        })
-    });
     g.finish();
 
     // A save out of an engine's KV blocks (the same buffer): copied into an L1 buffer, then

@@ -69,7 +69,7 @@ pub use storage::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
     LentBytes, LentSaveSlots, ManagerStats, PinnedBytes, PutOutcome, RemoteBackend,
     RemoteConnector, SaveSlot, SharedChunk, StorageBackend, StorageManager, StorageManagerConfig,
-    TierStats, verify_copies,
+    TierStats,
 };
 pub use telemetry::StatCounter;
 pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};

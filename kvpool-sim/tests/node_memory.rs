@@ -167,9 +167,7 @@ fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv()
 }
 
 #[test]
-fn a_changed_chunk_checked_on_another_thread_is_still_the_one_reported() {
-    // The copies are checked on up to four threads, each a run of the load's chunks (on two
-    // cores: chunks 0-3 here, 4-6 on a second thread); results come back in chunk order.
+fn a_chunk_changed_late_in_a_long_load_fails_from_it_on_and_keeps_the_ones_before() {
     a_chunk_changed_after_the_lookup_fails_from_it_on(7, 5, 9);
 }
 

@@ -5,14 +5,14 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvpool_core::telemetry;
-use kvpool_core::{Chunk, ChunkMeta, SaveSlot, SharedChunk};
+use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
 use super::copy_check::LoadSource;
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{BlockCheck, ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
+use super::{ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
@@ -129,21 +129,11 @@ impl ConnectorWorker {
         let JobMemory::Load(chunks) = &f.memory else {
             return;
         };
-        let to_check: Vec<(&BlockCheck, &SharedChunk)> = checks
-            .iter()
-            .filter_map(|check| match chunks.get(check.chunk) {
-                Some(LoadSource::Shared(chunk)) => Some((check, chunk)),
-                _ => None,
-            })
-            .collect();
-        let results = planes.check_all(
-            &to_check
-                .iter()
-                .map(|(check, chunk)| (*chunk, check.blocks.as_slice()))
-                .collect::<Vec<_>>(),
-        );
-        for ((check, _), result) in to_check.iter().zip(results) {
-            let Err(e) = result else {
+        for check in &checks {
+            let Some(LoadSource::Shared(chunk)) = chunks.get(check.chunk) else {
+                continue;
+            };
+            let Err(e) = planes.check(chunk, &check.blocks) else {
                 self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
                 continue;
             };

@@ -9,15 +9,9 @@
 //! what the step computed from them), never used as KV. A save copied straight into node
 //! memory is sealed the same way round: its checksum is hashed from the blocks it came from.
 
-use std::sync::OnceLock;
-
 use kvpool_core::{Chunk, ChunkMeta, ChunkSpan, KvTransfer, MemoryObj, SaveSlot, SharedChunk};
 
 use crate::leases::LeasedChunk;
-
-/// The most threads one load's checks run on: hashing is bound by memory bandwidth, which a
-/// few cores fill (docs/benchmarks.md, `daemon_load_64mib_into_blocks`).
-pub(crate) const MAX_CHECK_THREADS: usize = 4;
 
 /// The engine's KV blocks in host memory, as the worker reads them to check a copy: one
 /// `(address of block 0, bytes from one block to the next)` per plane, in the chunk layout's
@@ -119,41 +113,16 @@ impl HostPlanes {
         slot.seal(meta, pieces).map_err(|e| e.to_string())
     }
 
-    /// Checks the copies of `chunks`, each with the engine blocks it was copied into (in chunk
-    /// order), on up to [`MAX_CHECK_THREADS`] of the machine's cores
-    /// ([`kvpool_core::verify_copies`]): each chunk's result, in order.
-    pub(crate) fn check_all(&self, chunks: &[(&SharedChunk, &[u32])]) -> Vec<Result<(), String>> {
-        let mut results: Vec<Option<Result<(), String>>> = Vec::with_capacity(chunks.len());
-        let mut copies = Vec::with_capacity(chunks.len());
-        for (chunk, blocks) in chunks {
-            match self.chunk_pieces(blocks) {
-                Some(pieces) => {
-                    copies.push((*chunk, pieces));
-                    results.push(None);
-                }
-                None => results.push(Some(Err(format!(
-                    "a block of {blocks:?} is past the engine's {}",
-                    self.num_blocks
-                )))),
-            }
-        }
-        // Read once: the standard library reads the process's CPU quota on each call.
-        static THREADS: OnceLock<usize> = OnceLock::new();
-        let threads = *THREADS.get_or_init(|| {
-            std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(MAX_CHECK_THREADS)
-        });
-        let mut verified = kvpool_core::verify_copies(&copies, threads).into_iter();
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| match verified.next() {
-                    Some(result) => result.map_err(|e| e.to_string()),
-                    None => Err("the check returned no result for this copy".to_string()),
-                })
-            })
-            .collect()
+    /// Checks the copy of `chunk` in `blocks` (the engine blocks it was copied into, in chunk
+    /// order).
+    pub(crate) fn check(&self, chunk: &SharedChunk, blocks: &[u32]) -> Result<(), String> {
+        let pieces = self.chunk_pieces(blocks).ok_or_else(|| {
+            format!(
+                "a block of {blocks:?} is past the engine's {}",
+                self.num_blocks
+            )
+        })?;
+        chunk.verify_copy(pieces).map_err(|e| e.to_string())
     }
 }
 

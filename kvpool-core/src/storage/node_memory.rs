@@ -121,44 +121,6 @@ impl SharedChunk {
     }
 }
 
-/// Verifies the copies of many chunks, each given as its chunk and the pieces of its copy (as
-/// [`SharedChunk::verify_copy`] takes them), spread over up to `max_threads` threads (the
-/// calling one among them), each a run of consecutive chunks: each chunk's result, in order.
-/// Hashing is bound by memory bandwidth, which one core does not fill; a load checks every
-/// byte it brought before the request's first token.
-pub fn verify_copies(
-    copies: &[(&SharedChunk, Vec<&[u8]>)],
-    max_threads: usize,
-) -> Vec<Result<(), FormatError>> {
-    let verify_run = |run: &[(&SharedChunk, Vec<&[u8]>)]| -> Vec<Result<(), FormatError>> {
-        run.iter()
-            .map(|(chunk, pieces)| chunk.verify_copy(pieces.iter().copied()))
-            .collect()
-    };
-    let threads = max_threads.min(copies.len());
-    if threads <= 1 {
-        return verify_run(copies);
-    }
-    let per_thread = copies.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut runs = copies.chunks(per_thread);
-        let here = runs.next().unwrap_or_default();
-        let elsewhere: Vec<_> = runs
-            .map(|run| scope.spawn(move || verify_run(run)))
-            .collect();
-        let mut results = verify_run(here);
-        for handle in elsewhere {
-            // Hashing does not panic; if it did, the panic is the caller's, not a pass.
-            results.extend(
-                handle
-                    .join()
-                    .unwrap_or_else(|p| std::panic::resume_unwind(p)),
-            );
-        }
-        results
-    })
-}
-
 /// Reads the header of a value lent where it lies (`bytes`) as `check_before_copy` does.
 pub(crate) fn shared_chunk(
     bytes: PinnedBytes,
@@ -233,33 +195,6 @@ mod tests {
         let mut own = vec![0u8; 64];
         chunk.copy_into(&mut own).unwrap();
         assert_eq!(own, payload);
-    }
-
-    #[test]
-    fn copies_verified_on_several_threads_report_each_chunks_result_in_order() {
-        let payloads: Vec<Vec<u8>> = (0..7u8).map(|i| vec![i; 64]).collect();
-        let values: Vec<_> = payloads.iter().map(|p| stored(p)).collect();
-        let chunks: Vec<SharedChunk> = values
-            .iter()
-            .map(|(value, expect)| shared_chunk(lent(value), expect).unwrap())
-            .collect();
-        let mut copies = payloads.clone();
-        copies[5][17] ^= 1;
-        let pieces: Vec<(&SharedChunk, Vec<&[u8]>)> = chunks
-            .iter()
-            .zip(&copies)
-            .map(|(chunk, copy)| (chunk, vec![&copy[..20], &copy[20..]]))
-            .collect();
-        // One thread, three (runs of 3, 3 and 1 chunks) and more threads than chunks: chunk 5
-        // fails, in the second thread's run, and only it.
-        for threads in [1, 3, 16] {
-            let results = verify_copies(&pieces, threads);
-            let failed: Vec<usize> = (0..results.len())
-                .filter(|&i| results[i].is_err())
-                .collect();
-            assert_eq!(failed, [5], "on {threads} threads: {results:?}");
-        }
-        assert!(verify_copies(&[], 4).is_empty());
     }
 
     #[test]
