@@ -140,7 +140,8 @@ pub trait StorageBackend: Send + Sync + 'static {
     }
     /// For a tier that [lends node memory](StorageBackend::lends_node_memory): the chunks of
     /// `keys` that memory holds, pinned where they lie, headers checked, payloads to be
-    /// checked on the reader's copy ([`SharedChunk`](crate::SharedChunk)). The default lends nothing.
+    /// checked on the reader's copy ([`SharedChunk`](crate::SharedChunk)). The default lends
+    /// nothing.
     async fn pin_node_memory(
         &self,
         keys: &[CacheKey],

@@ -26,7 +26,8 @@ pub struct LentSaveSlots {
 
 impl StorageManager {
     /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
-    /// node with no I/O (see [`StorageBackend::reads_node_memory`](crate::StorageBackend::reads_node_memory)).
+    /// node with no I/O (see
+    /// [`StorageBackend::reads_node_memory`](crate::StorageBackend::reads_node_memory)).
     pub fn tier_reads_node_memory(&self, t: usize) -> bool {
         self.tiers
             .get(t)
