@@ -1,7 +1,7 @@
 //! The daemon client's sessions and loans, against a real daemon on a socket in a temp dir.
 
 use super::*;
-use crate::daemon::tests::{socket, start};
+use crate::daemon::tests::{Running, socket, start};
 
 /// Polls `done` for up to 5 s.
 fn eventually(what: &str, mut done: impl FnMut() -> bool) {
@@ -14,15 +14,27 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     panic!("never: {what}");
 }
 
+/// A daemon of 4 MiB on a socket in a fresh temp dir, and a connector to it (not yet
+/// attached). The temp dir must outlive both.
+fn daemon_and_connector() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    Running,
+    DaemonConnector,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 << 20, vec![]);
+    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    (dir, path, run, connector)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loan_outlives_its_session_ending_on_an_error_and_is_reclaimed_after_it() {
     // A save's copy may still write into a place lent on a session that has since ended
     // on an error: the daemon must not reuse that memory until the loan is dropped.
-    let dir = tempfile::tempdir().unwrap();
-    let path = socket(&dir);
-    let run = start(&path, 4 << 20, vec![]);
+    let (_dir, _path, run, connector) = daemon_and_connector();
     let daemon = run.daemon.clone();
-    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
     let inner = connector.inner.clone();
     tokio::task::spawn_blocking(move || {
         let mut lent = inner.lend(vec![4096]).unwrap();
@@ -50,11 +62,8 @@ async fn a_loan_outlives_its_session_ending_on_an_error_and_is_reclaimed_after_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loan_let_go_on_an_idle_session_is_released_by_another_sessions_call() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = socket(&dir);
-    let run = start(&path, 4 << 20, vec![]);
+    let (_dir, _path, run, connector) = daemon_and_connector();
     let daemon = run.daemon.clone();
-    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
     let inner = connector.inner.clone();
     tokio::task::spawn_blocking(move || {
         inner.with_session(|_| Ok(())).unwrap();
@@ -78,10 +87,7 @@ async fn a_loan_let_go_on_an_idle_session_is_released_by_another_sessions_call()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_daemon_ends_every_idle_session_still_attached_to_the_old_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = socket(&dir);
-    let run = start(&path, 4 << 20, vec![]);
-    let connector = DaemonConnector::new(&path, Duration::from_secs(5));
+    let (_dir, path, run, connector) = daemon_and_connector();
     let inner = connector.inner.clone();
     let attached = |inner: &Inner, slot: usize| {
         inner.sessions[slot]
