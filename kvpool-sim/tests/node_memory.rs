@@ -139,7 +139,17 @@ fn a_chunk_changed_after_the_lookup_fails_from_it_on(chunks: usize, changed: usi
     // the chunk keeps mapped; the test plays the other process writing into it.
     unsafe { *((chunk.payload_ptr() + 100) as *mut u8) ^= 0x40 };
     s.w.worker.leases().grant("r", lease.chunks);
-    let failed = s.worker_step(&meta, &[]);
+    // The step's copies run at its start; their checks go on behind the forward pass and
+    // are settled, failed blocks known, by the step's end (vLLM asks for them after it).
+    s.w.begin_step(&meta.encode()).unwrap();
+    assert_eq!(
+        s.w.worker.in_flight().0,
+        1,
+        "the load's checks run behind the forward pass, not in start_load_kv"
+    );
+    let out = s.w.end_step(&[]);
+    assert_eq!(s.w.worker.in_flight().0, 0, "settled by the step's end");
+    let failed = s.report(&[out]);
     // The changed chunk's blocks and everything after it are reported, so the engine
     // recomputes them; the chunks before it checked and stay.
     let kept = 2 * changed;

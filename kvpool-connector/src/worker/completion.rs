@@ -8,11 +8,14 @@ use kvpool_core::telemetry;
 use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
-use super::copy_check::LoadSource;
+use super::copy_check::first_failed_check;
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
+use super::{
+    BlockCheck, CheckedLoad, CheckingLoad, ConnectorWorker, CopyDirection, InFlight,
+    STAGED_STEP_TTL,
+};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
@@ -28,28 +31,7 @@ impl ConnectorWorker {
         };
         metrics::gauge!(telemetry::COPY_JOBS_IN_FLIGHT).set(self.in_flight.len() as f64);
         match f.direction {
-            CopyDirection::Load => {
-                let mut f = f;
-                if ok {
-                    self.check_copies(&mut f);
-                    self.stats.loaded_tokens += f.tokens as u64;
-                    metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS)
-                        .increment(f.tokens as u64);
-                    if let Some(t) = self.traces.of(&f.req_id) {
-                        t.loaded_tokens += f.tokens as u64;
-                        for (tier, tokens) in &f.tier_tokens {
-                            t.add_tier_tokens(tier, *tokens as u64);
-                        }
-                    }
-                } else {
-                    warn!(req = %f.req_id, "copying a load into the engine failed; reporting its blocks");
-                    self.fail_blocks_of(&f.req_id, &f.blocks);
-                }
-                if f.asynchronous {
-                    self.async_loads.finish(&f.req_id);
-                    self.finished_recving.push(f.req_id);
-                }
-            }
+            CopyDirection::Load => self.load_copied(f, ok),
             CopyDirection::Save => {
                 let step = f.step;
                 let chunks = if ok {
@@ -118,45 +100,135 @@ impl ConnectorWorker {
         staged
     }
 
-    /// Checks the copies of a load's chunks lent by node memory in the engine's blocks
-    /// (see [`super::HostPlanes`]). At the first that fails, its blocks and every later
-    /// block of the job are reported failed, and the job counts only what came before it.
-    fn check_copies(&mut self, f: &mut InFlight) {
+    /// A load job's copy ended. Chunks copied straight from node memory are checked in the
+    /// engine's blocks on a blocking thread, while the engine runs the step's forward pass;
+    /// the job ends once [`ConnectorWorker::settle_checks`] has their outcome. Every other
+    /// load ends now.
+    fn load_copied(&mut self, mut f: InFlight, ok: bool) {
+        if !ok || f.checks.is_empty() {
+            return self.finish_load(f, ok, &[], None);
+        }
         let checks = std::mem::take(&mut f.checks);
-        let (Some(planes), false) = (&self.host_planes, checks.is_empty()) else {
-            return;
+        let Some(planes) = self.host_planes.clone() else {
+            // Never planned so (only a worker that reads the blocks copies from node memory
+            // straight into them), and never trusted unchecked.
+            let failed = Some((0, "the engine's blocks are not in host memory".to_string()));
+            return self.finish_load(f, ok, &checks, failed);
         };
-        let JobMemory::Load(chunks) = &f.memory else {
-            return;
-        };
-        for check in &checks {
-            let Some(LoadSource::Shared(chunk)) = chunks.get(check.chunk) else {
-                continue;
-            };
-            let Err(e) = planes.check(chunk, &check.blocks) else {
-                self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
-                continue;
-            };
-            warn!(req = %f.req_id, key = %check.key, error = %e, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
-            metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
-            // As any tier's value that fails its checks: a miss, and deleted, so that a later
-            // save stores it again.
-            self.runtime.block_on(
-                self.engine
-                    .storage()
-                    .remove(std::slice::from_ref(&check.key)),
-            );
-            let first = check
-                .blocks
-                .first()
-                .and_then(|b| f.blocks.iter().position(|x| x == b));
-            let failed = f.blocks.split_off(first.unwrap_or(0));
-            let kept = f.blocks.len() * self.block_size;
-            self.fail_blocks_of(&f.req_id, &failed);
-            f.tokens = f.tokens.min(kept);
+        let (req_id, blocks, asynchronous) = (f.req_id.clone(), f.blocks.clone(), f.asynchronous);
+        let handle = self.runtime.spawn_blocking(move || {
+            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                first_failed_check(&planes, &f.memory, &checks)
+            }))
+            .unwrap_or_else(|_| Some((0, "the check panicked".to_string())));
+            CheckedLoad {
+                job: f,
+                checks,
+                failed,
+            }
+        });
+        self.checking.push(CheckingLoad {
+            req_id,
+            blocks,
+            asynchronous,
+            handle,
+        });
+    }
+
+    /// Waits for the checks of loads copied from node memory (see
+    /// [`ConnectorWorker::load_copied`]) and ends their jobs: failed blocks are then known.
+    /// Every entry point vLLM calls after the forward pass runs it first, so a step's
+    /// failed blocks are reported in the step that loaded them, as vLLM requires to drop
+    /// what the step computed from them.
+    pub(super) fn settle_checks(&mut self) {
+        for c in std::mem::take(&mut self.checking) {
+            match self.runtime.block_on(c.handle) {
+                Ok(c) => self.finish_load(c.job, true, &c.checks, c.failed),
+                Err(e) => {
+                    // The job is lost with its thread (the runtime shut down): its blocks
+                    // were never checked, so none of them is KV.
+                    warn!(req = %c.req_id, error = %e, "a load's check did not end; reporting its blocks");
+                    self.fail_blocks_of(&c.req_id, &c.blocks);
+                    if c.asynchronous {
+                        self.async_loads.finish(&c.req_id);
+                        self.finished_recving.push(c.req_id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends a load job: its blocks are the engine's, but from the first chunk that `failed`
+    /// its check in `checks` (the job's chunks copied from node memory) on, which are
+    /// reported failed; or all of them if the copy itself failed (`!ok`).
+    fn finish_load(
+        &mut self,
+        mut f: InFlight,
+        ok: bool,
+        checks: &[BlockCheck],
+        failed: Option<(usize, String)>,
+    ) {
+        if ok {
+            self.apply_checks(&mut f, checks, failed);
+            self.stats.loaded_tokens += f.tokens as u64;
+            metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS).increment(f.tokens as u64);
+            if let Some(t) = self.traces.of(&f.req_id) {
+                t.loaded_tokens += f.tokens as u64;
+                for (tier, tokens) in &f.tier_tokens {
+                    t.add_tier_tokens(tier, *tokens as u64);
+                }
+            }
+        } else {
+            warn!(req = %f.req_id, "copying a load into the engine failed; reporting its blocks");
+            self.fail_blocks_of(&f.req_id, &f.blocks);
+        }
+        if f.asynchronous {
+            self.async_loads.finish(&f.req_id);
+            self.finished_recving.push(f.req_id);
+        }
+    }
+
+    /// Applies the checks of a load's chunks lent by node memory (see
+    /// [`super::HostPlanes`]): the chunks before the one that `failed` count as loaded from
+    /// node memory; that chunk's blocks and every later block of the job are reported failed,
+    /// the job counts only what came before it, and the chunk is deleted from the pool.
+    fn apply_checks(
+        &mut self,
+        f: &mut InFlight,
+        checks: &[BlockCheck],
+        failed: Option<(usize, String)>,
+    ) {
+        let passed = failed.as_ref().map_or(checks.len(), |(i, _)| *i);
+        for check in &checks[..passed.min(checks.len())] {
+            self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
+        }
+        let Some((i, e)) = failed else { return };
+        let Some(check) = checks.get(i) else {
+            // No chunk to blame: none of the job's blocks is trusted.
+            self.fail_blocks_of(&f.req_id, &f.blocks);
+            f.blocks.clear();
+            f.tokens = 0;
             f.tier_tokens.clear();
             return;
-        }
+        };
+        warn!(req = %f.req_id, key = %check.key, error = %e, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
+        metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
+        // As any tier's value that fails its checks: a miss, and deleted, so that a later
+        // save stores it again.
+        self.runtime.block_on(
+            self.engine
+                .storage()
+                .remove(std::slice::from_ref(&check.key)),
+        );
+        let first = check
+            .blocks
+            .first()
+            .and_then(|b| f.blocks.iter().position(|x| x == b));
+        let failed_blocks = f.blocks.split_off(first.unwrap_or(0));
+        let kept = f.blocks.len() * self.block_size;
+        self.fail_blocks_of(&f.req_id, &failed_blocks);
+        f.tokens = f.tokens.min(kept);
+        f.tier_tokens.clear();
     }
 
     /// Stores the staged chunks of committed steps (L1 now, lower tiers behind).

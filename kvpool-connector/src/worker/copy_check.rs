@@ -11,6 +11,8 @@
 
 use kvpool_core::{Chunk, ChunkMeta, ChunkSpan, KvTransfer, MemoryObj, SaveSlot, SharedChunk};
 
+use super::BlockCheck;
+use super::copy_job::JobMemory;
 use crate::leases::LeasedChunk;
 
 /// The engine's KV blocks in host memory, as the worker reads them to check a copy: one
@@ -124,6 +126,25 @@ impl HostPlanes {
         })?;
         chunk.verify_copy(pieces).map_err(|e| e.to_string())
     }
+}
+
+/// The first of a load's `checks` whose copy fails in the engine's blocks, with why; `None`
+/// when every copy verifies. `memory` is the job's chunks, which the checks index.
+pub(super) fn first_failed_check(
+    planes: &HostPlanes,
+    memory: &JobMemory,
+    checks: &[BlockCheck],
+) -> Option<(usize, String)> {
+    let JobMemory::Load(chunks) = memory else {
+        return Some((0, "not a load's chunks".to_string()));
+    };
+    checks.iter().enumerate().find_map(|(i, check)| {
+        let outcome = match chunks.get(check.chunk) {
+            Some(LoadSource::Shared(chunk)) => planes.check(chunk, &check.blocks),
+            _ => Err(format!("chunk {} was not lent by node memory", check.chunk)),
+        };
+        outcome.err().map(|e| (i, e))
+    })
 }
 
 /// One chunk a load copies into the engine's blocks.

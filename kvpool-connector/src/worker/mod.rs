@@ -114,6 +114,23 @@ struct BlockCheck {
     blocks: Vec<u32>,
 }
 
+/// A load job whose chunks copied from node memory are being checked in the engine's blocks
+/// on a blocking thread, which hands the job back with the first check that failed.
+struct CheckingLoad {
+    req_id: String,
+    /// The job's blocks, reported failed if the thread never hands the job back.
+    blocks: Vec<u32>,
+    asynchronous: bool,
+    handle: tokio::task::JoinHandle<CheckedLoad>,
+}
+
+/// A load job handed back by its check: the first of its `checks` that failed, with why.
+struct CheckedLoad {
+    job: InFlight,
+    checks: Vec<BlockCheck>,
+    failed: Option<(usize, String)>,
+}
+
 /// The worker side of the connector (one per engine worker / TP rank).
 pub struct ConnectorWorker {
     engine: Arc<CacheEngine>,
@@ -144,7 +161,10 @@ pub struct ConnectorWorker {
     stats: WorkerStats,
     /// The engine's KV blocks, where they are in host memory and the worker may read them to
     /// check a load's copy (see [`ConnectorWorker::set_host_planes`]).
-    host_planes: Option<HostPlanes>,
+    host_planes: Option<Arc<HostPlanes>>,
+    /// Load jobs whose copies from node memory are being checked behind the forward pass
+    /// (settled by [`ConnectorWorker::settle_checks`]).
+    checking: Vec<CheckingLoad>,
     /// Keys of the chunks this step's loads copy straight from node memory: in the pool
     /// already, so the step's saves skip them as they skip L1's.
     loaded_from_node_memory: HashSet<kvpool_core::CacheKey>,
@@ -188,6 +208,7 @@ impl ConnectorWorker {
             traces: RequestTraces::default(),
             stats: WorkerStats::default(),
             host_planes: None,
+            checking: Vec::new(),
             loaded_from_node_memory: HashSet::new(),
             save_slot_deadline: std::time::Instant::now(),
         }
@@ -208,7 +229,7 @@ impl ConnectorWorker {
                 self.block_bytes()
             )));
         }
-        self.host_planes = Some(planes);
+        self.host_planes = Some(Arc::new(planes));
         self.leases.set_checks_copies(true);
         Ok(())
     }
@@ -223,7 +244,8 @@ impl ConnectorWorker {
         &self.leases
     }
 
-    /// Counters since the worker started.
+    /// Counters since the worker started (loads whose checks are still running behind the
+    /// forward pass count once settled, by the step's end).
     pub fn stats(&self) -> WorkerStats {
         self.stats
     }
@@ -233,12 +255,13 @@ impl ConnectorWorker {
         self.limits = limits;
     }
 
-    /// Copy jobs handed to the engine and not reported done, asynchronous loads in flight,
+    /// Copy jobs handed to the engine and not reported done or still being checked,
+    /// asynchronous loads in flight,
     /// staged save bytes and requests whose blocks the engine holds for this worker: all zero
     /// once everything settled (tests check it after a run).
     pub fn in_flight(&self) -> (usize, usize, usize, usize) {
         (
-            self.in_flight.len(),
+            self.in_flight.len() + self.checking.len(),
             self.async_loads.len(),
             self.staged.bytes(),
             self.held.len(),
@@ -274,6 +297,7 @@ impl ConnectorWorker {
     /// and plans this step's loads and saves. Synchronous loads are fetched now; asynchronous
     /// ones start fetching in the background.
     pub fn bind_connector_metadata(&mut self, bytes: &[u8]) -> Result<(), ConnectorError> {
+        self.settle_checks();
         if !self.registered {
             return Err(ConnectorError::Usage(
                 "register_kv_caches must come before bind_connector_metadata".into(),
@@ -348,6 +372,7 @@ impl ConnectorWorker {
 
     /// vLLM `clear_connector_metadata`.
     pub fn clear_connector_metadata(&mut self) {
+        self.settle_checks();
         self.meta = None;
     }
 
@@ -378,6 +403,7 @@ impl ConnectorWorker {
     /// must have them in place before its forward pass), then asynchronous loads whose fetch
     /// ended. Queued asynchronous loads start fetching as room frees up.
     pub fn take_load_jobs(&mut self) -> Vec<CopyJob> {
+        self.settle_checks();
         self.poll_async_loads();
         let jobs: Vec<_> = std::mem::take(&mut self.planned_loads);
         jobs.into_iter()
@@ -388,6 +414,7 @@ impl ConnectorWorker {
     /// vLLM `wait_for_save`: the saves to copy now, once the step's forward pass wrote the
     /// engine's blocks.
     pub fn take_save_jobs(&mut self) -> Vec<CopyJob> {
+        self.settle_checks();
         let jobs: Vec<_> = std::mem::take(&mut self.planned_saves);
         let mut out = Vec::with_capacity(jobs.len());
         for (job, f) in jobs {
@@ -445,6 +472,7 @@ impl ConnectorWorker {
     /// requests (finished, in `finished_req_ids` now or before) that no copy reads any more.
     /// Each request is reported once. Finished requests' traces are logged and forgotten.
     pub fn transfer_results(&mut self, finished_req_ids: &[String]) -> TransferResults {
+        self.settle_checks();
         self.poll_async_loads();
         for req in finished_req_ids {
             self.traces.finish(req);
@@ -473,6 +501,7 @@ impl ConnectorWorker {
     /// vLLM `build_connector_worker_meta`: the steps run, and the steps whose save copies all
     /// ended, since the last call.
     pub fn step_report(&mut self) -> StepReport {
+        self.settle_checks();
         if let Some(meta) = self.meta.as_ref().filter(|m| m.commit_locally) {
             self.commit_locally(meta.step, meta.requests.clone());
         }
@@ -547,6 +576,7 @@ impl ConnectorWorker {
     /// vLLM `get_block_ids_with_load_errors`: engine blocks whose load failed since the last
     /// call.
     pub fn get_block_ids_with_load_errors(&mut self) -> Vec<u32> {
+        self.settle_checks();
         std::mem::take(&mut self.load_errors).into_iter().collect()
     }
 }
