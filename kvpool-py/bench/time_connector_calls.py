@@ -53,6 +53,33 @@ def engine(spec_path, out_path):
                 finally:
                     times.setdefault(_n, []).append(time.perf_counter() - t)
             setattr(cls, name, timed)
+
+    class TimedNative:
+        """The native worker, its ``copy_done`` and ``failed_blocks`` timed (a load's check
+        of chunks copied from node memory starts in one and is waited for in the other)."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            f = getattr(self._inner, name)
+            if name not in ("copy_done", "failed_blocks"):
+                return f
+
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    times.setdefault(f"native.{name}", []).append(time.perf_counter() - t)
+            return timed
+
+    init = worker_side.WorkerSide.__init__
+
+    def timed_init(self, *a, **k):
+        init(self, *a, **k)
+        self.native = TimedNative(self.native)
+    worker_side.WorkerSide.__init__ = timed_init
     atexit.register(lambda: print("TIMES " + json.dumps(
         {k: [round(x * 1e3, 2) for x in sorted(v)[-12:]] for k, v in times.items()})))
     bench_vllm.engine_main(spec_path, out_path)

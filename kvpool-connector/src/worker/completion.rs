@@ -8,14 +8,10 @@ use kvpool_core::telemetry;
 use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
-use super::copy_check::first_failed_check;
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{
-    BlockCheck, CheckedLoad, CheckingLoad, ConnectorWorker, CopyDirection, InFlight,
-    STAGED_STEP_TTL,
-};
+use super::{BlockCheck, CheckingLoad, ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
@@ -101,37 +97,27 @@ impl ConnectorWorker {
     }
 
     /// A load job's copy ended. Chunks copied straight from node memory are checked in the
-    /// engine's blocks on a blocking thread, while the engine runs the step's forward pass;
-    /// the job ends once [`ConnectorWorker::settle_checks`] has their outcome. Every other
-    /// load ends now.
+    /// engine's blocks on the worker's [`super::copy_check::CopyChecker`] thread, while the
+    /// engine runs the step's forward pass; the job ends once
+    /// [`ConnectorWorker::settle_checks`] has their outcome. Every other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {
         if !ok || f.checks.is_empty() {
             return self.finish_load(f, ok, &[], None);
         }
         let checks = std::mem::take(&mut f.checks);
-        let Some(planes) = self.host_planes.clone() else {
+        let Some(checker) = &self.copy_checker else {
             // Never planned so (only a worker that reads the blocks copies from node memory
             // straight into them), and never trusted unchecked.
             let failed = Some((0, "the engine's blocks are not in host memory".to_string()));
             return self.finish_load(f, ok, &checks, failed);
         };
         let (req_id, blocks, asynchronous) = (f.req_id.clone(), f.blocks.clone(), f.asynchronous);
-        let handle = self.runtime.spawn_blocking(move || {
-            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                first_failed_check(&planes, &f.memory, &checks)
-            }))
-            .unwrap_or_else(|_| Some((0, "the check panicked".to_string())));
-            CheckedLoad {
-                job: f,
-                checks,
-                failed,
-            }
-        });
+        let checked = checker.check(f, checks);
         self.checking.push(CheckingLoad {
             req_id,
             blocks,
             asynchronous,
-            handle,
+            checked,
         });
     }
 
@@ -142,12 +128,12 @@ impl ConnectorWorker {
     /// what the step computed from them.
     pub(super) fn settle_checks(&mut self) {
         for c in std::mem::take(&mut self.checking) {
-            match self.runtime.block_on(c.handle) {
+            match c.checked.recv() {
                 Ok(c) => self.finish_load(c.job, true, &c.checks, c.failed),
-                Err(e) => {
-                    // The job is lost with its thread (the runtime shut down): its blocks
-                    // were never checked, so none of them is KV.
-                    warn!(req = %c.req_id, error = %e, "a load's check did not end; reporting its blocks");
+                Err(_) => {
+                    // The job is lost with the thread (it could not be kept alive): its
+                    // blocks were never checked, so none of them is KV.
+                    warn!(req = %c.req_id, "a load's check did not end; reporting its blocks");
                     self.fail_blocks_of(&c.req_id, &c.blocks);
                     if c.asynchronous {
                         self.async_loads.finish(&c.req_id);

@@ -115,17 +115,18 @@ struct BlockCheck {
 }
 
 /// A load job whose chunks copied from node memory are being checked in the engine's blocks
-/// on a blocking thread, which hands the job back with the first check that failed.
+/// on the worker's [`copy_check::CopyChecker`] thread, which hands the job back with the first
+/// check that failed.
 struct CheckingLoad {
     req_id: String,
     /// The job's blocks, reported failed if the thread never hands the job back.
     blocks: Vec<u32>,
     asynchronous: bool,
-    handle: tokio::task::JoinHandle<CheckedLoad>,
+    checked: std::sync::mpsc::Receiver<CheckedLoad>,
 }
 
 /// A load job handed back by its check: the first of its `checks` that failed, with why.
-struct CheckedLoad {
+pub(super) struct CheckedLoad {
     job: InFlight,
     checks: Vec<BlockCheck>,
     failed: Option<(usize, String)>,
@@ -162,6 +163,8 @@ pub struct ConnectorWorker {
     /// The engine's KV blocks, where they are in host memory and the worker may read them to
     /// check a load's copy (see [`ConnectorWorker::set_host_planes`]).
     host_planes: Option<Arc<HostPlanes>>,
+    /// The thread that checks loads copied into those blocks from node memory.
+    copy_checker: Option<copy_check::CopyChecker>,
     /// Load jobs whose copies from node memory are being checked behind the forward pass
     /// (settled by [`ConnectorWorker::settle_checks`]).
     checking: Vec<CheckingLoad>,
@@ -208,6 +211,7 @@ impl ConnectorWorker {
             traces: RequestTraces::default(),
             stats: WorkerStats::default(),
             host_planes: None,
+            copy_checker: None,
             checking: Vec::new(),
             loaded_from_node_memory: HashSet::new(),
             save_slot_deadline: std::time::Instant::now(),
@@ -229,7 +233,19 @@ impl ConnectorWorker {
                 self.block_bytes()
             )));
         }
-        self.host_planes = Some(Arc::new(planes));
+        let planes = Arc::new(planes);
+        let checker = match copy_check::CopyChecker::start(planes.clone()) {
+            Ok(checker) => checker,
+            Err(e) => {
+                // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
+                warn!(
+                    "no thread to check copies in the engine's blocks ({e}); chunks from node memory go through L1"
+                );
+                return Ok(());
+            }
+        };
+        self.host_planes = Some(planes);
+        self.copy_checker = Some(checker);
         self.leases.set_checks_copies(true);
         Ok(())
     }
