@@ -97,7 +97,7 @@ impl ConnectorWorker {
     }
 
     /// A load job's copy ended. Chunks copied straight from node memory are checked in the
-    /// engine's blocks on the worker's [`super::copy_check::CopyChecker`] thread, while the
+    /// engine's blocks on the worker's [`super::copy_checker::CopyChecker`] thread, while the
     /// engine runs the step's forward pass; the job ends once
     /// [`ConnectorWorker::settle_checks`] has their outcome. Every other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {

@@ -8,6 +8,7 @@
 
 mod completion;
 mod copy_check;
+mod copy_checker;
 mod copy_job;
 mod loads;
 mod planning;
@@ -115,7 +116,7 @@ struct BlockCheck {
 }
 
 /// A load job whose chunks copied from node memory are being checked in the engine's blocks
-/// on the worker's [`copy_check::CopyChecker`] thread, which hands the job back with the first
+/// on the worker's [`copy_checker::CopyChecker`] thread, which hands the job back with the first
 /// check that failed.
 struct CheckingLoad {
     req_id: String,
@@ -164,7 +165,7 @@ pub struct ConnectorWorker {
     /// check a load's copy (see [`ConnectorWorker::set_host_planes`]).
     host_planes: Option<Arc<HostPlanes>>,
     /// The thread that checks loads copied into those blocks from node memory.
-    copy_checker: Option<copy_check::CopyChecker>,
+    copy_checker: Option<copy_checker::CopyChecker>,
     /// Load jobs whose copies from node memory are being checked behind the forward pass
     /// (settled by [`ConnectorWorker::settle_checks`]).
     checking: Vec<CheckingLoad>,
@@ -234,7 +235,7 @@ impl ConnectorWorker {
             )));
         }
         let planes = Arc::new(planes);
-        let checker = match copy_check::CopyChecker::start(planes.clone()) {
+        let checker = match copy_checker::CopyChecker::start(planes.clone()) {
             Ok(checker) => checker,
             Err(e) => {
                 // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
