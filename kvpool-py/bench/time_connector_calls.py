@@ -55,15 +55,16 @@ def engine(spec_path, out_path):
             setattr(cls, name, timed)
 
     class TimedNative:
-        """The native worker, its ``copy_done`` and ``failed_blocks`` timed (a load's check
-        of chunks copied from node memory starts in one and is waited for in the other)."""
+        """The native worker, its ``copy_done`` and ``save_jobs`` timed (a load's check of
+        chunks copied from node memory starts in the first and is waited for in the second,
+        the first call after the forward pass), and ``failed_blocks``."""
 
         def __init__(self, inner):
             self._inner = inner
 
         def __getattr__(self, name):
             f = getattr(self._inner, name)
-            if name not in ("copy_done", "failed_blocks"):
+            if name not in ("copy_done", "save_jobs", "failed_blocks"):
                 return f
 
             def timed(*a, **k):

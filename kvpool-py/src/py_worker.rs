@@ -272,9 +272,11 @@ impl PyWorker {
     }
 
     /// Unbinds the step.
-    fn clear(&self) -> PyResult<()> {
-        core_guard(self)?.worker.clear_connector_metadata();
-        Ok(())
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            core_guard(self)?.worker.clear_connector_metadata();
+            Ok(())
+        })
     }
 
     /// Loads to copy into the engine's blocks now: the step's synchronous loads, then
@@ -291,13 +293,16 @@ impl PyWorker {
     }
 
     /// Saves to copy out of the engine's blocks now (after the forward pass).
-    fn save_jobs(&self) -> PyResult<Vec<PyCopyJob>> {
-        Ok(core_guard(self)?
-            .worker
-            .take_save_jobs()
-            .into_iter()
-            .map(py_job)
-            .collect())
+    fn save_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
+        // Waits for the checks of the step's loads first (the GIL released meanwhile).
+        py.detach(|| {
+            Ok(core_guard(self)?
+                .worker
+                .take_save_jobs()
+                .into_iter()
+                .map(py_job)
+                .collect())
+        })
     }
 
     /// A copy job ended (`ok`: it copied everything; else its blocks hold nothing usable).
@@ -309,8 +314,8 @@ impl PyWorker {
     }
 
     /// Copy jobs still in flight on these requests' blocks (vLLM `handle_preemptions`).
-    fn jobs_in_flight_for(&self, req_ids: Vec<String>) -> PyResult<Vec<u64>> {
-        Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids))
+    fn jobs_in_flight_for(&self, py: Python<'_>, req_ids: Vec<String>) -> PyResult<Vec<u64>> {
+        py.detach(|| Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids)))
     }
 
     /// `(finished_sending, finished_recving)` for vLLM's `get_finished`.
@@ -326,14 +331,16 @@ impl PyWorker {
     }
 
     /// Engine block ids whose load failed since the last call.
-    fn failed_blocks(&self) -> PyResult<Vec<u32>> {
-        Ok(core_guard(self)?.worker.get_block_ids_with_load_errors())
+    fn failed_blocks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        py.detach(|| Ok(core_guard(self)?.worker.get_block_ids_with_load_errors()))
     }
 
     /// `(executed_steps, copied_steps)` since the last call, for the scheduler.
-    fn step_report(&self) -> PyResult<(Vec<u64>, Vec<u64>)> {
-        let r = core_guard(self)?.worker.step_report();
-        Ok((r.executed, r.copied))
+    fn step_report(&self, py: Python<'_>) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        py.detach(|| {
+            let r = core_guard(self)?.worker.step_report();
+            Ok((r.executed, r.copied))
+        })
     }
 
     /// `(address, length)` of the host memory kvpool's chunks live in (L1's arena), for the

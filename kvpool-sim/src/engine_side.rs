@@ -61,9 +61,10 @@ impl EngineWorker {
     /// node's pool daemon are copied once, straight into them, and checked there. Again
     /// before every batch of jobs: a test may replace `kv`.
     fn show_blocks(&mut self) -> Result<(), ConnectorError> {
-        // SAFETY: `kv` outlives the worker's use of the planes: the worker reads them only in
-        // `copy_done`, called by `run_jobs` right after this refresh, and `kv` is replaced
-        // only between steps (the refresh then follows before any job).
+        // SAFETY: `kv` outlives the worker's use of the planes: the worker reads them between
+        // a job's `copy_done` (called by `run_jobs` right after this refresh) and the end of
+        // its step (every check is settled by `end_step`, and by this refresh), and `kv` is
+        // replaced only between steps (the refresh then follows before any job).
         let planes = unsafe { HostPlanes::of_host_cache(&self.kv) };
         self.worker.set_host_planes(planes)
     }

@@ -11,7 +11,10 @@ use tracing::warn;
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{BlockCheck, CheckingLoad, ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
+use super::{
+    BlockCheck, CheckVerdict, CheckingLoad, ConnectorWorker, CopyDirection, InFlight,
+    STAGED_STEP_TTL,
+};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
@@ -102,14 +105,15 @@ impl ConnectorWorker {
     /// [`ConnectorWorker::settle_checks`] has their outcome. Every other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {
         if !ok || f.checks.is_empty() {
-            return self.finish_load(f, ok, &[], None);
+            return self.finish_load(f, ok, &[], CheckVerdict::Verified);
         }
         let checks = std::mem::take(&mut f.checks);
         let Some(checker) = &self.copy_checker else {
             // Never planned so (only a worker that reads the blocks copies from node memory
             // straight into them), and never trusted unchecked.
-            let failed = Some((0, "the engine's blocks are not in host memory".to_string()));
-            return self.finish_load(f, ok, &checks, failed);
+            let unchecked =
+                CheckVerdict::Unchecked("the engine's blocks are not in host memory".to_string());
+            return self.finish_load(f, ok, &checks, unchecked);
         };
         let (req_id, blocks, asynchronous) = (f.req_id.clone(), f.blocks.clone(), f.asynchronous);
         let checked = checker.check(f, checks);
@@ -129,7 +133,7 @@ impl ConnectorWorker {
     pub(super) fn settle_checks(&mut self) {
         for c in std::mem::take(&mut self.checking) {
             match c.checked.recv() {
-                Ok(c) => self.finish_load(c.job, true, &c.checks, c.failed),
+                Ok(c) => self.finish_load(c.job, true, &c.checks, c.verdict),
                 Err(_) => {
                     // The job is lost with the thread (it could not be kept alive): its
                     // blocks were never checked, so none of them is KV.
@@ -144,18 +148,18 @@ impl ConnectorWorker {
         }
     }
 
-    /// Ends a load job: its blocks are the engine's, but from the first chunk that `failed`
-    /// its check in `checks` (the job's chunks copied from node memory) on, which are
-    /// reported failed; or all of them if the copy itself failed (`!ok`).
+    /// Ends a load job: its blocks are the engine's, but those the `verdict` on its `checks`
+    /// (the job's chunks copied from node memory) fails, which are reported failed; or all
+    /// of them if the copy itself failed (`!ok`).
     fn finish_load(
         &mut self,
         mut f: InFlight,
         ok: bool,
         checks: &[BlockCheck],
-        failed: Option<(usize, String)>,
+        verdict: CheckVerdict,
     ) {
         if ok {
-            self.apply_checks(&mut f, checks, failed);
+            self.apply_checks(&mut f, checks, verdict);
             self.stats.loaded_tokens += f.tokens as u64;
             metrics::counter!(telemetry::CONNECTOR_LOADED_TOKENS).increment(f.tokens as u64);
             if let Some(t) = self.traces.of(&f.req_id) {
@@ -174,41 +178,46 @@ impl ConnectorWorker {
         }
     }
 
-    /// Applies the checks of a load's chunks lent by node memory (see
-    /// [`super::HostPlanes`]): the chunks before the one that `failed` count as loaded from
-    /// node memory; that chunk's blocks and every later block of the job are reported failed,
-    /// the job counts only what came before it, and the chunk is deleted from the pool.
-    fn apply_checks(
-        &mut self,
-        f: &mut InFlight,
-        checks: &[BlockCheck],
-        failed: Option<(usize, String)>,
-    ) {
-        let passed = failed.as_ref().map_or(checks.len(), |(i, _)| *i);
+    /// Applies the verdict on a load's chunks lent by node memory (see
+    /// [`super::HostPlanes`]): the chunks before the first that failed count as loaded from
+    /// node memory; from its first block on, every block of the job is reported failed, and
+    /// the job counts only what came before. A chunk whose copy did not match its checksum is
+    /// deleted from the pool; copies left unchecked blame no chunk.
+    fn apply_checks(&mut self, f: &mut InFlight, checks: &[BlockCheck], verdict: CheckVerdict) {
+        let passed = match &verdict {
+            CheckVerdict::Verified => checks.len(),
+            CheckVerdict::Mismatch { index, .. } => *index,
+            CheckVerdict::Unchecked(_) => 0,
+        };
         for check in &checks[..passed.min(checks.len())] {
             self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
         }
-        let Some((i, e)) = failed else { return };
-        let Some(check) = checks.get(i) else {
-            // No chunk to blame: none of the job's blocks is trusted.
-            self.fail_blocks_of(&f.req_id, &f.blocks);
-            f.blocks.clear();
-            f.tokens = 0;
-            f.tier_tokens.clear();
-            return;
+        let failed_from = match verdict {
+            CheckVerdict::Verified => return,
+            CheckVerdict::Unchecked(why) => {
+                warn!(req = %f.req_id, error = %why, "a load's copies from node memory could not be checked; reporting their blocks");
+                checks.first()
+            }
+            CheckVerdict::Mismatch { index, why } => {
+                let check = checks.get(index);
+                let key = check.map(|c| c.key.to_string()).unwrap_or_default();
+                warn!(req = %f.req_id, key = %key, error = %why, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
+                metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
+                if let Some(check) = check {
+                    // As any tier's value that fails its checks: a miss, and deleted, so that
+                    // a later save stores it again.
+                    self.runtime.block_on(
+                        self.engine
+                            .storage()
+                            .remove(std::slice::from_ref(&check.key)),
+                    );
+                }
+                check
+            }
         };
-        warn!(req = %f.req_id, key = %check.key, error = %e, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
-        metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
-        // As any tier's value that fails its checks: a miss, and deleted, so that a later
-        // save stores it again.
-        self.runtime.block_on(
-            self.engine
-                .storage()
-                .remove(std::slice::from_ref(&check.key)),
-        );
-        let first = check
-            .blocks
-            .first()
+        // From the failed chunk's first block on; every block when there is none to point at.
+        let first = failed_from
+            .and_then(|c| c.blocks.first())
             .and_then(|b| f.blocks.iter().position(|x| x == b));
         let failed_blocks = f.blocks.split_off(first.unwrap_or(0));
         let kept = f.blocks.len() * self.block_size;

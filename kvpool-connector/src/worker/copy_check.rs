@@ -16,7 +16,7 @@ use crate::leases::LeasedChunk;
 /// The engine's KV blocks in host memory, as the worker reads them to check a copy: one
 /// `(address of block 0, bytes from one block to the next)` per plane, in the chunk layout's
 /// plane order (every layer's planes in layer order), each block `plane_block_bytes` long.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostPlanes {
     planes: Vec<(usize, usize)>,
     plane_block_bytes: usize,

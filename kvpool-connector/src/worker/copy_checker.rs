@@ -6,25 +6,25 @@ use std::sync::{Arc, mpsc};
 
 use super::copy_check::{HostPlanes, LoadSource};
 use super::copy_job::JobMemory;
-use super::{BlockCheck, CheckedLoad, InFlight};
+use super::{BlockCheck, CheckVerdict, CheckedLoad, InFlight};
 
-/// The first of a load's `checks` whose copy fails in the engine's blocks, with why; `None`
-/// when every copy verifies. `memory` is the job's chunks, which the checks index.
-fn first_failed_check(
-    planes: &HostPlanes,
-    memory: &JobMemory,
-    checks: &[BlockCheck],
-) -> Option<(usize, String)> {
+/// Checks a load's copies in order, up to the first that fails.
+fn check_copies(planes: &HostPlanes, memory: &JobMemory, checks: &[BlockCheck]) -> CheckVerdict {
     let JobMemory::Load(chunks) = memory else {
-        return Some((0, "not a load's chunks".to_string()));
+        return CheckVerdict::Unchecked("not a load's chunks".to_string());
     };
-    checks.iter().enumerate().find_map(|(i, check)| {
-        let outcome = match chunks.get(check.chunk) {
-            Some(LoadSource::Shared(chunk)) => planes.check(chunk, &check.blocks),
-            _ => Err(format!("chunk {} was not lent by node memory", check.chunk)),
+    for (index, check) in checks.iter().enumerate() {
+        let Some(LoadSource::Shared(chunk)) = chunks.get(check.chunk) else {
+            return CheckVerdict::Unchecked(format!(
+                "chunk {} was not lent by node memory",
+                check.chunk
+            ));
         };
-        outcome.err().map(|e| (i, e))
-    })
+        if let Err(why) = planes.check(chunk, &check.blocks) {
+            return CheckVerdict::Mismatch { index, why };
+        }
+    }
+    CheckVerdict::Verified
 }
 
 /// A load job to check, and where to hand it back.
@@ -52,14 +52,15 @@ impl CopyChecker {
             .name("kvpool-copy-check".into())
             .spawn(move || {
                 no_wakeup_preemption();
+                run_on_any_allowed_cpu();
                 for r in requests {
                     let CheckRequest { job, checks, reply } = r;
-                    let failed = check_catching_panics(&thread_planes, &job, &checks);
+                    let verdict = check_catching_panics(&thread_planes, &job, &checks);
                     // The worker may have stopped waiting (it was dropped): nothing to do.
                     let _ = reply.send(CheckedLoad {
                         job,
                         checks,
-                        failed,
+                        verdict,
                     });
                 }
             })?;
@@ -80,14 +81,40 @@ impl CopyChecker {
             reply: reply.clone(),
         };
         if let Err(mpsc::SendError(r)) = self.jobs.send(request) {
-            let failed = check_catching_panics(&self.planes, &r.job, &r.checks);
+            let verdict = check_catching_panics(&self.planes, &r.job, &r.checks);
             let _ = reply.send(CheckedLoad {
                 job: r.job,
                 checks: r.checks,
-                failed,
+                verdict,
             });
         }
         checked
+    }
+}
+
+/// Lets the calling thread run on any CPU the process's cgroup allows. vLLM's CPU worker
+/// binds its OpenMP threads to the cores it reserves for the forward pass (`OMP_PROC_BIND`
+/// with `OMP_PLACES`, or `GOMP_CPU_AFFINITY`), and a thread inherits the binding of the
+/// thread that starts it: left so, the check would share the forward pass's core instead of
+/// running beside it. The kernel keeps the mask to the CPUs the cgroup allows.
+fn run_on_any_allowed_cpu() {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: an all-zero cpu_set_t is the empty set.
+        let mut every: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            // SAFETY: `cpu` is below CPU_SETSIZE, within the set.
+            unsafe { libc::CPU_SET(cpu, &mut every) };
+        }
+        // SAFETY: pid 0 is the calling thread; `every` is a valid set of its size.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &every) };
+        if rc != 0 {
+            tracing::debug!(
+                "the copy check thread keeps the CPUs of the thread that started it: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
@@ -110,14 +137,14 @@ fn no_wakeup_preemption() {
     }
 }
 
-/// [`first_failed_check`], a panic counted as a failure of the first check.
+/// [`check_copies`], a panic counted as copies left unchecked.
 fn check_catching_panics(
     planes: &HostPlanes,
     job: &InFlight,
     checks: &[BlockCheck],
-) -> Option<(usize, String)> {
+) -> CheckVerdict {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        first_failed_check(planes, &job.memory, checks)
+        check_copies(planes, &job.memory, checks)
     }))
-    .unwrap_or_else(|_| Some((0, "the check panicked".to_string())))
+    .unwrap_or_else(|_| CheckVerdict::Unchecked("the check panicked".to_string()))
 }

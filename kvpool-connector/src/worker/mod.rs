@@ -126,11 +126,24 @@ struct CheckingLoad {
     checked: std::sync::mpsc::Receiver<CheckedLoad>,
 }
 
-/// A load job handed back by its check: the first of its `checks` that failed, with why.
+/// A load job handed back by its check, with what the check found.
 pub(super) struct CheckedLoad {
     job: InFlight,
     checks: Vec<BlockCheck>,
-    failed: Option<(usize, String)>,
+    verdict: CheckVerdict,
+}
+
+/// What the check of a load's copies from node memory found.
+#[derive(Debug)]
+pub(super) enum CheckVerdict {
+    /// Every copy matches its chunk's checksum.
+    Verified,
+    /// The copy of check `index`'s chunk does not: that chunk is deleted from the pool, and
+    /// its blocks and every later block of the job are failed.
+    Mismatch { index: usize, why: String },
+    /// The copies could not be checked (no checker, a panic): every block from the first
+    /// check's on is failed, and no chunk is blamed.
+    Unchecked(String),
 }
 
 /// The worker side of the connector (one per engine worker / TP rank).
@@ -234,20 +247,28 @@ impl ConnectorWorker {
                 self.block_bytes()
             )));
         }
+        // Checks still reading the planes given before end first.
+        self.settle_checks();
+        if self.host_planes.as_deref() == Some(&planes) {
+            return Ok(());
+        }
         let planes = Arc::new(planes);
-        let checker = match copy_checker::CopyChecker::start(planes.clone()) {
-            Ok(checker) => checker,
+        match copy_checker::CopyChecker::start(planes.clone()) {
+            Ok(checker) => {
+                self.host_planes = Some(planes);
+                self.copy_checker = Some(checker);
+                self.leases.set_checks_copies(true);
+            }
             Err(e) => {
                 // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
                 warn!(
                     "no thread to check copies in the engine's blocks ({e}); chunks from node memory go through L1"
                 );
-                return Ok(());
+                self.host_planes = None;
+                self.copy_checker = None;
+                self.leases.set_checks_copies(false);
             }
-        };
-        self.host_planes = Some(planes);
-        self.copy_checker = Some(checker);
-        self.leases.set_checks_copies(true);
+        }
         Ok(())
     }
 
@@ -473,7 +494,9 @@ impl ConnectorWorker {
 
     /// vLLM `handle_preemptions`: the copy jobs still in flight on these requests' blocks;
     /// the engine must wait for them before it reuses the blocks.
-    pub fn jobs_in_flight_for(&self, req_ids: &[String]) -> Vec<u64> {
+    pub fn jobs_in_flight_for(&mut self, req_ids: &[String]) -> Vec<u64> {
+        // A check still reading their blocks ends first (none is pending between steps).
+        self.settle_checks();
         let ids: HashSet<&str> = req_ids.iter().map(String::as_str).collect();
         let mut jobs: Vec<u64> = self
             .in_flight
@@ -595,6 +618,16 @@ impl ConnectorWorker {
     pub fn get_block_ids_with_load_errors(&mut self) -> Vec<u32> {
         self.settle_checks();
         std::mem::take(&mut self.load_errors).into_iter().collect()
+    }
+}
+
+impl Drop for ConnectorWorker {
+    /// Waits for checks still reading the engine's blocks, which must stay mapped only while
+    /// the worker lives (see [`HostPlanes::new`]).
+    fn drop(&mut self) {
+        for c in self.checking.drain(..) {
+            let _ = c.checked.recv();
+        }
     }
 }
 
