@@ -67,8 +67,8 @@ impl CopyChecker {
         Ok(CopyChecker { jobs, planes })
     }
 
-    /// Hands `job` to the thread: the receiver yields it back with the first of `checks`
-    /// that failed. If the thread is gone, checks here, before returning.
+    /// Hands `job` to the thread: the receiver yields it back with the verdict on its
+    /// `checks`. If the thread is gone, checks here, before returning.
     pub(super) fn check(
         &self,
         job: InFlight,

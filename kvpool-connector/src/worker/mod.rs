@@ -116,8 +116,8 @@ struct BlockCheck {
 }
 
 /// A load job whose chunks copied from node memory are being checked in the engine's blocks
-/// on the worker's [`copy_checker::CopyChecker`] thread, which hands the job back with the first
-/// check that failed.
+/// on the worker's [`copy_checker::CopyChecker`] thread, which hands the job back with its
+/// verdict.
 struct CheckingLoad {
     req_id: String,
     /// The job's blocks, reported failed if the thread never hands the job back.
@@ -294,9 +294,8 @@ impl ConnectorWorker {
     }
 
     /// Copy jobs handed to the engine and not reported done or still being checked,
-    /// asynchronous loads in flight,
-    /// staged save bytes and requests whose blocks the engine holds for this worker: all zero
-    /// once everything settled (tests check it after a run).
+    /// asynchronous loads in flight, staged save bytes and requests whose blocks the engine
+    /// holds for this worker: all zero once everything settled (tests check it after a run).
     pub fn in_flight(&self) -> (usize, usize, usize, usize) {
         (
             self.in_flight.len() + self.checking.len(),
