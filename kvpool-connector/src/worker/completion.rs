@@ -8,13 +8,11 @@ use kvpool_core::telemetry;
 use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
+use super::copy_checker::{CheckVerdict, CheckingLoad};
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{
-    BlockCheck, CheckVerdict, CheckingLoad, ConnectorWorker, CopyDirection, InFlight,
-    STAGED_STEP_TTL,
-};
+use super::{BlockCheck, ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);

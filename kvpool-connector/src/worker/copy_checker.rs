@@ -1,12 +1,46 @@
 //! The worker's thread that checks a load's copies from node memory in the engine's blocks
-//! while vLLM runs the step's forward pass ([`CopyChecker`]); the worker waits for its verdicts
-//! before the step's results leave it (`ConnectorWorker::settle_checks`).
+//! while vLLM runs the step's forward pass ([`CopyChecker`]), started when the worker is shown
+//! the blocks (`ConnectorWorker::set_host_planes`); the worker waits for its verdicts before
+//! the step's results leave it (`ConnectorWorker::settle_checks`).
 
 use std::sync::{Arc, mpsc};
 
 use super::copy_check::{HostPlanes, LoadSource};
 use super::copy_job::JobMemory;
-use super::{BlockCheck, CheckVerdict, CheckedLoad, InFlight};
+use super::{BlockCheck, ConnectorWorker, InFlight};
+use crate::ConnectorError;
+use tracing::warn;
+
+/// A load job whose chunks copied from node memory are being checked in the engine's blocks
+/// on the worker's [`CopyChecker`] thread, which hands the job back with its
+/// verdict.
+pub(super) struct CheckingLoad {
+    pub(super) req_id: String,
+    /// The job's blocks, reported failed if the thread never hands the job back.
+    pub(super) blocks: Vec<u32>,
+    pub(super) asynchronous: bool,
+    pub(super) checked: mpsc::Receiver<CheckedLoad>,
+}
+
+/// A load job handed back by its check, with what the check found.
+pub(super) struct CheckedLoad {
+    pub(super) job: InFlight,
+    pub(super) checks: Vec<BlockCheck>,
+    pub(super) verdict: CheckVerdict,
+}
+
+/// What the check of a load's copies from node memory found.
+#[derive(Debug)]
+pub(super) enum CheckVerdict {
+    /// Every copy matches its chunk's checksum.
+    Verified,
+    /// The copy of check `index`'s chunk does not: that chunk is deleted from the pool, and
+    /// its blocks and every later block of the job are failed.
+    Mismatch { index: usize, why: String },
+    /// The copies could not be checked (no checker, a panic): every block from the first
+    /// check's on is failed, and no chunk is blamed.
+    Unchecked(String),
+}
 
 /// Checks a load's copies in order, up to the first that fails.
 fn check_copies(planes: &HostPlanes, memory: &JobMemory, checks: &[BlockCheck]) -> CheckVerdict {
@@ -25,6 +59,58 @@ fn check_copies(planes: &HostPlanes, memory: &JobMemory, checks: &[BlockCheck]) 
         }
     }
     CheckVerdict::Verified
+}
+
+impl ConnectorWorker {
+    /// Gives the worker the engine's KV blocks in host memory (vLLM's CPU tensors), which it
+    /// then reads to check loads copied once, straight from node memory into the blocks: the
+    /// node's pool daemon's chunks stay where they lie until that copy, instead of being
+    /// copied into L1 first. Without them (blocks on a GPU) such chunks go through L1. A
+    /// worker that does not read the engine's blocks never touches them.
+    ///
+    /// Refused when the planes do not make up this worker's block layout.
+    pub fn set_host_planes(&mut self, planes: HostPlanes) -> Result<(), ConnectorError> {
+        if planes.block_bytes() != self.block_bytes() {
+            return Err(ConnectorError::Layout(format!(
+                "host KV planes of {} bytes per block, the layout has {}",
+                planes.block_bytes(),
+                self.block_bytes()
+            )));
+        }
+        // Checks still reading the planes given before end first.
+        self.settle_checks();
+        if self.host_planes.as_deref() == Some(&planes) {
+            return Ok(());
+        }
+        let planes = Arc::new(planes);
+        match CopyChecker::start(planes.clone()) {
+            Ok(checker) => {
+                self.host_planes = Some(planes);
+                self.copy_checker = Some(checker);
+                self.leases.set_checks_copies(true);
+            }
+            Err(e) => {
+                // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
+                warn!(
+                    "no thread to check copies in the engine's blocks ({e}); chunks from node memory go through L1"
+                );
+                self.host_planes = None;
+                self.copy_checker = None;
+                self.leases.set_checks_copies(false);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ConnectorWorker {
+    /// Waits for checks still reading the engine's blocks, which must stay mapped only while
+    /// the worker lives (see [`HostPlanes::new`]).
+    fn drop(&mut self) {
+        for c in self.checking.drain(..) {
+            let _ = c.checked.recv();
+        }
+    }
 }
 
 /// A load job to check, and where to hand it back.

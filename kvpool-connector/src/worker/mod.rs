@@ -31,6 +31,7 @@ use crate::ConnectorError;
 use crate::leases::LeaseTable;
 use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
 use crate::request_trace::{RequestTrace, RequestTraces};
+use copy_checker::CheckingLoad;
 use copy_job::JobMemory;
 use loads::AsyncLoads;
 use staged::StagedSaves;
@@ -113,37 +114,6 @@ struct BlockCheck {
     key: kvpool_core::CacheKey,
     /// The engine blocks it is copied into, in chunk order.
     blocks: Vec<u32>,
-}
-
-/// A load job whose chunks copied from node memory are being checked in the engine's blocks
-/// on the worker's [`copy_checker::CopyChecker`] thread, which hands the job back with its
-/// verdict.
-struct CheckingLoad {
-    req_id: String,
-    /// The job's blocks, reported failed if the thread never hands the job back.
-    blocks: Vec<u32>,
-    asynchronous: bool,
-    checked: std::sync::mpsc::Receiver<CheckedLoad>,
-}
-
-/// A load job handed back by its check, with what the check found.
-pub(super) struct CheckedLoad {
-    job: InFlight,
-    checks: Vec<BlockCheck>,
-    verdict: CheckVerdict,
-}
-
-/// What the check of a load's copies from node memory found.
-#[derive(Debug)]
-pub(super) enum CheckVerdict {
-    /// Every copy matches its chunk's checksum.
-    Verified,
-    /// The copy of check `index`'s chunk does not: that chunk is deleted from the pool, and
-    /// its blocks and every later block of the job are failed.
-    Mismatch { index: usize, why: String },
-    /// The copies could not be checked (no checker, a panic): every block from the first
-    /// check's on is failed, and no chunk is blamed.
-    Unchecked(String),
 }
 
 /// The worker side of the connector (one per engine worker / TP rank).
@@ -230,46 +200,6 @@ impl ConnectorWorker {
             loaded_from_node_memory: HashSet::new(),
             save_slot_deadline: std::time::Instant::now(),
         }
-    }
-
-    /// Gives the worker the engine's KV blocks in host memory (vLLM's CPU tensors), which it
-    /// then reads to check loads copied once, straight from node memory into the blocks: the
-    /// node's pool daemon's chunks stay where they lie until that copy, instead of being
-    /// copied into L1 first. Without them (blocks on a GPU) such chunks go through L1. A
-    /// worker that does not read the engine's blocks never touches them.
-    ///
-    /// Refused when the planes do not make up this worker's block layout.
-    pub fn set_host_planes(&mut self, planes: HostPlanes) -> Result<(), ConnectorError> {
-        if planes.block_bytes() != self.block_bytes() {
-            return Err(ConnectorError::Layout(format!(
-                "host KV planes of {} bytes per block, the layout has {}",
-                planes.block_bytes(),
-                self.block_bytes()
-            )));
-        }
-        // Checks still reading the planes given before end first.
-        self.settle_checks();
-        if self.host_planes.as_deref() == Some(&planes) {
-            return Ok(());
-        }
-        let planes = Arc::new(planes);
-        match copy_checker::CopyChecker::start(planes.clone()) {
-            Ok(checker) => {
-                self.host_planes = Some(planes);
-                self.copy_checker = Some(checker);
-                self.leases.set_checks_copies(true);
-            }
-            Err(e) => {
-                // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
-                warn!(
-                    "no thread to check copies in the engine's blocks ({e}); chunks from node memory go through L1"
-                );
-                self.host_planes = None;
-                self.copy_checker = None;
-                self.leases.set_checks_copies(false);
-            }
-        }
-        Ok(())
     }
 
     /// The pool this worker loads from and saves to.
@@ -617,16 +547,6 @@ impl ConnectorWorker {
     pub fn get_block_ids_with_load_errors(&mut self) -> Vec<u32> {
         self.settle_checks();
         std::mem::take(&mut self.load_errors).into_iter().collect()
-    }
-}
-
-impl Drop for ConnectorWorker {
-    /// Waits for checks still reading the engine's blocks, which must stay mapped only while
-    /// the worker lives (see [`HostPlanes::new`]).
-    fn drop(&mut self) {
-        for c in self.checking.drain(..) {
-            let _ = c.checked.recv();
-        }
     }
 }
 
