@@ -17,7 +17,9 @@ use crate::worker::{CopyDirection, CopyJob};
 ///
 /// `job` must come from a live [`crate::ConnectorWorker`] that has not yet been told it is
 /// done ([`crate::ConnectorWorker::copy_done`]): its addresses then point at chunk buffers of
-/// `job.chunk_bytes(c)` bytes that the worker owns and nobody else touches.
+/// `job.chunk_bytes(c)` bytes that the worker owns and nobody else touches (a load's chunk
+/// lent by node memory may change under it: it is read once, into its staged copy,
+/// [`CopyJob::check_copy_ptrs`]).
 pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(), TransferError> {
     let layout = *kv.layout();
     let bs = layout.block_size;
@@ -63,7 +65,18 @@ pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(
             CopyDirection::Load => {
                 // SAFETY: the caller promised `ptr` addresses `chunk_bytes` bytes owned by the
                 // worker for the job's life, read-only for a load.
-                let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, chunk_bytes) };
+                let mut data = unsafe { std::slice::from_raw_parts(ptr as *const u8, chunk_bytes) };
+                let staged = job.check_copy_ptrs.get(c).copied().unwrap_or(0);
+                if staged != 0 {
+                    // The chunk is read once, into the worker's buffer, and the blocks are
+                    // filled from that copy, which the worker then checks.
+                    // SAFETY: as above: the worker owns the buffer, of the chunk's length,
+                    // for the job's life, and only the job writes it.
+                    let copy =
+                        unsafe { std::slice::from_raw_parts_mut(staged as *mut u8, chunk_bytes) };
+                    copy.copy_from_slice(data);
+                    data = copy;
+                }
                 kv.scatter(ChunkWindow {
                     data,
                     chunk_tokens,

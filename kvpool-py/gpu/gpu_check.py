@@ -13,7 +13,11 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
    waits for the compute stream), and a synchronous and an asynchronous load put those bytes
    into other blocks, byte for byte; no copy synchronizes with the device (torch's sync debug
    mode set to raise while the copies are queued);
-4. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
+4. a staged load (the route of a chunk from the node's pool daemon, whose shared memory is
+   pageable here): the chunk goes to the device once, the blocks are filled from that copy,
+   and it is read back into a page-locked buffer of the worker's by the time the job's event
+   has passed; both the blocks and the buffer hold the chunk, byte for byte;
+5. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
    ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
 
@@ -192,6 +196,50 @@ def correctness(report, caches, tmp, use_mla=False):
     e.shutdown()
 
 
+def staged_load(report):
+    """A load job whose chunks come with buffers to stage them in (``check_copy_ptrs``), run
+    by the transfer path alone: the source is pageable memory (as the daemon's shared memory
+    is, unregistered), the buffers page-locked (as L1's are)."""
+    caches = fa_caches(2, 64, 8, 128, torch.bfloat16, DEVICE)
+    layout = detect(caches, BLOCK, backend="FLASH_ATTN", layout_name="LBNHC")
+    mover = BlockMover(layout.planes)
+    per_block = len(layout.planes) * mover.plane_block_bytes
+    chunk_blocks = [CHUNK // BLOCK, 1]
+    source = torch.randint(0, 256, (sum(chunk_blocks) * per_block,), dtype=torch.uint8)
+    pinned = DEVICE == "cuda"
+    buffers = [torch.zeros(n * per_block, dtype=torch.uint8, pin_memory=pinned)
+               for n in chunk_blocks]
+    blocks = list(range(3, 3 + sum(chunk_blocks)))
+    ptrs = [source.data_ptr(), source.data_ptr() + chunk_blocks[0] * per_block]
+    job = CopyJob(id=1, is_load=True, req_id="staged", block_ids=blocks, skip_blocks=0,
+                  chunk_blocks=chunk_blocks, block_bytes=per_block, chunk_ptrs=ptrs,
+                  check_copy_ptrs=[b.data_ptr() for b in buffers])
+    mover.run(job)
+    deadline = time.monotonic() + 30
+    done = mover.poll()
+    while mover.cuda and not done and time.monotonic() < deadline:
+        time.sleep(0.0005)
+        done = mover.poll()
+    # On CPU the job is done when `run` returns, and nothing is pending.
+    report["job_done"] = done == ([1] if mover.cuda else [])
+    # What poll reported done is in the buffers, with nothing more synchronized.
+    report["buffers_hold_the_chunks"] = all(
+        torch.equal(b, source[p - ptrs[0]:p - ptrs[0] + b.numel()])
+        for b, p in zip(buffers, ptrs))
+    sync()
+    host = [plane.cpu() for plane in layout.planes]
+    whole = source.view(sum(chunk_blocks), per_block)
+    plane_bytes = mover.plane_block_bytes
+    exact = True
+    first = 0
+    for n in chunk_blocks:
+        chunk = whole[first:first + n].reshape(len(host), n, plane_bytes)
+        for p, plane in enumerate(host):
+            exact &= torch.equal(plane[blocks[first:first + n]], chunk[p])
+        first += n
+    report["blocks_hold_the_chunks"] = bool(exact)
+
+
 def throughput(report, tmp):
     # Llama-3-8B-like per layer: 8 KV heads x 128, bf16: 4 KiB per token and layer; 8 layers
     # x 16-token blocks x 2048 blocks... sized so one transfer moves 512 MiB.
@@ -341,6 +389,14 @@ def main():
                     if not r.get(key):
                         failures.append(f"host_memory_lifetime: {key} {r.get(key)!r} "
                                         f"{r.get('error', '')}")
+            r = report.setdefault("staged_load", {})
+            try:
+                staged_load(r)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = repr(e)
+            for key in ("job_done", "buffers_hold_the_chunks", "blocks_hold_the_chunks"):
+                if not r.get(key):
+                    failures.append(f"staged_load: {key} {r.get(key)!r} {r.get('error', '')}")
             try:
                 throughput(report, tmp)
             except Exception as e:  # noqa: BLE001

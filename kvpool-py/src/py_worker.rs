@@ -124,7 +124,7 @@ impl WorkerCore {
 }
 
 /// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
-/// block_bytes, chunk_ptrs)`.
+/// block_bytes, chunk_ptrs, check_copy_ptrs)`.
 pub type PyCopyJob = (
     u64,
     bool,
@@ -133,6 +133,7 @@ pub type PyCopyJob = (
     usize,
     Vec<usize>,
     usize,
+    Vec<usize>,
     Vec<usize>,
 );
 
@@ -146,6 +147,7 @@ fn py_job(j: CopyJob) -> PyCopyJob {
         j.chunk_blocks,
         j.block_bytes,
         j.chunk_ptrs,
+        j.check_copy_ptrs,
     )
 }
 
@@ -378,6 +380,16 @@ impl PyWorker {
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
+    /// Tells the worker that the engine side stages each load's chunk from the node's pool
+    /// daemon in the buffer a job names for it (`check_copy_ptrs`: on a GPU, read back from
+    /// the one device copy the blocks were filled from), and checks those buffers behind the
+    /// forward pass: the daemon's chunks are then copied once, from its shared memory, rather
+    /// than into L1 first.
+    fn check_staged_copies(&self) -> PyResult<()> {
+        core_guard(self)?.worker.check_staged_copies();
+        Ok(())
+    }
+
     /// Calls `callback()` once when this worker is freed, before the host memory of
     /// [`host_memory`](Self::host_memory) is (replacing an earlier callback): for the engine
     /// side to end what it set up on that memory, such as CUDA's page-locking.
@@ -447,6 +459,7 @@ impl PyWorker {
         d.set_item("sync_loads", w.sync_loads)?;
         d.set_item("failed_load_blocks", w.failed_load_blocks)?;
         d.set_item("node_memory_tokens", w.node_memory_tokens)?;
+        d.set_item("node_memory_staged_tokens", w.node_memory_staged_tokens)?;
         d.set_item("node_memory_saved_tokens", w.node_memory_saved_tokens)?;
         d.set_item("saved_tokens", w.saved_tokens)?;
         d.set_item("stored_tokens", w.stored_tokens)?;

@@ -57,6 +57,7 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     # there (vLLM's CPU blocks are host memory the worker reads).
     ours = b["vllm_metrics"]
     assert ours.get("vllm:kvpool_node_memory_tokens_total", 0) >= PREFIX, ours
+    assert ours.get("vllm:kvpool_node_memory_staged_tokens_total", 0) == 0, ours
     assert ours.get("vllm:kvpool_corrupt_chunks_total", 0) == 0, ours
     assert ours.get("vllm:kvpool_failed_load_blocks_total", 0) == 0, ours
 
@@ -76,6 +77,37 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     assert again["stats"]["async_loads"] == 0, again["stats"]
     assert again["stats"]["sync_loads"] >= 1, again["stats"]
     assert again["stats"]["node_memory_tokens"] >= PREFIX, again["stats"]
+
+
+def test_the_gpu_route_on_cpu_tensors_reads_the_daemons_chunks_once_and_checks_the_staged_copy(
+        runner, model_dir, pool_daemon):
+    """The route a GPU worker takes (it cannot read vLLM's blocks), run on CPU tensors with
+    ``stage_node_memory_copies``: B's lookups pin the daemon's chunks where they lie, the
+    transfer path reads each once from the daemon's shared memory into a buffer of the
+    worker's and fills vLLM's blocks from it (on a GPU: one copy to the device, read back into
+    the buffer), and the worker checks the buffer behind the forward pass. vLLM's default
+    multi-process mode, as GPU serving runs."""
+    daemon = pool_daemon("staged")
+    prompts = shared_prefix_prompts(3, seed=40)
+    base = runner.baseline(model_dir, prompts)
+    runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": attach(daemon)})
+    daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
+
+    cfg = {**attach(daemon), "stage_node_memory_copies": True}
+    b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                    "multiprocess": True, "vllm_metrics": True})
+    assert_same_outputs(base, b, "B, staged")
+    for i, r in enumerate(b["results"]):
+        assert r["num_cached_tokens"] >= PREFIX, (i, r["num_cached_tokens"])
+    ours = b["vllm_metrics"]
+    # Loaded from where the chunks lie (pinned at lookup), not promoted into L1 first, and
+    # checked in the staged copy, not in vLLM's blocks.
+    assert ours.get("vllm:kvpool_node_memory_tokens_total", 0) >= PREFIX, ours
+    assert ours.get("vllm:kvpool_node_memory_staged_tokens_total", 0) >= PREFIX, ours
+    assert ours.get("vllm:kvpool_corrupt_chunks_total", 0) == 0, ours
+    assert ours.get("vllm:kvpool_failed_load_blocks_total", 0) == 0, ours
+    after = daemon.wait(lambda s: s["sessions"] == 0, "B detached")
+    assert after["leases"] == 0, after
 
 
 def test_the_daemon_killed_mid_run_costs_only_recomputes_and_its_disk_serves_after_a_restart(

@@ -24,10 +24,10 @@ def _planes(num_planes, blocks, block_bytes, row_bytes):
     return [r[:, :block_bytes] for r in rows]
 
 
-def _job(job_id, is_load, block_ids, chunk_blocks, block_bytes, ptrs, skip=0):
+def _job(job_id, is_load, block_ids, chunk_blocks, block_bytes, ptrs, skip=0, checks=()):
     return CopyJob(id=job_id, is_load=is_load, req_id="r", block_ids=block_ids,
                    skip_blocks=skip, chunk_blocks=chunk_blocks, block_bytes=block_bytes,
-                   chunk_ptrs=ptrs)
+                   chunk_ptrs=ptrs, check_copy_ptrs=list(checks))
 
 
 @pytest.mark.parametrize("block_bytes,row_bytes,host_offset,word", [
@@ -109,3 +109,43 @@ def test_a_job_whose_sizes_disagree_with_the_planes_is_refused():
     arena = torch.zeros(1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match="chunk blocks of 64 bytes for 2 planes"):
         mover.run(_job(1, True, [0], [1], 64, [arena.data_ptr()]))
+
+
+def test_a_staged_load_leaves_the_bytes_it_filled_the_blocks_with_in_the_workers_buffer():
+    """A chunk of the node's pool daemon (memory other processes write) is read once: into
+    the worker's buffer, the blocks filled from there (on CUDA: from the device copy read back
+    into the buffer), so the worker's check of the buffer vouches for the blocks. The first
+    chunk starts past blocks the engine holds: the buffer still gets the whole chunk, which
+    the checksum covers."""
+    planes = _planes(2, 16, 64, 64)
+    mover = BlockMover(planes)
+    per_block = 2 * 64
+    arena = torch.randint(0, 256, (6 * per_block,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(3))
+    staged = torch.zeros(4 * per_block, dtype=torch.uint8)
+    ptrs = [arena.data_ptr(), arena.data_ptr() + 4 * per_block]
+    # Chunk 0 (4 blocks, the first held already) is staged; chunk 1 (a tail block) is not.
+    checks = [staged.data_ptr(), 0]
+    before = [p.clone() for p in planes]
+    mover.run(_job(1, True, [5, 6, 7, 12, 13], [4, 2], per_block, ptrs, skip=1,
+                   checks=checks))
+    assert torch.equal(staged, arena[:4 * per_block]), "the whole chunk, as read"
+    chunk0 = arena[:4 * per_block].view(2, 4, 64)
+    chunk1 = arena[4 * per_block:].view(2, 2, 64)
+    for i, (p, b) in enumerate(zip(planes, before)):
+        assert torch.equal(p[[5, 6, 7]], chunk0[i, 1:])
+        assert torch.equal(p[[12, 13]], chunk1[i])
+        assert torch.equal(p[0:5], b[0:5])
+
+
+def test_staged_copies_are_refused_for_a_save_or_with_a_count_unlike_the_chunks():
+    mover = BlockMover(_planes(2, 8, 64, 64))
+    arena = torch.zeros(4 * 128, dtype=torch.uint8)
+    staged = torch.zeros(4 * 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="1 staged copies for a save of 1 chunks"):
+        mover.run(_job(1, False, [0, 1, 2, 3], [4], 128, [arena.data_ptr()],
+                       checks=[staged.data_ptr()]))
+    with pytest.raises(ValueError, match="2 staged copies for a load of 1 chunks"):
+        mover.run(_job(2, True, [0, 1, 2, 3], [4], 128, [arena.data_ptr()],
+                       checks=[staged.data_ptr(), 0]))
+    assert bool((staged == 0).all())

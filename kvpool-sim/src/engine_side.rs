@@ -35,6 +35,9 @@ pub struct EngineWorker {
     pub kv: HostPagedKvCache,
     /// Blocks a load wrote since they were last checked (see [`EngineWorker::take_loaded_blocks`]).
     loaded: BTreeSet<u32>,
+    /// Whether the worker reads the blocks (vLLM's CPU worker), else the rank stages its
+    /// copies from node memory for the worker to check (a GPU worker's route).
+    shows_blocks: bool,
 }
 
 impl EngineWorker {
@@ -52,15 +55,40 @@ impl EngineWorker {
             worker,
             kv: HostPagedKvCache::new(layout, num_blocks),
             loaded: BTreeSet::new(),
+            shows_blocks: true,
         };
         rank.show_blocks()?;
         Ok(rank)
+    }
+
+    /// A rank as [`EngineWorker::new`] makes, but whose blocks the worker never reads, as on
+    /// a GPU: the rank stages each chunk lent by node memory in the buffer the job names for
+    /// it ([`kvpool_connector::CopyJob::check_copy_ptrs`]), which the worker checks.
+    pub fn new_staging(
+        engine: Arc<CacheEngine>,
+        runtime: Arc<Runtime>,
+        leases: Arc<LeaseTable>,
+        layout: KvLayout,
+        num_blocks: usize,
+    ) -> Result<Self, ConnectorError> {
+        let mut worker = ConnectorWorker::new(engine, runtime, layout.block_size, leases);
+        worker.register_kv_caches(&layout)?;
+        worker.check_staged_copies();
+        Ok(EngineWorker {
+            worker,
+            kv: HostPagedKvCache::new(layout, num_blocks),
+            loaded: BTreeSet::new(),
+            shows_blocks: false,
+        })
     }
 
     /// Shows the worker the KV blocks, as vLLM's CPU connector does, so that chunks of the
     /// node's pool daemon are copied once, straight into them, and checked there. Again
     /// before every batch of jobs: a test may replace `kv`.
     fn show_blocks(&mut self) -> Result<(), ConnectorError> {
+        if !self.shows_blocks {
+            return Ok(());
+        }
         // SAFETY: `kv` outlives the worker's use of the planes: the worker reads them between
         // a job's `copy_done` (called by `run_jobs` right after this refresh) and the end of
         // its step (every check is settled by `end_step`, and by this refresh), and `kv` is

@@ -3,7 +3,10 @@
 //! engine's blocks, and the worker checks the copy there. A save: the daemon lends places in
 //! its memory, the save copies each chunk straight into one, and the worker seals it with a
 //! checksum hashed from the blocks. A real daemon on a socket in a temp dir; the engine side is
-//! the simulator's (host KV blocks, as vLLM's CPU build has).
+//! the simulator's (host KV blocks, as vLLM's CPU build has). An engine whose blocks the
+//! worker cannot read (a GPU's) takes the staged route instead: its side reads each chunk
+//! once into a buffer the job names, fills the blocks from that copy, and the worker checks
+//! the buffer (`EngineWorker::new_staging`).
 
 mod protocol_fixture;
 
@@ -119,14 +122,75 @@ fn the_daemons_chunks_are_copied_once_into_the_blocks_and_checked_there() {
     assert_eq!(d.daemon.stats().pins, 0);
 }
 
-/// Loads `chunks` chunks the daemon holds into a fresh engine, with chunk `changed` written
-/// by another process after the lookup: its blocks and every later one must be reported
-/// failed, the chunks before it loaded, and nothing in the blocks used as KV unchecked.
-fn a_chunk_changed_after_the_lookup_fails_from_it_on(chunks: usize, changed: usize, seed: u32) {
+/// Makes `s`'s rank one whose blocks the worker cannot read, as a GPU engine's: it stages
+/// its copies from node memory for the worker to check.
+fn staging(s: &mut Setup) {
+    let leases = s.w.worker.leases().clone();
+    s.w = kvpool_sim::engine_side::EngineWorker::new_staging(
+        s.engine.clone(),
+        s.runtime.clone(),
+        leases,
+        *s.engine.layout(),
+        64,
+    )
+    .unwrap();
+}
+
+#[test]
+fn an_engine_that_stages_its_copies_loads_the_daemons_chunks_with_one_read_and_checks_the_staged_copy()
+ {
+    // The GPU route, on host blocks: the lookup pins the chunks where they lie (nothing goes
+    // through L1), the engine side reads each once into the job's buffer and fills the blocks
+    // from it, and the worker checks the buffer behind the forward pass.
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 13);
+    stored_by_another_engine(&d, &p[..3 * CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    staging(&mut s);
+    let blocks: Vec<u32> = (10..17).collect();
+    let meta = looked_up(&mut s, &p, 3 * CHUNK, &blocks);
+    assert_eq!(s.engine.storage().stats().tiers[0].backend.entries, 0);
+    assert_eq!(d.daemon.stats().pins, 3, "the lease pins the three chunks");
+    s.w.begin_step(&meta.encode()).unwrap();
+    assert_eq!(
+        s.w.worker.in_flight().0,
+        1,
+        "the staged copies are checked behind the forward pass"
+    );
+    let out = s.w.end_step(&[]);
+    let failed = s.report(&[out]);
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(model_mismatches(&s.w.kv, &p[..3 * CHUNK], &blocks[..6]), 0);
+    let stats = s.w.worker.stats();
+    assert_eq!(stats.loaded_tokens as usize, 3 * CHUNK);
+    assert_eq!(stats.node_memory_tokens as usize, 3 * CHUNK);
+    assert_eq!(stats.node_memory_staged_tokens as usize, 3 * CHUNK);
+    assert_eq!(
+        s.engine.storage().stats().tiers[0].backend.entries,
+        0,
+        "the staged copies are not stored in L1"
+    );
+    s.pool_hit(&p);
+    assert_eq!(d.daemon.stats().pins, 0);
+}
+
+/// Loads `chunks` chunks the daemon holds into a fresh engine (one that stages its copies if
+/// `staged`), with chunk `changed` written by another process after the lookup: its blocks
+/// and every later one must be reported failed, the chunks before it loaded, and nothing in
+/// the blocks used as KV unchecked.
+fn a_chunk_changed_after_the_lookup_fails_from_it_on(
+    chunks: usize,
+    changed: usize,
+    seed: u32,
+    staged: bool,
+) {
     let d = daemon();
     let p = prompt(chunks * CHUNK + 1, seed);
     stored_by_another_engine(&d, &p[..chunks * CHUNK]);
     let mut s = setup_tiered(&d.url);
+    if staged {
+        staging(&mut s);
+    }
     let blocks: Vec<u32> = (0..2 * chunks as u32 + 1).collect();
     let meta = looked_up(&mut s, &p, chunks * CHUNK, &blocks);
     // Another process writes into the chunk's payload after the lookup checked its header (a
@@ -173,12 +237,18 @@ fn a_chunk_changed_after_the_lookup_fails_from_it_on(chunks: usize, changed: usi
 
 #[test]
 fn a_chunk_changed_in_shared_memory_after_the_lookup_is_a_failed_load_never_kv() {
-    a_chunk_changed_after_the_lookup_fails_from_it_on(3, 1, 4);
+    a_chunk_changed_after_the_lookup_fails_from_it_on(3, 1, 4, false);
 }
 
 #[test]
 fn a_chunk_changed_late_in_a_long_load_fails_from_it_on_and_keeps_the_ones_before() {
-    a_chunk_changed_after_the_lookup_fails_from_it_on(7, 5, 9);
+    a_chunk_changed_after_the_lookup_fails_from_it_on(7, 5, 9, false);
+}
+
+#[test]
+fn a_chunk_changed_in_shared_memory_fails_its_staged_copys_check_never_kv() {
+    a_chunk_changed_after_the_lookup_fails_from_it_on(3, 1, 14, true);
+    a_chunk_changed_after_the_lookup_fails_from_it_on(4, 0, 15, true);
 }
 
 #[test]

@@ -12,7 +12,7 @@ use super::copy_checker::{CheckVerdict, CheckingLoad};
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
-use super::{BlockCheck, ConnectorWorker, CopyDirection, InFlight, STAGED_STEP_TTL};
+use super::{ConnectorWorker, CopyDirection, InFlight, LentChunkCheck, STAGED_STEP_TTL};
 
 /// A request's chunks ready to store: through L1, and sealed in places node memory lent.
 type ReadyToStore = (Vec<(kvpool_core::CacheKey, Chunk)>, Vec<SaveSlot>);
@@ -97,9 +97,10 @@ impl ConnectorWorker {
         staged
     }
 
-    /// A load job's copy ended. Chunks copied straight from node memory are checked in the
-    /// engine's blocks on the worker's [`super::copy_checker::CopyChecker`] thread, while the
-    /// engine runs the step's forward pass; the job ends once
+    /// A load job's copy ended. Chunks copied straight from node memory are checked (in the
+    /// engine's blocks, or in the engine side's staged copies) on the worker's
+    /// [`super::copy_checker::CopyChecker`] thread, while the engine runs the step's forward
+    /// pass; the job ends once
     /// [`ConnectorWorker::settle_checks`] has their outcome. Every other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {
         if !ok || f.checks.is_empty() {
@@ -107,10 +108,9 @@ impl ConnectorWorker {
         }
         let checks = std::mem::take(&mut f.checks);
         let Some(checker) = &self.copy_checker else {
-            // Never planned so (only a worker that reads the blocks copies from node memory
-            // straight into them), and never trusted unchecked.
-            let unchecked =
-                CheckVerdict::Unchecked("the engine's blocks are not in host memory".to_string());
+            // Never planned so (only a worker with a checker copies from node memory where it
+            // lies), and never trusted unchecked.
+            let unchecked = CheckVerdict::Unchecked("no thread checks copies".to_string());
             return self.finish_load(f, ok, &checks, unchecked);
         };
         let (req_id, blocks, asynchronous) = (f.req_id.clone(), f.blocks.clone(), f.asynchronous);
@@ -153,7 +153,7 @@ impl ConnectorWorker {
         &mut self,
         mut f: InFlight,
         ok: bool,
-        checks: &[BlockCheck],
+        checks: &[LentChunkCheck],
         verdict: CheckVerdict,
     ) {
         if ok {
@@ -176,19 +176,23 @@ impl ConnectorWorker {
         }
     }
 
-    /// Applies the verdict on a load's chunks lent by node memory (see
-    /// [`super::HostPlanes`]): the chunks before the first that failed count as loaded from
+    /// Applies the verdict on a load's chunks lent by node memory (checked in the engine's
+    /// blocks, [`super::HostPlanes`], or in staged copies): the chunks before the first that failed count as loaded from
     /// node memory; from its first block on, every block of the job is reported failed, and
     /// the job counts only what came before. A chunk whose copy did not match its checksum is
     /// deleted from the pool; copies left unchecked blame no chunk.
-    fn apply_checks(&mut self, f: &mut InFlight, checks: &[BlockCheck], verdict: CheckVerdict) {
+    fn apply_checks(&mut self, f: &mut InFlight, checks: &[LentChunkCheck], verdict: CheckVerdict) {
         let passed = match &verdict {
             CheckVerdict::Verified => checks.len(),
             CheckVerdict::Mismatch { index, .. } => *index,
             CheckVerdict::Unchecked(_) => 0,
         };
         for check in &checks[..passed.min(checks.len())] {
-            self.stats.node_memory_tokens += (check.blocks.len() * self.block_size) as u64;
+            let tokens = (check.blocks.len() * self.block_size) as u64;
+            self.stats.node_memory_tokens += tokens;
+            if matches!(check.site, super::CheckSite::Staged(_)) {
+                self.stats.node_memory_staged_tokens += tokens;
+            }
         }
         let failed_from = match verdict {
             CheckVerdict::Verified => return,
@@ -199,7 +203,7 @@ impl ConnectorWorker {
             CheckVerdict::Mismatch { index, why } => {
                 let check = checks.get(index);
                 let key = check.map(|c| c.key.to_string()).unwrap_or_default();
-                warn!(req = %f.req_id, key = %key, error = %why, "a chunk copied from node memory failed its check in the engine's blocks; reporting its blocks and deleting it");
+                warn!(req = %f.req_id, key = %key, error = %why, "a chunk copied from node memory failed its check; reporting its blocks and deleting it");
                 metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
                 if let Some(check) = check {
                     // As any tier's value that fails its checks: a miss, and deleted, so that

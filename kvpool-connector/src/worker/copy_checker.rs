@@ -1,18 +1,20 @@
-//! The worker's thread that checks a load's copies from node memory in the engine's blocks
-//! while vLLM runs the step's forward pass ([`CopyChecker`]), started when the worker is shown
-//! the blocks (`ConnectorWorker::set_host_planes`); the worker waits for its verdicts before
-//! the step's results leave it (`ConnectorWorker::settle_checks`).
+//! The worker's thread that checks a load's copies from node memory (in the engine's blocks,
+//! or in the engine side's staged copies) while vLLM runs the step's forward pass
+//! ([`CopyChecker`]), started when the worker is shown the blocks
+//! (`ConnectorWorker::set_host_planes`) or told the engine side stages its copies
+//! (`ConnectorWorker::check_staged_copies`); the worker waits for its verdicts before the
+//! step's results leave it (`ConnectorWorker::settle_checks`).
 
 use std::sync::{Arc, mpsc};
 
 use super::copy_check::{HostPlanes, LoadSource};
 use super::copy_job::JobMemory;
-use super::{BlockCheck, ConnectorWorker, InFlight};
+use super::{CheckSite, ConnectorWorker, InFlight, LentChunkCheck};
 use crate::ConnectorError;
 use tracing::warn;
 
-/// A load job whose chunks copied from node memory are being checked in the engine's blocks
-/// on the worker's [`CopyChecker`] thread, which hands the job back with its
+/// A load job whose chunks copied from node memory are being checked on the worker's
+/// [`CopyChecker`] thread, which hands the job back with its
 /// verdict.
 pub(super) struct CheckingLoad {
     pub(super) req_id: String,
@@ -25,7 +27,7 @@ pub(super) struct CheckingLoad {
 /// A load job handed back by its check, with what the check found.
 pub(super) struct CheckedLoad {
     pub(super) job: InFlight,
-    pub(super) checks: Vec<BlockCheck>,
+    pub(super) checks: Vec<LentChunkCheck>,
     pub(super) verdict: CheckVerdict,
 }
 
@@ -42,8 +44,13 @@ pub(super) enum CheckVerdict {
     Unchecked(String),
 }
 
-/// Checks a load's copies in order, up to the first that fails.
-fn check_copies(planes: &HostPlanes, memory: &JobMemory, checks: &[BlockCheck]) -> CheckVerdict {
+/// Checks a load's copies in order, up to the first that fails: in the engine's blocks
+/// (`planes`) or in their staged copy.
+fn check_copies(
+    planes: Option<&HostPlanes>,
+    memory: &JobMemory,
+    checks: &[LentChunkCheck],
+) -> CheckVerdict {
     let JobMemory::Load(chunks) = memory else {
         return CheckVerdict::Unchecked("not a load's chunks".to_string());
     };
@@ -54,7 +61,16 @@ fn check_copies(planes: &HostPlanes, memory: &JobMemory, checks: &[BlockCheck]) 
                 check.chunk
             ));
         };
-        if let Err(why) = planes.check(chunk, &check.blocks) {
+        let checked = match (&check.site, planes) {
+            (CheckSite::Blocks, Some(planes)) => planes.check(chunk, &check.blocks),
+            (CheckSite::Blocks, None) => {
+                return CheckVerdict::Unchecked("the engine's blocks are not readable".into());
+            }
+            (CheckSite::Staged(copy), _) => chunk
+                .verify_copy([copy.as_slice()])
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(why) = checked {
             return CheckVerdict::Mismatch { index, why };
         }
     }
@@ -83,23 +99,45 @@ impl ConnectorWorker {
             return Ok(());
         }
         let planes = Arc::new(planes);
-        match CopyChecker::start(planes.clone()) {
+        self.host_planes = Some(planes.clone());
+        self.start_copy_checker(Some(planes));
+        Ok(())
+    }
+
+    /// Tells the worker that the engine side stages each load's chunk from node memory in a
+    /// buffer of this process it gives the job ([`super::CopyJob::check_copy_ptrs`]), which
+    /// the worker then checks behind the forward pass: the route where the worker cannot read
+    /// the engine's blocks (blocks on a GPU: one copy of the chunk to the device, the blocks
+    /// filled from it, and that device copy read back into the buffer). Without it such
+    /// chunks are copied into L1 and checked at lookup, before the copy into the blocks.
+    pub fn check_staged_copies(&mut self) {
+        self.settle_checks();
+        self.checks_staged_copies = true;
+        if self.copy_checker.is_none() {
+            self.start_copy_checker(self.host_planes.clone());
+        }
+    }
+
+    /// Starts the thread that checks copies (in `planes`, if given); without one, chunks from
+    /// node memory go through L1.
+    fn start_copy_checker(&mut self, planes: Option<Arc<HostPlanes>>) {
+        match CopyChecker::start(planes) {
             Ok(checker) => {
-                self.host_planes = Some(planes);
                 self.copy_checker = Some(checker);
                 self.leases.set_checks_copies(true);
             }
             Err(e) => {
-                // Node memory's chunks then go through L1, as on a GPU: slower, as correct.
+                // Node memory's chunks then go through L1 and are checked there: slower, as
+                // correct.
                 warn!(
-                    "no thread to check copies in the engine's blocks ({e}); chunks from node memory go through L1"
+                    "no thread to check copies from node memory ({e}); chunks from node memory go through L1"
                 );
                 self.host_planes = None;
+                self.checks_staged_copies = false;
                 self.copy_checker = None;
                 self.leases.set_checks_copies(false);
             }
         }
-        Ok(())
     }
 }
 
@@ -116,22 +154,23 @@ impl Drop for ConnectorWorker {
 /// A load job to check, and where to hand it back.
 struct CheckRequest {
     job: InFlight,
-    checks: Vec<BlockCheck>,
+    checks: Vec<LentChunkCheck>,
     reply: mpsc::SyncSender<CheckedLoad>,
 }
 
-/// The thread that checks loads copied from node memory in the engine's blocks while the
-/// engine runs the step's forward pass (one per worker, started with its host planes, ended
-/// when the worker drops it). A thread of its own, not one spawned per job: spawning one
+/// The thread that checks loads copied from node memory while the engine runs the step's
+/// forward pass (one per worker, started with its host planes or when the engine side stages
+/// its copies, ended when the worker drops it). A thread of its own, not one spawned per job: spawning one
 /// took up to 2 ms on the development VM, on the path to the forward pass.
 pub(super) struct CopyChecker {
     jobs: mpsc::Sender<CheckRequest>,
-    planes: Arc<HostPlanes>,
+    planes: Option<Arc<HostPlanes>>,
 }
 
 impl CopyChecker {
-    /// Starts the thread that checks copies in `planes`.
-    pub(super) fn start(planes: Arc<HostPlanes>) -> std::io::Result<Self> {
+    /// Starts the thread that checks copies: in `planes` for a check in the engine's blocks,
+    /// and in staged copies.
+    pub(super) fn start(planes: Option<Arc<HostPlanes>>) -> std::io::Result<Self> {
         let (jobs, requests) = mpsc::channel::<CheckRequest>();
         let thread_planes = planes.clone();
         std::thread::Builder::new()
@@ -141,7 +180,7 @@ impl CopyChecker {
                 run_on_any_allowed_cpu();
                 for r in requests {
                     let CheckRequest { job, checks, reply } = r;
-                    let verdict = check_catching_panics(&thread_planes, &job, &checks);
+                    let verdict = check_catching_panics(thread_planes.as_deref(), &job, &checks);
                     // The worker may have stopped waiting (it was dropped): nothing to do.
                     let _ = reply.send(CheckedLoad {
                         job,
@@ -158,7 +197,7 @@ impl CopyChecker {
     pub(super) fn check(
         &self,
         job: InFlight,
-        checks: Vec<BlockCheck>,
+        checks: Vec<LentChunkCheck>,
     ) -> mpsc::Receiver<CheckedLoad> {
         let (reply, checked) = mpsc::sync_channel(1);
         let request = CheckRequest {
@@ -167,7 +206,7 @@ impl CopyChecker {
             reply: reply.clone(),
         };
         if let Err(mpsc::SendError(r)) = self.jobs.send(request) {
-            let verdict = check_catching_panics(&self.planes, &r.job, &r.checks);
+            let verdict = check_catching_panics(self.planes.as_deref(), &r.job, &r.checks);
             let _ = reply.send(CheckedLoad {
                 job: r.job,
                 checks: r.checks,
@@ -225,9 +264,9 @@ fn no_wakeup_preemption() {
 
 /// [`check_copies`], a panic counted as copies left unchecked.
 fn check_catching_panics(
-    planes: &HostPlanes,
+    planes: Option<&HostPlanes>,
     job: &InFlight,
-    checks: &[BlockCheck],
+    checks: &[LentChunkCheck],
 ) -> CheckVerdict {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         check_copies(planes, &job.memory, checks)

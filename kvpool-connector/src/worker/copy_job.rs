@@ -43,6 +43,15 @@ pub struct CopyJob {
     pub block_bytes: usize,
     /// Address of each chunk's host buffer (read for a load, written for a save).
     pub chunk_ptrs: Vec<usize>,
+    /// A load's staged copies to check, one entry per chunk (empty for a save): 0, or the
+    /// address of a buffer of the chunk's bytes (`chunk_bytes(c)`) that the engine side
+    /// fills with the very bytes it copies into the blocks. Such a chunk lies in memory other
+    /// processes can write (node memory), so it must be read once: on CPU, copied into the
+    /// buffer first, the blocks then filled from the buffer; on a GPU, copied to the device
+    /// once, the blocks filled from that device copy, which is then copied back into the
+    /// buffer. The buffer is filled by the time the job is reported done, and the worker
+    /// checks it: a chunk whose copy fails is reported as failed blocks, never KV.
+    pub check_copy_ptrs: Vec<usize>,
 }
 
 impl CopyJob {

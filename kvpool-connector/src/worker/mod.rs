@@ -54,6 +54,10 @@ pub struct WorkerStats {
     /// Tokens loaded with one copy from the node's pool daemon's shared memory into the
     /// engine's blocks, and checked there (part of `loaded_tokens`).
     pub node_memory_tokens: u64,
+    /// Of `node_memory_tokens`, those checked in a copy the engine side staged for the worker
+    /// (the route of an engine whose blocks the worker cannot read, such as a GPU's), not in
+    /// the blocks.
+    pub node_memory_staged_tokens: u64,
     /// Tokens saved with one copy from the engine's blocks into the node's pool daemon's
     /// shared memory, sealed with a checksum hashed from the blocks (part of `saved_tokens`).
     pub node_memory_saved_tokens: u64,
@@ -101,19 +105,33 @@ struct InFlight {
     tier_tokens: Vec<(String, usize)>,
     /// The engine blocks the job writes (a load's, to report them if it fails).
     blocks: Vec<u32>,
-    /// A load's chunks lent by node memory, to check in the engine's blocks once copied.
-    checks: Vec<BlockCheck>,
+    /// A load's chunks lent by node memory, to check once copied.
+    checks: Vec<LentChunkCheck>,
 }
 
-/// A chunk lent by node memory that a load copies straight into the engine's blocks, to
-/// check there once copied.
-struct BlockCheck {
+/// A chunk lent by node memory that a load copies straight from where it lies, to check
+/// once copied, in memory no other process writes.
+struct LentChunkCheck {
     /// Its index in the job.
     chunk: usize,
     /// Its key (deleted from the pool if the copy fails its check).
     key: kvpool_core::CacheKey,
-    /// The engine blocks it is copied into, in chunk order.
+    /// The engine blocks the job copies it into, in chunk order (those of its blocks the
+    /// engine did not hold already).
     blocks: Vec<u32>,
+    /// Where its copy is checked.
+    site: CheckSite,
+}
+
+/// Where the copy of a chunk lent by node memory is checked.
+enum CheckSite {
+    /// In the engine's blocks, which the worker reads ([`HostPlanes`]): the job copies the
+    /// whole chunk there.
+    Blocks,
+    /// In a buffer of this process the engine side fills with the bytes it copied into the
+    /// blocks, exactly as it copied them (see [`CopyJob::check_copy_ptrs`]): on a GPU, read
+    /// back from the one device copy of the chunk the blocks were filled from.
+    Staged(kvpool_core::MemoryObjMut),
 }
 
 /// The worker side of the connector (one per engine worker / TP rank).
@@ -147,7 +165,10 @@ pub struct ConnectorWorker {
     /// The engine's KV blocks, where they are in host memory and the worker may read them to
     /// check a load's copy (see [`ConnectorWorker::set_host_planes`]).
     host_planes: Option<Arc<HostPlanes>>,
-    /// The thread that checks loads copied into those blocks from node memory.
+    /// Whether the engine side stages a load's chunks from node memory in a buffer the
+    /// worker checks (see [`ConnectorWorker::check_staged_copies`]).
+    checks_staged_copies: bool,
+    /// The thread that checks loads copied from node memory.
     copy_checker: Option<copy_checker::CopyChecker>,
     /// Load jobs whose copies from node memory are being checked behind the forward pass
     /// (settled by [`ConnectorWorker::settle_checks`]).
@@ -195,6 +216,7 @@ impl ConnectorWorker {
             traces: RequestTraces::default(),
             stats: WorkerStats::default(),
             host_planes: None,
+            checks_staged_copies: false,
             copy_checker: None,
             checking: Vec::new(),
             loaded_from_node_memory: HashSet::new(),

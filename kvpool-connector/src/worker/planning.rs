@@ -11,7 +11,7 @@ use tracing::warn;
 use super::copy_check::{LoadSource, LoadSources, fetch_load};
 use super::copy_job::{JobMemory, SaveDestination};
 use super::loads::PlannedLoad;
-use super::{BlockCheck, ConnectorWorker, CopyDirection, CopyJob, InFlight};
+use super::{CheckSite, ConnectorWorker, CopyDirection, CopyJob, InFlight, LentChunkCheck};
 use crate::leases::LeasedChunk;
 use crate::metadata::ReqMeta;
 
@@ -157,12 +157,7 @@ impl ConnectorWorker {
     /// A chunk lent by node memory, copied into a buffer of this process (L1's pool, else
     /// the heap) and checked there: for a copy the worker cannot check in the engine's blocks.
     fn copy_into_memory(&self, chunk: &SharedChunk) -> Option<MemoryObj> {
-        let len = chunk.payload_len();
-        let mut buf = self
-            .engine
-            .storage()
-            .allocate(len)
-            .unwrap_or_else(|_| MemoryObjMut::heap(len));
+        let mut buf = self.private_buffer(chunk.payload_len());
         match chunk.copy_into(buf.as_mut_slice()) {
             Ok(()) => Some(buf.freeze()),
             Err(e) => {
@@ -173,24 +168,33 @@ impl ConnectorWorker {
         }
     }
 
-    /// The chunks of a load as the job copies them: a chunk lent by node memory is copied
-    /// straight into the engine's blocks where the worker can check it there, that is, when
-    /// it reads the engine's blocks ([`super::HostPlanes`]) and the job copies the whole
-    /// chunk (`whole(c)`; the first chunk may start past blocks the engine holds, whose bytes
-    /// the check needs); otherwise through a buffer of this process, checked there. Stops at
-    /// the first chunk that fails. Returns the chunks to check in the blocks.
+    /// The chunks of a load as the job copies them, and where each chunk lent by node memory
+    /// is checked once copied. Such a chunk is copied once, from where it lies: checked in
+    /// the engine's blocks where the worker reads them ([`super::HostPlanes`]) and the job
+    /// copies the whole chunk (`whole(c)`; the first chunk may start past blocks the engine
+    /// holds, whose bytes the check needs); else, where the engine side stages its copies
+    /// ([`ConnectorWorker::check_staged_copies`]), in the staged copy, a buffer of this
+    /// process's memory; otherwise it is copied into a buffer of this process first and
+    /// checked there. Stops at the first chunk that fails.
     fn load_sources(
         &self,
         mut fetched: LoadSources,
         whole: impl Fn(usize) -> bool,
-    ) -> (LoadSources, Vec<usize>) {
-        let mut checked_in_blocks = Vec::new();
+    ) -> (LoadSources, Vec<(usize, CheckSite)>) {
+        let mut checked = Vec::new();
         for (c, source) in fetched.chunks.iter_mut().enumerate() {
             let LoadSource::Shared(chunk) = source else {
                 continue;
             };
             if self.host_planes.is_some() && whole(c) {
-                checked_in_blocks.push(c);
+                checked.push((c, CheckSite::Blocks));
+                continue;
+            }
+            if self.checks_staged_copies {
+                checked.push((
+                    c,
+                    CheckSite::Staged(self.private_buffer(chunk.payload_len())),
+                ));
                 continue;
             }
             match self.copy_into_memory(chunk) {
@@ -202,7 +206,16 @@ impl ConnectorWorker {
                 }
             }
         }
-        (fetched, checked_in_blocks)
+        (fetched, checked)
+    }
+
+    /// A buffer of `len` bytes of this process: from L1's pool (page-locked on a GPU), else
+    /// the heap.
+    fn private_buffer(&self, len: usize) -> MemoryObjMut {
+        self.engine
+            .storage()
+            .allocate(len)
+            .unwrap_or_else(|_| MemoryObjMut::heap(len))
     }
 
     /// The copy job for what a fetch brought; reports the blocks it could not bring.
@@ -216,7 +229,7 @@ impl ConnectorWorker {
         let first_token = load.spans[0].start;
         let wanted = load.gpu_cached_tokens.max(first_token);
         let spans = &load.spans;
-        let (fetched, checked_in_blocks) = self.load_sources(fetched, |c| {
+        let (fetched, checked) = self.load_sources(fetched, |c| {
             spans[c].start >= wanted && spans[c].end <= load.load_until
         });
         let fetched_spans = &load.spans[..fetched.chunks.len().min(load.spans.len())];
@@ -240,16 +253,23 @@ impl ConnectorWorker {
         let chunk_blocks: Vec<usize> = fetched_spans.iter().map(|s| s.len() / bs).collect();
         self.engine
             .record_retrieve(load.load_until - wanted, end - wanted);
-        // The engine blocks each chunk checked in the blocks is copied into (the whole
-        // chunk's: `load_sources` checked that the job copies all of it).
-        let checks: Vec<BlockCheck> = checked_in_blocks
+        // The engine blocks the job copies each checked chunk into (all of the chunk's for a
+        // check in the blocks: `load_sources` checked that the job copies all of it).
+        let mut check_copy_ptrs = vec![0; fetched_spans.len()];
+        let checks: Vec<LentChunkCheck> = checked
             .into_iter()
-            .map(|c| {
+            .filter(|(c, _)| *c < fetched_spans.len())
+            .map(|(c, mut site)| {
                 let span = &fetched_spans[c];
-                BlockCheck {
+                if let CheckSite::Staged(buf) = &mut site {
+                    check_copy_ptrs[c] = buf.as_mut_slice().as_mut_ptr() as usize;
+                }
+                let (from, to) = (span.start.max(wanted) / bs, span.end.min(end) / bs);
+                LentChunkCheck {
                     chunk: c,
                     key: span.key.clone(),
-                    blocks: load.block_ids[span.start / bs..span.end / bs].to_vec(),
+                    blocks: load.block_ids[from..to.max(from)].to_vec(),
+                    site,
                 }
             })
             .collect();
@@ -267,6 +287,7 @@ impl ConnectorWorker {
             chunk_blocks,
             block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
+            check_copy_ptrs,
         };
         Some((
             job,
@@ -354,6 +375,7 @@ impl ConnectorWorker {
             chunk_blocks: kept.iter().map(|s| s.len() / bs).collect(),
             block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
+            check_copy_ptrs: Vec::new(),
         };
         let tokens = kept.iter().map(ChunkSpan::len).sum();
         self.planned_saves.push((

@@ -14,6 +14,14 @@ of the whole chunk, never one per block:
 - load: ``to`` the engine's device (a no-op on CPU: the chunk itself), then ``index_copy_``
   each plane's part into the plane.
 
+A load's chunk that lies in memory other processes can write (the node's pool daemon's shared
+memory) comes with a buffer of the worker's (``check_copy_ptrs``) and is read exactly once:
+on CPU copied into that buffer, the planes then filled from it; on CUDA copied to the device
+once, the planes filled from that device copy, which is then copied back into the buffer
+(after the event the compute stream waits for, so the forward pass does not wait for it).
+The buffer then holds the bytes the blocks received, and the worker checks it against the
+chunk's checksum while the forward pass runs.
+
 On an H100 one DMA per chunk instead of one per chunk and plane took loads from 0.49× to 0.73×
 and saves from 0.45× to 0.56× of torch's copy of the same bytes as one contiguous buffer
 (with 1,024-token chunks: 0.86-0.88× both ways; docs/benchmarks.md, with a two-stream variant
@@ -38,7 +46,7 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +63,8 @@ class CopyJob:
     chunk_blocks: list[int]
     block_bytes: int
     chunk_ptrs: list[int]
+    #: Per chunk of a load: 0, or the worker's buffer for the staged copy to check.
+    check_copy_ptrs: list[int] = field(default_factory=list)
 
     @classmethod
     def from_native(cls, t: tuple) -> "CopyJob":
@@ -124,42 +134,68 @@ class BlockMover:
                              f"{sum(job.chunk_blocks)} blocks less {job.skip_blocks} held")
         if job.skip_blocks and not job.is_load:
             raise ValueError("kvpool: a save starts at a chunk's first block")
+        if job.check_copy_ptrs and (not job.is_load
+                                    or len(job.check_copy_ptrs) != len(job.chunk_ptrs)):
+            raise ValueError(f"kvpool: {len(job.check_copy_ptrs)} staged copies for a "
+                             f"{'load' if job.is_load else 'save'} of {len(job.chunk_ptrs)} chunks")
+        checks = list(job.check_copy_ptrs) or [0] * len(job.chunk_ptrs)
         ids = torch.tensor(job.block_ids, dtype=torch.long)
-        word = word_dtype([self.word.itemsize, *job.chunk_ptrs])
+        word = word_dtype([self.word.itemsize, *job.chunk_ptrs, *checks])
         words = self.plane_block_bytes // word.itemsize
         engine = [p.view(word) for p in self.planes]
         if self.cuda:
             # The side stream starts after everything the compute stream queued (this step's
             # forward pass for a save; block zeroing for a load).
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        def chunk_view(address: int, bpc: int) -> torch.Tensor:
+            return host_tensor(address, bpc * job.block_bytes).view(word).view(planes, bpc, words)
+
+        # CUDA: (the worker's buffer, the device copy to read back into it) per staged chunk.
+        readbacks: list[tuple[torch.Tensor, torch.Tensor]] = []
         with self._stream_ctx():
             ids = ids.to(self.device, non_blocking=True)
             first = 0
             for c, (ptr, bpc) in enumerate(zip(job.chunk_ptrs, job.chunk_blocks)):
-                host = host_tensor(ptr, bpc * job.block_bytes).view(word).view(planes, bpc, words)
+                host = chunk_view(ptr, bpc)
                 # The first chunk may start part-way (blocks the engine already holds).
                 skip = job.skip_blocks if c == 0 else 0
                 chunk_ids = ids[first:first + bpc - skip]
                 first += bpc - skip
                 if job.is_load:
-                    self._load_chunk(engine, host, skip, chunk_ids)
+                    check = chunk_view(checks[c], bpc) if checks[c] else None
+                    staged = self._load_chunk(engine, host, skip, chunk_ids, check)
+                    if check is not None and self.cuda:
+                        readbacks.append((check, staged))
                 else:
                     self._save_chunk(engine, host, chunk_ids)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-                self._pending.append((job.id, event))
                 if job.is_load:
                     # The engine reads loaded blocks only after the copy (a device-side wait).
                     torch.cuda.current_stream(self.device).wait_event(event)
+                if readbacks:
+                    # Behind the event the forward pass waits for: the staged copies go back
+                    # to the worker's buffers, and the job is done once they are there.
+                    for check, staged in readbacks:
+                        check.copy_(staged, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                self._pending.append((job.id, event))
 
     def _load_chunk(self, engine: list[torch.Tensor], host: torch.Tensor, skip: int,
-                    ids: torch.Tensor) -> None:
+                    ids: torch.Tensor, check: torch.Tensor | None) -> torch.Tensor:
         # The whole chunk in one host-to-device copy (on CPU ``to`` is a no-op: the chunk
-        # itself), then one scatter per plane.
-        staged = host.to(self.device, non_blocking=True)
+        # itself), then one scatter per plane. A chunk to check is read once: on CPU into the
+        # worker's buffer, the planes filled from it; on CUDA the device copy is read back
+        # into the buffer afterwards (``run``). Returns the copy the planes were filled from.
+        if check is not None and not self.cuda:
+            staged = check.copy_(host)
+        else:
+            staged = host.to(self.device, non_blocking=True)
         for p, plane in enumerate(engine):
             plane.index_copy_(0, ids, staged[p, skip:])
+        return staged
 
     def _save_chunk(self, engine: list[torch.Tensor], host: torch.Tensor,
                     ids: torch.Tensor) -> None:

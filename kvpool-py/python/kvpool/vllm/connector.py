@@ -86,6 +86,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_path_of = lambda rank: _native.lookup_socket_path(socket_dir, engine_id, rank)
         self._save_decode_tokens = bool(extra.get("save_decode_tokens", False))
+        self._stage_node_memory_copies = bool(extra.get("stage_node_memory_copies", False))
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | None = None
@@ -164,7 +165,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             config_text=self._config_text, config_format=self._config_format,
             tp_size=self._tp_size, block_size=self._block_size,
             socket_path_of=self._socket_path_of, kv_events=self._kv_events,
-            kv_cache_config=self._kv_cache_config)
+            kv_cache_config=self._kv_cache_config,
+            stage_node_memory_copies=self._stage_node_memory_copies)
         WORKERS.append(self)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):

@@ -63,7 +63,10 @@ PROM_COUNTERS = (
     ("async_loads", "vllm:kvpool_async_loads",
      "Loads kvpool ran in the background while other requests ran."),
     ("node_memory_tokens", "vllm:kvpool_node_memory_tokens",
-     "Tokens kvpool copied once from the node's pool daemon into vLLM's blocks, checked there."),
+     "Tokens kvpool copied once from the node's pool daemon into vLLM's blocks, checked there "
+     "or in a staged copy."),
+    ("node_memory_staged_tokens", "vllm:kvpool_node_memory_staged_tokens",
+     "Of those, tokens checked in the copy the blocks were filled from (a GPU worker's route)."),
     ("node_memory_saved_tokens", "vllm:kvpool_node_memory_saved_tokens",
      "Tokens kvpool copied once from vLLM's blocks into the node's pool daemon, checksummed from the blocks."),
     ("stored_tokens", "vllm:kvpool_stored_tokens",

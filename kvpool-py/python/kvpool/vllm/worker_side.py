@@ -28,7 +28,8 @@ class WorkerSide:
 
     def __init__(self, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor], *,
                  config_text: str, config_format: str, tp_size: int, block_size: int,
-                 socket_path_of, kv_events: bool, kv_cache_config=None):
+                 socket_path_of, kv_events: bool, kv_cache_config=None,
+                 stage_node_memory_copies: bool = False):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         layout = detect_for(vllm_config, kv_caches, block_size, kv_cache_config)
@@ -55,9 +56,14 @@ class WorkerSide:
             socket_path=socket_path_of(self.tp_rank),
         )
         self.host_pin = None
-        if not self.mover.cuda:
+        if self.mover.cuda or stage_node_memory_copies:
+            # A chunk of the node's pool daemon is read once, from its shared memory: staged
+            # (on a GPU: copied to the device once, the blocks filled from that copy, which is
+            # read back into a buffer of the worker's) and checked behind the forward pass.
+            self.native.check_staged_copies()
+        else:
             # The worker reads the blocks to check a chunk copied straight from the node's
-            # pool daemon into them (one copy; on a GPU such chunks go through L1 instead).
+            # pool daemon into them (one copy).
             # The tensors outlive the worker's use: vLLM and self.kv_caches hold them.
             planes = self.mover.planes
             self.native.set_host_planes([(p.data_ptr(), p.stride(0)) for p in planes],
