@@ -85,6 +85,9 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     fn lends_node_memory(&self) -> bool {
         self.inner.lends_node_memory()
     }
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner.node_memory_mapping()
+    }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         self.bounded("batch_pin", self.inner.batch_pin(keys)).await
     }

@@ -17,7 +17,12 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
    pageable here): the chunk goes to the device once, the blocks are filled from that copy,
    and it is read back into a page-locked buffer of the worker's by the time the job's event
    has passed; both the blocks and the buffer hold the chunk, byte for byte;
-5. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
+5. through the node's pool daemon (``kvpool serve``, the ``kvpool`` binary next to this script
+   or ``KVPOOL_BIN``): engine A's chunks, written into the daemon, are loaded by engine B the
+   way a GPU worker loads them: pinned where they lie in the daemon's shared memory, one copy
+   to the device (one DMA once B's mapping of that memory is page-locked), the blocks filled
+   from it, read back into B's buffer and checked; B's blocks equal A's, byte for byte;
+6. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
    ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
 
@@ -31,7 +36,9 @@ kvpool's chunk size (default 256, kvpool's default).
 import gc
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +46,7 @@ import time
 import torch
 
 from kvpool import _native
-from kvpool.transfer import BlockMover, CopyJob, pin_host_memory
+from kvpool.transfer import BlockMover, CopyJob, NodeMemoryPins, pin_host_memory
 from kvpool.vllm.layouts import detect
 
 BLOCK = 16
@@ -77,7 +84,7 @@ def mla_caches(layers, blocks, device):
 class Engine:
     """A scheduler and a worker of kvpool around one set of KV caches."""
 
-    def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB"):
+    def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB", pool=None):
         self.caches = caches
         layout = detect(caches, BLOCK, use_mla=use_mla, backend="FLASH_ATTN" if not use_mla
                         else "FLASHMLA", layout_name="LBNHC")
@@ -85,9 +92,13 @@ class Engine:
         self.mover = BlockMover(layout.planes)
         sock = os.path.join(tmp, f"w{id(self)}.sock")
         self.sock = sock
+        config = f'[local_cpu]\nmax_size = "{l1}"\n[chunking]\nchunk_size = {CHUNK}\n'
+        config_format = "toml"
+        if pool is not None:
+            config, config_format = _native.config_with_pool(config, "toml", pool), "json"
         self.worker = _native.Worker(
-            config_text=f'[local_cpu]\nmax_size = "{l1}"\n[chunking]\nchunk_size = {CHUNK}\n',
-            config_format="toml", model="gpu-check", weights="w", tp_size=1, tp_rank=0,
+            config_text=config,
+            config_format=config_format, model="gpu-check", weights="w", tp_size=1, tp_rank=0,
             pp_rank=0, block_size=BLOCK, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
             dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
@@ -97,8 +108,16 @@ class Engine:
         self.pinned = self.pin.pinned
         self.sched = _native.Scheduler(socket_paths=[sock], block_size=BLOCK,
                                        load_timing=load_timing)
+        # With the daemon: a GPU worker's route for its chunks (what the vLLM connector sets).
+        self.node_pins = None
+        if pool is not None:
+            self.worker.check_staged_copies()
+            if self.mover.cuda:
+                self.node_pins = NodeMemoryPins(self.worker, self.mover.device)
 
     def shutdown(self):
+        if self.node_pins is not None:
+            self.node_pins.release()
         self.pin.release()
         self.worker.shutdown()
 
@@ -128,6 +147,8 @@ class Engine:
     def step(self, scheduled, before_save=None):
         meta = self.sched.build_connector_meta(scheduled, [])
         self.worker.bind(meta)
+        if self.node_pins is not None:
+            self.node_pins.refresh()
         self.run_jobs(self.worker.load_jobs())
         if before_save:
             before_save()
@@ -238,6 +259,74 @@ def staged_load(report):
             exact &= torch.equal(plane[blocks[first:first + n]], chunk[p])
         first += n
     report["blocks_hold_the_chunks"] = bool(exact)
+
+
+def kvpool_binary():
+    """The `kvpool` command: ``KVPOOL_BIN``, else the one the bundle ships next to this script."""
+    path = os.environ.get("KVPOOL_BIN") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "kvpool")
+    return path if os.path.exists(path) else None
+
+
+def daemon_route(report, tmp):
+    """Engine A saves a prompt (through its L1, written behind into the daemon); engine B, a
+    fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
+    docs, check 5) into other blocks of the same caches."""
+    binary = kvpool_binary()
+    if binary is None:
+        report["skipped"] = "no kvpool binary (KVPOOL_BIN, or `kvpool` next to this script)"
+        return
+    sock = os.path.join(tmp, "daemon.sock")
+    config = os.path.join(tmp, "daemon.toml")
+    with open(config, "w") as f:
+        f.write('[local_cpu]\nmax_size = "1GiB"\n')
+    log = open(os.path.join(tmp, "daemon.log"), "w")
+    proc = subprocess.Popen([binary, "serve", "--config", config, "--socket", sock],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(sock)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvpool serve did not start")
+                time.sleep(0.05)
+        caches = fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE)
+        pool = f"unix://{sock}"
+        n = 4 * 256 + 1
+        prompt = list(range(7, 7 + n))
+        nblocks = (n + BLOCK - 1) // BLOCK
+        a_blocks, b_blocks = list(range(nblocks)), list(range(nblocks, 2 * nblocks))
+        a = Engine(caches, tmp, pool=pool)
+        assert a.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
+        a.sched.update_state_after_alloc("a", a_blocks, 0)
+        a.step([("a", n, [], 2, a_blocks, n)])
+        a.shutdown()  # flushes L1's writes into the daemon
+        b = Engine(caches, tmp, pool=pool)
+        got = b.sched.get_num_new_matched_tokens("b", prompt, b"", 0)
+        report["hit"] = list(got)
+        b.sched.update_state_after_alloc("b", b_blocks, got[0])
+        b.step([("b", n, [], 2, b_blocks, n)])
+        sync()
+        stats = dict(b.worker.stats())
+        report["node_memory_staged_tokens"] = stats.get("node_memory_staged_tokens", 0)
+        report["failed_load_blocks"] = stats.get("failed_load_blocks", 0)
+        loaded = got[0] // BLOCK
+        report["load_exact"] = loaded > 0 and all(
+            blocks_equal(caches, a_blocks[i], b_blocks[i]) for i in range(loaded))
+        if b.node_pins is not None:
+            # Registration runs behind; a second step's copies see it done.
+            b.node_pins.wait_registered(60)
+            report["daemon_memory_pinned"] = b.node_pins.pinned()
+        report["in_flight_after"] = list(b.worker.in_flight())
+        b.shutdown()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def throughput(report, tmp):
@@ -397,6 +486,19 @@ def main():
             for key in ("job_done", "buffers_hold_the_chunks", "blocks_hold_the_chunks"):
                 if not r.get(key):
                     failures.append(f"staged_load: {key} {r.get(key)!r} {r.get('error', '')}")
+            r = report.setdefault("daemon_route", {})
+            try:
+                daemon_route(r, tmp)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = repr(e)
+            if "skipped" not in r:
+                checks = ["load_exact", "node_memory_staged_tokens"] + (
+                    ["daemon_memory_pinned"] if DEVICE == "cuda" else [])
+                for key in checks:
+                    if not r.get(key) or r.get(key) == [False]:
+                        failures.append(f"daemon_route: {key} {r.get(key)!r} {r.get('error', '')}")
+                if r.get("failed_load_blocks", 0) or r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
+                    failures.append(f"daemon_route: failed blocks or left in flight {r}")
             try:
                 throughput(report, tmp)
             except Exception as e:  # noqa: BLE001

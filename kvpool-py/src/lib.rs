@@ -214,6 +214,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
+    m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;
     m.add_class::<PyHiCacheStore>()?;
     m.add_function(wrap_pyfunction!(encode_extra_keys, m)?)?;

@@ -154,6 +154,30 @@ fn py_job(j: CopyJob) -> PyCopyJob {
 /// A tier event for Python: (tier, stored (else removed), chunk hashes).
 type PyTierEvent<'py> = (String, bool, Vec<Bound<'py, PyBytes>>);
 
+/// A mapping of the node's pool daemon's shared memory in this process, kept mapped while
+/// this object lives: what a GPU engine page-locks for DMA (`kvpool.transfer.MappingPin`),
+/// registered and unregistered within that life, so that no registration outlives the
+/// mapping (a later mapping at the same address would then be read through stale pages).
+#[pyclass(name = "NodeMemoryRegion", module = "kvpool._native", frozen)]
+pub struct NodeMemoryRegion {
+    mapping: Arc<kvpool_core::memory::SharedMapping>,
+}
+
+#[pymethods]
+impl NodeMemoryRegion {
+    /// The first byte's address.
+    #[getter]
+    fn address(&self) -> usize {
+        self.mapping.as_ptr().as_ptr() as usize
+    }
+
+    /// Its length in bytes.
+    #[getter]
+    fn length(&self) -> usize {
+        self.mapping.len()
+    }
+}
+
 /// The worker half of the vLLM connector (one per vLLM worker process / TP rank).
 #[pyclass(name = "Worker", module = "kvpool._native")]
 pub struct PyWorker {
@@ -349,6 +373,21 @@ impl PyWorker {
     /// engine side to page-lock once (CUDA); `None` without an L1 pool.
     fn host_memory(&self) -> PyResult<Option<(usize, usize)>> {
         Ok(core_guard(self)?.worker.engine().storage().host_region())
+    }
+
+    /// This process's mappings of the node's pool daemon's shared memory, as mapped now (none
+    /// before the worker first reached the daemon; a new one after the daemon restarted):
+    /// for the engine side to page-lock for CUDA DMA, each for as long as it holds the
+    /// region object, which keeps the mapping in place until then.
+    fn node_memory_regions(&self) -> PyResult<Vec<NodeMemoryRegion>> {
+        Ok(core_guard(self)?
+            .worker
+            .engine()
+            .storage()
+            .node_memory_mappings()
+            .into_iter()
+            .map(|mapping| NodeMemoryRegion { mapping })
+            .collect())
     }
 
     /// Gives the worker the engine's KV planes in host memory (vLLM's CPU tensors): one

@@ -465,8 +465,9 @@ pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
 /// kvpool's GPU path, in `target/gpu-bundle/`: a release wheel with the memory tier only (no
 /// system library to install; abi3, any CPython 3.10+), `gpu_check.py` (torch alone: CUDA
 /// layouts, page-locked memory, the side stream and events, saves and loads byte for byte,
-/// throughput against plain torch copies), `run.sh`, and `ab.sh` (transfer-path variants side
-/// by side: docs/benchmarks.md).
+/// loads from the node's pool daemon the GPU worker's way, throughput against plain torch
+/// copies), the `kvpool` command with the memory tier only (`kvpool serve` for that check),
+/// `run.sh`, and `ab.sh` (transfer-path variants side by side: docs/benchmarks.md).
 ///
 /// `args`: `--profile P` builds the wheel in cargo profile `P` (default `release`, what a GPU
 /// machine should run; CI builds `dev`, which shares its test build's artifacts, and runs the
@@ -491,16 +492,31 @@ pub(crate) enum BundleWheel {
 }
 
 /// Builds the GPU bundle (see [`gpu_bundle`]) with `wheel` in cargo profile `profile`.
-pub(crate) fn build_gpu_bundle(profile: &str, wheel: BundleWheel) -> Result<PathBuf, String> {
+pub(crate) fn build_gpu_bundle(profile: &str, wheel_kind: BundleWheel) -> Result<PathBuf, String> {
     let python = python312()?;
     let tools = ensure_tools(&python)?;
     let bundle = target_dir().join("gpu-bundle");
-    let extra: &[&str] = match wheel {
+    let extra: &[&str] = match wheel_kind {
         BundleWheel::Lean => &["--no-default-features", "--strip"],
         BundleWheel::AsTested => &[],
     };
     let wheel = build_wheel(&tools, &python, profile, &bundle, extra)?;
     let root = workspace_root();
+    let command = bundle.join("kvpool");
+    match wheel_kind {
+        BundleWheel::Lean => {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            run(&cargo, &["build", "-p", "kvpool-cli", "--profile", profile])?;
+            let dir = if profile == "dev" { "debug" } else { profile };
+            std::fs::copy(target_dir().join(dir).join("kvpool"), &command)
+                .map_err(|e| format!("cannot copy the kvpool command: {e}"))?;
+            run("strip", &[path_str(&command)?])?;
+        }
+        // CI's dry run takes the suite's own `kvpool` (KVPOOL_BIN), built already.
+        BundleWheel::AsTested => {
+            let _ = std::fs::remove_file(&command);
+        }
+    }
     for file in ["gpu_check.py", "ab.sh"] {
         std::fs::copy(root.join("kvpool-py/gpu").join(file), bundle.join(file))
             .map_err(|e| format!("cannot copy {file}: {e}"))?;
@@ -512,6 +528,8 @@ set -e
 cd "$(dirname "$0")"
 # A wheel is a zip: unpacked with the standard library, no pip or network needed.
 python3 -c "import glob, zipfile; zipfile.ZipFile(glob.glob('kvpool-*.whl')[0]).extractall('site')"
+# `kvpool serve` for the daemon check (a copy may have lost its mode bits).
+[ -f kvpool ] && chmod +x kvpool
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
 "#;
@@ -519,7 +537,7 @@ PYTHONPATH="$PWD/site${PYTHONPATH:+:$PYTHONPATH}" python3 gpu_check.py "$@"
     run("chmod", &["+x", path_str(&bundle.join("run.sh"))?])?;
     let size = std::fs::metadata(&wheel).map_err(|e| e.to_string())?.len();
     println!(
-        "{}: {} ({:.1} MiB, {profile} profile), gpu_check.py, run.sh, ab.sh",
+        "{}: {} ({:.1} MiB, {profile} profile), gpu_check.py, run.sh, ab.sh (and kvpool, lean)",
         bundle.display(),
         wheel.display(),
         size as f64 / (1 << 20) as f64

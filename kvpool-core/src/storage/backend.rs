@@ -138,6 +138,13 @@ pub trait StorageBackend: Send + Sync + 'static {
     fn lends_node_memory(&self) -> bool {
         false
     }
+    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): this process's
+    /// mapping of that memory as mapped now (see
+    /// [`RemoteConnector::node_memory_mapping`](crate::RemoteConnector::node_memory_mapping)).
+    /// The default is `None`.
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<crate::memory::SharedMapping>> {
+        None
+    }
     /// For a tier that [lends node memory](StorageBackend::lends_node_memory): the chunks of
     /// `keys` that memory holds, pinned where they lie, headers checked, payloads to be
     /// checked on the reader's copy ([`SharedChunk`](crate::SharedChunk)). The default lends

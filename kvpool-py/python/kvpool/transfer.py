@@ -45,6 +45,7 @@ nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
 from __future__ import annotations
 
 import ctypes
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,6 +277,85 @@ class HostMemoryPin:
         torch.cuda.synchronize(self.device)
         if int(torch.cuda.cudart().cudaHostUnregister(self.ptr)) != 0:
             _consume_cuda_error()
+
+
+class MappingPin:
+    """A mapping of the node's pool daemon's shared memory (``_native.NodeMemoryRegion``),
+    page-locked for CUDA DMA while this object holds the region, which keeps it mapped:
+    :meth:`release` (or this object's collection) unregisters first, and only then lets the
+    region go, so no registration outlives its mapping (see :class:`HostMemoryPin`).
+    Registering a large arena takes a while, so it runs on a thread of its own (torch's
+    binding releases the GIL); until it is done the copies read pageable memory, which CUDA
+    stages itself: slower, as correct."""
+
+    def __init__(self, region: Any, device: Any = None):
+        self.region = region
+        self.device = device
+        self.pin: HostMemoryPin | None = None
+        self._thread = threading.Thread(target=self._register, name="kvpool-pin-node-memory",
+                                        daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+            torch.cuda.set_device(self.device)
+        self.pin = HostMemoryPin(self.region.address, self.region.length, device=self.device)
+
+    def wait_registered(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the registration running behind."""
+        self._thread.join(timeout)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the registration is done and succeeded."""
+        return not self._thread.is_alive() and self.pin is not None and self.pin.pinned
+
+    def release(self) -> None:
+        """Waits for the registration, then for the device, unregisters and lets the region go
+        (idempotent)."""
+        if self.region is None:
+            return
+        self._thread.join()
+        if self.pin is not None:
+            self.pin.release()
+        self.region = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class NodeMemoryPins:
+    """Keeps the node's pool daemon's shared memory, as this process maps it, page-locked for
+    CUDA DMA: a load then copies a chunk from the daemon's memory to the device with one DMA.
+    :meth:`refresh` (before each step's loads) pins a mapping that appeared (the worker reached
+    the daemon, or a restarted one) and releases one the worker dropped."""
+
+    def __init__(self, native: Any, device: Any = None):
+        self.native = native
+        self.device = device
+        self.pins: dict[tuple[int, int], MappingPin] = {}
+
+    def refresh(self) -> None:
+        regions = {(r.address, r.length): r for r in self.native.node_memory_regions()}
+        for key in [k for k in self.pins if k not in regions]:
+            self.pins.pop(key).release()
+        for key, region in regions.items():
+            if key not in self.pins:
+                self.pins[key] = MappingPin(region, self.device)
+
+    def pinned(self) -> list[bool]:
+        """Whether each mapping held is page-locked yet."""
+        return [p.pinned for p in self.pins.values()]
+
+    def wait_registered(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for each registration running behind."""
+        for pin in self.pins.values():
+            pin.wait_registered(timeout)
+
+    def release(self) -> None:
+        for pin in self.pins.values():
+            pin.release()
+        self.pins.clear()
 
 
 def _consume_cuda_error() -> None:

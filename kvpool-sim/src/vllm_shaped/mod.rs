@@ -16,7 +16,7 @@
 //! at random (and that rank's lease on them lapses), so loads fail the way evictions and dead
 //! tiers make them fail; failed blocks are handled as vLLM does (every request holding one is
 //! rewound and recomputes from it). The model's KV for a token depends on every token before
-//! it, and a pass that reads a wrong row on any rank writes wrong rows ([`model`]), so KV
+//! it, and a pass that reads a wrong row on any rank writes wrong rows (`model`), so KV
 //! served under the wrong prefix, computed on a failed load, or saved before it was computed
 //! shows up as a wrong row when a request finishes.
 

@@ -378,6 +378,15 @@ impl RemoteConnector for DaemonConnector {
         true
     }
 
+    /// The arena of the daemon attached last, as mapped here.
+    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
+        self.inner
+            .arena
+            .lock()
+            .as_ref()
+            .map(|(_, mapping)| mapping.clone())
+    }
+
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         let keys = keys.to_vec();
         self.blocking(move |inner| inner.pin(keys)).await

@@ -51,6 +51,16 @@ impl StorageManager {
         loaded.into_iter().map(|(_, c)| c).collect()
     }
 
+    /// This process's mappings of the node memory its tiers lend chunks from, as mapped now
+    /// (see [`StorageBackend::node_memory_mapping`](crate::StorageBackend::node_memory_mapping)):
+    /// what a GPU engine page-locks for DMA.
+    pub fn node_memory_mappings(&self) -> Vec<std::sync::Arc<crate::memory::SharedMapping>> {
+        self.tiers
+            .iter()
+            .filter_map(|tier| tier.backend.node_memory_mapping())
+            .collect()
+    }
+
     /// Whether tier `t` lends chunks where they lie in node memory (see
     /// [`StorageBackend::lends_node_memory`](crate::StorageBackend::lends_node_memory)).
     pub fn tier_lends_node_memory(&self, t: usize) -> bool {

@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::error::BackendError;
+use crate::memory::SharedMapping;
 use crate::storage::node_memory::PinnedBytes;
 use crate::storage::save_slot::LentBytes;
 use crate::storage::tier_events::TierEventLog;
@@ -85,6 +86,14 @@ pub trait RemoteConnector: Send + Sync + 'static {
     /// needs them. The default is `false`.
     fn lends_node_memory(&self) -> bool {
         false
+    }
+
+    /// For a tier that [lends node memory](RemoteConnector::lends_node_memory): this process's
+    /// mapping of that memory as mapped now (`None` before the first attach), for a reader to
+    /// register for DMA (CUDA's page-locking) for as long as it holds the mapping. The
+    /// default is `None`.
+    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
+        None
     }
 
     /// For a tier that [lends node memory](RemoteConnector::lends_node_memory): pins the
@@ -180,6 +189,9 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     }
     fn lends_node_memory(&self) -> bool {
         (**self).lends_node_memory()
+    }
+    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
+        (**self).node_memory_mapping()
     }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         (**self).batch_pin(keys).await

@@ -299,6 +299,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         self.connector.lends_node_memory() && !self.codec.compresses()
     }
 
+    fn node_memory_mapping(&self) -> Option<Arc<crate::memory::SharedMapping>> {
+        self.connector.node_memory_mapping()
+    }
+
     /// Pins the values node memory holds and checks each one's header where it lies
     /// ([`crate::chunk_format::check_before_copy`]); the payload's checksum is the reader's to
     /// check on its copy. A value whose header fails is a miss and is deleted, as in `get`.

@@ -15,7 +15,7 @@ from kvpool import _native
 from kvpool.vllm.identity import model_identity
 from kvpool.vllm.layouts import detect_for
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
-from kvpool.transfer import BlockMover, CopyJob, pin_host_memory
+from kvpool.transfer import BlockMover, CopyJob, NodeMemoryPins, pin_host_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +56,10 @@ class WorkerSide:
             socket_path=socket_path_of(self.tp_rank),
         )
         self.host_pin = None
+        # On a GPU, the daemon's shared memory as mapped here, page-locked for one DMA per
+        # chunk (from the first step after the worker reached the daemon).
+        self.node_memory_pins = NodeMemoryPins(self.native, self.mover.device) \
+            if self.mover.cuda else None
         if self.mover.cuda or stage_node_memory_copies:
             # A chunk of the node's pool daemon is read once, from its shared memory: staged
             # (on a GPU: copied to the device once, the blocks filled from that copy, which is
@@ -115,6 +119,8 @@ class WorkerSide:
 
     def start_load(self) -> None:
         self._poll()
+        if self.node_memory_pins is not None:
+            self.node_memory_pins.refresh()
         self._run(self.native.load_jobs())
 
     def save(self) -> None:
@@ -149,6 +155,11 @@ class WorkerSide:
         return KvpoolConnectorStats(data=delta)
 
     def shutdown(self) -> None:
+        if self.node_memory_pins is not None:
+            try:
+                self.node_memory_pins.release()
+            except Exception:  # noqa: BLE001 - the pool still flushes and closes
+                logger.exception("kvpool: could not unlock the pool daemon's shared memory")
         if self.host_pin is not None:
             try:
                 self.host_pin.release()
