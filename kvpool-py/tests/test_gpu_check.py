@@ -1,7 +1,8 @@
 """The GPU bundle's check (``kvpool-py/gpu/gpu_check.py``), run on CPU tensors so it cannot rot
 between the rare sessions that have a GPU: the same layouts (FlashAttention's LBNHC view and
 MLA's latent), saves and loads through kvpool's Rust halves byte for byte, synchronous and
-asynchronous, nothing left in flight."""
+asynchronous, nothing left in flight, and loads from the node's pool daemon the GPU worker's
+way."""
 
 import json
 import os
@@ -35,6 +36,12 @@ def test_gpu_check_passes_on_cpu_tensors(tmp_path):
         r = report[layout]
         assert r["sync_load_exact"] and r["async_load_exact"], r
         assert r["sync_hit"] == [1024, False] and r["async_hit"] == [1024, True], r
+    # A GPU worker's loads from the pool daemon (the `kvpool` the suite built, KVPOOL_BIN):
+    # staged, read back and checked; the blocks hold what the other engine saved.
+    daemon = report["daemon_route"]
+    assert "skipped" not in daemon, daemon
+    assert daemon["load_exact"] and daemon["node_memory_staged_tokens"] >= 1024, daemon
+    assert report["staged_load"]["buffers_hold_the_chunks"], report["staged_load"]
     # The throughput figures are over every byte moved: on CPU the check saves and loads
     # 128 blocks x 8 layers x 64 KiB (a first version counted one block per chunk: 4 MiB).
     assert report["throughput"]["bytes"] == 64 << 20, report["throughput"]
