@@ -20,8 +20,10 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
 5. through the node's pool daemon (``kvpool serve``, the ``kvpool`` binary next to this script
    or ``KVPOOL_BIN``): engine A's chunks, written into the daemon, are loaded by engine B the
    way a GPU worker loads them: pinned where they lie in the daemon's shared memory, one copy
-   to the device (one DMA once B's mapping of that memory is page-locked), the blocks filled
-   from it, read back into B's buffer and checked; B's blocks equal A's, byte for byte;
+   to the device (one DMA once B's mapping of that memory is page-locked: a load before that
+   registration is done, and one after), the blocks filled from it, read back into B's buffer
+   and checked; B's blocks equal A's, byte for byte; and a byte flipped in the daemon's memory
+   before a third load is reported as failed blocks when vLLM would ask, in that step;
 6. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
    ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
@@ -33,6 +35,7 @@ sets the throughput check's size (under ``compute-sanitizer``, say), ``KVPOOL_CH
 kvpool's chunk size (default 256, kvpool's default).
 """
 
+import ctypes
 import gc
 import json
 import os
@@ -143,6 +146,39 @@ class Engine:
             for job in self.mover.poll():
                 self.worker.copy_done(job, True)
             time.sleep(0.0005)
+
+    def settle_read_backs(self):
+        """What the connector's worker side does before the step's results leave it: loads
+        whose staged copies are being read back are waited for and reported done."""
+        for job in self.mover.wait_for_read_backs():
+            self.worker.copy_done(job, True)
+
+    def load_step(self, req, prompt, blocks, change_chunk=None):
+        """A step that loads ``prompt``'s hit into ``blocks`` for request ``req``, in vLLM's
+        order: the failed blocks are read as vLLM reads them, once the forward pass would be
+        launched, with nothing else waited for. ``change_chunk``: a chunk whose first byte
+        of KV another process flips in the daemon's memory before the copy. Returns the hit
+        and the failed blocks."""
+        n = len(prompt)
+        hit = self.sched.get_num_new_matched_tokens(req, prompt, b"", 0)
+        self.sched.update_state_after_alloc(req, blocks, hit[0])
+        self.worker.bind(self.sched.build_connector_meta([(req, n, [], 2, blocks, n)], []))
+        if self.node_pins is not None:
+            self.node_pins.refresh()
+        jobs = self.worker.load_jobs()
+        if change_chunk is not None:
+            ptr = CopyJob.from_native(jobs[0]).chunk_ptrs[change_chunk]
+            ctypes.c_uint8.from_address(ptr).value ^= 0x40
+        self.run_jobs(jobs)
+        self.settle_read_backs()
+        failed = self.worker.failed_blocks()
+        self.run_jobs(self.worker.save_jobs())
+        self.drain()
+        self.worker.transfer_results([])
+        failed += self.worker.failed_blocks()
+        self.worker.step_report()
+        self.worker.clear()
+        return hit, failed
 
     def step(self, scheduled, before_save=None):
         meta = self.sched.build_connector_meta(scheduled, [])
@@ -294,7 +330,7 @@ def daemon_route(report, tmp):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("kvpool serve did not start")
                 time.sleep(0.05)
-        caches = fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE)
+        caches = fa_caches(2, 4 * 65 + 4, 8, 128, torch.bfloat16, DEVICE)  # four loads' blocks
         pool = f"unix://{sock}"
         n = 4 * 256 + 1
         prompt = list(range(7, 7 + n))
@@ -306,21 +342,31 @@ def daemon_route(report, tmp):
         a.step([("a", n, [], 2, a_blocks, n)])
         a.shutdown()  # flushes L1's writes into the daemon
         b = Engine(caches, tmp, pool=pool)
-        got = b.sched.get_num_new_matched_tokens("b", prompt, b"", 0)
-        report["hit"] = list(got)
-        b.sched.update_state_after_alloc("b", b_blocks, got[0])
-        b.step([("b", n, [], 2, b_blocks, n)])
-        sync()
+        fourth = nblocks // 4  # blocks per chunk: the prompt is four chunks and a token
+        loads = {}
+        for req, change in (("b", None), ("c", None), ("d", 1)):
+            if req == "c" and b.node_pins is not None:
+                # "b" started the registration of B's mapping of the daemon's memory; "c"
+                # then copies from it page-locked: one DMA per chunk.
+                b.node_pins.wait_registered(60)
+                report["daemon_memory_pinned"] = b.node_pins.pinned()
+            blocks = list(range((len(loads) + 1) * nblocks, (len(loads) + 2) * nblocks))
+            hit, failed = b.load_step(req, prompt, blocks, change_chunk=change)
+            sync()
+            loads[req] = {"hit": list(hit), "failed": sorted(failed), "exact": all(
+                blocks_equal(caches, a_blocks[i], blocks[i])
+                for i in range(hit[0] // BLOCK if change is None else change * fourth))}
+            if change is not None:
+                # Reported in the step whose forward pass used the blocks, not a step later.
+                loads[req]["failed_from_the_changed_chunk"] = sorted(failed) == blocks[
+                    change * fourth:hit[0] // BLOCK]
+        report["loads"] = loads
+        report["load_exact"] = all(r["exact"] and r["hit"] == [1024, False]
+                                   for r in loads.values())
+        report["changed_chunk_failed_in_its_step"] = loads["d"]["failed_from_the_changed_chunk"]
         stats = dict(b.worker.stats())
         report["node_memory_staged_tokens"] = stats.get("node_memory_staged_tokens", 0)
-        report["failed_load_blocks"] = stats.get("failed_load_blocks", 0)
-        loaded = got[0] // BLOCK
-        report["load_exact"] = loaded > 0 and all(
-            blocks_equal(caches, a_blocks[i], b_blocks[i]) for i in range(loaded))
-        if b.node_pins is not None:
-            # Registration runs behind; a second step's copies see it done.
-            b.node_pins.wait_registered(60)
-            report["daemon_memory_pinned"] = b.node_pins.pinned()
+        report["corrupt_chunks"] = stats.get("corrupt_chunks", 0)
         report["in_flight_after"] = list(b.worker.in_flight())
         b.shutdown()
     finally:
@@ -492,13 +538,16 @@ def main():
             except Exception as e:  # noqa: BLE001
                 r["error"] = repr(e)
             if "skipped" not in r:
-                checks = ["load_exact", "node_memory_staged_tokens"] + (
-                    ["daemon_memory_pinned"] if DEVICE == "cuda" else [])
+                checks = ["load_exact", "node_memory_staged_tokens",
+                          "changed_chunk_failed_in_its_step"]
                 for key in checks:
-                    if not r.get(key) or r.get(key) == [False]:
+                    if not r.get(key):
                         failures.append(f"daemon_route: {key} {r.get(key)!r} {r.get('error', '')}")
-                if r.get("failed_load_blocks", 0) or r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
-                    failures.append(f"daemon_route: failed blocks or left in flight {r}")
+                pinned = r.get("daemon_memory_pinned")
+                if DEVICE == "cuda" and not (pinned and all(pinned)):
+                    failures.append(f"daemon_route: daemon_memory_pinned {pinned!r}")
+                if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
+                    failures.append(f"daemon_route: left in flight {r.get('in_flight_after')}")
             try:
                 throughput(report, tmp)
             except Exception as e:  # noqa: BLE001

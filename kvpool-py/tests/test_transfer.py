@@ -138,6 +138,34 @@ def test_a_staged_load_leaves_the_bytes_it_filled_the_blocks_with_in_the_workers
         assert torch.equal(p[0:5], b[0:5])
 
 
+def test_a_staged_chunk_is_read_once_so_a_change_during_the_copy_cannot_reach_the_blocks_alone(
+        monkeypatch):
+    """Another process writes the chunk while it is copied (after the buffer was filled,
+    before the blocks are): the blocks must still hold what the buffer holds, which is what
+    the worker checks. Filled from the chunk itself a second time, they would hold bytes no
+    check saw."""
+    planes = _planes(2, 8, 64, 64)
+    mover = BlockMover(planes)
+    per_block = 2 * 64
+    arena = torch.randint(0, 256, (4 * per_block,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(5))
+    staged = torch.zeros(4 * per_block, dtype=torch.uint8)
+    original = torch.Tensor.index_copy_
+
+    def written_meanwhile(self, dim, index, source):
+        arena.add_(1)  # the other process, between the read and each plane's scatter
+        return original(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", written_meanwhile)
+    mover.run(_job(1, True, [0, 1, 2, 3], [4], per_block, [arena.data_ptr()],
+                   checks=[staged.data_ptr()]))
+    monkeypatch.undo()
+    chunk = staged.view(2, 4, 64)
+    for p, plane in enumerate(planes):
+        assert torch.equal(plane[[0, 1, 2, 3]], chunk[p]), "the blocks hold what was checked"
+    assert not torch.equal(staged, arena), "the chunk did change during the copy"
+
+
 def test_staged_copies_are_refused_for_a_save_or_with_a_count_unlike_the_chunks():
     mover = BlockMover(_planes(2, 8, 64, 64))
     arena = torch.zeros(4 * 128, dtype=torch.uint8)

@@ -122,6 +122,19 @@ fn the_daemons_chunks_are_copied_once_into_the_blocks_and_checked_there() {
     assert_eq!(d.daemon.stats().pins, 0);
 }
 
+/// Another process writes into the payload of chunk `index` of `req`'s lease after the lookup
+/// checked its header (a misbehaving engine, or a pin the daemon reclaimed and lent again).
+fn change_leased_chunk(s: &mut Setup, req: &str, index: usize) {
+    let lease = s.w.worker.leases().take(req).unwrap();
+    let LeasedChunk::Shared { chunk, .. } = &lease.chunks[index].1 else {
+        panic!("the lookup leases the daemon's chunk where it lies")
+    };
+    // SAFETY: the pinned payload lies in the engine's mapping of the daemon's arena, which
+    // the chunk keeps mapped; the test plays the other process writing into it.
+    unsafe { *((chunk.payload_ptr() + 100) as *mut u8) ^= 0x40 };
+    s.w.worker.leases().grant(req, lease.chunks);
+}
+
 /// Makes `s`'s rank one whose blocks the worker cannot read, as a GPU engine's: it stages
 /// its copies from node memory for the worker to check.
 fn staging(s: &mut Setup) {
@@ -137,8 +150,7 @@ fn staging(s: &mut Setup) {
 }
 
 #[test]
-fn an_engine_that_stages_its_copies_loads_the_daemons_chunks_with_one_read_and_checks_the_staged_copy()
- {
+fn a_staging_engine_reads_the_daemons_chunks_once_and_checks_the_staged_copy() {
     // The GPU route, on host blocks: the lookup pins the chunks where they lie (nothing goes
     // through L1), the engine side reads each once into the job's buffer and fills the blocks
     // from it, and the worker checks the buffer behind the forward pass.
@@ -193,16 +205,7 @@ fn a_chunk_changed_after_the_lookup_fails_from_it_on(
     }
     let blocks: Vec<u32> = (0..2 * chunks as u32 + 1).collect();
     let meta = looked_up(&mut s, &p, chunks * CHUNK, &blocks);
-    // Another process writes into the chunk's payload after the lookup checked its header (a
-    // misbehaving engine, or a pin the daemon reclaimed and lent again).
-    let lease = s.w.worker.leases().take("r").unwrap();
-    let LeasedChunk::Shared { chunk, .. } = &lease.chunks[changed].1 else {
-        panic!("the lookup leases the daemon's chunk where it lies")
-    };
-    // SAFETY: the pinned payload lies in the engine's mapping of the daemon's arena, which
-    // the chunk keeps mapped; the test plays the other process writing into it.
-    unsafe { *((chunk.payload_ptr() + 100) as *mut u8) ^= 0x40 };
-    s.w.worker.leases().grant("r", lease.chunks);
+    change_leased_chunk(&mut s, "r", changed);
     // The step's copies run at its start; their checks go on behind the forward pass and
     // are settled, failed blocks known, by the step's end (vLLM asks for them after it).
     s.w.begin_step(&meta.encode()).unwrap();
@@ -456,4 +459,52 @@ fn a_place_whose_loan_ran_out_before_the_copy_is_never_written() {
         "{stats:?}"
     );
     assert_eq!(d.daemon.stats().entries, 0);
+}
+
+/// A staging engine loads two chunks whose first block vLLM's own prefix cache holds already,
+/// so the job starts one block into chunk 0, with chunk `changed` written by another process
+/// after the lookup: the staged copy of chunk 0 is checked whole, and the failed blocks run
+/// from the changed chunk's first block the job copied.
+fn a_staged_load_past_held_blocks_fails_from_the_changed_chunk(changed: usize) -> Vec<u32> {
+    let d = daemon();
+    let p = prompt(2 * CHUNK + 1, 17 + changed as u32);
+    stored_by_another_engine(&d, &p[..2 * CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    staging(&mut s);
+    let blocks: Vec<u32> = (30..35).collect();
+    let held = BLOCK;
+    let hit = s.sched.get_num_new_matched_tokens(&request("r", &p), held);
+    assert_eq!(hit, (2 * CHUNK - held, false));
+    s.sched.update_state_after_alloc("r", &blocks, hit.0);
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "r",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    change_leased_chunk(&mut s, "r", changed);
+    s.w.begin_step(&meta.encode()).unwrap();
+    let out = s.w.end_step(&[]);
+    let failed = s.report(&[out]);
+    // Chunk 0's blocks past the held one, when it is not the one changed: loaded, and
+    // checked in its staged copy (not copied through L1 first).
+    let kept = (changed * CHUNK / BLOCK).saturating_sub(1) * BLOCK;
+    let stats = s.w.worker.stats();
+    assert_eq!(stats.loaded_tokens as usize, kept);
+    assert_eq!(stats.node_memory_staged_tokens as usize, kept);
+    failed
+}
+
+#[test]
+fn a_staged_first_chunk_entered_part_way_is_checked_whole() {
+    let per_chunk = CHUNK / BLOCK;
+    assert_eq!(
+        a_staged_load_past_held_blocks_fails_from_the_changed_chunk(0),
+        (31..30 + 2 * per_chunk as u32).collect::<Vec<_>>(),
+        "chunk 0 changed: every block the job copied"
+    );
+    assert_eq!(
+        a_staged_load_past_held_blocks_fails_from_the_changed_chunk(1),
+        (30 + per_chunk as u32..30 + 2 * per_chunk as u32).collect::<Vec<_>>(),
+        "chunk 1 changed: its blocks, not chunk 0's"
+    );
 }

@@ -100,8 +100,8 @@ impl ConnectorWorker {
     /// A load job's copy ended. Chunks copied straight from node memory are checked (in the
     /// engine's blocks, or in the engine side's staged copies) on the worker's
     /// [`super::copy_checker::CopyChecker`] thread, while the engine runs the step's forward
-    /// pass; the job ends once
-    /// [`ConnectorWorker::settle_checks`] has their outcome. Every other load ends now.
+    /// pass; the job ends once [`ConnectorWorker::settle_checks`] has their outcome. Every
+    /// other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {
         if !ok || f.checks.is_empty() {
             return self.finish_load(f, ok, &[], CheckVerdict::Verified);
@@ -177,9 +177,9 @@ impl ConnectorWorker {
     }
 
     /// Applies the verdict on a load's chunks lent by node memory (checked in the engine's
-    /// blocks, [`super::HostPlanes`], or in staged copies): the chunks before the first that failed count as loaded from
-    /// node memory; from its first block on, every block of the job is reported failed, and
-    /// the job counts only what came before. A chunk whose copy did not match its checksum is
+    /// blocks, [`super::HostPlanes`], or in staged copies): the chunks before the first that
+    /// failed count as loaded from node memory; from its first block on, every block of the
+    /// job is reported failed, and the job counts only what came before. A chunk whose copy did not match its checksum is
     /// deleted from the pool; copies left unchecked blame no chunk.
     fn apply_checks(&mut self, f: &mut InFlight, checks: &[LentChunkCheck], verdict: CheckVerdict) {
         let passed = match &verdict {

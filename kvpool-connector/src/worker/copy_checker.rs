@@ -14,8 +14,7 @@ use crate::ConnectorError;
 use tracing::warn;
 
 /// A load job whose chunks copied from node memory are being checked on the worker's
-/// [`CopyChecker`] thread, which hands the job back with its
-/// verdict.
+/// [`CopyChecker`] thread, which hands the job back with its verdict.
 pub(super) struct CheckingLoad {
     pub(super) req_id: String,
     /// The job's blocks, reported failed if the thread never hands the job back.
@@ -160,8 +159,8 @@ struct CheckRequest {
 
 /// The thread that checks loads copied from node memory while the engine runs the step's
 /// forward pass (one per worker, started with its host planes or when the engine side stages
-/// its copies, ended when the worker drops it). A thread of its own, not one spawned per job: spawning one
-/// took up to 2 ms on the development VM, on the path to the forward pass.
+/// its copies, ended when the worker drops it). A thread of its own, not one spawned per job:
+/// spawning one took up to 2 ms on the development VM, on the path to the forward pass.
 pub(super) struct CopyChecker {
     jobs: mpsc::Sender<CheckRequest>,
     planes: Option<Arc<HostPlanes>>,

@@ -17,10 +17,12 @@ of the whole chunk, never one per block:
 A load's chunk that lies in memory other processes can write (the node's pool daemon's shared
 memory) comes with a buffer of the worker's (``check_copy_ptrs``) and is read exactly once:
 on CPU copied into that buffer, the planes then filled from it; on CUDA copied to the device
-once, the planes filled from that device copy, which is then copied back into the buffer
-(after the event the compute stream waits for, so the forward pass does not wait for it).
+once, the planes filled from that device copy, which is then copied back into the buffer on a
+read-back stream of its own (neither the forward pass nor the next job's copies wait for it).
 The buffer then holds the bytes the blocks received, and the worker checks it against the
-chunk's checksum while the forward pass runs.
+chunk's checksum while the forward pass runs. The engine side must report such a job done
+before the step's results leave the worker (``wait_for_read_backs``), so that a copy that
+fails its check is reported as failed blocks in the step that used them.
 
 On an H100 one DMA per chunk instead of one per chunk and plane took loads from 0.49× to 0.73×
 and saves from 0.45× to 0.56× of torch's copy of the same bytes as one contiguous buffer
@@ -45,12 +47,16 @@ nothing synchronizes the device. kvpool's host memory is page-locked for the DMA
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("kvpool.transfer")
+
 
 @dataclass(frozen=True)
 class CopyJob:
@@ -113,7 +119,12 @@ class BlockMover:
                                + [v for p in planes for v in (p.stride(0), p.data_ptr())])
         self.cuda = self.device.type == "cuda"
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
+        # Staged copies go back to the worker's buffers on a stream of their own, so that
+        # neither the forward pass nor the next job's copies wait for them.
+        self.read_back_stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list[tuple[int, Any]] = []
+        #: Jobs in `_pending` with staged copies read back: checked before the step reports.
+        self._read_back: set[int] = set()
 
     def _stream_ctx(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
@@ -148,11 +159,11 @@ class BlockMover:
             # The side stream starts after everything the compute stream queued (this step's
             # forward pass for a save; block zeroing for a load).
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
         def chunk_view(address: int, bpc: int) -> torch.Tensor:
             return host_tensor(address, bpc * job.block_bytes).view(word).view(planes, bpc, words)
 
-        # CUDA: (the worker's buffer, the device copy to read back into it) per staged chunk.
-        readbacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        read_back = False
         with self._stream_ctx():
             ids = ids.to(self.device, non_blocking=True)
             first = 0
@@ -166,7 +177,8 @@ class BlockMover:
                     check = chunk_view(checks[c], bpc) if checks[c] else None
                     staged = self._load_chunk(engine, host, skip, chunk_ids, check)
                     if check is not None and self.cuda:
-                        readbacks.append((check, staged))
+                        self._read_back_chunk(check, staged)
+                        read_back = True
                 else:
                     self._save_chunk(engine, host, chunk_ids)
             if self.cuda:
@@ -175,14 +187,24 @@ class BlockMover:
                 if job.is_load:
                     # The engine reads loaded blocks only after the copy (a device-side wait).
                     torch.cuda.current_stream(self.device).wait_event(event)
-                if readbacks:
-                    # Behind the event the forward pass waits for: the staged copies go back
-                    # to the worker's buffers, and the job is done once they are there.
-                    for check, staged in readbacks:
-                        check.copy_(staged, non_blocking=True)
+                if read_back:
+                    # The job is done once its copies and its read-backs are.
+                    self.read_back_stream.wait_event(event)
                     event = torch.cuda.Event()
-                    event.record(self.stream)
+                    event.record(self.read_back_stream)
+                    self._read_back.add(job.id)
                 self._pending.append((job.id, event))
+
+    def _read_back_chunk(self, check: torch.Tensor, staged: torch.Tensor) -> None:
+        # CUDA: once the planes were filled from the device copy (an event on the side
+        # stream), the read-back stream copies it into the worker's buffer. The caching
+        # allocator must not hand the device copy out again before that copy ran.
+        scattered = torch.cuda.Event()
+        scattered.record(self.stream)
+        self.read_back_stream.wait_event(scattered)
+        with torch.cuda.stream(self.read_back_stream):
+            check.copy_(staged, non_blocking=True)
+        staged.record_stream(self.read_back_stream)
 
     def _load_chunk(self, engine: list[torch.Tensor], host: torch.Tensor, skip: int,
                     ids: torch.Tensor, check: torch.Tensor | None) -> torch.Tensor:
@@ -212,8 +234,26 @@ class BlockMover:
     def poll(self) -> list[int]:
         """Ids of jobs whose copies ended since the last call (on CPU: every job run)."""
         done = [job for job, event in self._pending if event.query()]
-        self._pending = [(j, e) for j, e in self._pending if j not in set(done)]
+        self._end(done)
         return done
+
+    def wait_for_read_backs(self) -> list[int]:
+        """Waits on the host for every job whose staged copies are being read back (CUDA;
+        the wait is for those copies, queued right after the job's own, not for the forward
+        pass) and returns their ids, ended. The engine side reports them done before the step's
+        results leave the worker: the worker must check a staged copy before it reports the
+        step's failed blocks, as vLLM uses the blocks in that step (on CPU: none pending)."""
+        done = [job for job, _ in self._pending if job in self._read_back]
+        for job, event in self._pending:
+            if job in self._read_back:
+                event.synchronize()
+        self._end(done)
+        return done
+
+    def _end(self, jobs: list[int]) -> None:
+        ended = set(jobs)
+        self._pending = [(j, e) for j, e in self._pending if j not in ended]
+        self._read_back -= ended
 
     def wait(self, job_ids: list[int]) -> None:
         """Makes the compute stream wait for these jobs (before vLLM reuses their blocks)."""
@@ -297,9 +337,20 @@ class MappingPin:
         self._thread.start()
 
     def _register(self) -> None:
-        if self.device is not None and getattr(self.device, "type", None) == "cuda":
-            torch.cuda.set_device(self.device)
-        self.pin = HostMemoryPin(self.region.address, self.region.length, device=self.device)
+        try:
+            if self.device is not None and getattr(self.device, "type", None) == "cuda":
+                torch.cuda.set_device(self.device)
+            self.pin = HostMemoryPin(self.region.address, self.region.length,
+                                     device=self.device)
+        except Exception:  # noqa: BLE001 - copies still run, through pageable memory
+            logger.exception("kvpool: could not page-lock the pool daemon's shared memory "
+                             "(%d bytes); copies from it go through pageable memory (slower)",
+                             self.region.length)
+            return
+        if not self.pin.pinned:
+            logger.warning("kvpool: the pool daemon's shared memory (%d bytes) is not "
+                           "page-locked; copies from it go through pageable memory (slower)",
+                           self.region.length)
 
     def wait_registered(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds for the registration running behind."""
@@ -315,7 +366,10 @@ class MappingPin:
         (idempotent)."""
         if self.region is None:
             return
-        self._thread.join()
+        # The registration thread may drop the last reference itself (it holds this object
+        # while it runs): it is done registering by then.
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         if self.pin is not None:
             self.pin.release()
         self.region = None

@@ -108,6 +108,14 @@ class WorkerSide:
         for job_id in self.mover.poll():
             self.native.copy_done(job_id, True)
 
+    def _settle_read_backs(self) -> None:
+        """Reports done the loads whose staged copies are still being read back (CUDA), after
+        waiting for those copies: vLLM asks for the step's results once the forward pass is
+        launched, not finished, and a staged copy must be checked before the step's failed
+        blocks are reported, in the step whose forward pass used the blocks."""
+        for job_id in self.mover.wait_for_read_backs():
+            self.native.copy_done(job_id, True)
+
     def handle_preemptions(self, preempted: list[str]) -> None:
         """Before vLLM reuses a preempted request's blocks: copies still reading or writing
         them finish first."""
@@ -124,17 +132,21 @@ class WorkerSide:
         self._run(self.native.load_jobs())
 
     def save(self) -> None:
+        self._settle_read_backs()
         self._run(self.native.save_jobs())
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
+        self._settle_read_backs()
         sending, recving = self.native.transfer_results(list(finished_req_ids or ()))
         return (set(sending) or None, set(recving) or None)
 
     def failed_blocks(self) -> set[int]:
+        self._settle_read_backs()
         return set(self.native.failed_blocks())
 
     def worker_meta(self) -> KvpoolWorkerMeta:
+        self._settle_read_backs()
         executed, copied = self.native.step_report()
         return KvpoolWorkerMeta(executed=_count(executed), copied=_count(copied))
 
