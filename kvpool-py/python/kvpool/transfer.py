@@ -255,6 +255,14 @@ class BlockMover:
         self._pending = [(j, e) for j, e in self._pending if j not in ended]
         self._read_back -= ended
 
+    def wait_for_queued_copies(self) -> None:
+        """Waits on the host for every copy queued on this mover's streams (CUDA): before a
+        job that failed part-way is reported, so that no copy still queued writes into
+        memory the worker frees and hands out again."""
+        if self.cuda:
+            self.stream.synchronize()
+            self.read_back_stream.synchronize()
+
     def wait(self, job_ids: list[int]) -> None:
         """Makes the compute stream wait for these jobs (before vLLM reuses their blocks)."""
         wanted = set(job_ids)

@@ -99,6 +99,8 @@ class WorkerSide:
                 self.mover.run(job)
             except Exception:  # noqa: BLE001 - a failed copy is reported, never raised
                 logger.exception("kvpool: copy job %d (%s) failed", job.id, job.req_id)
+                # Copies it queued before it failed end before its memory is freed.
+                self.mover.wait_for_queued_copies()
                 self.native.copy_done(job.id, False)
                 continue
             if not self.mover.cuda:
