@@ -124,7 +124,7 @@ impl WorkerCore {
 }
 
 /// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
-/// block_bytes, chunk_ptrs, check_copy_ptrs)`.
+/// block_bytes, chunk_ptrs, check_copy_ptrs, asynchronous)`.
 pub type PyCopyJob = (
     u64,
     bool,
@@ -135,6 +135,7 @@ pub type PyCopyJob = (
     usize,
     Vec<usize>,
     Vec<usize>,
+    bool,
 );
 
 fn py_job(j: CopyJob) -> PyCopyJob {
@@ -148,6 +149,7 @@ fn py_job(j: CopyJob) -> PyCopyJob {
         j.block_bytes,
         j.chunk_ptrs,
         j.check_copy_ptrs,
+        j.asynchronous,
     )
 }
 

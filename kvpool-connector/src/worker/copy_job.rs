@@ -52,6 +52,11 @@ pub struct CopyJob {
     /// buffer. The buffer is filled by the time the job is reported done, and the worker
     /// checks it: a chunk whose copy fails is reported as failed blocks, never KV.
     pub check_copy_ptrs: Vec<usize>,
+    /// A load the engine runs in the background (the request waits until the worker reports
+    /// it finished, after its checks): the engine side need not wait for its staged copies
+    /// before the step's results leave the worker, as it must for a load the step's forward
+    /// pass reads.
+    pub asynchronous: bool,
 }
 
 impl CopyJob {

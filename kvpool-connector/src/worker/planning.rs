@@ -288,6 +288,7 @@ impl ConnectorWorker {
             block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
             check_copy_ptrs,
+            asynchronous,
         };
         Some((
             job,
@@ -376,6 +377,7 @@ impl ConnectorWorker {
             block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
             check_copy_ptrs: Vec::new(),
+            asynchronous: false,
         };
         let tokens = kept.iter().map(ChunkSpan::len).sum();
         self.planned_saves.push((

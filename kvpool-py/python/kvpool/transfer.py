@@ -72,6 +72,8 @@ class CopyJob:
     chunk_ptrs: list[int]
     #: Per chunk of a load: 0, or the worker's buffer for the staged copy to check.
     check_copy_ptrs: list[int] = field(default_factory=list)
+    #: A load the request waits for in the background (not read by this step's forward pass).
+    asynchronous: bool = False
 
     @classmethod
     def from_native(cls, t: tuple) -> "CopyJob":
@@ -192,7 +194,10 @@ class BlockMover:
                     self.read_back_stream.wait_event(event)
                     event = torch.cuda.Event()
                     event.record(self.read_back_stream)
-                    self._read_back.add(job.id)
+                    if not job.asynchronous:
+                        # The step's forward pass reads its blocks: checked before the step
+                        # reports. (An asynchronous load's request waits for its verdict.)
+                        self._read_back.add(job.id)
                 self._pending.append((job.id, event))
 
     def _read_back_chunk(self, check: torch.Tensor, staged: torch.Tensor) -> None:
@@ -238,9 +243,9 @@ class BlockMover:
         return done
 
     def wait_for_read_backs(self) -> list[int]:
-        """Waits on the host for every job whose staged copies are being read back (CUDA;
-        the wait is for those copies, queued right after the job's own, not for the forward
-        pass) and returns their ids, ended. The engine side reports them done before the step's
+        """Waits on the host for every synchronous load whose staged copies are being read
+        back (CUDA; started before the forward pass, so the wait is for those copies, not for
+        the forward pass) and returns their ids, ended. The engine side reports them done before the step's
         results leave the worker: the worker must check a staged copy before it reports the
         step's failed blocks, as vLLM uses the blocks in that step (on CPU: none pending)."""
         done = [job for job, _ in self._pending if job in self._read_back]
