@@ -95,7 +95,18 @@ pub unsafe fn run_copy_job(job: &CopyJob, kv: &mut HostPagedKvCache) -> Result<(
                 }
                 // SAFETY: as above; a save's buffer is written by this job alone.
                 let data = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, chunk_bytes) };
-                kv.gather(&slots, data)?;
+                let staged = job.check_copy_ptrs.get(c).copied().unwrap_or(0);
+                if staged == 0 {
+                    kv.gather(&slots, data)?;
+                } else {
+                    // Gathered once, into the worker's buffer (what it hashes), then copied
+                    // into the chunk's place.
+                    // SAFETY: as for a load's staged copy.
+                    let copy =
+                        unsafe { std::slice::from_raw_parts_mut(staged as *mut u8, chunk_bytes) };
+                    kv.gather(&slots, copy)?;
+                    data.copy_from_slice(copy);
+                }
             }
         }
     }

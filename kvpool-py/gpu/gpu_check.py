@@ -18,7 +18,9 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
    and it is read back into a page-locked buffer of the worker's by the time the job's event
    has passed; both the blocks and the buffer hold the chunk, byte for byte;
 5. through the node's pool daemon (``kvpool serve``, the ``kvpool`` binary next to this script
-   or ``KVPOOL_BIN``): engine A's chunks, written into the daemon, are loaded by engine B the
+   or ``KVPOOL_BIN``): engine A's chunks, saved the GPU worker's way (gathered on the device,
+   copied into places the daemon lends and into A's buffers, sealed from A's buffers), are
+   loaded by engine B the
    way a GPU worker loads them: pinned where they lie in the daemon's shared memory, one copy
    to the device (one DMA once B's mapping of that memory is page-locked: a load before that
    registration is done, and one after), the blocks filled from it, read back into B's buffer
@@ -341,7 +343,11 @@ def daemon_route(report, tmp):
         assert a.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
         a.sched.update_state_after_alloc("a", a_blocks, 0)
         a.step([("a", n, [], 2, a_blocks, n)])
-        a.shutdown()  # flushes L1's writes into the daemon
+        # Saved the GPU worker's way: gathered once, copied into places the daemon lent and
+        # into A's buffers, sealed from A's buffers.
+        report["saved_into_daemon_memory"] = dict(a.worker.stats()).get(
+            "node_memory_saved_tokens", 0)
+        a.shutdown()
         b = Engine(caches, tmp, pool=pool)
         fourth = nblocks // 4  # blocks per chunk: the prompt is four chunks and a token
         loads = {}
@@ -540,7 +546,7 @@ def main():
                 r["error"] = repr(e)
             if "skipped" not in r:
                 checks = ["load_exact", "node_memory_staged_tokens",
-                          "changed_chunk_failed_in_its_step"]
+                          "changed_chunk_failed_in_its_step", "saved_into_daemon_memory"]
                 for key in checks:
                     if not r.get(key):
                         failures.append(f"daemon_route: {key} {r.get(key)!r} {r.get('error', '')}")

@@ -82,18 +82,22 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
 def test_the_gpu_route_on_cpu_tensors_reads_the_daemons_chunks_once_and_checks_the_staged_copy(
         runner, model_dir, pool_daemon):
     """The route a GPU worker takes (it cannot read vLLM's blocks), run on CPU tensors with
-    ``stage_node_memory_copies``: B's lookups pin the daemon's chunks where they lie, the
-    transfer path reads each once from the daemon's shared memory into a buffer of the
-    worker's and fills vLLM's blocks from it (on a GPU: one copy to the device, read back into
-    the buffer), and the worker checks the buffer behind the forward pass. vLLM's default
-    multi-process mode, as GPU serving runs."""
+    ``stage_node_memory_copies``. A's save gathers each chunk once into a buffer of the
+    worker's, copied from there into a place the daemon lends and sealed with a checksum
+    hashed from the buffer (on a GPU: gathered on the device, copied into both). B's lookups
+    pin the daemon's chunks where they lie, the transfer path reads each once from the
+    daemon's shared memory into a buffer of the worker's and fills vLLM's blocks from it (on a
+    GPU: one copy to the device, read back into the buffer), and the worker checks the buffer
+    behind the forward pass. B runs in vLLM's default multi-process mode, as GPU serving
+    does."""
     daemon = pool_daemon("staged")
     prompts = shared_prefix_prompts(3, seed=40)
     base = runner.baseline(model_dir, prompts)
-    runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": attach(daemon)})
+    cfg = {**attach(daemon), "stage_node_memory_copies": True}
+    a = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
+    assert a["stats"]["node_memory_saved_tokens"] >= PREFIX, a["stats"]
     daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
 
-    cfg = {**attach(daemon), "stage_node_memory_copies": True}
     b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
                     "multiprocess": True, "vllm_metrics": True})
     assert_same_outputs(base, b, "B, staged")

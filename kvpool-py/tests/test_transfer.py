@@ -166,14 +166,53 @@ def test_a_staged_chunk_is_read_once_so_a_change_during_the_copy_cannot_reach_th
     assert not torch.equal(staged, arena), "the chunk did change during the copy"
 
 
-def test_staged_copies_are_refused_for_a_save_or_with_a_count_unlike_the_chunks():
+def test_staged_copies_are_refused_with_a_count_unlike_the_chunks():
     mover = BlockMover(_planes(2, 8, 64, 64))
     arena = torch.zeros(4 * 128, dtype=torch.uint8)
     staged = torch.zeros(4 * 128, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="1 staged copies for a save of 1 chunks"):
+    with pytest.raises(ValueError, match="2 staged copies for a save of 1 chunks"):
         mover.run(_job(1, False, [0, 1, 2, 3], [4], 128, [arena.data_ptr()],
-                       checks=[staged.data_ptr()]))
+                       checks=[staged.data_ptr(), 0]))
     with pytest.raises(ValueError, match="2 staged copies for a load of 1 chunks"):
         mover.run(_job(2, True, [0, 1, 2, 3], [4], 128, [arena.data_ptr()],
                        checks=[staged.data_ptr(), 0]))
-    assert bool((staged == 0).all())
+    assert bool((staged == 0).all()) and bool((arena == 0).all())
+
+
+def test_a_staged_save_gathers_once_into_the_workers_buffer_and_the_place_gets_the_same_bytes():
+    """A save into a place the pool daemon lends: the worker hashes its checksum from its own
+    buffer, so the buffer and the place must hold the same gather (a second gather of blocks
+    the engine may write meanwhile could differ)."""
+    planes = _planes(2, 8, 64, 64)
+    mover = BlockMover(planes)
+    per_block = 2 * 64
+    place = torch.zeros(4 * per_block + 2 * per_block, dtype=torch.uint8)
+    staged = torch.zeros(4 * per_block, dtype=torch.uint8)
+    saved = [5, 1, 7, 2, 3, 0]
+    ptrs = [place.data_ptr(), place.data_ptr() + 4 * per_block]
+    mover.run(_job(1, False, saved, [4, 2], per_block, ptrs, checks=[staged.data_ptr(), 0]))
+    chunk0 = place[:4 * per_block].view(2, 4, 64)
+    for p, plane in enumerate(planes):
+        assert torch.equal(chunk0[p], plane[saved[:4]])
+        assert torch.equal(place[4 * per_block:].view(2, 2, 64)[p], plane[saved[4:]])
+    assert torch.equal(staged, place[:4 * per_block]), "the buffer holds what the place got"
+
+
+def test_the_gpu_variants_still_apply_to_the_transfer_path(tmp_path):
+    """``kvpool-py/gpu/variants/*.diff`` (transfer-path variants the GPU bundle's ``ab.sh``
+    times) are diffs against the shipped ``kvpool/transfer.py``: a change to it must rebase
+    them, or the next GPU session cannot run them."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("patch") is None:
+        pytest.skip("no `patch` command")
+    root = Path(__file__).resolve().parents[1]
+    source = root / "python" / "kvpool" / "transfer.py"
+    diffs = sorted((root / "gpu" / "variants").glob("*.diff"))
+    assert diffs
+    for diff in diffs:
+        out = subprocess.run(["patch", "--dry-run", "-o", str(tmp_path / "variant.py"),
+                              str(source)], stdin=diff.open(), capture_output=True, text=True)
+        assert out.returncode == 0, f"{diff.name}: {out.stdout}{out.stderr}"

@@ -292,9 +292,23 @@ fn computed_in_one_step(s: &mut Setup, id: &str, p: &[u32], blocks: &[u32]) -> C
 
 #[test]
 fn a_save_is_copied_once_into_the_daemons_memory_and_another_engine_loads_it() {
+    a_save_is_copied_once_into_the_daemons_memory(false);
+}
+
+#[test]
+fn a_staging_engines_save_is_copied_once_into_the_daemons_memory_and_sealed_from_its_copy() {
+    a_save_is_copied_once_into_the_daemons_memory(true);
+}
+
+/// Engine A (one that stages its copies if `staged`) saves a prompt with one copy into places
+/// the daemon lends; another engine loads it with the right KV.
+fn a_save_is_copied_once_into_the_daemons_memory(staged: bool) {
     let d = daemon();
     let p = prompt(3 * CHUNK + 1, 6);
     let mut a = setup_tiered(&d.url);
+    if staged {
+        staging(&mut a);
+    }
     let blocks: Vec<u32> = (0..7).collect();
     let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
     let failed = a.worker_step(&meta, &[(&p, &blocks, 0..p.len())]);
@@ -330,12 +344,25 @@ fn a_save_is_copied_once_into_the_daemons_memory_and_another_engine_loads_it() {
 
 #[test]
 fn a_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers_never_kv() {
-    // The checksum is hashed from the engine's blocks, not from the place the save was copied
-    // to: another process writing there after the copy (a misbehaving engine) makes the value
-    // fail every reader's check. Hashed from the place, the change would be vouched for.
+    a_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers(false);
+}
+
+#[test]
+fn a_staged_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers_never_kv() {
+    a_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers(true);
+}
+
+/// The checksum is hashed from the engine's blocks (or, for an engine that stages its copies
+/// if `staged`, from the staged copy), not from the place the save was copied to: another
+/// process writing there after the copy (a misbehaving engine) makes the value fail every
+/// reader's check. Hashed from the place, the change would be vouched for.
+fn a_save_changed_in_shared_memory_before_its_seal_is_refused_by_readers(staged: bool) {
     let d = daemon();
     let p = prompt(3 * CHUNK + 1, 7);
     let mut a = setup_tiered(&d.url);
+    if staged {
+        staging(&mut a);
+    }
     let blocks: Vec<u32> = (0..7).collect();
     let meta = computed_in_one_step(&mut a, "a", &p, &blocks);
     a.w.begin_step(&meta.encode()).unwrap();

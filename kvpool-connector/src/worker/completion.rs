@@ -48,7 +48,7 @@ impl ConnectorWorker {
 
     /// The chunks a save job copied, to stage until its step is committed: a buffer as it
     /// is; a place in node memory sealed first, its checksum hashed from the engine's blocks
-    /// the chunk came from. A place that cannot be sealed (its loan ran out before the copy
+    /// the chunk came from, or from the chunk's staged copy. A place that cannot be sealed (its loan ran out before the copy
     /// ended, or a block is out of range) is given back, and the job's later chunks with it.
     fn stage_copied(&mut self, f: InFlight) -> Vec<StagedChunk> {
         let JobMemory::Save(destinations) = f.memory else {
@@ -71,13 +71,18 @@ impl ConnectorWorker {
                     meta,
                     data: buf.freeze(),
                 }),
-                SaveDestination::Slot(mut slot) => {
-                    let sealed = match &self.host_planes {
-                        Some(_) if !slot.usable() => {
+                SaveDestination::Slot(mut slot, staged) => {
+                    let sealed = match (&staged, &self.host_planes) {
+                        _ if !slot.usable() => {
                             Err("its loan ran out before the copy ended".to_string())
                         }
-                        Some(planes) => planes.seal(&mut slot, &meta, own),
-                        None => Err("the engine's blocks are not in host memory".to_string()),
+                        (Some(copy), _) => slot
+                            .seal(&meta, [copy.as_slice()])
+                            .map_err(|e| e.to_string()),
+                        (None, Some(planes)) => planes.seal(&mut slot, &meta, own),
+                        (None, None) => {
+                            Err("the engine's blocks are not in host memory".to_string())
+                        }
                     };
                     if let Err(why) = sealed {
                         warn!(req = %f.req_id, key = %span.key, "a save copied into node memory could not be sealed; dropping it and the rest of the job");

@@ -43,14 +43,18 @@ pub struct CopyJob {
     pub block_bytes: usize,
     /// Address of each chunk's host buffer (read for a load, written for a save).
     pub chunk_ptrs: Vec<usize>,
-    /// A load's staged copies to check, one entry per chunk (empty for a save): 0, or the
-    /// address of a buffer of the chunk's bytes (`chunk_bytes(c)`) that the engine side
-    /// fills with the very bytes it copies into the blocks. Such a chunk lies in memory other
-    /// processes can write (node memory), so it must be read once: on CPU, copied into the
-    /// buffer first, the blocks then filled from the buffer; on a GPU, copied to the device
-    /// once, the blocks filled from that device copy, which is then copied back into the
-    /// buffer. The buffer is filled by the time the job is reported done, and the worker
-    /// checks it: a chunk whose copy fails is reported as failed blocks, never KV.
+    /// Staged copies, one entry per chunk (or none at all): 0, or the address of a buffer of
+    /// the chunk's bytes (`chunk_bytes(c)`) of the worker's, for a chunk whose host buffer
+    /// lies in memory other processes can write (node memory), which the worker must not
+    /// hash. The engine side fills it with the very bytes the chunk's copy moves, by the
+    /// time the job is reported done:
+    /// - a load reads such a chunk once: on CPU, copied into the buffer first, the blocks
+    ///   then filled from the buffer; on a GPU, copied to the device once, the blocks filled
+    ///   from that device copy, which is then copied back into the buffer. The worker checks
+    ///   the buffer: a chunk whose copy fails is reported as failed blocks, never KV;
+    /// - a save gathers the chunk once: on CPU into the buffer, then copied from there into
+    ///   the chunk's host buffer; on a GPU into a device buffer, copied from there into both.
+    ///   The worker hashes the chunk's checksum from the buffer.
     pub check_copy_ptrs: Vec<usize>,
     /// A load the engine runs in the background (the request waits until the worker reports
     /// it finished, after its checks): the engine side need not wait for its staged copies
@@ -86,8 +90,10 @@ pub(crate) enum SaveDestination {
     /// A buffer of this process (L1's pool), stored through L1 once its step is committed.
     Memory(MemoryObjMut),
     /// A place node memory lends (the pool daemon's arena): sealed once copied, with a
-    /// checksum hashed from the engine's blocks, and committed there with its step.
-    Slot(SaveSlot),
+    /// checksum hashed from the engine's blocks, or from the staged copy of the chunk (when
+    /// the worker cannot read the blocks: see [`CopyJob::check_copy_ptrs`]), and committed
+    /// there with its step.
+    Slot(SaveSlot, Option<MemoryObjMut>),
 }
 
 impl JobMemory {
@@ -98,7 +104,7 @@ impl JobMemory {
             JobMemory::Load(_) => true,
             JobMemory::Save(destinations) => destinations.iter().all(|d| match d {
                 SaveDestination::Memory(_) => true,
-                SaveDestination::Slot(slot) => slot.usable(),
+                SaveDestination::Slot(slot, _) => slot.usable(),
             }),
         }
     }
@@ -110,9 +116,28 @@ impl JobMemory {
                 .iter_mut()
                 .map(|d| match d {
                     SaveDestination::Memory(b) => b.as_mut_slice().as_mut_ptr() as usize,
-                    SaveDestination::Slot(slot) => slot.payload_ptr(),
+                    SaveDestination::Slot(slot, _) => slot.payload_ptr(),
                 })
                 .collect(),
         }
+    }
+
+    /// A save's staged copies' addresses, one per chunk (0 where there is none); none at
+    /// all when no chunk has one. A load's are planned with its checks.
+    pub(crate) fn staged_save_pointers(&mut self) -> Vec<usize> {
+        let JobMemory::Save(destinations) = self else {
+            return Vec::new();
+        };
+        let pointers: Vec<usize> = destinations
+            .iter_mut()
+            .map(|d| match d {
+                SaveDestination::Slot(_, Some(copy)) => copy.as_mut_slice().as_mut_ptr() as usize,
+                _ => 0,
+            })
+            .collect();
+        if pointers.iter().all(|&p| p == 0) {
+            return Vec::new();
+        }
+        pointers
     }
 }

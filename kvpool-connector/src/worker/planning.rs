@@ -340,7 +340,13 @@ impl ConnectorWorker {
         let mut kept = Vec::new();
         for span in spans.into_iter().skip(lent.stored) {
             if let Some(slot) = slots.next() {
-                destinations.push(SaveDestination::Slot(slot));
+                // Without the blocks to hash, the engine side stages the chunk in a buffer
+                // of this process, and the checksum is hashed from there.
+                let staged = self
+                    .host_planes
+                    .is_none()
+                    .then(|| self.private_buffer(slot.payload_len()));
+                destinations.push(SaveDestination::Slot(slot, staged));
                 kept.push(span);
                 continue;
             }
@@ -376,7 +382,7 @@ impl ConnectorWorker {
             chunk_blocks: kept.iter().map(|s| s.len() / bs).collect(),
             block_bytes: self.block_bytes(),
             chunk_ptrs: memory.pointers(),
-            check_copy_ptrs: Vec::new(),
+            check_copy_ptrs: memory.staged_save_pointers(),
             asynchronous: false,
         };
         let tokens = kept.iter().map(ChunkSpan::len).sum();
@@ -399,8 +405,9 @@ impl ConnectorWorker {
 
     /// What node memory holds of the leading run of `spans` already, and places it lends for
     /// the save's copy of the rest to go straight there (one copy, where L1 then write-behind
-    /// is two): only when the worker sees the engine's blocks in host memory, to hash each
-    /// chunk's checksum from them, and the pool has a [save slot
+    /// is two): only when the worker sees the engine's blocks in host memory, or the engine
+    /// side stages its copies (see [`ConnectorWorker::check_staged_copies`]), to hash each
+    /// chunk's checksum from memory no other process writes, and the pool has a [save slot
     /// tier](kvpool_core::StorageManager::save_slot_tier). The step's saves wait for node
     /// memory at most [`SAVE_SLOT_BUDGET`] in all (this runs on the step's path); what gets no
     /// place goes through L1.
@@ -409,7 +416,7 @@ impl ConnectorWorker {
         let left = self
             .save_slot_deadline
             .saturating_duration_since(Instant::now());
-        if self.host_planes.is_none()
+        if (self.host_planes.is_none() && !self.checks_staged_copies)
             || spans.is_empty()
             || left.is_zero()
             || storage.save_slot_tier().is_none()

@@ -10,7 +10,9 @@ of the whole chunk, never one per block:
 - save: ``index_select`` each plane's blocks of the chunk into the chunk's layout (on CPU
   straight into the chunk's host buffer; on CUDA into a device buffer shaped like the chunk,
   so a chunk's worth of device memory for staging), then, on CUDA, one ``copy_`` of it to
-  the host;
+  the host (and, for a place in the pool daemon's memory, a second into the worker's buffer,
+  which the worker hashes the checksum from; on CPU the gather goes into that buffer, then
+  into the place);
 - load: ``to`` the engine's device (a no-op on CPU: the chunk itself), then ``index_copy_``
   each plane's part into the plane.
 
@@ -148,8 +150,7 @@ class BlockMover:
                              f"{sum(job.chunk_blocks)} blocks less {job.skip_blocks} held")
         if job.skip_blocks and not job.is_load:
             raise ValueError("kvpool: a save starts at a chunk's first block")
-        if job.check_copy_ptrs and (not job.is_load
-                                    or len(job.check_copy_ptrs) != len(job.chunk_ptrs)):
+        if job.check_copy_ptrs and len(job.check_copy_ptrs) != len(job.chunk_ptrs):
             raise ValueError(f"kvpool: {len(job.check_copy_ptrs)} staged copies for a "
                              f"{'load' if job.is_load else 'save'} of {len(job.chunk_ptrs)} chunks")
         checks = list(job.check_copy_ptrs) or [0] * len(job.chunk_ptrs)
@@ -182,7 +183,8 @@ class BlockMover:
                         self._read_back_chunk(check, staged)
                         read_back = True
                 else:
-                    self._save_chunk(engine, host, chunk_ids)
+                    staged_copy = chunk_view(checks[c], bpc) if checks[c] else None
+                    self._save_chunk(engine, host, chunk_ids, staged_copy)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -226,15 +228,25 @@ class BlockMover:
         return staged
 
     def _save_chunk(self, engine: list[torch.Tensor], host: torch.Tensor,
-                    ids: torch.Tensor) -> None:
+                    ids: torch.Tensor, staged_copy: torch.Tensor | None = None) -> None:
         # One gather per plane straight into the chunk's layout: on CPU into the chunk itself;
         # on CUDA into a device buffer shaped like it (torch's caching allocator hands the same
-        # memory to the next chunk, in stream order), then one device-to-host copy.
-        staged = host if not self.cuda else torch.empty_like(host, device=self.device)
+        # memory to the next chunk, in stream order), then one device-to-host copy. A chunk
+        # whose place other processes can write (node memory) is gathered once and also left
+        # in the worker's buffer, which the worker hashes: on CPU gathered into that buffer
+        # and copied into the place; on CUDA copied from the device buffer into both.
+        if self.cuda:
+            staged = torch.empty_like(host, device=self.device)
+        else:
+            staged = host if staged_copy is None else staged_copy
         for p, plane in enumerate(engine):
             torch.index_select(plane, 0, ids, out=staged[p])
         if self.cuda:
             host.copy_(staged, non_blocking=True)
+            if staged_copy is not None:
+                staged_copy.copy_(staged, non_blocking=True)
+        elif staged_copy is not None:
+            host.copy_(staged_copy)
 
     def poll(self) -> list[int]:
         """Ids of jobs whose copies ended since the last call (on CPU: every job run)."""

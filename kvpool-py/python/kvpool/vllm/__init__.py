@@ -22,8 +22,9 @@ node's pool daemon, ``unix:///run/kvpool/kvpool.sock``: ``kvpool serve``; added 
 lower tier),
 ``save_decode_tokens`` (default false), ``socket_dir`` (default: the temp dir),
 ``lookup_timeout_ms`` (default 5000: one lookup, all ranks together),
-``stage_node_memory_copies`` (default false: a CPU worker loads the pool daemon's chunks the
-way a GPU worker does, read once into a staged copy that is checked; for tests of that route).
+``stage_node_memory_copies`` (default false: a CPU worker loads and saves the pool daemon's
+chunks the way a GPU worker does, through a staged copy of the worker's that is checked or
+hashed; for tests of that route).
 
 Loads from memory leased at lookup run before the forward pass; any other load (disk, Redis,
 S3, Mooncake, or every load when vLLM schedules asynchronously) runs in the background while
