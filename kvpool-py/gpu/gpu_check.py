@@ -308,8 +308,8 @@ def kvpool_binary():
 
 
 def daemon_route(report, tmp):
-    """Engine A saves a prompt (through its L1, written behind into the daemon); engine B, a
-    fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
+    """Engine A saves a prompt into places the daemon lends, the GPU worker's way; engine B,
+    a fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
     docs, check 5) into other blocks of the same caches."""
     binary = kvpool_binary()
     if binary is None:

@@ -198,6 +198,34 @@ def test_a_staged_save_gathers_once_into_the_workers_buffer_and_the_place_gets_t
     assert torch.equal(staged, place[:4 * per_block]), "the buffer holds what the place got"
 
 
+def test_a_staged_save_is_hashed_from_its_gather_not_from_the_place(monkeypatch):
+    """Another process writes the place right after the copy into it: the worker's buffer,
+    which the checksum is hashed from, must still hold the gather (the place's change then
+    fails every reader's check). Copied into the buffer from the place, it would vouch for
+    bytes the engine never computed."""
+    planes = _planes(2, 8, 64, 64)
+    mover = BlockMover(planes)
+    per_block = 2 * 64
+    place = torch.zeros(2 * per_block, dtype=torch.uint8)
+    staged = torch.zeros(2 * per_block, dtype=torch.uint8)
+    lo, hi = place.data_ptr(), place.data_ptr() + place.numel()
+    original = torch.Tensor.copy_
+
+    def written_after(self, src, *args, **kwargs):
+        out = original(self, src, *args, **kwargs)
+        if lo <= self.data_ptr() < hi:
+            place.view(-1)[3] ^= 0xFF  # the other process
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "copy_", written_after)
+    mover.run(_job(1, False, [4, 6], [2], per_block, [place.data_ptr()],
+                   checks=[staged.data_ptr()]))
+    monkeypatch.undo()
+    gathered = torch.cat([plane[[4, 6]].reshape(-1) for plane in planes])
+    assert torch.equal(staged, gathered), "the buffer holds the gather"
+    assert not torch.equal(place, gathered), "the place did change after its copy"
+
+
 def test_the_gpu_variants_still_apply_to_the_transfer_path(tmp_path):
     """``kvpool-py/gpu/variants/*.diff`` (transfer-path variants the GPU bundle's ``ab.sh``
     times) are diffs against the shipped ``kvpool/transfer.py``: a change to it must rebase

@@ -72,7 +72,8 @@ class CopyJob:
     chunk_blocks: list[int]
     block_bytes: int
     chunk_ptrs: list[int]
-    #: Per chunk of a load: 0, or the worker's buffer for the staged copy to check.
+    #: Per chunk: 0, or the worker's buffer for the chunk's staged copy (a load's, checked;
+    #: a save's, hashed for its seal). Empty when no chunk has one.
     check_copy_ptrs: list[int] = field(default_factory=list)
     #: A load the request waits for in the background (not read by this step's forward pass).
     asynchronous: bool = False
