@@ -49,16 +49,7 @@ impl EngineWorker {
         layout: KvLayout,
         num_blocks: usize,
     ) -> Result<Self, ConnectorError> {
-        let mut worker = ConnectorWorker::new(engine, runtime, layout.block_size, leases);
-        worker.register_kv_caches(&layout)?;
-        let mut rank = EngineWorker {
-            worker,
-            kv: HostPagedKvCache::new(layout, num_blocks),
-            loaded: BTreeSet::new(),
-            shows_blocks: true,
-        };
-        rank.show_blocks()?;
-        Ok(rank)
+        Self::with_blocks_shown(engine, runtime, leases, layout, num_blocks, true)
     }
 
     /// A rank as [`EngineWorker::new`] makes, but whose blocks the worker never reads, as on
@@ -71,15 +62,30 @@ impl EngineWorker {
         layout: KvLayout,
         num_blocks: usize,
     ) -> Result<Self, ConnectorError> {
+        Self::with_blocks_shown(engine, runtime, leases, layout, num_blocks, false)
+    }
+
+    fn with_blocks_shown(
+        engine: Arc<CacheEngine>,
+        runtime: Arc<Runtime>,
+        leases: Arc<LeaseTable>,
+        layout: KvLayout,
+        num_blocks: usize,
+        shows_blocks: bool,
+    ) -> Result<Self, ConnectorError> {
         let mut worker = ConnectorWorker::new(engine, runtime, layout.block_size, leases);
         worker.register_kv_caches(&layout)?;
-        worker.check_staged_copies();
-        Ok(EngineWorker {
+        if !shows_blocks {
+            worker.check_staged_copies();
+        }
+        let mut rank = EngineWorker {
             worker,
             kv: HostPagedKvCache::new(layout, num_blocks),
             loaded: BTreeSet::new(),
-            shows_blocks: false,
-        })
+            shows_blocks,
+        };
+        rank.show_blocks()?;
+        Ok(rank)
     }
 
     /// Shows the worker the KV blocks, as vLLM's CPU connector does, so that chunks of the
