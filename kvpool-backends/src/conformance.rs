@@ -335,8 +335,16 @@ pub fn concurrent_access(s: Subject) -> BoxFuture<Outcome> {
                         .get(&[key.clone(), shared.clone()])
                         .await
                         .map_err(|e| format!("get: {e}"))?;
-                    if !got[0].as_ref().is_some_and(|c| same(c, &mine)) {
-                        return Err(format!("task {i} round {round}: own key read back wrong"));
+                    match &got[0] {
+                        None => {
+                            return Err(format!(
+                                "task {i} round {round}: own key missing right after its put"
+                            ));
+                        }
+                        Some(c) if !same(c, &mine) => {
+                            return Err(format!("task {i} round {round}: own key read back wrong"));
+                        }
+                        Some(_) => {}
                     }
                     if let Some(c) = &got[1]
                         && !candidates.iter().any(|v| same(c, v))
