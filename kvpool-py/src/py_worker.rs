@@ -506,6 +506,7 @@ impl PyWorker {
         d.set_item("stored_tokens", w.stored_tokens)?;
         d.set_item("save_errors", w.save_errors)?;
         d.set_item("saves_discarded", w.saves_discarded)?;
+        d.set_item("heap_buffers", w.heap_buffers)?;
         d.set_item("lookups", e.lookups)?;
         d.set_item("rejected_chunks", e.rejected_chunks)?;
         d.set_item("corrupt_chunks", corrupt + e.rejected_chunks)?;

@@ -177,11 +177,41 @@ fn a_staging_engine_reads_the_daemons_chunks_once_and_checks_the_staged_copy() {
     assert_eq!(stats.loaded_tokens as usize, 3 * CHUNK);
     assert_eq!(stats.node_memory_tokens as usize, 3 * CHUNK);
     assert_eq!(stats.node_memory_staged_tokens as usize, 3 * CHUNK);
+    assert_eq!(stats.heap_buffers, 0, "L1's pool had room for the buffers");
     assert_eq!(
         s.engine.storage().stats().tiers[0].backend.entries,
         0,
         "the staged copies are not stored in L1"
     );
+    s.pool_hit(&p);
+    assert_eq!(d.daemon.stats().pins, 0);
+}
+
+#[test]
+fn with_l1_full_a_staged_load_takes_its_buffers_from_the_heap_and_counts_them() {
+    // On a GPU a copy into heap memory waits for the device: slower, still exact. The
+    // worker says so (`heap_buffers`) instead of failing the load.
+    let d = daemon();
+    let p = prompt(3 * CHUNK + 1, 17);
+    stored_by_another_engine(&d, &p[..3 * CHUNK]);
+    let mut s = setup_tiered(&d.url);
+    staging(&mut s);
+    let blocks: Vec<u32> = (10..17).collect();
+    let meta = looked_up(&mut s, &p, 3 * CHUNK, &blocks);
+    // Everything L1's pool has, held by someone else for the step.
+    let chunk_bytes = s.engine.layout().chunk_bytes(CHUNK);
+    let mut held = Vec::new();
+    while let Ok(buf) = s.engine.storage().allocate(chunk_bytes) {
+        held.push(buf);
+    }
+    assert!(!held.is_empty());
+    let failed = s.worker_step(&meta, &[]);
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(model_mismatches(&s.w.kv, &p[..3 * CHUNK], &blocks[..6]), 0);
+    let stats = s.w.worker.stats();
+    assert_eq!(stats.node_memory_staged_tokens as usize, 3 * CHUNK);
+    assert_eq!(stats.heap_buffers, 3, "one buffer per chunk, from the heap");
+    drop(held);
     s.pool_hit(&p);
     assert_eq!(d.daemon.stats().pins, 0);
 }

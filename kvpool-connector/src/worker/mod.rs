@@ -70,6 +70,10 @@ pub struct WorkerStats {
     /// Saved chunks dropped before commit: computed on a failed load on some rank, or never
     /// committed.
     pub saves_discarded: u64,
+    /// Buffers of this process taken from the heap because L1's pool had no room: staged
+    /// copies from node memory and their checks. Correct, but a device copies into or out
+    /// of heap memory (not page-locked) synchronously.
+    pub heap_buffers: u64,
 }
 
 /// What the engine side learns at the end of a step ([`ConnectorWorker::transfer_results`]).
@@ -168,6 +172,9 @@ pub struct ConnectorWorker {
     /// Whether the engine side stages a load's chunks from node memory in a buffer the
     /// worker checks (see [`ConnectorWorker::check_staged_copies`]).
     checks_staged_copies: bool,
+    /// Buffers taken from the heap because L1's pool had no room (see
+    /// [`WorkerStats::heap_buffers`]); counted where the worker is only borrowed.
+    heap_buffers: std::sync::atomic::AtomicU64,
     /// The thread that checks loads copied from node memory.
     copy_checker: Option<copy_checker::CopyChecker>,
     /// Load jobs whose copies from node memory are being checked behind the forward pass
@@ -217,6 +224,7 @@ impl ConnectorWorker {
             stats: WorkerStats::default(),
             host_planes: None,
             checks_staged_copies: false,
+            heap_buffers: Default::default(),
             copy_checker: None,
             checking: Vec::new(),
             loaded_from_node_memory: HashSet::new(),
@@ -237,7 +245,10 @@ impl ConnectorWorker {
     /// Counters since the worker started (loads whose checks are still running behind the
     /// forward pass count once settled, by the step's end).
     pub fn stats(&self) -> WorkerStats {
-        self.stats
+        WorkerStats {
+            heap_buffers: self.heap_buffers.load(std::sync::atomic::Ordering::Relaxed),
+            ..self.stats
+        }
     }
 
     /// Bounds asynchronous loads in flight.

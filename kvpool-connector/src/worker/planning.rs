@@ -1,6 +1,7 @@
 //! Planning: which chunks and tail blocks a step's load or save covers (from the hashes the
 //! scheduler shipped), and the copy jobs and in-flight records that move them.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvpool_core::{
@@ -210,12 +211,22 @@ impl ConnectorWorker {
     }
 
     /// A buffer of `len` bytes of this process: from L1's pool (page-locked on a GPU), else
-    /// the heap.
+    /// the heap (counted in [`super::WorkerStats::heap_buffers`], and said once per worker:
+    /// a device's copy into heap memory waits for the device).
     fn private_buffer(&self, len: usize) -> MemoryObjMut {
-        self.engine
-            .storage()
-            .allocate(len)
-            .unwrap_or_else(|_| MemoryObjMut::heap(len))
+        match self.engine.storage().allocate(len) {
+            Ok(buf) => buf,
+            Err(e) => {
+                let before = self.heap_buffers.fetch_add(1, Ordering::Relaxed);
+                if before == 0 {
+                    warn!(error = %e, len, "L1's pool has no room for a buffer of the worker's; \
+                        taking it from the heap (correct, but a GPU copies into heap memory \
+                        synchronously: give L1 more room than the step's loads and saves); \
+                        counted in heap_buffers, said once");
+                }
+                MemoryObjMut::heap(len)
+            }
+        }
     }
 
     /// The copy job for what a fetch brought; reports the blocks it could not bring.

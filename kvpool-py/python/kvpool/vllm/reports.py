@@ -79,6 +79,9 @@ PROM_COUNTERS = (
      "Saves that failed (the KV was not stored; nothing else is affected)."),
     ("saves_discarded", "vllm:kvpool_saves_discarded",
      "Saved chunks dropped before commit: computed on a failed load on some rank."),
+    ("heap_buffers", "vllm:kvpool_heap_buffers",
+     "Worker buffers taken from the heap because L1 had no room (a GPU copies into them "
+     "synchronously)."),
 )
 
 
