@@ -376,6 +376,8 @@ def daemon_route(report, tmp):
         stats = dict(b.worker.stats())
         report["node_memory_staged_tokens"] = stats.get("node_memory_staged_tokens", 0)
         report["corrupt_chunks"] = stats.get("corrupt_chunks", 0)
+        # Buffers from the heap (L1 full) would make the device's read-backs synchronous.
+        report["heap_buffers"] = stats.get("heap_buffers", 0)
         report["in_flight_after"] = list(b.worker.in_flight())
         b.shutdown()
     finally:
@@ -557,6 +559,9 @@ def main():
                     failures.append(f"daemon_route: daemon_memory_pinned {pinned!r}")
                 if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
                     failures.append(f"daemon_route: left in flight {r.get('in_flight_after')}")
+                if r.get("heap_buffers", 0) != 0:
+                    failures.append(f"daemon_route: heap_buffers {r.get('heap_buffers')} "
+                                    "(L1 had no room for the staged copies)")
             try:
                 throughput(report, tmp)
             except Exception as e:  # noqa: BLE001

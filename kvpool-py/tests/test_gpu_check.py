@@ -43,6 +43,8 @@ def test_gpu_check_passes_on_cpu_tensors(tmp_path):
     assert daemon["load_exact"] and daemon["node_memory_staged_tokens"] >= 1024, daemon
     # A byte another process flips in the daemon's memory is reported in the load's own step.
     assert daemon["changed_chunk_failed_in_its_step"], daemon
+    # Its staged copies had L1's (page-locked on a GPU) buffers, none from the heap.
+    assert daemon["heap_buffers"] == 0, daemon
     assert report["staged_load"]["buffers_hold_the_chunks"], report["staged_load"]
     # The throughput figures are over every byte moved: on CPU the check saves and loads
     # 128 blocks x 8 layers x 64 KiB (a first version counted one block per chunk: 4 MiB).
