@@ -1,12 +1,13 @@
 //! `MooncakeConnector`: batches in rounds that fit the staging arena, put-race retries, fail-fast after a cluster failure.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
 use kvpool_core::{BackendError, MemoryObjMut, MemoryPool, PoolError, RemoteConnector};
@@ -23,6 +24,10 @@ pub(super) struct Inner {
     size_hint: AtomicUsize,
     /// While set and in the future, calls fail fast (the cluster just failed one).
     paused_until: Mutex<Option<Instant>>,
+    /// Keys this process is writing now (see [`Inner::claim_keys`]).
+    writing: Mutex<HashSet<String>>,
+    /// Signalled when keys leave `writing`.
+    written: Condvar,
     retry_after: Duration,
     closed: AtomicBool,
     name: String,
@@ -100,6 +105,8 @@ impl MooncakeConnector {
                 staging,
                 size_hint: AtomicUsize::new(0),
                 paused_until: Mutex::new(None),
+                writing: Mutex::new(HashSet::new()),
+                written: Condvar::new(),
                 retry_after: config.retry_after,
                 closed: AtomicBool::new(false),
                 name: format!("mooncake({})", config.master_server_address),
@@ -218,8 +225,23 @@ impl Inner {
         }
     }
 
-    /// Puts every entry, in rounds that fit the staging arena.
+    /// Puts every entry, in rounds that fit the staging arena; of a key given twice, the
+    /// later value (Mooncake addresses a batch's buffers by key, so one key must not appear
+    /// twice in a call).
     fn put_all(&self, entries: &[(String, Bytes)]) -> Result<(), CallError> {
+        let mut last: HashMap<&str, usize> = HashMap::with_capacity(entries.len());
+        for (i, (key, _)) in entries.iter().enumerate() {
+            last.insert(key, i);
+        }
+        if last.len() < entries.len() {
+            let distinct: Vec<(String, Bytes)> = entries
+                .iter()
+                .enumerate()
+                .filter(|(i, (key, _))| last[key.as_str()] == *i)
+                .map(|(_, e)| e.clone())
+                .collect();
+            return self.put_all(&distinct);
+        }
         let mut next = 0;
         while next < entries.len() {
             let mut keys = Vec::new();
@@ -250,12 +272,34 @@ impl Inner {
                     len: value.len(),
                 })
                 .collect();
+            let _claim = self.claim_keys(&keys);
             self.upsert_with_retries(&keys, &buffers)?;
         }
         if let Some(max) = entries.iter().map(|(_, v)| v.len()).max() {
             self.size_hint.fetch_max(max, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Waits until no other call of this process is writing any of `keys`, then marks them
+    /// written by this one until the returned claim drops. Every call of the process reaches
+    /// Mooncake as one client, and its master lets a second upsert of a key still being
+    /// written take the first one's place (`UpsertStart` on a key in progress), after which the
+    /// first upsert's end can publish, and a reader's removal free, memory the second is still
+    /// writing: a value torn or lost (the chunk format turns a torn value into a miss). Writers
+    /// of one key in two processes are two clients and race as Mooncake intends (the loser is
+    /// retried in [`Inner::upsert_with_retries`]). A batch claims all its keys at once, so no
+    /// two calls can wait for each other.
+    fn claim_keys(&self, keys: &[String]) -> KeyClaim<'_> {
+        let mut writing = self.writing.lock();
+        while keys.iter().any(|k| writing.contains(k)) {
+            self.written.wait(&mut writing);
+        }
+        writing.extend(keys.iter().cloned());
+        KeyClaim {
+            inner: self,
+            keys: keys.to_vec(),
+        }
     }
 
     /// Upserts, retrying keys that lost a race with another writer of the same key (Mooncake
@@ -265,6 +309,13 @@ impl Inner {
         for attempt in 0.. {
             // SAFETY: the buffers are registered staging slots the caller keeps alive.
             let codes = unsafe { self.client.batch_upsert_from(&keys, &buffers)? };
+            if codes.len() != keys.len() {
+                return Err(CallError::Client(format!(
+                    "batch_upsert_from answered {} results for {} keys",
+                    codes.len(),
+                    keys.len()
+                )));
+            }
             let mut retry_keys = Vec::new();
             let mut retry_buffers = Vec::new();
             for ((key, buffer), code) in keys.iter().zip(&buffers).zip(codes) {
@@ -293,6 +344,29 @@ impl Inner {
     /// Gets every key, in rounds that fit the staging arena. Values stay in staging (no copy)
     /// unless a later round needs the room or staging would stay more than half full.
     fn get_all(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, CallError> {
+        // Mooncake addresses a batch's buffers by key: with a key twice in one call, one
+        // buffer would be written twice and the other reported filled, holding whatever
+        // staging held before. Each key is read once and handed to every place asking for it.
+        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        let mut distinct: Vec<String> = Vec::new();
+        let place: Vec<usize> = keys
+            .iter()
+            .map(|key| {
+                *first.entry(key).or_insert_with(|| {
+                    distinct.push(key.clone());
+                    distinct.len() - 1
+                })
+            })
+            .collect();
+        if distinct.len() < keys.len() {
+            let got = self.get_distinct(&distinct)?;
+            return Ok(place.into_iter().map(|i| got[i].clone()).collect());
+        }
+        self.get_distinct(keys)
+    }
+
+    /// [`Inner::get_all`] of keys that are all different.
+    fn get_distinct(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, CallError> {
         let mut out: Vec<Option<Bytes>> = vec![None; keys.len()];
         let mut too_small = Vec::new();
         let mut next = 0;
@@ -409,6 +483,23 @@ impl Inner {
             Some(code) => Err(CallError::Code(code)),
             None => Ok(()),
         }
+    }
+}
+
+/// Keys a call of this process is writing ([`Inner::claim_keys`]); released on drop, even
+/// when the call fails.
+struct KeyClaim<'a> {
+    inner: &'a Inner,
+    keys: Vec<String>,
+}
+
+impl Drop for KeyClaim<'_> {
+    fn drop(&mut self) {
+        let mut writing = self.inner.writing.lock();
+        for key in &self.keys {
+            writing.remove(key);
+        }
+        self.inner.written.notify_all();
     }
 }
 

@@ -25,6 +25,11 @@ struct FakeStore {
     master_down: AtomicBool,
     /// Puts of these keys fail once with "object not found" (a lost race).
     race_once: Mutex<Vec<String>>,
+    /// How long each put takes.
+    put_delay: Mutex<Duration>,
+    /// Keys being put now, and how often a put began on a key another put was still writing.
+    putting: Mutex<Vec<String>>,
+    overlapping_puts: AtomicUsize,
 }
 
 impl FakeStore {
@@ -61,6 +66,27 @@ impl MooncakeStoreClient for FakeStore {
         if let Some(code) = self.enter() {
             return Ok(vec![code; keys.len()]);
         }
+        let distinct: std::collections::HashSet<&String> = keys.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            keys.len(),
+            "a key twice in one put: {keys:?}"
+        );
+        {
+            let mut putting = self.putting.lock();
+            if keys.iter().any(|k| putting.contains(k)) {
+                self.overlapping_puts.fetch_add(1, Ordering::SeqCst);
+            }
+            putting.extend(keys.iter().cloned());
+        }
+        std::thread::sleep(*self.put_delay.lock());
+        {
+            let mut putting = self.putting.lock();
+            for k in keys {
+                let i = putting.iter().position(|p| p == k).unwrap();
+                putting.swap_remove(i);
+            }
+        }
         Ok(keys
             .iter()
             .zip(buffers)
@@ -86,10 +112,13 @@ impl MooncakeStoreClient for FakeStore {
         if let Some(code) = self.enter() {
             return Ok(vec![code; keys.len()]);
         }
+        // As Mooncake does, the buffers are addressed by key: of a key given twice, only the
+        // last buffer is written, and both are reported filled.
+        let last: HashMap<&String, &RawBuffer> = keys.iter().zip(buffers).collect();
         Ok(keys
             .iter()
-            .zip(buffers)
-            .map(|(k, b)| {
+            .map(|k| {
+                let b = last[k];
                 self.check_registered(b);
                 match self.objects.lock().get(k) {
                     None => OBJECT_NOT_FOUND,
@@ -218,6 +247,65 @@ async fn held_results_are_moved_out_of_staging_when_it_runs_out() {
     // Results held by the caller never block later calls for good.
     let held = got;
     assert_eq!(c.get("k0").await.unwrap().as_ref(), held[0].as_ref());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_process_never_has_two_puts_of_a_key_in_flight() {
+    // Mooncake's master lets a second upsert of a key in progress from the same client take
+    // the first one's place; the first one's end may then publish the second's half-written
+    // memory. Every call of a process is one client, so the connector serialises them.
+    let (fake, c) = connector(16 << 20);
+    *fake.put_delay.lock() = Duration::from_millis(2);
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                for _ in 0..10 {
+                    c.batch_put(vec![
+                        ("shared".into(), value(t, 4096)),
+                        (format!("own{t}"), value(100 + t, 4096)),
+                    ])
+                    .await
+                    .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(fake.overlapping_puts.load(Ordering::SeqCst), 0);
+    for t in 0..8 {
+        assert_eq!(
+            c.get(&format!("own{t}")).await.unwrap(),
+            Some(value(100 + t, 4096))
+        );
+    }
+    let shared = c.get("shared").await.unwrap().unwrap();
+    assert!((0..8).any(|t| shared == value(t, 4096)));
+}
+
+#[tokio::test]
+async fn a_key_twice_in_one_call_is_read_and_written_once() {
+    let (_fake, c) = connector(4 << 20);
+    c.batch_put(vec![
+        ("k".into(), value(1, 8192)),
+        ("k".into(), value(2, 8192)),
+    ])
+    .await
+    .unwrap();
+    // Staging now holds other bytes, as it does in a process that has run a while.
+    c.put("other", value(7, 8192)).await.unwrap();
+    let got = c
+        .batch_get(&["k".into(), "other".into(), "k".into()])
+        .await
+        .unwrap();
+    // The later value of a key put twice, handed to every place that asked for it.
+    let want = [value(2, 8192), value(7, 8192), value(2, 8192)];
+    for (place, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert!(got.as_ref() == Some(want), "place {place} got other bytes");
+    }
+    assert_eq!(got.len(), 3);
 }
 
 #[tokio::test]
