@@ -283,10 +283,12 @@ impl Inner {
 
     /// Waits until no other call of this process is writing any of `keys`, then marks them
     /// written by this one until the returned claim drops. Every call of the process reaches
-    /// Mooncake as one client, and its master lets a second upsert of a key still being
-    /// written take the first one's place (`UpsertStart` on a key in progress), after which the
-    /// first upsert's end can publish, and a reader's removal free, memory the second is still
-    /// writing: a value torn or lost (the chunk format turns a torn value into a miss). Writers
+    /// Mooncake as one client, and, as we read its master's source (`UpsertStart` on a key in
+    /// progress; not reproduced here), a second upsert of a key still being written takes the
+    /// first one's place, after which the first upsert's end can publish, and a reader's
+    /// removal free, memory the second is still writing: a value torn or lost (the chunk
+    /// format turns a torn value into a miss). The `concurrent_access` conformance check
+    /// failed once against Mooncake with its own key lost, which this would explain. Writers
     /// of one key in two processes are two clients and race as Mooncake intends (the loser is
     /// retried in [`Inner::upsert_with_retries`]). A batch claims all its keys at once, so no
     /// two calls can wait for each other.
