@@ -2,7 +2,7 @@
 //!
 //! The connector owns a staging arena registered with Mooncake's transfer engine: values are
 //! copied into it once before `batch_upsert_from`, and `batch_get_into` lands values in it
-//! directly, where they are handed out as [`Bytes`] without another copy. The client itself is a
+//! directly, where they are handed out as [`Bytes`](bytes::Bytes) without another copy. The client itself is a
 //! [`MooncakeStoreClient`]; today that is [`PythonStoreClient`](python::PythonStoreClient)
 //! (the Python extension from Mooncake's wheel, embedded), and a client over Mooncake's C API
 //! can take its place without touching this module.
