@@ -242,6 +242,11 @@ impl Inner {
                 .collect();
             return self.put_all(&distinct);
         }
+        // Every key of the call at once, before any staging is taken: a call waiting here
+        // holds nothing another call needs.
+        let keys: Vec<String> = entries.iter().map(|(key, _)| key.clone()).collect();
+        let _claim = self.claim_keys(&keys);
+        self.fail_fast_after_waiting()?;
         let mut next = 0;
         while next < entries.len() {
             let mut keys = Vec::new();
@@ -272,7 +277,6 @@ impl Inner {
                     len: value.len(),
                 })
                 .collect();
-            let _claim = self.claim_keys(&keys);
             self.upsert_with_retries(&keys, &buffers)?;
         }
         if let Some(max) = entries.iter().map(|(_, v)| v.len()).max() {
@@ -281,17 +285,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Waits until no other call of this process is writing any of `keys`, then marks them
-    /// written by this one until the returned claim drops. Every call of the process reaches
-    /// Mooncake as one client, and, as we read its master's source (`UpsertStart` on a key in
+    /// Waits until no other call of this connector is writing any of `keys`, then marks them
+    /// written by this one until the returned claim drops. Every call of a connector reaches
+    /// Mooncake as one client (one `MooncakeDistributedStore`), and, as we read its master's source (`UpsertStart` on a key in
     /// progress; not reproduced here), a second upsert of a key still being written takes the
     /// first one's place, after which the first upsert's end can publish, and a reader's
     /// removal free, memory the second is still writing: a value torn or lost (the chunk
     /// format turns a torn value into a miss). The `concurrent_access` conformance check
     /// failed once against Mooncake with its own key lost, which this would explain. Writers
-    /// of one key in two processes are two clients and race as Mooncake intends (the loser is
-    /// retried in [`Inner::upsert_with_retries`]). A batch claims all its keys at once, so no
-    /// two calls can wait for each other.
+    /// of one key through two connectors are two clients and race as Mooncake intends (the
+    /// loser is retried in [`Inner::upsert_with_retries`]). A call claims all its keys at
+    /// once, so no two calls can wait for each other.
     fn claim_keys(&self, keys: &[String]) -> KeyClaim<'_> {
         let mut writing = self.writing.lock();
         while keys.iter().any(|k| writing.contains(k)) {
@@ -302,6 +306,23 @@ impl Inner {
             inner: self,
             keys: keys.to_vec(),
         }
+    }
+
+    /// After a wait for another call's writes: fails fast, as [`MooncakeConnector::call`]
+    /// would have, if the connector closed or the cluster failed a call meanwhile.
+    fn fail_fast_after_waiting(&self) -> Result<(), CallError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(CallError::Client("closed while waiting to write".into()));
+        }
+        if let Some(until) = *self.paused_until.lock()
+            && Instant::now() < until
+        {
+            metrics::counter!(crate::telemetry::MOONCAKE_FAST_FAILURES).increment(1);
+            return Err(CallError::Client(
+                "skipped: the cluster failed a call moments ago".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Upserts, retrying keys that lost a race with another writer of the same key (Mooncake

@@ -87,6 +87,10 @@ impl MooncakeStoreClient for FakeStore {
                 putting.swap_remove(i);
             }
         }
+        // The master went away during the transfer.
+        if self.master_down.load(Ordering::SeqCst) {
+            return Ok(vec![-900; keys.len()]);
+        }
         Ok(keys
             .iter()
             .zip(buffers)
@@ -250,10 +254,10 @@ async fn held_results_are_moved_out_of_staging_when_it_runs_out() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn one_process_never_has_two_puts_of_a_key_in_flight() {
+async fn one_connector_never_has_two_puts_of_a_key_in_flight() {
     // Mooncake's master lets a second upsert of a key in progress from the same client take
     // the first one's place; the first one's end may then publish the second's half-written
-    // memory. Every call of a process is one client, so the connector serialises them.
+    // memory. Every call of a connector is one client, so the connector serialises them.
     let (fake, c) = connector(16 << 20);
     *fake.put_delay.lock() = Duration::from_millis(2);
     let tasks: Vec<_> = (0..8)
@@ -283,6 +287,30 @@ async fn one_process_never_has_two_puts_of_a_key_in_flight() {
     }
     let shared = c.get("shared").await.unwrap().unwrap();
     assert!((0..8).any(|t| shared == value(t, 4096)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_that_waited_on_one_the_cluster_failed_fails_fast() {
+    let (fake, c) = connector(4 << 20);
+    *fake.put_delay.lock() = Duration::from_millis(300);
+    let first = {
+        let c = c.clone();
+        tokio::spawn(async move { c.put("k", value(1, 4096)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = {
+        let c = c.clone();
+        tokio::spawn(async move { c.put("k", value(2, 4096)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fake.master_down.store(true, Ordering::SeqCst);
+    assert!(first.await.unwrap().is_err(), "the master died during it");
+    assert!(second.await.unwrap().is_err());
+    assert_eq!(
+        fake.calls.load(Ordering::SeqCst),
+        1,
+        "the put that waited did not try the failed cluster again"
+    );
 }
 
 #[tokio::test]

@@ -70,9 +70,10 @@ pub struct WorkerStats {
     /// Saved chunks dropped before commit: computed on a failed load on some rank, or never
     /// committed.
     pub saves_discarded: u64,
-    /// Buffers of this process taken from the heap because L1's pool had no room: staged
-    /// copies from node memory and their checks. Correct, but a device copies into or out
-    /// of heap memory (not page-locked) synchronously.
+    /// Buffers of this process taken from the heap because L1's pool had no room: for staged
+    /// loads from and saves into node memory, and for chunks copied into this process to be
+    /// checked there. Correct; but where the engine side stages its copies on a device (a GPU
+    /// worker), a copy into or out of heap memory (not page-locked) is synchronous.
     pub heap_buffers: u64,
 }
 

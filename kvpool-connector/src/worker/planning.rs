@@ -211,14 +211,14 @@ impl ConnectorWorker {
     }
 
     /// A buffer of `len` bytes of this process: from L1's pool (page-locked on a GPU), else
-    /// the heap (counted in [`super::WorkerStats::heap_buffers`], and said once per worker:
-    /// a device's copy into heap memory waits for the device).
+    /// the heap (counted in [`super::WorkerStats::heap_buffers`]; where the engine side stages
+    /// its copies, said once per worker: a device's copy into heap memory waits for the device).
     fn private_buffer(&self, len: usize) -> MemoryObjMut {
         match self.engine.storage().allocate(len) {
             Ok(buf) => buf,
             Err(e) => {
                 let before = self.heap_buffers.fetch_add(1, Ordering::Relaxed);
-                if before == 0 {
+                if before == 0 && self.checks_staged_copies {
                     warn!(error = %e, len, "L1's pool has no room for a buffer of the worker's; \
                         taking it from the heap (correct, but a GPU copies into heap memory \
                         synchronously: give L1 more room than the step's loads and saves); \
