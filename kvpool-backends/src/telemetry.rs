@@ -7,6 +7,8 @@ use kvpool_core::telemetry::{MetricInfo, counter, describe_metrics, gauge};
 pub const DISK_WRITES_REFUSED: &str = "kvpool_disk_writes_refused_total";
 /// Mooncake calls failed fast after a cluster failure.
 pub const MOONCAKE_FAST_FAILURES: &str = "kvpool_mooncake_fast_failures_total";
+/// Mooncake gets of one key that failed with a code other than "not found" (each a miss).
+pub const MOONCAKE_GET_ERRORS: &str = "kvpool_mooncake_get_errors_total";
 
 /// Engines attached to the pool daemon.
 pub const DAEMON_SESSIONS: &str = "kvpool_daemon_sessions";
@@ -38,6 +40,11 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         MOONCAKE_FAST_FAILURES,
         &[],
         "Mooncake calls failed fast after a cluster failure.",
+    ),
+    counter(
+        MOONCAKE_GET_ERRORS,
+        &[],
+        "Mooncake gets of one key that failed with a code other than not found (each a miss).",
     ),
     gauge(DAEMON_SESSIONS, &[], "Engines attached to the pool daemon."),
     gauge(

@@ -498,6 +498,7 @@ impl Inner {
                 }
                 code if is_cluster_failure(code) => cluster_failure = Some(code),
                 code => {
+                    metrics::counter!(crate::telemetry::MOONCAKE_GET_ERRORS).increment(1);
                     debug!(backend = %self.name, key = %keys[index], code, meaning = describe_code(code), "Mooncake get failed; a miss");
                 }
             }
