@@ -143,3 +143,57 @@ fn with_always_async_a_failed_load_is_known_before_anything_is_computed_on_it() 
     }
     assert_eq!(failed, [2, 3], "rank 1's chunk 1, before the request ran");
 }
+
+/// vLLM asks the connector for a waiting request's hit, then cannot allocate its blocks (the
+/// KV cache is full): it leaves the request waiting, calls no `update_state_after_alloc`, and
+/// builds the step's metadata anyway; in a later step it asks again. That lookup promised
+/// nothing: no load ships, nothing is reported failed or counted as a broken promise, and
+/// the next lookup and allocation load normally.
+#[test]
+fn a_hit_the_engine_found_no_blocks_for_is_looked_up_again_not_a_broken_promise() {
+    let mut s = setup_with(
+        1,
+        ConnectorConfig {
+            load_timing: kvpool_connector::LoadTiming::Always,
+            ..ConnectorConfig::new(BLOCK)
+        },
+    );
+    let p = prompt(2 * CHUNK + 1, 21);
+    s.seed_pool(&p[..2 * CHUNK]);
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("a", &p), 0),
+        (2 * CHUNK, true)
+    );
+    // No blocks: the request stays waiting.
+    let meta = s.sched.build_connector_meta(&[]);
+    assert!(meta.requests.is_empty(), "{:?}", meta.requests);
+    assert!(meta.unloadable_blocks.is_empty());
+    assert_eq!(s.worker_step(&meta, &[]), Vec::<u32>::new());
+    assert_eq!(s.sched.broken_promises(), 0);
+    // The next step has room.
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("a", &p), 0),
+        (2 * CHUNK, true)
+    );
+    let blocks: Vec<u32> = (0..5).collect();
+    s.sched.update_state_after_alloc("a", &blocks, 2 * CHUNK);
+    let meta = s.sched.build_connector_meta(&[]);
+    assert_eq!(meta.requests.len(), 1);
+    assert!(meta.requests[0].load.unwrap().asynchronous);
+    let mut failed = s.worker_step(&meta, &[]);
+    let mut steps = 0;
+    while s.sched.tracker("a").is_none_or(|t| t.load_in_flight) || steps == 0 {
+        let meta = s.sched.build_connector_meta(&[]);
+        failed.extend(s.worker_step(&meta, &[]));
+        steps += 1;
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(steps < 5000, "the load never ended");
+    }
+    assert_eq!(failed, Vec::<u32>::new());
+    assert_eq!(s.sched.broken_promises(), 0);
+    assert_eq!(
+        kvpool_sim::kv_model::model_mismatches(&s.w.kv, &p[..2 * CHUNK], &blocks[..4]),
+        0,
+        "the blocks hold the stored KV"
+    );
+}

@@ -1,6 +1,7 @@
 //! Asynchronous loads the engine waits on: handed to the workers in the step after their
-//! lookup while vLLM keeps the request out of its batches (`WAITING_FOR_REMOTE_KVS`), and a
-//! promised load the engine's blocks do not cover, reported as failed blocks.
+//! lookup while vLLM keeps the request out of its batches (`WAITING_FOR_REMOTE_KVS`); a
+//! promised load the engine's blocks do not cover, reported as failed blocks; and a hit the
+//! engine found no blocks for, dropped (it looks the request up again).
 
 use std::collections::HashSet;
 
@@ -8,6 +9,21 @@ use super::{ConnectorScheduler, RequestTracker, chunk_hashes_until};
 use crate::metadata::{LoadSpec, ReqMeta};
 
 impl ConnectorScheduler {
+    /// Drops the hits of requests the engine looked up and then found no blocks for (no
+    /// `update_state_after_alloc` since the lookup; `listed` holds the requests scheduled in
+    /// this step): vLLM leaves such a request waiting and looks it up again in a later step,
+    /// so its hit promised nothing. Its lease stays until that lookup or the request's end.
+    pub(super) fn drop_hits_without_blocks(&mut self, listed: &HashSet<&str>) {
+        for (id, t) in &mut self.trackers {
+            if t.load_awaits_blocks && !listed.contains(id.as_str()) {
+                tracing::debug!(req = %id, "no blocks for the request's hit this step; it is looked up again");
+                t.load = None;
+                t.load_tail.clear();
+                t.load_awaits_blocks = false;
+            }
+        }
+    }
+
     /// The asynchronous loads of requests the engine is not scheduling in this step (`listed`
     /// holds those it is), in request-id order. A load the request's blocks do not cover is
     /// not issued: its blocks go to `unloadable_blocks`, so the engine recomputes them.

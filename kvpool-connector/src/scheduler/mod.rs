@@ -39,6 +39,11 @@ pub struct RequestTracker {
     pub saved_tokens: usize,
     /// Pending load, set by `get_num_new_matched_tokens`, consumed by `build_connector_meta`.
     pub load: Option<LoadSpec>,
+    /// `load` was found by a lookup the engine has not yet allocated blocks for: vLLM looks a
+    /// waiting request up, and when it cannot allocate its blocks, leaves it waiting without
+    /// `update_state_after_alloc` and asks again in a later step. Such a load promised
+    /// nothing and is dropped at the step's end.
+    pub load_awaits_blocks: bool,
     /// The pending load's tail-block keys (see [`ReqMeta::load_tail`]).
     pub load_tail: Vec<[u8; 16]>,
     /// The prompt's tail blocks (its whole blocks past its last whole chunk) were handed to a
@@ -268,6 +273,7 @@ impl ConnectorScheduler {
                     block_ids: Vec::new(),
                     saved_tokens: 0,
                     load: None,
+                    load_awaits_blocks: false,
                     load_tail: Vec::new(),
                     tail_saved: false,
                     load_in_flight: false,
@@ -302,6 +308,7 @@ impl ConnectorScheduler {
             load_until: hit as u32,
             asynchronous,
         });
+        tracker.load_awaits_blocks = true;
         debug!(req = %req.req_id, num_computed_tokens, hit, leased, asynchronous, "pool hit");
         (hit - num_computed_tokens, asynchronous)
     }
@@ -317,6 +324,7 @@ impl ConnectorScheduler {
         let (cs, bs) = (self.chunk_size, self.config.block_size.max(1));
         if let Some(t) = self.trackers.get_mut(req_id) {
             t.block_ids = block_ids.to_vec();
+            t.load_awaits_blocks = false;
             match &mut t.load {
                 _ if num_external_tokens == 0 => {
                     t.load = None;
@@ -344,9 +352,11 @@ impl ConnectorScheduler {
     ///
     /// Scheduled requests get their saves (and a synchronous load); an asynchronous load is
     /// shipped in the step after the engine allocated its blocks, whether or not the request
-    /// is scheduled (vLLM does not schedule it until the load ends). A promised load whose
-    /// blocks do not cover it (which vLLM never does, but an engine might) is not dropped
-    /// silently: its blocks from the engine's cached prefix on are listed in
+    /// is scheduled (vLLM does not schedule it until the load ends). A hit the engine found
+    /// no blocks for (no `update_state_after_alloc` since its lookup: vLLM leaves the request
+    /// waiting and looks it up again later) promised nothing and is dropped. A promised load
+    /// whose blocks do not cover it (which vLLM never does, but an engine might) is not
+    /// dropped silently: its blocks from the engine's cached prefix on are listed in
     /// [`ConnectorMetadata::unloadable_blocks`], so the engine recomputes them.
     pub fn build_connector_meta(&mut self, scheduled: &[ScheduledRequest]) -> ConnectorMetadata {
         let step = self.next_step;
@@ -459,6 +469,7 @@ impl ConnectorScheduler {
                 save_tail,
             });
         }
+        self.drop_hits_without_blocks(&listed);
         requests.extend(self.waiting_async_loads(&listed, &mut unloadable_blocks));
         self.ledger.issued(step, saves);
         let (discards, commit_steps) = self.ledger.take_decisions();
@@ -539,7 +550,7 @@ impl ConnectorScheduler {
     /// lookup finds it).
     pub fn request_preempted(&mut self, req_id: &str) {
         if let Some(t) = self.trackers.get_mut(req_id) {
-            if t.load.is_some() {
+            if t.load.is_some() && !t.load_awaits_blocks {
                 // Admitted again (with blocks and a load) after its preemption: that is the
                 // state to keep.
                 return;
