@@ -52,7 +52,9 @@
 //!   Lower-tier writes (write-behind) read kvpool's own memory and never hold a block.
 //! - Block lists follow vLLM: the whole list for new and resumed requests, only the newly
 //!   allocated blocks for running ones ([`BlockUpdate`]). A promised load the blocks cannot hold
-//!   is reported as failed, never dropped.
+//!   is reported as failed, never dropped. A hit the engine found no blocks for (a lookup with
+//!   no `update_state_after_alloc` after it) promised nothing: it is dropped, and vLLM looks
+//!   the request up again.
 //! - Each request's tokens are hashed once, in the scheduler, as they arrive; lookups and the
 //!   metadata carry chunk hashes, and keys include the request's extra keys (LoRA adapter,
 //!   cache salt, multimodal inputs). The engine sends generated tokens from the scheduler's own

@@ -170,6 +170,10 @@ fn a_hit_the_engine_found_no_blocks_for_is_looked_up_again_not_a_broken_promise(
     assert!(meta.unloadable_blocks.is_empty());
     assert_eq!(s.worker_step(&meta, &[]), Vec::<u32>::new());
     assert_eq!(s.sched.broken_promises(), 0);
+    assert!(
+        s.sched.tracker("a").unwrap().load.is_none(),
+        "the hit was dropped"
+    );
     // The next step has room.
     assert_eq!(
         s.sched.get_num_new_matched_tokens(&request("a", &p), 0),

@@ -12,7 +12,8 @@ impl ConnectorScheduler {
     /// Drops the hits of requests the engine looked up and then found no blocks for (no
     /// `update_state_after_alloc` since the lookup; `listed` holds the requests scheduled in
     /// this step): vLLM leaves such a request waiting and looks it up again in a later step,
-    /// so its hit promised nothing. Its lease stays until that lookup or the request's end.
+    /// so its hit promised nothing. Its lease stays until a later lookup replaces it, the
+    /// request ends, or the lease's time to live runs out.
     pub(super) fn drop_hits_without_blocks(&mut self, listed: &HashSet<&str>) {
         for (id, t) in &mut self.trackers {
             if t.load_awaits_blocks && !listed.contains(id.as_str()) {

@@ -342,7 +342,12 @@ impl ConnectorScheduler {
                     debug_assert!(tail_start.is_multiple_of(cs));
                     load.load_until = until as u32;
                 }
-                None => {}
+                None => {
+                    // The engine counts on external tokens no lookup of this step offered
+                    // (vLLM allocates in the step of its lookup, so it never does this).
+                    tracing::error!(req = %req_id, num_external_tokens, "the engine accepted external tokens with no pending hit; nothing loads them");
+                    self.broken_promises += 1;
+                }
             }
         }
     }
