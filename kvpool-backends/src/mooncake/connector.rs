@@ -24,7 +24,7 @@ pub(super) struct Inner {
     size_hint: AtomicUsize,
     /// While set and in the future, calls fail fast (the cluster just failed one).
     paused_until: Mutex<Option<Instant>>,
-    /// Keys this process is writing now (see [`Inner::claim_keys`]).
+    /// Keys this connector is writing now (see [`Inner::claim_keys`]).
     writing: Mutex<HashSet<String>>,
     /// Signalled when keys leave `writing`.
     written: Condvar,
@@ -287,11 +287,11 @@ impl Inner {
 
     /// Waits until no other call of this connector is writing any of `keys`, then marks them
     /// written by this one until the returned claim drops. Every call of a connector reaches
-    /// Mooncake as one client (one `MooncakeDistributedStore`), and, as we read its master's source (`UpsertStart` on a key in
-    /// progress; not reproduced here), a second upsert of a key still being written takes the
-    /// first one's place, after which the first upsert's end can publish, and a reader's
-    /// removal free, memory the second is still writing: a value torn or lost (the chunk
-    /// format turns a torn value into a miss). The `concurrent_access` conformance check
+    /// Mooncake as one client (one `MooncakeDistributedStore`), and, as we read its master's
+    /// source (`UpsertStart` on a key in progress; not reproduced here), a second upsert of a
+    /// key still being written takes the first one's place, after which the first upsert's
+    /// end can publish, and a reader's removal free, memory the second is still writing: a
+    /// value torn or lost (the chunk format turns a torn value into a miss). The `concurrent_access` conformance check
     /// failed once against Mooncake with its own key lost, which this would explain. Writers
     /// of one key through two connectors are two clients and race as Mooncake intends (the
     /// loser is retried in [`Inner::upsert_with_retries`]). A call claims all its keys at
@@ -510,7 +510,7 @@ impl Inner {
     }
 }
 
-/// Keys a call of this process is writing ([`Inner::claim_keys`]); released on drop, even
+/// Keys a call of this connector is writing ([`Inner::claim_keys`]); released on drop, even
 /// when the call fails.
 struct KeyClaim<'a> {
     inner: &'a Inner,
