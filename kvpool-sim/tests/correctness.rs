@@ -12,7 +12,7 @@ mod protocol_fixture;
 
 use std::time::Duration;
 
-use kvpool_connector::{BlockUpdate, ConnectorConfig};
+use kvpool_connector::{BlockUpdate, ConnectorConfig, ConnectorMetadata};
 use protocol_fixture::*;
 
 fn short_leases(ranks: usize, async_scheduling: bool) -> Setup {
@@ -131,16 +131,7 @@ fn with_always_async_a_failed_load_is_known_before_anything_is_computed_on_it() 
     // The load ships unscheduled; the request waits for it.
     let meta = s.sched.build_connector_meta(&[]);
     assert!(meta.requests[0].load.unwrap().asynchronous);
-    let mut failed = s.worker_step(&meta, &[]);
-    let mut steps = 0;
-    while s.sched.tracker("a").is_none_or(|t| t.load_in_flight) || steps == 0 {
-        let meta = s.sched.build_connector_meta(&[]);
-        failed.extend(s.worker_step(&meta, &[]));
-        steps += 1;
-        // The fetch runs on kvpool's runtime: give it time, as vLLM's idle steps do (1 ms).
-        std::thread::sleep(Duration::from_millis(1));
-        assert!(steps < 5000, "the load never ended");
-    }
+    let failed = steps_until_load_ended(&mut s, "a", &meta);
     assert_eq!(failed, [2, 3], "rank 1's chunk 1, before the request ran");
 }
 
@@ -184,15 +175,7 @@ fn a_hit_the_engine_found_no_blocks_for_is_looked_up_again_not_a_broken_promise(
     let meta = s.sched.build_connector_meta(&[]);
     assert_eq!(meta.requests.len(), 1);
     assert!(meta.requests[0].load.unwrap().asynchronous);
-    let mut failed = s.worker_step(&meta, &[]);
-    let mut steps = 0;
-    while s.sched.tracker("a").is_none_or(|t| t.load_in_flight) || steps == 0 {
-        let meta = s.sched.build_connector_meta(&[]);
-        failed.extend(s.worker_step(&meta, &[]));
-        steps += 1;
-        std::thread::sleep(Duration::from_millis(1));
-        assert!(steps < 5000, "the load never ended");
-    }
+    let failed = steps_until_load_ended(&mut s, "a", &meta);
     assert_eq!(failed, Vec::<u32>::new());
     assert_eq!(s.sched.broken_promises(), 0);
     assert_eq!(
@@ -200,4 +183,20 @@ fn a_hit_the_engine_found_no_blocks_for_is_looked_up_again_not_a_broken_promise(
         0,
         "the blocks hold the stored KV"
     );
+}
+
+/// Runs the step carrying `meta` (with `req`'s asynchronous load), then idle steps until the
+/// load ended; returns the blocks reported failed on the way.
+fn steps_until_load_ended(s: &mut Setup, req: &str, meta: &ConnectorMetadata) -> Vec<u32> {
+    let mut failed = s.worker_step(meta, &[]);
+    let mut steps = 0;
+    while s.sched.tracker(req).is_none_or(|t| t.load_in_flight) || steps == 0 {
+        let meta = s.sched.build_connector_meta(&[]);
+        failed.extend(s.worker_step(&meta, &[]));
+        steps += 1;
+        // The fetch runs on kvpool's runtime: give it time, as vLLM's idle steps do (1 ms).
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(steps < 5000, "the load never ended");
+    }
+    failed
 }

@@ -1,19 +1,20 @@
 //! `MooncakeConnector`: batches in rounds that fit the staging arena, put-race retries, fail-fast after a cluster failure.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use kvpool_core::{BackendError, MemoryObjMut, MemoryPool, PoolError, RemoteConnector};
 
 use super::client::*;
 use super::config::*;
+use super::key_claims::KeyClaims;
 use super::staging::*;
 
 pub(super) struct Inner {
@@ -24,10 +25,8 @@ pub(super) struct Inner {
     size_hint: AtomicUsize,
     /// While set and in the future, calls fail fast (the cluster just failed one).
     paused_until: Mutex<Option<Instant>>,
-    /// Keys this connector is writing now (see [`Inner::claim_keys`]).
-    writing: Mutex<HashSet<String>>,
-    /// Signalled when keys leave `writing`.
-    written: Condvar,
+    /// Keys this connector is writing now (see [`KeyClaims`]).
+    pub(super) writing: KeyClaims,
     retry_after: Duration,
     closed: AtomicBool,
     name: String,
@@ -105,8 +104,7 @@ impl MooncakeConnector {
                 staging,
                 size_hint: AtomicUsize::new(0),
                 paused_until: Mutex::new(None),
-                writing: Mutex::new(HashSet::new()),
-                written: Condvar::new(),
+                writing: KeyClaims::default(),
                 retry_after: config.retry_after,
                 closed: AtomicBool::new(false),
                 name: format!("mooncake({})", config.master_server_address),
@@ -245,7 +243,7 @@ impl Inner {
         // Every key of the call at once, before any staging is taken: a call waiting here
         // holds nothing another call needs.
         let keys: Vec<String> = entries.iter().map(|(key, _)| key.clone()).collect();
-        let _claim = self.claim_keys(&keys);
+        let _claim = self.writing.claim(&keys);
         self.fail_fast_after_waiting()?;
         let mut next = 0;
         while next < entries.len() {
@@ -283,29 +281,6 @@ impl Inner {
             self.size_hint.fetch_max(max, Ordering::Relaxed);
         }
         Ok(())
-    }
-
-    /// Waits until no other call of this connector is writing any of `keys`, then marks them
-    /// written by this one until the returned claim drops. Every call of a connector reaches
-    /// Mooncake as one client (one `MooncakeDistributedStore`), and, as we read its master's
-    /// source (`UpsertStart` on a key in progress; not reproduced here), a second upsert of a
-    /// key still being written takes the first one's place, after which the first upsert's
-    /// end can publish, and a reader's removal free, memory the second is still writing: a
-    /// value torn or lost (the chunk format turns a torn value into a miss). The `concurrent_access` conformance check
-    /// failed once against Mooncake with its own key lost, which this would explain. Writers
-    /// of one key through two connectors are two clients and race as Mooncake intends (the
-    /// loser is retried in [`Inner::upsert_with_retries`]). A call claims all its keys at
-    /// once, so no two calls can wait for each other.
-    fn claim_keys(&self, keys: &[String]) -> KeyClaim<'_> {
-        let mut writing = self.writing.lock();
-        while keys.iter().any(|k| writing.contains(k)) {
-            self.written.wait(&mut writing);
-        }
-        writing.extend(keys.iter().cloned());
-        KeyClaim {
-            inner: self,
-            keys: keys.to_vec(),
-        }
     }
 
     /// After a wait for another call's writes: fails fast, as [`MooncakeConnector::call`]
@@ -507,23 +482,6 @@ impl Inner {
             Some(code) => Err(CallError::Code(code)),
             None => Ok(()),
         }
-    }
-}
-
-/// Keys a call of this connector is writing ([`Inner::claim_keys`]); released on drop, even
-/// when the call fails.
-struct KeyClaim<'a> {
-    inner: &'a Inner,
-    keys: Vec<String>,
-}
-
-impl Drop for KeyClaim<'_> {
-    fn drop(&mut self) {
-        let mut writing = self.inner.writing.lock();
-        for key in &self.keys {
-            writing.remove(key);
-        }
-        self.inner.written.notify_all();
     }
 }
 

@@ -27,6 +27,7 @@
 mod client;
 mod config;
 mod connector;
+mod key_claims;
 pub mod python;
 mod staging;
 #[cfg(test)]
