@@ -28,6 +28,8 @@ pub const DAEMON_EVICTIONS: &str = "kvpool_daemon_evictions_total";
 pub const DAEMON_TIER_WRITES: &str = "kvpool_daemon_tier_writes_total";
 /// Pins and allocations reclaimed because their engine left or forgot them.
 pub const DAEMON_LEASES_RECLAIMED: &str = "kvpool_daemon_leases_reclaimed_total";
+/// Requests the daemon refused, and sessions it closed because an engine sent a bad frame.
+pub const DAEMON_REQUESTS_REFUSED: &str = "kvpool_daemon_requests_refused_total";
 
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
@@ -86,6 +88,11 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         DAEMON_LEASES_RECLAIMED,
         &[],
         "Pins and allocations the pool daemon reclaimed because their engine left or forgot them.",
+    ),
+    counter(
+        DAEMON_REQUESTS_REFUSED,
+        &[],
+        "Requests the pool daemon refused, and sessions it closed because an engine sent a bad frame.",
     ),
 ];
 

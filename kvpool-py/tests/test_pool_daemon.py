@@ -67,6 +67,8 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     assert killed is None
     after = daemon.wait(lambda s: s["sessions"] == 0, "every engine detached")
     assert after["leases"] == 0, after
+    # An engine killed mid-call left; it sent nothing the daemon had to refuse.
+    assert after["requests_refused_total"] == 0, after
 
     again = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg})
     assert_same_outputs(pick(base, [0]), again, "A restarted")

@@ -33,8 +33,10 @@ fn status_kib(field: &str) -> Option<u64> {
 }
 
 /// Bytes the C heap has handed out and not taken back (glibc's `mallinfo2`: small blocks plus
-/// mmapped ones): unlike RSS, blind to fragmentation and to pages the allocator keeps, so a
-/// steady rise is a leak. `None` off glibc.
+/// mmapped ones): unlike RSS, blind to fragmentation and to pages the allocator keeps. It
+/// does count the blocks glibc's per-thread caches hold (`tcache`), which fill slowly over a
+/// long run; with those off (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`, as `cargo xtask
+/// soak` runs engines) a steady rise is a leak. `None` off glibc.
 pub fn heap_in_use_bytes() -> Option<u64> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -305,6 +305,8 @@ timeout_ms = 1000
             break;
         }
     }
+    // Engines here only die or time out, never send garbage: nothing of theirs is a refusal.
+    let refused = daemon.series("kvpool_daemon_requests_refused_total")?;
     sample(&daemon);
     let clean_stop = daemon.terminate()?;
 
@@ -329,6 +331,7 @@ timeout_ms = 1000
         mib(peak_shared)
     );
     println!("{:<40} {leases:>8}", "leases held after every engine left");
+    println!("{:<40} {refused:>8}", "requests refused (must be 0)");
     println!("{:<40} {clean_stop:>8}", "SIGTERM stopped it cleanly");
     for (name, report) in ["engine a", "engine b"].iter().zip(&reports) {
         println!("-- {name}");
@@ -337,6 +340,11 @@ timeout_ms = 1000
     if leases != 0.0 {
         failed.push(format!(
             "the daemon held {leases} leases after every engine left"
+        ));
+    }
+    if refused != 0.0 {
+        failed.push(format!(
+            "the daemon refused {refused} requests of engines that sent no garbage (its log says why)"
         ));
     }
     if peak_anon > DAEMON_ANON_LIMIT_MIB << 20 {

@@ -169,6 +169,7 @@ impl PoolDaemon {
         metrics::counter!(telemetry::DAEMON_EVICTIONS).absolute(s.evictions);
         metrics::counter!(telemetry::DAEMON_TIER_WRITES).absolute(s.tier_writes);
         metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED).absolute(s.leases_reclaimed);
+        metrics::counter!(telemetry::DAEMON_REQUESTS_REFUSED).absolute(s.refused);
     }
 
     /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.

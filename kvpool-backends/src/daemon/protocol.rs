@@ -135,6 +135,7 @@ pub struct DaemonStats {
     pub tier_writes: u64,
     /// Pins and allocations dropped because their session ended or their time ran out.
     pub leases_reclaimed: u64,
-    /// Requests refused (bad frames close the session and count here too).
+    /// Requests refused (bad frames close the session and count here too; an engine that
+    /// closes or resets its socket does not).
     pub refused: u64,
 }

@@ -277,7 +277,12 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
     loop {
         let request = match read_frame_within::<Request>(&mut stream, MAX_REQUEST_BYTES) {
             Ok(r) => r,
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+            // A closed socket, or one reset because its engine died with a reply unread
+            // (every `kill -9` mid-call): the engine left; the caller reclaims its leases.
+            Err(e) if engine_left(&e) => {
+                debug!(session, "engine gone: {e}");
+                break;
+            }
             Err(e) => {
                 daemon.refused.fetch_add(1, Ordering::Relaxed);
                 warn!(session, "closing a session that sent a bad frame: {e}");
@@ -290,4 +295,13 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
             break;
         }
     }
+}
+
+/// Whether a failed read means the engine closed its end (cleanly or by dying), rather than
+/// that it sent something the daemon cannot read.
+fn engine_left(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+    )
 }

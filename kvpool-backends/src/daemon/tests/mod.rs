@@ -267,6 +267,24 @@ async fn garbage_from_one_engine_closes_only_its_session() {
     assert_eq!(got[0].as_deref(), Some(&[3u8; 4096][..]));
 }
 
+/// An engine killed with a reply still unread resets its socket: that is an engine leaving,
+/// as every `kill -9` of an engine mid-call does, not garbage to count and warn about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_with_a_reply_unread_leaves_without_a_refusal() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 16 * MIB, vec![]);
+    let mut dying = raw_session(&path);
+    wait_for(&run.daemon, |s| s.sessions == 1);
+    write_frame(&mut dying, &Request::Stats).unwrap();
+    // The reply lands in the socket's buffer and is never read: closing it now resets the
+    // connection (ECONNRESET on the daemon's next read) rather than ending it cleanly.
+    std::thread::sleep(Duration::from_millis(200));
+    drop(dying);
+    let after = wait_for(&run.daemon, |s| s.sessions == 0);
+    assert_eq!(after.refused, 0, "{after:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
     let dir = tempfile::tempdir().unwrap();
