@@ -47,7 +47,6 @@ mod sanitize;
 mod servers;
 mod sglang;
 mod soak;
-mod soak_daemon;
 mod system;
 mod third_party;
 mod vllm;
@@ -71,7 +70,7 @@ pub(crate) fn workspace_root() -> PathBuf {
 fn soak_command(args: &[String]) -> Result<(), String> {
     let args = soak::parse_args(args)?;
     if args.daemon {
-        soak_daemon::soak_daemon(&args)
+        soak::daemon::soak_daemon(&args)
     } else {
         soak::soak(&args)
     }

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use super::engines::{print_sim_report, sim_command};
+use super::{CALM_SECS, Dice, SoakArgs};
 use crate::servers;
-use crate::soak::{CALM_SECS, Dice, SoakArgs, print_sim_report, sim_command};
 
 /// The daemon's shared memory: small, so the engines' chunks are evicted to its disk tier.
 const ARENA_MIB: u64 = 64;
