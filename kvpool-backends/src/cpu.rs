@@ -139,6 +139,14 @@ impl ChunkAllocator for LocalCpuBackend {
     fn host_region(&self) -> Option<(usize, usize)> {
         Some(self.pool.arena_region())
     }
+
+    fn attach_to_host_region(
+        &self,
+        guard: kvpool_core::memory::MemoryGuard,
+    ) -> Result<(), kvpool_core::memory::MemoryGuard> {
+        self.pool.attach_to_arena(guard);
+        Ok(())
+    }
 }
 
 #[async_trait]

@@ -132,3 +132,35 @@ async fn oversized_chunk_is_skipped_not_panicking() {
         .unwrap();
     assert_eq!((out.stored, out.skipped), (0, 1));
 }
+
+/// A guard attached to L1's arena through the storage manager (a GPU engine's page-locking of
+/// it) is held by the arena and ends when the arena is freed: not before, while chunks may
+/// still be copied through it, and not never.
+#[tokio::test]
+async fn a_guard_attached_to_l1s_memory_ends_when_that_memory_is_freed() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    struct Guard(Arc<AtomicBool>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let cpu = Arc::new(LocalCpuBackend::new(64 * REGION_ALIGN, EvictionKind::Lru).unwrap());
+    let manager = kvpool_core::StorageManager::builder()
+        .primary(cpu.clone(), cpu.clone())
+        .build()
+        .unwrap();
+    assert_eq!(manager.host_region(), cpu.host_region());
+    let ended = Arc::new(AtomicBool::new(false));
+    assert!(
+        manager
+            .attach_to_host_region(Box::new(Guard(ended.clone())))
+            .is_ok(),
+        "L1 holds the guard"
+    );
+    drop(manager);
+    assert!(!ended.load(Ordering::SeqCst), "the arena is still alive");
+    drop(cpu);
+    assert!(ended.load(Ordering::SeqCst), "ended with the arena");
+}

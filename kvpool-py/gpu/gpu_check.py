@@ -28,7 +28,14 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
    before a third load is reported as failed blocks when vLLM would ask, in that step;
 6. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
-   ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer).
+   ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer), at
+   256- and 1,024-token chunks, each transfer path in turn within each round.
+
+Checks 1-5 run once per transfer path (``KVPOOL_CHECK_TRANSFERS``, default ``torch,native``):
+``torch`` is ``kvpool.transfer.BlockMover``; ``native`` is kvpool-cuda's executor
+(``kvpool._native.CopyEngine``: memcpy on CPU, batched CUDA copies on kvpool's stream on a
+GPU, page-locking by guards the memory owns), driven as the connector drives it
+(``Worker.run_copies``); its results are under ``<check>_native`` keys.
 
 Prints a JSON report (also written to ``$OUT/gpu-check.json`` when ``OUT`` is set); exits 1 if
 a check fails; without a CUDA device it says it skipped and exits 0. ``KVPOOL_CHECK_DEVICE=cpu`` runs the same checks on CPU tensors (the script's
@@ -51,12 +58,19 @@ import time
 import torch
 
 from kvpool import _native
-from kvpool.transfer import BlockMover, CopyJob, NodeMemoryPins, pin_host_memory
+from kvpool.transfer import (BlockMover, CopyJob, NodeMemoryPins, compute_stream,
+                             native_copy_engine, pin_host_memory)
 from kvpool.vllm.layouts import detect
 
 BLOCK = 16
 CHUNK = int(os.environ.get("KVPOOL_CHECK_CHUNK_TOKENS", 256))
 DEVICE = os.environ.get("KVPOOL_CHECK_DEVICE", "cuda")
+TRANSFERS = os.environ.get("KVPOOL_CHECK_TRANSFERS", "torch,native").split(",")
+
+
+def suffix(transfer):
+    """The report key suffix of a transfer path's results (none for torch, as before)."""
+    return "" if transfer == "torch" else f"_{transfer}"
 
 
 def sync():
@@ -89,15 +103,21 @@ def mla_caches(layers, blocks, device):
 class Engine:
     """A scheduler and a worker of kvpool around one set of KV caches."""
 
-    def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB", pool=None):
+    def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB", pool=None,
+                 transfer="torch", chunk=None):
         self.caches = caches
         layout = detect(caches, BLOCK, use_mla=use_mla, backend="FLASH_ATTN" if not use_mla
                         else "FLASHMLA", layout_name="LBNHC")
         self.layout = layout
-        self.mover = BlockMover(layout.planes)
+        self.transfer = transfer
+        self.cuda = DEVICE == "cuda"
+        self.mover = BlockMover(layout.planes) if transfer == "torch" else None
+        self.copies = native_copy_engine(layout.planes) if transfer == "native" else None
+        self.device = layout.planes[0].device
         sock = os.path.join(tmp, f"w{id(self)}.sock")
         self.sock = sock
-        config = f'[local_cpu]\nmax_size = "{l1}"\n[chunking]\nchunk_size = {CHUNK}\n'
+        config = (f'[local_cpu]\nmax_size = "{l1}"\n[chunking]\nchunk_size = '
+                  f'{chunk or CHUNK}\n')
         config_format = "toml"
         if pool is not None:
             config, config_format = _native.config_with_pool(config, "toml", pool), "json"
@@ -108,50 +128,107 @@ class Engine:
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
             dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
             socket_path=sock)
-        self.pin = pin_host_memory(*self.worker.host_memory(),
-                                   before_free=self.worker.call_before_free)
-        self.pinned = self.pin.pinned
+        if self.copies is not None:
+            # Page-locked by a guard L1's arena owns (GPU); nothing to release from here.
+            self.pin = None
+            self.pinned = self.worker.pin_host_memory(self.copies)
+        else:
+            self.pin = pin_host_memory(*self.worker.host_memory(),
+                                       before_free=self.worker.call_before_free)
+            self.pinned = self.pin.pinned
         self.sched = _native.Scheduler(socket_paths=[sock], block_size=BLOCK,
                                        load_timing=load_timing)
         # With the daemon: a GPU worker's route for its chunks (what the vLLM connector sets).
         self.node_pins = None
         if pool is not None:
             self.worker.check_staged_copies()
-            if self.mover.cuda:
-                self.node_pins = NodeMemoryPins(self.worker, self.mover.device)
+            if self.cuda and self.mover is not None:
+                self.node_pins = NodeMemoryPins(self.worker, self.device)
 
     def shutdown(self):
         if self.node_pins is not None:
             self.node_pins.release()
-        self.pin.release()
+        if self.pin is not None:
+            self.pin.release()
         self.worker.shutdown()
 
+    def refresh_node_pins(self):
+        """Before a step's loads: page-locks the daemon's memory as mapped now (GPU)."""
+        if self.node_pins is not None:
+            self.node_pins.refresh()
+        elif self.copies is not None and self.cuda:
+            self.worker.pin_node_memory(self.copies)
+
+    def wait_node_memory_pinned(self, timeout):
+        if self.node_pins is not None:
+            self.node_pins.wait_registered(timeout)
+            return self.node_pins.pinned()
+        return self.copies.wait_node_memory_pinned(timeout)
+
+    def _no_sync(self):
+        # On CUDA, any torch operation that synchronizes with the device raises meanwhile: the
+        # step path must queue its copies and return. (The native path makes no torch call;
+        # its driver calls are checked in kvpool-cuda's tests with a recording driver.)
+        class NoSync:
+            def __enter__(_):
+                if DEVICE == "cuda":
+                    torch.cuda.set_sync_debug_mode("error")
+
+            def __exit__(_, *exc):
+                if DEVICE == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        return NoSync()
+
+    def load(self):
+        """The step's loads, as the connector runs them."""
+        if self.copies is not None:
+            with self._no_sync():
+                self.worker.run_copies(self.copies, True, compute_stream(self.device))
+        else:
+            self.run_jobs(self.worker.load_jobs())
+
+    def save(self):
+        """The step's saves, as the connector runs them."""
+        if self.copies is not None:
+            with self._no_sync():
+                self.worker.run_copies(self.copies, False, compute_stream(self.device))
+        else:
+            self.run_jobs(self.worker.save_jobs())
+
     def run_jobs(self, jobs):
-        # On CUDA, any operation that synchronizes with the device raises here: the step path
-        # must queue its copies and return.
-        if DEVICE == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        """Runs job tuples one by one (the torch path; the native path's own entry for a job
+        the check changes first)."""
+        with self._no_sync():
             for t in jobs:
-                self.mover.run(CopyJob.from_native(t))
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
-        if not self.mover.cuda:
+                if self.copies is not None:
+                    if self.copies.run(t, compute_stream(self.device)):
+                        self.worker.copy_done(t[0], True)
+                else:
+                    self.mover.run(CopyJob.from_native(t))
+        if self.mover is not None and not self.mover.cuda:
             for t in jobs:
                 self.worker.copy_done(t[0], True)
+
+    def poll(self):
+        if self.copies is not None:
+            self.worker.poll_copies(self.copies)
+        else:
+            for job in self.mover.poll():
+                self.worker.copy_done(job, True)
 
     def drain(self, timeout=30.0):
         """Polls events until every job handed out ended."""
         deadline = time.monotonic() + timeout
         while self.worker.in_flight()[0] and time.monotonic() < deadline:
-            for job in self.mover.poll():
-                self.worker.copy_done(job, True)
+            self.poll()
             time.sleep(0.0005)
 
     def settle_read_backs(self):
         """What the connector's worker side does before the step's results leave it: loads
         whose staged copies are being read back are waited for and reported done."""
+        if self.copies is not None:
+            self.worker.settle_copies(self.copies)
+            return
         for job in self.mover.wait_for_read_backs():
             self.worker.copy_done(job, True)
 
@@ -166,16 +243,17 @@ class Engine:
         hit = self.sched.get_num_new_matched_tokens(req, prompt, b"", 0)
         self.sched.update_state_after_alloc(req, blocks, hit[0])
         self.worker.bind(self.sched.build_connector_meta([(req, n, [], 2, blocks, n)], []))
-        if self.node_pins is not None:
-            self.node_pins.refresh()
-        jobs = self.worker.load_jobs()
+        self.refresh_node_pins()
         if change_chunk is not None:
+            jobs = self.worker.load_jobs()
             ptr = CopyJob.from_native(jobs[0]).chunk_ptrs[change_chunk]
             ctypes.c_uint8.from_address(ptr).value ^= 0x40
-        self.run_jobs(jobs)
+            self.run_jobs(jobs)
+        else:
+            self.load()
         self.settle_read_backs()
         failed = self.worker.failed_blocks()
-        self.run_jobs(self.worker.save_jobs())
+        self.save()
         self.drain()
         self.worker.transfer_results([])
         late = self.worker.failed_blocks()
@@ -186,12 +264,11 @@ class Engine:
     def step(self, scheduled, before_save=None):
         meta = self.sched.build_connector_meta(scheduled, [])
         self.worker.bind(meta)
-        if self.node_pins is not None:
-            self.node_pins.refresh()
-        self.run_jobs(self.worker.load_jobs())
+        self.refresh_node_pins()
+        self.load()
         if before_save:
             before_save()
-        self.run_jobs(self.worker.save_jobs())
+        self.save()
         self.drain()
         sending, recving = self.worker.transfer_results([])
         self.worker.failed_blocks()
@@ -204,8 +281,8 @@ def blocks_equal(caches, a, b):
     return all(torch.equal(t[a], t[b]) for t in caches.values())
 
 
-def correctness(report, caches, tmp, use_mla=False):
-    e = Engine(caches, tmp, use_mla=use_mla)
+def correctness(report, caches, tmp, use_mla=False, transfer="torch"):
+    e = Engine(caches, tmp, use_mla=use_mla, transfer=transfer)
     report["pinned"] = e.pinned
     n = 4 * 256 + 1  # 1,024 tokens to hit whatever the chunk size (256 or 1,024), then one more
     prompt = list(range(100, 100 + n))
@@ -242,9 +319,8 @@ def correctness(report, caches, tmp, use_mla=False):
     done = []
     deadline = time.monotonic() + 30
     while not done and time.monotonic() < deadline:
-        e.run_jobs(e.worker.load_jobs())
-        for job in e.mover.poll():
-            e.worker.copy_done(job, True)
+        e.load()
+        e.poll()
         done = e.worker.transfer_results([])[1]
         time.sleep(0.001)
     e.worker.clear()
@@ -256,14 +332,18 @@ def correctness(report, caches, tmp, use_mla=False):
     e.shutdown()
 
 
-def staged_load(report):
+def staged_load(report, transfer="torch"):
     """A load job whose chunks come with buffers to stage them in (``check_copy_ptrs``), run
     by the transfer path alone: the source is pageable memory (as the daemon's shared memory
     is, unregistered), the buffers page-locked (as L1's are)."""
     caches = fa_caches(2, CHUNK // BLOCK + 8, 8, 128, torch.bfloat16, DEVICE)
     layout = detect(caches, BLOCK, backend="FLASH_ATTN", layout_name="LBNHC")
-    mover = BlockMover(layout.planes)
-    per_block = len(layout.planes) * mover.plane_block_bytes
+    if transfer == "torch":
+        mover = BlockMover(layout.planes)
+    else:
+        copies = native_copy_engine(layout.planes)
+    plane_bytes = int(layout.planes[0].shape[1])
+    per_block = len(layout.planes) * plane_bytes
     chunk_blocks = [CHUNK // BLOCK, 1]
     source = torch.randint(0, 256, (sum(chunk_blocks) * per_block,), dtype=torch.uint8)
     pinned = DEVICE == "cuda"
@@ -274,14 +354,24 @@ def staged_load(report):
     job = CopyJob(id=1, is_load=True, req_id="staged", block_ids=blocks, skip_blocks=0,
                   chunk_blocks=chunk_blocks, block_bytes=per_block, chunk_ptrs=ptrs,
                   check_copy_ptrs=[b.data_ptr() for b in buffers])
-    mover.run(job)
+    if transfer == "torch":
+        mover.run(job)
+        poll = mover.poll
+    else:
+        copies.run((job.id, job.is_load, job.req_id, job.block_ids, job.skip_blocks,
+                    job.chunk_blocks, job.block_bytes, job.chunk_ptrs, job.check_copy_ptrs,
+                    job.asynchronous), compute_stream(layout.planes[0].device))
+
+        def poll():
+            return [j for j, ok in copies.poll() if ok]
+    cuda = DEVICE == "cuda"
     deadline = time.monotonic() + 30
-    done = mover.poll()
-    while mover.cuda and not done and time.monotonic() < deadline:
+    done = poll()
+    while cuda and not done and time.monotonic() < deadline:
         time.sleep(0.0005)
-        done = mover.poll()
+        done = poll()
     # On CPU the job is done when `run` returns, and nothing is pending.
-    report["job_done"] = done == ([1] if mover.cuda else [])
+    report["job_done"] = done == ([1] if cuda else [])
     # What poll reported done is in the buffers, with nothing more synchronized.
     report["buffers_hold_the_chunks"] = all(
         torch.equal(b, source[p - ptrs[0]:p - ptrs[0] + b.numel()])
@@ -289,7 +379,6 @@ def staged_load(report):
     sync()
     host = [plane.cpu() for plane in layout.planes]
     whole = source.view(sum(chunk_blocks), per_block)
-    plane_bytes = mover.plane_block_bytes
     exact = True
     first = 0
     for n in chunk_blocks:
@@ -307,7 +396,7 @@ def kvpool_binary():
     return path if os.path.exists(path) else None
 
 
-def daemon_route(report, tmp):
+def daemon_route(report, tmp, transfer="torch"):
     """Engine A saves a prompt into places the daemon lends, the GPU worker's way; engine B,
     a fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
     docs, check 5) into other blocks of the same caches."""
@@ -339,7 +428,7 @@ def daemon_route(report, tmp):
         prompt = list(range(7, 7 + n))
         nblocks = (n + BLOCK - 1) // BLOCK
         a_blocks = list(range(nblocks))
-        a = Engine(caches, tmp, pool=pool)
+        a = Engine(caches, tmp, pool=pool, transfer=transfer)
         assert a.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
         a.sched.update_state_after_alloc("a", a_blocks, 0)
         a.step([("a", n, [], 2, a_blocks, n)])
@@ -348,17 +437,16 @@ def daemon_route(report, tmp):
         report["saved_into_daemon_memory"] = dict(a.worker.stats()).get(
             "node_memory_saved_tokens", 0)
         a.shutdown()
-        b = Engine(caches, tmp, pool=pool)
+        b = Engine(caches, tmp, pool=pool, transfer=transfer)
         per_chunk = CHUNK // BLOCK
         # The second chunk, or the only one (KVPOOL_CHECK_CHUNK_TOKENS=1024).
         changed = 1 if (n - 1) // CHUNK > 1 else 0
         loads = {}
         for req, change in (("b", None), ("c", None), ("d", changed)):
-            if req == "c" and b.node_pins is not None:
+            if req == "c" and DEVICE == "cuda":
                 # "b" started the registration of B's mapping of the daemon's memory; "c"
                 # then copies from it page-locked: one DMA per chunk.
-                b.node_pins.wait_registered(60)
-                report["daemon_memory_pinned"] = b.node_pins.pinned()
+                report["daemon_memory_pinned"] = b.wait_node_memory_pinned(60)
             blocks = list(range((len(loads) + 1) * nblocks, (len(loads) + 2) * nblocks))
             hit, failed, late = b.load_step(req, prompt, blocks, change_chunk=change)
             sync()
@@ -386,108 +474,188 @@ def daemon_route(report, tmp):
         log.close()
 
 
+def time_transfers(e, nblocks, layers, page, rounds_tag, scattered=False):
+    """Five saves of the same blocks under five prompts (other keys: nothing is deduplicated),
+    then five loads of the first prompt into other blocks, through engine ``e``'s transfer
+    path as the connector runs it. ``scattered``: the engine blocks in a shuffled order (no
+    two consecutive, as a busy engine's free list hands them out), else in order (the native
+    path then merges a chunk's pages into one copy per plane). Returns the bytes one transfer
+    moves and the host times (total, and to queue the copies) of each save and load."""
+    n = nblocks * BLOCK
+    prompt = list(range(7, 7 + n + 1))
+    blocks = list(range(2 * nblocks + 2))
+    if scattered:
+        import random
+        random.Random(5).shuffle(blocks)
+    src = blocks[:nblocks + 1]
+    dst = blocks[nblocks + 1:]
+    # Every whole block of the prompt is saved (n of its n + 1 tokens).
+    nbytes = nblocks * layers * page
+    out = {"save": [], "save_enqueue": [], "load": [], "load_enqueue": []}
+    for i in range(5):
+        # Other tokens per save and per order: other keys, so nothing is deduplicated.
+        tokens = [t + i * 1_000_000 + scattered * 500_000 for t in prompt]
+        e.sched.get_num_new_matched_tokens(f"s{rounds_tag}{i}", tokens, b"", 0)
+        e.sched.update_state_after_alloc(f"s{rounds_tag}{i}", src, 0)
+        meta = e.sched.build_connector_meta([(f"s{rounds_tag}{i}", n + 1, [], 2, src, n + 1)],
+                                            [])
+        e.worker.bind(meta)
+        sync()
+        t0 = time.perf_counter()
+        e.save()
+        out["save_enqueue"].append(time.perf_counter() - t0)
+        sync()
+        out["save"].append(time.perf_counter() - t0)
+        e.drain()
+        e.worker.step_report()
+        e.worker.clear()
+    for i in range(5):
+        got = e.sched.get_num_new_matched_tokens(f"l{rounds_tag}{i}", prompt, b"", 0)
+        if got[0] != n:
+            raise AssertionError(f"the throughput check's load hit {got[0]} of the {n} tokens "
+                                 "it saved")
+        e.sched.update_state_after_alloc(f"l{rounds_tag}{i}", dst, got[0])
+        meta = e.sched.build_connector_meta([(f"l{rounds_tag}{i}", n + 1, [], 2, dst, n + 1)],
+                                            [])
+        e.worker.bind(meta)
+        sync()
+        t0 = time.perf_counter()
+        e.load()
+        out["load_enqueue"].append(time.perf_counter() - t0)
+        sync()
+        out["load"].append(time.perf_counter() - t0)
+        e.drain()
+        e.worker.transfer_results([])
+        e.worker.step_report()
+        e.worker.clear()
+    return nbytes, out
+
+
 def throughput(report, tmp):
+    """Saves and loads through each transfer path at 256- and 1,024-token chunks, against
+    torch's own DMA of the same bytes (contiguous device memory <-> page-locked host memory),
+    all in one run: per round, every (chunk size, path) in turn, then the plain copies. Medians
+    over rounds x 5, with the range."""
     # Llama-3-8B-like per layer: 8 KV heads x 128, bf16: 4 KiB per token and layer; 8 layers
     # x 16-token blocks x 2048 blocks... sized so one transfer moves 512 MiB.
     layers, heads, head, dtype = 8, 8, 128, torch.bfloat16
     page = BLOCK * heads * 2 * head * 2
     size = int(os.environ.get("KVPOOL_CHECK_THROUGHPUT_MIB",
                               512 if DEVICE == "cuda" else 64)) << 20
+    rounds = int(os.environ.get("KVPOOL_CHECK_ROUNDS", 3 if DEVICE == "cuda" else 1))
+    chunks = [int(c) for c in os.environ.get("KVPOOL_CHECK_THROUGHPUT_CHUNKS",
+                                             "256,1024").split(",")]
+    orders = [False, True]  # engine blocks in order, then shuffled
     nblocks = size // (page * layers)
     total = 2 * nblocks + 8
     caches = fa_caches(layers, total, heads, head, dtype, DEVICE)
-    e = Engine(caches, tmp, l1="4GiB")
-    n = nblocks * BLOCK
-    prompt = list(range(7, 7 + n + 1))
-    src = list(range(nblocks + 1))
-    dst = list(range(nblocks + 1, 2 * nblocks + 2))
-    # Five saves of the same blocks under five prompts (other keys: nothing is deduplicated).
-    saves, save_enqueues = [], []
-    for i in range(5):
-        tokens = [t + i * 1_000_000 for t in prompt]
-        e.sched.get_num_new_matched_tokens(f"s{i}", tokens, b"", 0)
-        e.sched.update_state_after_alloc(f"s{i}", src, 0)
-        meta = e.sched.build_connector_meta([(f"s{i}", n + 1, [], 2, src, n + 1)], [])
-        e.worker.bind(meta)
-        jobs = e.worker.save_jobs()
-        sync()
-        t0 = time.perf_counter()
-        e.run_jobs(jobs)
-        save_enqueues.append(time.perf_counter() - t0)
-        sync()
-        saves.append(time.perf_counter() - t0)
-        e.drain()
-        e.worker.step_report()
-        e.worker.clear()
-    # A job moves its chunks' blocks (field 5: blocks per chunk) of block_bytes (field 6) each.
-    nbytes = sum(sum(j[5]) * j[6] for j in jobs)
-    loads, load_enqueues = [], []
-    for i in range(5):
-        got = e.sched.get_num_new_matched_tokens(f"l{i}", prompt, b"", 0)
-        e.sched.update_state_after_alloc(f"l{i}", dst, got[0])
-        meta = e.sched.build_connector_meta([(f"l{i}", n + 1, [], 2, dst, n + 1)], [])
-        e.worker.bind(meta)
-        jobs = e.worker.load_jobs()
-        if sum(sum(j[5]) * j[6] for j in jobs) != nbytes:
-            raise AssertionError("the throughput check's load missed part of what it saved")
-        sync()
-        t0 = time.perf_counter()
-        e.run_jobs(jobs)
-        load_enqueues.append(time.perf_counter() - t0)
-        sync()
-        loads.append(time.perf_counter() - t0)
-        e.drain()
-        e.worker.transfer_results([])
-        e.worker.step_report()
-        e.worker.clear()
-    # Baseline: torch's own DMA of the same bytes, contiguous device <-> pinned host.
+    times = {}
+    pinned = {}
+    batched = {}
+    nbytes = nblocks * layers * page
     dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
-    d2h, h2d = [], []
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        host.copy_(dev, non_blocking=True)
-        sync()
-        d2h.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        sync()
-        h2d.append(time.perf_counter() - t0)
+    plain = {"d2h": [], "h2d": []}
+    for r in range(rounds):
+        for chunk in chunks:
+            for transfer in TRANSFERS:
+                e = Engine(caches, tmp, l1="4GiB", transfer=transfer, chunk=chunk)
+                for scattered in orders:
+                    name = (transfer, chunk, scattered)
+                    pinned[name] = e.pinned
+                    moved, out = time_transfers(e, nblocks, layers, page,
+                                                f"r{r}{scattered:d}", scattered)
+                    assert moved == nbytes
+                    if e.copies is not None:
+                        # Still one batch per phase after the run (a refused batch falls
+                        # back).
+                        batched[name] = e.copies.batched
+                    slot = times.setdefault(name, {k: [] for k in out})
+                    for k, v in out.items():
+                        slot[k].extend(v)
+                e.shutdown()
+                del e
+                gc.collect()
+        # Baseline: torch's own DMA of the same bytes, contiguous device <-> pinned host.
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            host.copy_(dev, non_blocking=True)
+            sync()
+            plain["d2h"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            sync()
+            plain["h2d"].append(time.perf_counter() - t0)
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
-    report["throughput"] = {
-        "bytes": nbytes, "pinned": e.pinned,
-        "kvpool_save_GBps_median": gbps(statistics.median(saves)),
-        "torch_d2h_GBps": gbps(statistics.median(d2h)),
-        "kvpool_load_GBps_median": gbps(statistics.median(loads)),
-        "torch_h2d_GBps": gbps(statistics.median(h2d)),
-        "save_vs_torch": statistics.median(d2h) / statistics.median(saves),
-        # What the step pays: the host time to queue a save's or load's copies (on CUDA the
-        # copies then run on the side stream; on CPU queueing is copying).
-        "save_enqueue_ms_median": statistics.median(save_enqueues) * 1e3,
-        "load_enqueue_ms_median": statistics.median(load_enqueues) * 1e3,
-        "chunks_per_transfer": sum(len(j[5]) for j in jobs), "planes": len(caches),
-        "load_vs_torch": statistics.median(h2d) / statistics.median(loads),
+    med = statistics.median
+    d2h, h2d = med(plain["d2h"]), med(plain["h2d"])
+    paths = {}
+    for (transfer, chunk, scattered), t in times.items():
+        name = (transfer, chunk, scattered)
+        paths[f"{transfer}_{chunk}" + ("_scattered" if scattered else "")] = {
+            "transfer": transfer, "chunk_tokens": chunk, "scattered_blocks": scattered,
+            "pinned": pinned[name], "batched": batched.get(name),
+            "save_GBps_median": gbps(med(t["save"])),
+            "save_GBps_range": [gbps(max(t["save"])), gbps(min(t["save"]))],
+            "load_GBps_median": gbps(med(t["load"])),
+            "load_GBps_range": [gbps(max(t["load"])), gbps(min(t["load"]))],
+            "save_vs_torch": d2h / med(t["save"]),
+            "load_vs_torch": h2d / med(t["load"]),
+            # What the step pays: the host time to queue a save's or load's copies (on CUDA
+            # the copies then run on a side stream; on CPU queueing is copying).
+            "save_enqueue_ms_median": med(t["save_enqueue"]) * 1e3,
+            "load_enqueue_ms_median": med(t["load_enqueue"]) * 1e3,
+            "samples": len(t["save"]),
+        }
+    report["throughput_paths"] = paths
+    report["throughput_baseline"] = {
+        "bytes": nbytes, "rounds": rounds, "planes": len(caches),
+        "torch_d2h_GBps": gbps(d2h), "torch_h2d_GBps": gbps(h2d),
+        "torch_d2h_GBps_range": [gbps(max(plain["d2h"])), gbps(min(plain["d2h"]))],
+        "torch_h2d_GBps_range": [gbps(max(plain["h2d"])), gbps(min(plain["h2d"]))],
     }
-    e.shutdown()
+    # The torch path at the check's chunk size, as earlier reports had it (ab.sh reads it).
+    torch_path = paths.get(f"torch_{CHUNK}")
+    if torch_path is not None:
+        report["throughput"] = {
+            "bytes": nbytes, "pinned": torch_path["pinned"],
+            "kvpool_save_GBps_median": torch_path["save_GBps_median"],
+            "torch_d2h_GBps": gbps(d2h),
+            "kvpool_load_GBps_median": torch_path["load_GBps_median"],
+            "torch_h2d_GBps": gbps(h2d),
+            "save_vs_torch": torch_path["save_vs_torch"],
+            "load_vs_torch": torch_path["load_vs_torch"],
+            "save_enqueue_ms_median": torch_path["save_enqueue_ms_median"],
+            "load_enqueue_ms_median": torch_path["load_enqueue_ms_median"],
+            "planes": len(caches),
+        }
 
 
-def host_memory_lifetime(report, tmp):
-    """Workers coming and going in one process (CUDA only): a worker dropped without a
-    shutdown unlocks its memory before freeing it, so the next worker's memory (likely the same
-    addresses) locks again; locking a range twice is refused with kvpool's error, and torch's
-    next op still runs (the refused call's CUDA error does not linger)."""
+def host_memory_lifetime(report, tmp, transfer="torch"):
+    """Workers coming and going in one process (CUDA only): two workers at once each lock their
+    own memory; a worker dropped without a shutdown unlocks its memory before freeing it, so
+    the next worker's memory (likely the same addresses) locks again; locking a range twice is
+    refused with kvpool's error, and torch's next op still runs (the refused call's CUDA error
+    does not linger)."""
     caches = fa_caches(2, 64, 8, 128, torch.bfloat16, DEVICE)
-    e = Engine(caches, tmp)
+    e = Engine(caches, tmp, transfer=transfer)
     first = e.worker.host_memory()
     report["pinned_first"] = e.pinned
+    other = Engine(caches, tmp, transfer=transfer)
+    report["pinned_two_at_once"] = other.pinned and other.worker.host_memory() != first
+    other.shutdown()
+    del other
     del e
     gc.collect()
-    e = Engine(caches, tmp)
+    e = Engine(caches, tmp, transfer=transfer)
     report["same_range_after_drop"] = e.worker.host_memory() == first
     report["pinned_after_drop"] = e.pinned
     try:
-        pin_host_memory(*e.worker.host_memory())
+        if transfer == "torch":
+            pin_host_memory(*e.worker.host_memory())
+        else:
+            e.worker.pin_host_memory(e.copies)
         report["double_pin_refused"] = False
     except RuntimeError as err:
         report["double_pin_refused"] = "page-locked earlier" in str(err)
@@ -495,8 +663,27 @@ def host_memory_lifetime(report, tmp):
     e.shutdown()
 
 
+def run_check(report, failures, name, check, keys, *args, **kwargs):
+    """Runs ``check(r, *args, **kwargs)`` into ``report[name]``; a key of ``keys`` that is not
+    truthy afterwards, an error, or jobs left in flight fail the run."""
+    r = report.setdefault(name, {})
+    try:
+        check(r, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported, then the run fails
+        r["error"] = repr(e)
+    if "skipped" in r:
+        return r
+    for key in keys:
+        if not r.get(key):
+            failures.append(f"{name}: {key} {r.get(key)!r} {r.get('error', '')}")
+    if r.get("in_flight_after", [0, 0, 0, 0]) != [0, 0, 0, 0]:
+        failures.append(f"{name}: left in flight {r.get('in_flight_after')}")
+    return r
+
+
 def main():
     report = {"torch": torch.__version__, "cuda": torch.version.cuda, "check_device": DEVICE,
+              "transfers": TRANSFERS,
               "kvpool_from": os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__))),
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     failures = []
@@ -504,75 +691,72 @@ def main():
         report["skipped"] = "SKIP: no CUDA device (KVPOOL_CHECK_DEVICE=cpu runs the checks on CPU)"
         print(json.dumps(report, indent=2))
         return
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
+    cuda = DEVICE == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        for transfer in TRANSFERS:
+            sfx = suffix(transfer)
+            if transfer == "native":
+                probe = native_copy_engine(
+                    detect(fa_caches(1, 4, 1, 8, torch.bfloat16, DEVICE), BLOCK).planes)
+                report["native_engine"] = {"kind": probe.kind, "batched": probe.batched,
+                                           "description": probe.description}
+                del probe
             for name, caches, mla in (
                     ("flash_attn", fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE), False),
                     ("flashinfer_hnd", flashinfer_hnd_caches(2, 256, 8, 128, torch.float16,
                                                              DEVICE), False),
                     ("mla", mla_caches(2, 256, DEVICE), True)):
-                r = report.setdefault(name, {})
-                try:
-                    correctness(r, caches, tmp, use_mla=mla)
-                except Exception as e:  # noqa: BLE001 - reported, then the run fails
-                    r["error"] = repr(e)
-                checks = ("sync_load_exact", "async_load_exact") + (
-                    ("pinned",) if DEVICE == "cuda" else ())
-                for key in checks:
-                    if not r.get(key):
-                        failures.append(f"{name}: {key} {r.get(key)!r} {r.get('error', '')}")
-                if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
-                    failures.append(f"{name}: left in flight {r.get('in_flight_after')}")
-            if DEVICE == "cuda":
-                r = report.setdefault("host_memory_lifetime", {})
-                try:
-                    host_memory_lifetime(r, tmp)
-                except Exception as e:  # noqa: BLE001
-                    r["error"] = repr(e)
+                run_check(report, failures, name + sfx, correctness,
+                          ("sync_load_exact", "async_load_exact") + (("pinned",) if cuda else ()),
+                          caches, tmp, use_mla=mla, transfer=transfer)
+            if cuda:
                 # same_range_after_drop: else the check did not see memory reused after a drop.
-                for key in ("pinned_first", "same_range_after_drop", "pinned_after_drop",
-                            "double_pin_refused", "torch_runs_after_refusal"):
-                    if not r.get(key):
-                        failures.append(f"host_memory_lifetime: {key} {r.get(key)!r} "
-                                        f"{r.get('error', '')}")
-            r = report.setdefault("staged_load", {})
-            try:
-                staged_load(r)
-            except Exception as e:  # noqa: BLE001
-                r["error"] = repr(e)
-            for key in ("job_done", "buffers_hold_the_chunks", "blocks_hold_the_chunks"):
-                if not r.get(key):
-                    failures.append(f"staged_load: {key} {r.get(key)!r} {r.get('error', '')}")
-            r = report.setdefault("daemon_route", {})
-            try:
-                daemon_route(r, tmp)
-            except Exception as e:  # noqa: BLE001
-                r["error"] = repr(e)
+                run_check(report, failures, "host_memory_lifetime" + sfx, host_memory_lifetime,
+                          ("pinned_first", "pinned_two_at_once", "same_range_after_drop",
+                           "pinned_after_drop", "double_pin_refused",
+                           "torch_runs_after_refusal"), tmp, transfer=transfer)
+            run_check(report, failures, "staged_load" + sfx, staged_load,
+                      ("job_done", "buffers_hold_the_chunks", "blocks_hold_the_chunks"),
+                      transfer=transfer)
+            r = run_check(report, failures, "daemon_route" + sfx, daemon_route,
+                          ("load_exact", "node_memory_staged_tokens",
+                           "changed_chunk_failed_in_its_step", "saved_into_daemon_memory"),
+                          tmp, transfer=transfer)
             if "skipped" not in r:
-                checks = ["load_exact", "node_memory_staged_tokens",
-                          "changed_chunk_failed_in_its_step", "saved_into_daemon_memory"]
-                for key in checks:
-                    if not r.get(key):
-                        failures.append(f"daemon_route: {key} {r.get(key)!r} {r.get('error', '')}")
                 pinned = r.get("daemon_memory_pinned")
-                if DEVICE == "cuda" and not (pinned and all(pinned)):
-                    failures.append(f"daemon_route: daemon_memory_pinned {pinned!r}")
-                if r.get("in_flight_after", [0]) != [0, 0, 0, 0]:
-                    failures.append(f"daemon_route: left in flight {r.get('in_flight_after')}")
+                if cuda and not (pinned and all(pinned)):
+                    failures.append(f"daemon_route{sfx}: daemon_memory_pinned {pinned!r}")
                 if r.get("heap_buffers", 0) != 0:
-                    failures.append(f"daemon_route: heap_buffers {r.get('heap_buffers')} "
+                    failures.append(f"daemon_route{sfx}: heap_buffers {r.get('heap_buffers')} "
                                     "(L1 had no room for the staged copies)")
-            try:
-                throughput(report, tmp)
-            except Exception as e:  # noqa: BLE001
-                failures.append(f"throughput: {e!r}")
+        try:
+            throughput(report, tmp)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"throughput: {e!r}")
     report["failures"] = failures
     text = json.dumps(report, indent=2)
     print(text)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu-check.json"), "w") as f:
             f.write(text)
+    summary(report)
     sys.exit(1 if failures else 0)
+
+
+def summary(report):
+    """A short table last (the GPU tool returns the end of the output)."""
+    base = report.get("throughput_baseline")
+    if base:
+        print(f"plain torch copy: d2h {base['torch_d2h_GBps']:.1f} GB/s, "
+              f"h2d {base['torch_h2d_GBps']:.1f} GB/s ({base['bytes'] >> 20} MiB, "
+              f"{base['rounds']} rounds)")
+    for key, t in sorted(report.get("throughput_paths", {}).items()):
+        print(f"{key:>22}: save {t['save_GBps_median']:6.1f} GB/s ({t['save_vs_torch']:.2f}x) "
+              f"load {t['load_GBps_median']:6.1f} GB/s ({t['load_vs_torch']:.2f}x) "
+              f"enqueue save {t['save_enqueue_ms_median']:.2f} ms load "
+              f"{t['load_enqueue_ms_median']:.2f} ms pinned {t['pinned']}")
+    print("native engine:", report.get("native_engine"))
+    print("failures:", report["failures"] or "none")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+mod py_copies;
 mod py_scheduler;
 mod py_sglang;
 mod py_tier;
@@ -15,6 +16,7 @@ mod py_worker;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+pub use py_copies::PyCopyEngine;
 pub use py_scheduler::PyScheduler;
 pub use py_sglang::PyHiCacheStore;
 pub use py_tier::PyOffloadTier;
@@ -214,6 +216,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
+    m.add_class::<PyCopyEngine>()?;
     m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;
     m.add_class::<PyHiCacheStore>()?;

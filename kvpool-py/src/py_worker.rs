@@ -1,6 +1,7 @@
 //! `kvpool._native.Worker`: the worker half inside a vLLM Worker process. It owns the pool
 //! (L1 and lower tiers), answers the scheduler's lookups on a Unix socket, and plans each
-//! step's block copies, which the Python side runs with torch (`kvpool.vllm.transfer`).
+//! step's block copies, which kvpool-cuda's executors run (`Worker.run_copies` with a
+//! `CopyEngine`) or the Python side with torch (`kvpool.transfer`).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,8 @@ use kvpool_core::{Dtype, KvKind, KvLayout};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+
+use crate::py_copies::PyCopyEngine;
 
 /// Everything a worker needs, as the Python connector gathers it from vLLM.
 #[derive(Debug, Clone)]
@@ -330,6 +333,76 @@ impl PyWorker {
                 .into_iter()
                 .map(py_job)
                 .collect())
+        })
+    }
+
+    /// Plans and starts the step's load jobs (`load`: the step's synchronous loads, then
+    /// asynchronous loads whose chunks arrived) or save jobs with `engine`, their copies
+    /// ordered after `stream` (the engine's compute stream, `cuda_stream`; 0 on CPU). On CPU
+    /// every job is done, and reported, on return; on a GPU, `poll_copies` reports them.
+    /// Returns how many jobs it started.
+    fn run_copies(
+        &self,
+        py: Python<'_>,
+        engine: Py<PyCopyEngine>,
+        load: bool,
+        stream: usize,
+    ) -> PyResult<usize> {
+        py.detach(|| {
+            let mut core = core_guard(self)?;
+            engine.get().run_worker_jobs(&mut core.worker, load, stream)
+        })
+    }
+
+    /// Reports the jobs `engine` finished since the last call (a GPU's; on CPU none pend).
+    fn poll_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
+        py.detach(|| engine.get().poll_into(&mut core_guard(self)?.worker))
+    }
+
+    /// Waits on the host for the synchronous loads whose staged copies are in flight (a
+    /// GPU's: their copies started before the forward pass) and reports them: before the
+    /// step's results leave the worker, as vLLM uses their blocks in this step and a staged
+    /// copy that fails its check must be reported as failed blocks of this step.
+    fn settle_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
+        py.detach(|| engine.get().settle_into(&mut core_guard(self)?.worker))
+    }
+
+    /// Makes `stream` wait for the copies still in flight on these requests' blocks (vLLM's
+    /// `handle_preemptions`, before it reuses them).
+    fn order_copies_before(
+        &self,
+        py: Python<'_>,
+        engine: Py<PyCopyEngine>,
+        req_ids: Vec<String>,
+        stream: usize,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            let jobs = core_guard(self)?.worker.jobs_in_flight_for(&req_ids);
+            engine.get().order_before(&jobs, stream)
+        })
+    }
+
+    /// Page-locks kvpool's host memory (L1's arena) for `engine`'s DMA (a GPU's), with a
+    /// guard the arena owns: it unlocks, after `engine`'s copies, when the arena is freed.
+    /// Returns whether it is page-locked (false on CPU); raises if part of it is page-locked
+    /// already (memory freed while registered: copies through it could move stale pages).
+    fn pin_host_memory(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<bool> {
+        py.detach(|| {
+            let core = core_guard(self)?;
+            engine.get().pin_host_region(core.worker.engine().storage())
+        })
+    }
+
+    /// Starts page-locking the node daemon's shared memory as this process maps it now (a
+    /// GPU's; each new mapping once, on a thread), with guards the mappings own.
+    fn pin_node_memory(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
+        py.detach(|| {
+            let mappings = core_guard(self)?
+                .worker
+                .engine()
+                .storage()
+                .node_memory_mappings();
+            engine.get().pin_node_memory(mappings)
         })
     }
 

@@ -48,13 +48,14 @@ pub struct CopyJob {
     /// lies in memory other processes can write (node memory), which the worker must not
     /// hash. The engine side fills it with the very bytes the chunk's copy moves, by the
     /// time the job is reported done:
-    /// - a load reads such a chunk once: on CPU, copied into the buffer first, the blocks
-    ///   then filled from the buffer; on a GPU, copied to the device once, the blocks filled
-    ///   from that device copy, which is then copied back into the buffer. The worker checks
-    ///   the buffer: a chunk whose copy fails is reported as failed blocks, never KV;
-    /// - a save gathers the chunk once: on CPU into the buffer, then copied from there into
-    ///   the chunk's host buffer; on a GPU into a device buffer, copied from there into both.
-    ///   The worker hashes the chunk's checksum from the buffer.
+    /// - a load reads such a chunk once: copied into the buffer first, the blocks then filled
+    ///   from the buffer (kvpool-cuda's plans, CPU or GPU, and the torch path on CPU); on the
+    ///   torch path on a GPU, copied to the device once, the blocks filled from that device
+    ///   copy, which is then copied back into the buffer. The worker checks the buffer: a
+    ///   chunk whose copy fails is reported as failed blocks, never KV;
+    /// - a save gathers the chunk once: into the buffer, then copied from there into the
+    ///   chunk's host buffer (the torch path on a GPU: into a device buffer, copied from there
+    ///   into both). The worker hashes the chunk's checksum from the buffer.
     pub check_copy_ptrs: Vec<usize>,
     /// A load the engine runs in the background (the request waits until the worker reports
     /// it finished, after its checks): the engine side need not wait for its staged copies

@@ -2,9 +2,11 @@
 //! decide what a bounded tier drops.
 
 pub mod eviction;
+pub mod guards;
 pub mod pool;
 pub mod shared;
 
 pub use eviction::{EvictionKind, EvictionPolicy};
+pub use guards::{MemoryGuard, MemoryGuards};
 pub use pool::{HeapAllocator, HostAllocator, HostArena, MemoryObj, MemoryObjMut, MemoryPool};
 pub use shared::{SharedMapping, SharedMemoryAllocator};

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::error::PoolError;
+use crate::memory::guards::{MemoryGuard, MemoryGuards};
 
 /// Alignment of every region handed out (bytes). Keeps DMA and SIMD copies on fast paths.
 pub const REGION_ALIGN: usize = 256;
@@ -114,6 +115,15 @@ struct PoolInner {
     allocator_name: String,
     capacity: usize,
     state: Mutex<FreeList>,
+    /// What a device set up on the arena (its page-locking): ended before the arena is freed.
+    guards: MemoryGuards,
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // Fields drop after this body: the guards end while the arena is still allocated.
+        self.guards.release_all();
+    }
 }
 
 impl PoolInner {
@@ -198,6 +208,7 @@ impl MemoryPool {
                     used: 0,
                     regions: 0,
                 }),
+                guards: MemoryGuards::default(),
             }),
         })
     }
@@ -214,6 +225,14 @@ impl MemoryPool {
             self.inner.arena.as_ptr().as_ptr() as usize,
             self.inner.capacity,
         )
+    }
+
+    /// Attaches `guard` to the arena: it ends (is dropped) when the arena is freed, before the
+    /// memory is: where a device's registration of the arena ([`arena_region`]) lives.
+    ///
+    /// [`arena_region`]: MemoryPool::arena_region
+    pub fn attach_to_arena(&self, guard: MemoryGuard) {
+        self.inner.guards.attach(guard);
     }
 
     /// Whether the arena is pinned memory.

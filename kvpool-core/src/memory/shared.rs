@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::guards::{MemoryGuard, MemoryGuards};
 use super::pool::{HostAllocator, HostArena};
 use crate::error::PoolError;
 
@@ -20,6 +21,8 @@ pub struct SharedMapping {
     ptr: NonNull<u8>,
     len: usize,
     fd: OwnedFd,
+    /// What a device set up on this mapping (its page-locking): ended before it is unmapped.
+    guards: MemoryGuards,
 }
 
 // SAFETY: the mapping is a plain range of process memory; `SharedMapping` hands out only its
@@ -101,7 +104,12 @@ impl SharedMapping {
         }
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| io::Error::other("mmap returned a null address"))?;
-        Ok(SharedMapping { ptr, len, fd })
+        Ok(SharedMapping {
+            ptr,
+            len,
+            fd,
+            guards: MemoryGuards::default(),
+        })
     }
 
     /// Allocates every page of the memory file now, through this mapping (which must be the
@@ -194,6 +202,17 @@ impl SharedMapping {
         self.len
     }
 
+    /// Attaches `guard` to this mapping: it ends (is dropped) when the mapping is unmapped,
+    /// before it is: where a device's registration of the mapping for DMA lives.
+    pub fn attach(&self, guard: MemoryGuard) {
+        self.guards.attach(guard);
+    }
+
+    /// How many guards [`attach`](Self::attach) attached (and have not ended).
+    pub fn guards(&self) -> usize {
+        self.guards.len()
+    }
+
     /// Whether the mapping is empty (never: creating one of zero bytes fails).
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -202,6 +221,8 @@ impl SharedMapping {
 
 impl Drop for SharedMapping {
     fn drop(&mut self) {
+        // A device's registration of these pages ends while they are still mapped.
+        self.guards.release_all();
         // SAFETY: unmaps exactly the range `map` mapped; no reference into it outlives `self`
         // (arenas and their regions hold an `Arc` to it).
         unsafe {

@@ -188,6 +188,15 @@ pub trait ChunkAllocator: Send + Sync {
     fn host_region(&self) -> Option<(usize, usize)> {
         None
     }
+
+    /// Attaches `guard` to the memory of [`host_region`](Self::host_region), to end when that
+    /// memory is freed (before it is); hands it back when there is no such region.
+    fn attach_to_host_region(
+        &self,
+        guard: crate::memory::MemoryGuard,
+    ) -> Result<(), crate::memory::MemoryGuard> {
+        Err(guard)
+    }
 }
 
 /// Plain heap buffers: for setups without an L1 pool.
@@ -210,5 +219,13 @@ impl ChunkAllocator for MemoryPool {
 
     fn host_region(&self) -> Option<(usize, usize)> {
         Some(self.arena_region())
+    }
+
+    fn attach_to_host_region(
+        &self,
+        guard: crate::memory::MemoryGuard,
+    ) -> Result<(), crate::memory::MemoryGuard> {
+        self.attach_to_arena(guard);
+        Ok(())
     }
 }

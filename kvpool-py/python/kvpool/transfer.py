@@ -1,5 +1,15 @@
-"""The one transfer path: block copies between vLLM's KV tensors and kvpool's host chunks,
-with torch's own ops, the same code for CPU and CUDA tensors.
+"""The transfer paths: block copies between vLLM's KV tensors and kvpool's host chunks.
+
+Two paths run the same jobs (planned by the Rust worker) and are selected in the connector's
+options (``transfer``; docs/benchmarks.md has the measurements each default follows):
+
+- ``native``: kvpool-cuda's executors (``kvpool._native.CopyEngine``, made by
+  :func:`native_copy_engine`). The Python side hands over the planes' addresses once and the
+  compute stream's handle per call; the worker builds each job's copy plan in Rust and runs it
+  with memcpy on CPU tensors, or with one ``cuMemcpyBatchAsync`` per phase on kvpool's own
+  stream on a GPU, page-locking kvpool's host memory with guards that memory owns.
+- ``torch``: :class:`BlockMover` below, with torch's own ops, the same code for CPU and CUDA
+  tensors; the rest of this docstring describes it.
 
 A copy job (planned by the Rust worker) names engine block ids and the addresses of kvpool's
 host chunks; a chunk holds its blocks plane by plane (``[planes, chunk_blocks[c],
@@ -101,24 +111,74 @@ def word_dtype(values: list[int]) -> torch.dtype:
     return torch.uint8
 
 
+def check_planes(planes: list[torch.Tensor]) -> int:
+    """Checks that ``planes`` are ``[num_blocks, plane_block_bytes]`` uint8 views, all on one
+    device, each block's bytes contiguous (rows may be further apart than their length: vLLM
+    pads pages); returns ``plane_block_bytes``."""
+    if not planes:
+        raise ValueError("kvpool: no KV planes to move")
+    device = planes[0].device
+    plane_block_bytes = int(planes[0].shape[1])
+    for p in planes:
+        if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != plane_block_bytes \
+                or p.device != device or p.stride(1) != 1 or p.stride(0) < plane_block_bytes:
+            raise ValueError(f"kvpool: KV plane {tuple(p.shape)} {p.stride()} {p.dtype} "
+                             f"{p.device} is not a uint8 [blocks, {plane_block_bytes}] "
+                             "view with each block's bytes contiguous")
+    return plane_block_bytes
+
+
+def native_copy_engine(planes: list[torch.Tensor]) -> Any:
+    """kvpool-cuda's executor (``kvpool._native.CopyEngine``) over the engine's planes (the
+    views :class:`BlockMover` takes): memcpy for CPU tensors, batched CUDA copies for a GPU's.
+    The caller keeps the tensors alive while the engine is used."""
+    from kvpool import _native
+
+    plane_block_bytes = check_planes(planes)
+    device = planes[0].device
+    ordinal = None
+    if device.type == "cuda":
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    elif device.type != "cpu":
+        raise ValueError(f"kvpool: no native copies for KV on {device}")
+    return _native.CopyEngine(planes=[(p.data_ptr(), p.stride(0)) for p in planes],
+                              plane_block_bytes=plane_block_bytes,
+                              num_blocks=min(int(p.shape[0]) for p in planes), device=ordinal)
+
+
+#: The paths a user may name (the connector's ``transfer`` option).
+TRANSFERS = ("auto", "native", "torch")
+
+#: What ``"auto"`` picks per device type: the path measured faster side by side
+#: (docs/benchmarks.md, "Transfer paths").
+DEFAULT_TRANSFER = {"cpu": "native", "cuda": "torch"}
+
+
+def resolve_transfer(choice: str, device: Any) -> str:
+    """The transfer path (``"native"`` or ``"torch"``) for ``choice`` on ``device``."""
+    if choice not in TRANSFERS:
+        raise ValueError(f"kvpool: transfer {choice!r} is not one of {', '.join(TRANSFERS)}")
+    if choice == "auto":
+        return DEFAULT_TRANSFER.get(getattr(device, "type", "cpu"), "torch")
+    return choice
+
+
+def compute_stream(device: Any) -> int:
+    """The handle of the stream the engine computes on (``cuda_stream``; 0 for CPU tensors):
+    native copies are ordered after the work queued on it."""
+    if getattr(device, "type", None) == "cuda":
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return 0
+
+
 class BlockMover:
-    """Runs copy jobs against one worker's KV planes: ``[num_blocks, plane_block_bytes]`` uint8
-    views of the engine's tensors, all on one device, each block's bytes contiguous (rows may
-    be further apart than their length: vLLM pads pages)."""
+    """Runs copy jobs against one worker's KV planes (see :func:`check_planes`) with torch's
+    ops: the ``torch`` transfer path."""
 
     def __init__(self, planes: list[torch.Tensor]):
-        if not planes:
-            raise ValueError("kvpool: no KV planes to move")
+        self.plane_block_bytes = check_planes(planes)
         self.planes = planes
         self.device = planes[0].device
-        self.plane_block_bytes = int(planes[0].shape[1])
-        for p in planes:
-            if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != self.plane_block_bytes \
-                    or p.device != self.device or p.stride(1) != 1 \
-                    or p.stride(0) < self.plane_block_bytes:
-                raise ValueError(f"kvpool: KV plane {tuple(p.shape)} {p.stride()} {p.dtype} "
-                                 f"{p.device} is not a uint8 [blocks, {self.plane_block_bytes}] "
-                                 "view with each block's bytes contiguous")
         # The word the planes allow; a job narrows it further if a chunk's address needs it.
         self.word = word_dtype([self.plane_block_bytes]
                                + [v for p in planes for v in (p.stride(0), p.data_ptr())])

@@ -185,6 +185,16 @@ impl StorageManager {
         self.allocator.host_region()
     }
 
+    /// Attaches `guard` to the memory of [`host_region`](Self::host_region) (a device's
+    /// page-locking of L1's arena), to end when that memory is freed; hands it back when there
+    /// is no such region.
+    pub fn attach_to_host_region(
+        &self,
+        guard: crate::memory::MemoryGuard,
+    ) -> Result<(), crate::memory::MemoryGuard> {
+        self.allocator.attach_to_host_region(guard)
+    }
+
     /// Number of tiers.
     pub fn tier_count(&self) -> usize {
         self.tiers.len()

@@ -12,7 +12,7 @@
 | ``reports.py`` | worker metadata, connector stats, Prometheus series, KV events |
 | ``tier.py`` | ``KvpoolTier``: kvpool as a secondary tier under vLLM's native offloading |
 
-The transfer path itself (torch block copies, the same code for CPU and CUDA tensors) is
+The transfer paths themselves (kvpool-cuda's native executors; torch block copies) are
 engine-agnostic: ``kvpool.transfer``. The connector's classes are imported on first use, so
 ``kvpool.vllm.layouts`` and ``kvpool.vllm.identity`` load without vLLM.
 
@@ -24,7 +24,10 @@ lower tier),
 ``lookup_timeout_ms`` (default 5000: one lookup, all ranks together),
 ``stage_node_memory_copies`` (default false: a CPU worker loads and saves the pool daemon's
 chunks the way a GPU worker does, through a staged copy of the worker's that is checked or
-hashed; for tests of that route).
+hashed; for tests of that route), ``transfer`` (``auto``, the default: ``native`` on CPU,
+``torch`` on CUDA, each the faster measured (docs/benchmarks.md); ``native``: kvpool-cuda's
+executors, memcpy on CPU and one ``cuMemcpyBatchAsync`` per job phase on kvpool's own stream
+on a GPU; ``torch``: torch's copy ops).
 
 Loads from memory leased at lookup run before the forward pass; any other load (disk, Redis,
 S3, Mooncake, or every load when vLLM schedules asynchronously) runs in the background while

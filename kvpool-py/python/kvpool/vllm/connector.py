@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import _native
+from kvpool.transfer import TRANSFERS
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
 from kvpool.vllm.scheduler_side import SchedulerSide
@@ -87,6 +88,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._socket_path_of = lambda rank: _native.lookup_socket_path(socket_dir, engine_id, rank)
         self._save_decode_tokens = bool(extra.get("save_decode_tokens", False))
         self._stage_node_memory_copies = bool(extra.get("stage_node_memory_copies", False))
+        self._transfer = str(extra.get("transfer", "auto"))
+        if self._transfer not in TRANSFERS:
+            raise ValueError(f"kvpool: transfer {self._transfer!r} is not one of "
+                             f"{', '.join(TRANSFERS)}")
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | None = None
@@ -166,7 +171,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             tp_size=self._tp_size, block_size=self._block_size,
             socket_path_of=self._socket_path_of, kv_events=self._kv_events,
             kv_cache_config=self._kv_cache_config,
-            stage_node_memory_copies=self._stage_node_memory_copies)
+            stage_node_memory_copies=self._stage_node_memory_copies,
+            transfer=self._transfer)
         WORKERS.append(self)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):

@@ -1,8 +1,8 @@
 """The connector's worker side, in each vLLM Worker process: it owns the pool (CPU memory,
 then disk / Redis / S3 tiers from the config), answers the scheduler's lookups, and runs the
-copy jobs the Rust worker plans with the transfer path (``kvpool.vllm.transfer``):
-synchronous loads before the forward pass, asynchronous loads as their chunks arrive, saves
-after the forward pass."""
+copy jobs the Rust worker plans with a transfer path (``kvpool.transfer``: kvpool-cuda's
+native executors, or torch's ops): synchronous loads before the forward pass, asynchronous
+loads as their chunks arrive, saves after the forward pass."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from kvpool import _native
 from kvpool.vllm.identity import model_identity
 from kvpool.vllm.layouts import detect_for
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
-from kvpool.transfer import BlockMover, CopyJob, NodeMemoryPins, pin_host_memory
+from kvpool.transfer import (BlockMover, CopyJob, NodeMemoryPins, compute_stream,
+                             native_copy_engine, pin_host_memory, resolve_transfer)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,13 +30,19 @@ class WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor], *,
                  config_text: str, config_format: str, tp_size: int, block_size: int,
                  socket_path_of, kv_events: bool, kv_cache_config=None,
-                 stage_node_memory_copies: bool = False):
+                 stage_node_memory_copies: bool = False, transfer: str = "auto"):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         layout = detect_for(vllm_config, kv_caches, block_size, kv_cache_config)
         self.tp_rank = get_tensor_model_parallel_rank()
         self.kv_caches = kv_caches
-        self.mover = BlockMover(layout.planes)
+        planes = layout.planes
+        self.device = planes[0].device
+        self.cuda = self.device.type == "cuda"
+        self.transfer = resolve_transfer(transfer, self.device)
+        # Exactly one of the two runs the copies.
+        self.mover = BlockMover(planes) if self.transfer == "torch" else None
+        self.copies = native_copy_engine(planes) if self.transfer == "native" else None
         self.model, self.weights = model_identity(vllm_config)
         self.native = _native.Worker(
             config_text=config_text,
@@ -57,10 +64,11 @@ class WorkerSide:
         )
         self.host_pin = None
         # On a GPU, the daemon's shared memory as mapped here, page-locked for one DMA per
-        # chunk (from the first step after the worker reached the daemon).
-        self.node_memory_pins = NodeMemoryPins(self.native, self.mover.device) \
-            if self.mover.cuda else None
-        if self.mover.cuda or stage_node_memory_copies:
+        # chunk (from the first step after the worker reached the daemon): by the native
+        # engine (guards the mappings own) or, on the torch path, from here.
+        self.node_memory_pins = NodeMemoryPins(self.native, self.device) \
+            if self.cuda and self.mover is not None else None
+        if self.cuda or stage_node_memory_copies:
             # A chunk of the node's pool daemon is read once, from its shared memory: staged
             # (on a GPU: copied to the device once, the blocks filled from that copy, which is
             # read back into a buffer of the worker's) and checked behind the forward pass.
@@ -69,30 +77,39 @@ class WorkerSide:
             # The worker reads the blocks to check a chunk copied straight from the node's
             # pool daemon into them (one copy).
             # The tensors outlive the worker's use: vLLM and self.kv_caches hold them.
-            planes = self.mover.planes
             self.native.set_host_planes([(p.data_ptr(), p.stride(0)) for p in planes],
-                                        self.mover.plane_block_bytes,
+                                        int(planes[0].shape[1]),
                                         min(int(p.shape[0]) for p in planes))
-        if self.mover.cuda:
-            # One DMA per chunk: kvpool's chunks live in L1's arena, page-locked once here and
-            # unlocked before the arena is freed (at shutdown, or by the native worker just
-            # before it frees the arena).
-            region = self.native.host_memory()
-            if region is not None:
-                self.host_pin = pin_host_memory(*region,
-                                                before_free=self.native.call_before_free,
-                                                device=self.mover.device)
-            if self.host_pin is None or not self.host_pin.pinned:
+        if self.cuda:
+            # kvpool's chunks live in L1's arena, page-locked once for DMA and unlocked before
+            # the arena is freed: natively by a guard the arena owns; on the torch path from
+            # here (at shutdown, or by the native worker just before it frees the arena).
+            if self.copies is not None:
+                pinned = self.native.pin_host_memory(self.copies)
+            else:
+                region = self.native.host_memory()
+                if region is not None:
+                    self.host_pin = pin_host_memory(*region,
+                                                    before_free=self.native.call_before_free,
+                                                    device=self.device)
+                pinned = self.host_pin is not None and self.host_pin.pinned
+            if not pinned:
                 logger.warning("kvpool: could not page-lock kvpool's host memory; copies to and "
                                "from the GPU go through pageable memory (slower)")
         self.kv_events = kv_events
         if kv_events:
             self.native.enable_tier_events()
         self.last_stats: dict[str, int] = {}
-        logger.info("kvpool worker rank %d: %d layers, model %s, weights %s, format %s",
-                    self.tp_rank, layout.num_layers, self.model, self.weights, layout.kv_format)
+        logger.info("kvpool worker rank %d: %d layers, model %s, weights %s, format %s, "
+                    "copies: %s", self.tp_rank, layout.num_layers, self.model, self.weights,
+                    layout.kv_format, self.copies.description if self.copies is not None
+                    else "torch")
 
-    def _run(self, jobs: list[tuple]) -> None:
+    def _run(self, load: bool) -> None:
+        if self.copies is not None:
+            self.native.run_copies(self.copies, load, compute_stream(self.device))
+            return
+        jobs = self.native.load_jobs() if load else self.native.save_jobs()
         for t in jobs:
             job = CopyJob.from_native(t)
             try:
@@ -107,6 +124,9 @@ class WorkerSide:
                 self.native.copy_done(job.id, True)
 
     def _poll(self) -> None:
+        if self.copies is not None:
+            self.native.poll_copies(self.copies)
+            return
         for job_id in self.mover.poll():
             self.native.copy_done(job_id, True)
 
@@ -115,13 +135,21 @@ class WorkerSide:
         waiting for those copies: vLLM asks for the step's results once the forward pass is
         launched, not finished, and a staged copy must be checked before the step's failed
         blocks are reported, in the step whose forward pass used the blocks."""
+        if self.copies is not None:
+            self.native.settle_copies(self.copies)
+            return
         for job_id in self.mover.wait_for_read_backs():
             self.native.copy_done(job_id, True)
 
     def handle_preemptions(self, preempted: list[str]) -> None:
         """Before vLLM reuses a preempted request's blocks: copies still reading or writing
         them finish first."""
-        if preempted:
+        if not preempted:
+            return
+        if self.copies is not None:
+            self.native.order_copies_before(self.copies, preempted,
+                                            compute_stream(self.device))
+        else:
             self.mover.wait(self.native.jobs_in_flight_for(preempted))
 
     def bind(self, data: bytes) -> None:
@@ -131,11 +159,13 @@ class WorkerSide:
         self._poll()
         if self.node_memory_pins is not None:
             self.node_memory_pins.refresh()
-        self._run(self.native.load_jobs())
+        elif self.cuda:
+            self.native.pin_node_memory(self.copies)
+        self._run(load=True)
 
     def save(self) -> None:
         self._settle_read_backs()
-        self._run(self.native.save_jobs())
+        self._run(load=False)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
