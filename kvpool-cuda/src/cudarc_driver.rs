@@ -9,6 +9,12 @@ use cudarc::driver::sys;
 use crate::driver::{CudaDriver, CudaError, RawEvent, RawStream};
 use crate::plan::Segment;
 
+/// kvpool's copy kernel (`kernels/copy_segments.cu`), as PTX the driver compiles at load.
+const COPY_KERNEL_PTX: &str = concat!(include_str!("../kernels/copy_segments.ptx"), "\0");
+
+/// Threads per block of the copy kernel.
+const COPY_KERNEL_THREADS: u32 = 256;
+
 /// The first driver with `cuMemcpyBatchAsync` (12.8).
 const BATCH_DRIVER_VERSION: i32 = 12080;
 
@@ -75,6 +81,10 @@ pub struct CudarcDriver {
     ordinal: i32,
     driver_version: i32,
     batch: Option<BatchEntry>,
+    /// The copy kernel's module and function, where it loaded and registered host memory is
+    /// addressable at its host address.
+    kernel: Option<(sys::CUmodule, sys::CUfunction)>,
+    kernel_note: String,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (each call makes it current on the
@@ -127,14 +137,62 @@ impl CudarcDriver {
                 sys::cuDevicePrimaryCtxRetain(&mut context, device),
             )?;
             let batch = BatchEntry::find(version);
-            Ok(CudarcDriver {
+            let mut driver = CudarcDriver {
                 device,
                 context,
                 ordinal,
                 driver_version: version,
                 batch,
-            })
+                kernel: None,
+                kernel_note: String::new(),
+            };
+            match driver.load_kernel() {
+                Ok(kernel) => driver.kernel = kernel,
+                Err(e) => {
+                    tracing::warn!(
+                        "kvpool-cuda: the copy kernel did not load ({e}); copies go as DMA"
+                    );
+                    driver.kernel_note = e.to_string();
+                }
+            }
+            Ok(driver)
         }
+    }
+
+    /// Loads the copy kernel where the device reads registered host memory at its host
+    /// address (`None` where it cannot).
+    fn load_kernel(&mut self) -> Result<Option<(sys::CUmodule, sys::CUfunction)>, CudaError> {
+        self.bind()?;
+        let mut direct = 0;
+        // SAFETY: valid out-pointer and device.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut direct,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                self.device,
+            )
+        })?;
+        if direct != 1 {
+            self.kernel_note =
+                "registered host memory is not addressable at its host address".into();
+            return Ok(None);
+        }
+        let mut module = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, COPY_KERNEL_PTX.as_ptr().cast())
+        })?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the module just loaded; a NUL-terminated name.
+        let found = check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut function, module, c"kvpool_copy_segments".as_ptr())
+        });
+        if let Err(e) = found {
+            // SAFETY: the module loaded above, used by nothing.
+            unsafe { sys::cuModuleUnload(module) };
+            return Err(e);
+        }
+        Ok(Some((module, function)))
     }
 
     fn bind(&self) -> Result<(), CudaError> {
@@ -147,6 +205,13 @@ impl CudarcDriver {
 
 impl Drop for CudarcDriver {
     fn drop(&mut self) {
+        if let Some((module, _)) = self.kernel.take()
+            && self.bind().is_ok()
+        {
+            // SAFETY: the module `load_kernel` loaded; no launch is queued (every stream
+            // kvpool made was synchronized and destroyed before the driver drops).
+            unsafe { sys::cuModuleUnload(module) };
+        }
         // SAFETY: releases the retain `new` made.
         let result = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
         if let Err(e) = check("cuDevicePrimaryCtxRelease", result) {
@@ -176,15 +241,20 @@ impl CudaDriver for CudarcDriver {
                 Some(BatchEntry::V2(_)) => "yes (cuMemcpyBatchAsync_v2)",
                 Some(BatchEntry::V1(_)) => "yes (cuMemcpyBatchAsync)",
                 None => "no",
-            }
-        )
+            },
+        ) + &match self.kernel {
+            Some(_) => ", copy kernel loaded".to_string(),
+            None => format!(", no copy kernel ({})", self.kernel_note),
+        }
     }
 
     unsafe fn host_register(&self, ptr: usize, len: usize) -> Result<(), CudaError> {
         self.bind()?;
+        // Portable (every context) and mapped: the copy kernel reads and writes it in place.
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps the range allocated until it is unregistered.
         check("cuMemHostRegister", unsafe {
-            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0)
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags)
         })
     }
 
@@ -341,6 +411,78 @@ impl CudaDriver for CudarcDriver {
         // addressing tells host from device addresses.
         check("cuMemcpyAsync", unsafe {
             sys::cuMemcpyAsync(segment.dst, segment.src, segment.len as usize, stream(s))
+        })
+    }
+
+    fn kernel_copy_available(&self) -> bool {
+        self.kernel.is_some()
+    }
+
+    fn host_alloc(&self, bytes: usize) -> Result<usize, CudaError> {
+        self.bind()?;
+        let mut p = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: valid out-pointer.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, flags)
+        })?;
+        Ok(p as usize)
+    }
+
+    fn host_free(&self, ptr: usize) {
+        if self.bind().is_ok() {
+            // SAFETY: memory from `host_alloc`, freed once by its owner.
+            let _ = unsafe { sys::cuMemFreeHost(ptr as *mut c_void) };
+        }
+    }
+
+    unsafe fn copy_kernel(
+        &self,
+        table: usize,
+        count: usize,
+        s: RawStream,
+    ) -> Result<(), CudaError> {
+        let Some((_, function)) = self.kernel else {
+            return Err(CudaError {
+                call: "cuLaunchKernel",
+                code: sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as i32,
+                name: "no copy kernel".into(),
+            });
+        };
+        if count == 0 {
+            return Ok(());
+        }
+        let blocks = u32::try_from(count)
+            .ok()
+            .filter(|&b| b <= i32::MAX as u32)
+            .ok_or(CudaError {
+                call: "cuLaunchKernel",
+                code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i32,
+                name: format!("{count} segments in one launch"),
+            })?;
+        self.bind()?;
+        let mut table_arg = table as u64;
+        let mut count_arg = blocks;
+        let mut params = [
+            (&mut table_arg as *mut u64).cast::<c_void>(),
+            (&mut count_arg as *mut u32).cast::<c_void>(),
+        ];
+        // SAFETY: the kernel takes (const Segment*, unsigned int), as `params` point to; the
+        // caller keeps the table and every segment's memory valid until the stream ran it.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                blocks,
+                1,
+                1,
+                COPY_KERNEL_THREADS,
+                1,
+                1,
+                0,
+                stream(s),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         })
     }
 }

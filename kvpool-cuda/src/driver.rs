@@ -81,4 +81,26 @@ pub trait CudaDriver: Send + Sync + 'static {
     /// # Safety
     /// As [`copy_batch`](CudaDriver::copy_batch), for one segment.
     unsafe fn copy_async(&self, segment: Segment, stream: RawStream) -> Result<(), CudaError>;
+    /// Whether kvpool's copy kernel can run: its module loaded, and registered host memory is
+    /// addressable from the device at its host address.
+    fn kernel_copy_available(&self) -> bool;
+    /// `bytes` of page-locked host memory the device reads at its host address
+    /// (`cuMemHostAlloc`), for copy tables; freed with [`host_free`](CudaDriver::host_free).
+    fn host_alloc(&self, bytes: usize) -> Result<usize, CudaError>;
+    /// Frees memory from [`host_alloc`](CudaDriver::host_alloc).
+    fn host_free(&self, ptr: usize);
+    /// Launches kvpool's copy kernel on `stream`: one thread block per segment of the `count`
+    /// segments ([`Segment`]'s layout) at `table`, each copied in 16-byte words.
+    ///
+    /// # Safety
+    /// `table` is memory from [`host_alloc`](CudaDriver::host_alloc) holding `count` segments,
+    /// unchanged until `stream` has run the kernel; the segments as for
+    /// [`copy_batch`](CudaDriver::copy_batch), every address and length a multiple of 16,
+    /// and each host address page-locked (registered) memory.
+    unsafe fn copy_kernel(
+        &self,
+        table: usize,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<(), CudaError>;
 }

@@ -2,7 +2,7 @@
 //! run when they are queued, and every call is recorded, so the copy engine's ordering
 //! (which stream waits for which event) and the page-lock guards' lifetimes can be checked.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use parking_lot::Mutex;
 
@@ -28,6 +28,8 @@ pub enum Call {
     CopyBatch(usize, RawStream),
     /// `copy_async` on a stream.
     CopyAsync(RawStream),
+    /// `copy_kernel` of this many segments on a stream.
+    CopyKernel(usize, RawStream),
 }
 
 #[derive(Debug, Default)]
@@ -41,12 +43,15 @@ struct State {
     fail_batches: u32,
     streams_alive: usize,
     events_alive: usize,
+    /// `host_alloc`'s allocations: address -> layout.
+    host_allocs: HashMap<usize, std::alloc::Layout>,
 }
 
 /// See the module docs.
 #[derive(Debug)]
 pub struct FakeDriver {
     batch: bool,
+    kernel: bool,
     state: Mutex<State>,
 }
 
@@ -55,11 +60,28 @@ impl FakeDriver {
     pub fn new(batch: bool) -> Self {
         FakeDriver {
             batch,
+            kernel: false,
             state: Mutex::new(State {
                 next_handle: 0x100,
                 ..State::default()
             }),
         }
+    }
+
+    /// The same driver with kvpool's copy kernel available.
+    pub fn with_kernel(mut self) -> Self {
+        self.kernel = true;
+        self
+    }
+
+    /// Memory from `host_alloc` not yet freed (bytes).
+    pub fn host_allocated(&self) -> usize {
+        self.state
+            .lock()
+            .host_allocs
+            .values()
+            .map(|l| l.size())
+            .sum()
     }
 
     /// The calls so far.
@@ -108,7 +130,10 @@ impl FakeDriver {
 
 impl CudaDriver for FakeDriver {
     fn describe(&self) -> String {
-        format!("fake driver (batched copies {})", self.batch)
+        format!(
+            "fake driver (batched copies {}, copy kernel {})",
+            self.batch, self.kernel
+        )
     }
 
     unsafe fn host_register(&self, ptr: usize, len: usize) -> Result<(), CudaError> {
@@ -239,6 +264,67 @@ impl CudaDriver for FakeDriver {
                 segment.len as usize,
             )
         };
+        Ok(())
+    }
+
+    fn kernel_copy_available(&self) -> bool {
+        self.kernel
+    }
+
+    fn host_alloc(&self, bytes: usize) -> Result<usize, CudaError> {
+        let layout =
+            std::alloc::Layout::from_size_align(bytes.max(1), 64).map_err(|e| CudaError {
+                call: "cuMemHostAlloc",
+                code: 1,
+                name: e.to_string(),
+            })?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as usize;
+        if ptr == 0 {
+            return Err(CudaError {
+                call: "cuMemHostAlloc",
+                code: 2,
+                name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            });
+        }
+        self.state.lock().host_allocs.insert(ptr, layout);
+        Ok(ptr)
+    }
+
+    fn host_free(&self, ptr: usize) {
+        if let Some(layout) = self.state.lock().host_allocs.remove(&ptr) {
+            // SAFETY: allocated by `host_alloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+    }
+
+    unsafe fn copy_kernel(
+        &self,
+        table: usize,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<(), CudaError> {
+        assert!(self.kernel, "copy_kernel called on a driver without it");
+        self.state
+            .lock()
+            .calls
+            .push(Call::CopyKernel(count, stream));
+        // SAFETY: the caller's contract: `count` segments at `table`.
+        let segments = unsafe { std::slice::from_raw_parts(table as *const Segment, count) };
+        for s in segments {
+            assert!(
+                s.src % 16 == 0 && s.dst % 16 == 0 && s.len % 16 == 0,
+                "the copy kernel moves 16-byte words: {s:?}"
+            );
+            // SAFETY: the caller's contract (addresses are host memory in this fake).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    s.src as usize as *const u8,
+                    s.dst as usize as *mut u8,
+                    s.len as usize,
+                )
+            };
+        }
         Ok(())
     }
 }

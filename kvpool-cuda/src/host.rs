@@ -1,13 +1,15 @@
 //! The host executor: runs copy plans with `memcpy` when the engine's KV is in host memory
 //! (vLLM's CPU build), so the plan a GPU runs is the plan CI's real-vLLM suite runs.
 
-use crate::plan::{CopyPlan, JobSpec, KvPlanes, PlanError, PlanStats};
+use crate::plan::{CopyPlan, JobSpec, KvPlanes, PlanError, PlanStats, Segment};
 
 /// Runs copy plans over KV planes in host memory, synchronously: a job is done when
 /// [`run`](HostExecutor::run) returns.
 #[derive(Debug)]
 pub struct HostExecutor {
     planes: KvPlanes,
+    /// Threads a long phase is copied with.
+    threads: usize,
 }
 
 impl HostExecutor {
@@ -19,7 +21,15 @@ impl HostExecutor {
     /// and that nothing else writes while a job that names it runs (the engine's protocol:
     /// blocks being loaded or saved are not in use).
     pub unsafe fn new(planes: KvPlanes) -> Self {
-        HostExecutor { planes }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        HostExecutor { planes, threads }
+    }
+
+    /// Copies a long phase (4 MiB or more) with up to `threads` threads (default: the
+    /// machine's cores, at most 4).
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
     }
 
     /// The planes it copies to and from.
@@ -36,20 +46,140 @@ impl HostExecutor {
     pub unsafe fn run(&self, job: &JobSpec<'_>) -> Result<PlanStats, PlanError> {
         let plan = CopyPlan::build(&self.planes, job)?;
         for phase in plan.phases() {
-            for s in phase {
-                // SAFETY: the plan put every engine-side address inside a page of the planes
-                // (valid by `new`'s contract) and every host-side address inside a chunk or a
-                // staged copy of the job (valid by this function's contract); lengths stay
-                // inside them, and no segment's source overlaps its destination.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        s.src as usize as *const u8,
-                        s.dst as usize as *mut u8,
-                        s.len as usize,
-                    );
-                }
+            let bytes: u64 = phase.iter().map(|s| s.len).sum();
+            let threads = if bytes >= PARALLEL_FROM_BYTES {
+                self.threads
+            } else {
+                1
+            };
+            if threads <= 1 {
+                // SAFETY: this function's contract (see `copy_segments`).
+                unsafe { copy_segments(phase) };
+                continue;
             }
+            let shares = split_by_bytes(phase, threads);
+            std::thread::scope(|scope| {
+                let mut shares = shares.iter();
+                let mine = shares.next();
+                for share in shares {
+                    // Addresses cross the thread as integers; the scope ends before `run`
+                    // returns, so every copy is done by then.
+                    scope.spawn(move || {
+                        // SAFETY: as below; the shares of a phase never overlap.
+                        unsafe { copy_segments(share) }
+                    });
+                }
+                if let Some(share) = mine {
+                    // SAFETY: this function's contract (see `copy_segments`).
+                    unsafe { copy_segments(share) };
+                }
+            });
         }
         Ok(plan.stats())
+    }
+}
+
+/// A phase at least this long is copied by several threads (the engine's own copies, torch's
+/// ops, use its thread pool too; docs/benchmarks.md has the measurement).
+const PARALLEL_FROM_BYTES: u64 = 4 << 20;
+
+/// Copies `segments` one after the other.
+///
+/// # Safety
+/// The plan put every engine-side address inside a page of the planes (valid by
+/// [`HostExecutor::new`]'s contract) and every host-side address inside a chunk or a staged
+/// copy of the job (valid by [`HostExecutor::run`]'s contract); lengths stay inside them, and
+/// no segment's source overlaps its destination or another segment's destination.
+unsafe fn copy_segments(segments: &[Segment]) {
+    for s in segments {
+        // SAFETY: the function's contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                s.src as usize as *const u8,
+                s.dst as usize as *mut u8,
+                s.len as usize,
+            );
+        }
+    }
+}
+
+/// `phase` cut into at most `parts` runs of about equal bytes, a segment split where a run
+/// ends inside it.
+fn split_by_bytes(phase: &[Segment], parts: usize) -> Vec<Vec<Segment>> {
+    let total: u64 = phase.iter().map(|s| s.len).sum();
+    let per = total.div_ceil(parts.max(1) as u64).max(1);
+    let mut out = vec![Vec::new()];
+    let mut room = per;
+    for &s in phase {
+        let mut s = s;
+        while s.len > 0 {
+            if room == 0 {
+                out.push(Vec::new());
+                room = per;
+            }
+            let take = s.len.min(room);
+            out.last_mut().expect("one run at least").push(Segment {
+                src: s.src,
+                dst: s.dst,
+                len: take,
+            });
+            s = Segment {
+                src: s.src + take,
+                dst: s.dst + take,
+                len: s.len - take,
+            };
+            room -= take;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_phase_splits_into_runs_of_equal_bytes_covering_every_byte_once() {
+        let phase = [
+            Segment {
+                src: 0,
+                dst: 1000,
+                len: 10,
+            },
+            Segment {
+                src: 100,
+                dst: 2000,
+                len: 3,
+            },
+            Segment {
+                src: 200,
+                dst: 3000,
+                len: 7,
+            },
+        ];
+        let runs = split_by_bytes(&phase, 3);
+        assert_eq!(runs.len(), 3);
+        for run in &runs {
+            assert!(run.iter().map(|s| s.len).sum::<u64>() <= 7);
+        }
+        let flat: Vec<Segment> = runs.concat();
+        assert_eq!(flat.iter().map(|s| s.len).sum::<u64>(), 20);
+        assert_eq!(
+            flat[0],
+            Segment {
+                src: 0,
+                dst: 1000,
+                len: 7
+            }
+        );
+        assert_eq!(
+            flat[1],
+            Segment {
+                src: 7,
+                dst: 1007,
+                len: 3
+            }
+        );
+        assert_eq!(split_by_bytes(&phase, 1), vec![phase.to_vec()]);
     }
 }

@@ -7,8 +7,9 @@
 //! - [`HostExecutor`]: runs plans with `memcpy` when the KV is in host memory (vLLM's CPU
 //!   build): the plan a GPU runs is the plan CI's real-vLLM suite runs.
 //! - [`CudaCopyEngine`]: runs plans on a GPU, one `cuMemcpyBatchAsync` per phase of a job
-//!   (per-segment `cuMemcpyAsync` where the driver has none), on kvpool's own stream ordered
-//!   after the engine's compute stream with events, polled without a device-wide synchronize.
+//!   (per-segment `cuMemcpyAsync` where the driver has none), or kvpool's copy kernel for
+//!   small scattered pages ([`CopyMode`]), on kvpool's own stream ordered after the engine's
+//!   compute stream with events, polled without a device-wide synchronize.
 //! - [`HostRegistration`]: page-locked host memory owned by the memory it locks.
 //!
 //! The driver is loaded at run time ([`CudarcDriver`]): everything builds, and the CPU side
@@ -29,7 +30,7 @@ pub mod registration;
 
 pub use cudarc_driver::CudarcDriver;
 pub use driver::{CudaDriver, CudaError, RawEvent, RawStream};
-pub use engine::{CopyError, CopyStream, CudaCopyEngine, Submitted};
+pub use engine::{CopyError, CopyMode, CopyStream, CudaCopyEngine, KERNEL_BELOW, Submitted};
 pub use host::HostExecutor;
 pub use plan::{CopyPlan, Direction, JobSpec, KvPlanes, PlanError, PlanStats, Plane, Segment};
-pub use registration::{HostRegistration, RegisterError};
+pub use registration::{HostRegistration, RegisterError, all_registered};

@@ -197,8 +197,9 @@ pub struct JobSpec<'a> {
     pub check_copy_ptrs: &'a [u64],
 }
 
-/// One copy of `len` bytes.
+/// One copy of `len` bytes (laid out as kvpool's copy kernel reads its table: three `u64`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
 pub struct Segment {
     /// Source address.
     pub src: u64,
@@ -375,6 +376,19 @@ impl CopyPlan {
     /// The phases, in the order they must run.
     pub fn phases(&self) -> &[Vec<Segment>] {
         &self.phases
+    }
+
+    /// The phase that copies the engine's pages (the others copy host memory to host
+    /// memory: a staged chunk into or out of its buffer), and whether each of its segments'
+    /// host side is its source (a load) rather than its destination (a save).
+    pub fn page_phase(&self) -> Option<(usize, bool)> {
+        if self.pages == 0 {
+            return None;
+        }
+        Some(match self.direction {
+            Direction::Load => (self.phases.len() - 1, true),
+            Direction::Save => (0, false),
+        })
     }
 
     /// What the plan moves.

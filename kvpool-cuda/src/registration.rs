@@ -16,6 +16,32 @@ use crate::engine::CopyStream;
 /// Ranges page-locked by this process through kvpool-cuda, `start -> length`.
 static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
 
+/// Whether every `(address, length)` range of `ranges` lies within one range page-locked
+/// through kvpool-cuda now (one look at the registry for all of them).
+pub fn all_registered(ranges: impl IntoIterator<Item = (u64, u64)>) -> bool {
+    let registered = REGISTERED.lock();
+    // Consecutive ranges mostly fall in the same registration: try the last one found first.
+    let mut last: Option<(usize, usize)> = None;
+    ranges.into_iter().all(|(ptr, len)| {
+        let (Ok(ptr), Ok(len)) = (usize::try_from(ptr), usize::try_from(len)) else {
+            return false;
+        };
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        let within = |(start, l): (usize, usize)| ptr >= start && end <= start + l;
+        if last.is_some_and(within) {
+            return true;
+        }
+        let found = registered
+            .range(..=ptr)
+            .next_back()
+            .map(|(&start, &l)| (start, l));
+        last = found;
+        found.is_some_and(within)
+    })
+}
+
 /// Why a range was not page-locked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {

@@ -506,3 +506,200 @@ fn memory_the_driver_says_is_locked_already_is_refused() {
     );
     driver.host_unregister(ptr).unwrap();
 }
+
+/// 16-byte aligned host memory (as torch's allocations and L1's regions are).
+fn aligned(bytes: usize, seed: u8) -> Vec<u128> {
+    let mut v = vec![0u128; bytes / 16];
+    // SAFETY: a u128 buffer viewed as its bytes.
+    let b = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), bytes) };
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = (i as u8).wrapping_mul(13) ^ seed;
+    }
+    v
+}
+
+fn bytes_of(v: &[u128]) -> &[u8] {
+    // SAFETY: a u128 buffer viewed as its bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 16) }
+}
+
+/// Small scattered pages in registered host memory go through the copy kernel in `Auto`
+/// (and `Kernel`) mode, byte for byte, with the job's table in the ring until it ends; `Dma`
+/// mode, unregistered host memory or a driver without the kernel go as a batch.
+#[test]
+fn small_scattered_pages_in_registered_memory_go_through_the_copy_kernel() {
+    use kvpool_cuda::CopyMode;
+
+    const PAGE: usize = 64;
+    const BLOCKS: usize = 32;
+    for (mode, kernel_driver, register, expect_kernel) in [
+        (CopyMode::Auto, true, true, true),
+        (CopyMode::Kernel, true, true, true),
+        (CopyMode::Dma, true, true, false),
+        (CopyMode::Auto, true, false, false),
+        (CopyMode::Auto, false, true, false),
+    ] {
+        let planes_mem: Vec<Vec<u128>> = (0..2).map(|p| aligned(PAGE * BLOCKS, p)).collect();
+        let planes = KvPlanes::new(
+            planes_mem
+                .iter()
+                .map(|m| Plane {
+                    base: m.as_ptr() as u64,
+                    row_stride: PAGE as u64,
+                })
+                .collect(),
+            PAGE as u64,
+            BLOCKS as u64,
+        )
+        .unwrap();
+        let chunk = aligned(4 * 2 * PAGE, 0x5a);
+        let driver = FakeDriver::new(true);
+        let driver = Arc::new(if kernel_driver {
+            driver.with_kernel()
+        } else {
+            driver
+        });
+        let dyn_driver: Arc<dyn CudaDriver> = driver.clone();
+        let registration = register.then(|| {
+            // SAFETY: `chunk` outlives the registration (dropped at the end of the loop body).
+            unsafe {
+                HostRegistration::register(
+                    dyn_driver.clone(),
+                    chunk.as_ptr() as usize,
+                    chunk.len() * 16,
+                    vec![],
+                )
+            }
+            .unwrap()
+        });
+        // SAFETY: the planes are live buffers of this loop body.
+        let mut engine = unsafe { CudaCopyEngine::new(dyn_driver.clone(), planes) }.unwrap();
+        engine.set_mode(mode);
+        let ids = [9u32, 3, 17, 5];
+        let ptrs = [chunk.as_ptr() as u64];
+        let spec = JobSpec {
+            direction: Direction::Load,
+            block_ids: &ids,
+            skip_blocks: 0,
+            chunk_blocks: &[4],
+            block_bytes: 2 * PAGE as u64,
+            chunk_ptrs: &ptrs,
+            check_copy_ptrs: &[],
+        };
+        driver.hold_events(true);
+        // SAFETY: live buffers.
+        let submitted = unsafe { engine.submit(1, &spec, RawStream(0)) }.unwrap();
+        assert_eq!(
+            submitted.kernel, expect_kernel,
+            "{mode:?} {kernel_driver} {register}"
+        );
+        let kernel_calls = driver
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, Call::CopyKernel(8, _)))
+            .count();
+        assert_eq!(kernel_calls, usize::from(expect_kernel));
+        let chunk_bytes = bytes_of(&chunk);
+        for (p, plane) in planes_mem.iter().enumerate() {
+            let plane = bytes_of(plane);
+            for (j, &id) in ids.iter().enumerate() {
+                let at = id as usize * PAGE;
+                let from = (p * 4 + j) * PAGE;
+                assert_eq!(&plane[at..at + PAGE], &chunk_bytes[from..from + PAGE]);
+            }
+        }
+        // The table stays in use while the job is in flight, and is freed when it ends.
+        assert!(engine.poll().is_empty());
+        driver.finish_events();
+        assert_eq!(engine.poll(), vec![(1, Ok(()))]);
+        drop(engine);
+        drop(registration);
+        assert_eq!(
+            driver.host_allocated(),
+            0,
+            "the table ring is freed with the engine"
+        );
+    }
+}
+
+/// Pages the copy kernel cannot move as 16-byte words (an odd page length) go as DMA even
+/// when the kernel is asked for.
+#[test]
+fn pages_not_in_16_byte_words_go_as_dma() {
+    use kvpool_cuda::CopyMode;
+
+    let planes_mem = aligned(24 * 8, 1);
+    let planes = KvPlanes::new(
+        vec![Plane {
+            base: planes_mem.as_ptr() as u64,
+            row_stride: 24,
+        }],
+        24,
+        8,
+    )
+    .unwrap();
+    let chunk = aligned(48, 2);
+    let driver = Arc::new(FakeDriver::new(true).with_kernel());
+    let dyn_driver: Arc<dyn CudaDriver> = driver.clone();
+    // SAFETY: `chunk` outlives the registration.
+    let registration = unsafe {
+        HostRegistration::register(dyn_driver.clone(), chunk.as_ptr() as usize, 48, vec![])
+    }
+    .unwrap();
+    // SAFETY: live buffers.
+    let mut engine = unsafe { CudaCopyEngine::new(dyn_driver, planes) }.unwrap();
+    engine.set_mode(CopyMode::Kernel);
+    let ptrs = [chunk.as_ptr() as u64];
+    let spec = JobSpec {
+        direction: Direction::Save,
+        block_ids: &[1, 5],
+        skip_blocks: 0,
+        chunk_blocks: &[2],
+        block_bytes: 24,
+        chunk_ptrs: &ptrs,
+        check_copy_ptrs: &[],
+    };
+    // SAFETY: live buffers.
+    let submitted = unsafe { engine.submit(1, &spec, RawStream(0)) }.unwrap();
+    assert!(!submitted.kernel);
+    assert_eq!(engine.poll(), vec![(1, Ok(()))]);
+    drop(engine);
+    drop(registration);
+}
+
+/// A long phase (past the 4 MiB from which the host executor copies with several threads),
+/// pages split across threads mid-page, still lands byte for byte.
+#[test]
+fn a_long_phase_copied_by_several_threads_is_byte_exact() {
+    let case = Case {
+        planes: 2,
+        page: 40_000,
+        pad: 16,
+        blocks: 200,
+        chunk_blocks: vec![30, 30, 7],
+        skip: 3,
+        staged: vec![true, false, false],
+        load: true,
+        ids: (0..64).map(|i| (i * 3) as u32).collect(),
+    };
+    for load in [true, false] {
+        let mut case = case.clone();
+        case.load = load;
+        if !load {
+            case.skip = 0;
+            case.ids = (0..67).map(|i| (i * 2 + 1) as u32).collect();
+        }
+        let kv = Kv::new(case.planes, case.page, case.page + case.pad, case.blocks, 6);
+        let block_bytes = case.planes * case.page;
+        let chunks = Chunks::new(case.chunk_blocks.clone(), block_bytes, &case.staged, 9);
+        let ptrs = chunks.ptrs();
+        let staged = chunks.staged_ptrs();
+        let spec = job(&case, &ptrs, &staged, block_bytes as u64);
+        // SAFETY: live buffers.
+        let executor = unsafe { HostExecutor::new(kv.planes()) }.with_threads(3);
+        // SAFETY: live buffers.
+        let stats = unsafe { executor.run(&spec) }.unwrap();
+        assert!(stats.bytes >= 4 << 20, "{stats:?}");
+        check(&kv, &chunks, spec.direction, &case.ids, case.skip);
+    }
+}

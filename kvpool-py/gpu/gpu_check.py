@@ -65,12 +65,21 @@ from kvpool.vllm.layouts import detect
 BLOCK = 16
 CHUNK = int(os.environ.get("KVPOOL_CHECK_CHUNK_TOKENS", 256))
 DEVICE = os.environ.get("KVPOOL_CHECK_DEVICE", "cuda")
-TRANSFERS = os.environ.get("KVPOOL_CHECK_TRANSFERS", "torch,native").split(",")
+# On a GPU the native path also runs with each way of moving pages forced (kvpool's copy
+# kernel, batched DMA); on CPU it has one (memcpy).
+TRANSFERS = os.environ.get(
+    "KVPOOL_CHECK_TRANSFERS",
+    "torch,native,native-dma,native-kernel" if DEVICE == "cuda" else "torch,native").split(",")
 
 
 def suffix(transfer):
     """The report key suffix of a transfer path's results (none for torch, as before)."""
-    return "" if transfer == "torch" else f"_{transfer}"
+    return "" if transfer == "torch" else "_" + transfer.replace("-", "_")
+
+
+def native_mode(transfer):
+    """The native copy engine's mode for ``transfer`` (``native``, ``native-dma``, ...)."""
+    return transfer.split("-", 1)[1] if "-" in transfer else "auto"
 
 
 def sync():
@@ -112,7 +121,8 @@ class Engine:
         self.transfer = transfer
         self.cuda = DEVICE == "cuda"
         self.mover = BlockMover(layout.planes) if transfer == "torch" else None
-        self.copies = native_copy_engine(layout.planes) if transfer == "native" else None
+        self.copies = native_copy_engine(layout.planes, native_mode(transfer)) \
+            if transfer.startswith("native") else None
         self.device = layout.planes[0].device
         sock = os.path.join(tmp, f"w{id(self)}.sock")
         self.sock = sock
@@ -287,9 +297,14 @@ def correctness(report, caches, tmp, use_mla=False, transfer="torch"):
     n = 4 * 256 + 1  # 1,024 tokens to hit whatever the chunk size (256 or 1,024), then one more
     prompt = list(range(100, 100 + n))
     nblocks = (n + BLOCK - 1) // BLOCK
+    # A saves from blocks in order; B loads into blocks in descending order (as vLLM's free
+    # list hands out a finished request's blocks), C into shuffled ones: each page then its
+    # own copy (the native path's copy kernel in its default mode, on a GPU).
     a_blocks = list(range(0, nblocks))
-    b_blocks = list(range(nblocks, 2 * nblocks))
+    b_blocks = list(range(2 * nblocks - 1, nblocks - 1, -1))
     c_blocks = list(range(2 * nblocks, 3 * nblocks))
+    import random
+    random.Random(3).shuffle(c_blocks)
     assert e.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
     e.sched.update_state_after_alloc("a", a_blocks, 0)
     fresh = {k: torch.randn_like(v, dtype=torch.float32).to(v.dtype) for k, v in caches.items()}
@@ -329,6 +344,8 @@ def correctness(report, caches, tmp, use_mla=False, transfer="torch"):
     report["async_load_exact"] = bool(done) and all(
         blocks_equal(caches, a_blocks[i], c_blocks[i]) for i in range(got[0] // BLOCK))
     report["in_flight_after"] = list(e.worker.in_flight())
+    if e.copies is not None:
+        report["kernel_jobs"] = list(e.copies.kernel_jobs)
     e.shutdown()
 
 
@@ -341,7 +358,7 @@ def staged_load(report, transfer="torch"):
     if transfer == "torch":
         mover = BlockMover(layout.planes)
     else:
-        copies = native_copy_engine(layout.planes)
+        copies = native_copy_engine(layout.planes, native_mode(transfer))
     plane_bytes = int(layout.planes[0].shape[1])
     per_block = len(layout.planes) * plane_bytes
     chunk_blocks = [CHUNK // BLOCK, 1]
@@ -568,8 +585,8 @@ def throughput(report, tmp):
                     assert moved == nbytes
                     if e.copies is not None:
                         # Still one batch per phase after the run (a refused batch falls
-                        # back).
-                        batched[name] = e.copies.batched
+                        # back), and (jobs through the copy kernel, jobs).
+                        batched[name] = [e.copies.batched, list(e.copies.kernel_jobs)]
                     slot = times.setdefault(name, {k: [] for k in out})
                     for k, v in out.items():
                         slot[k].extend(v)
@@ -695,20 +712,26 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for transfer in TRANSFERS:
             sfx = suffix(transfer)
-            if transfer == "native":
+            if transfer.startswith("native"):
                 probe = native_copy_engine(
-                    detect(fa_caches(1, 4, 1, 8, torch.bfloat16, DEVICE), BLOCK).planes)
-                report["native_engine"] = {"kind": probe.kind, "batched": probe.batched,
-                                           "description": probe.description}
+                    detect(fa_caches(1, 4, 1, 8, torch.bfloat16, DEVICE), BLOCK).planes,
+                    native_mode(transfer))
+                report["engine" + sfx] = {"kind": probe.kind, "batched": probe.batched,
+                                          "description": probe.description}
                 del probe
             for name, caches, mla in (
                     ("flash_attn", fa_caches(2, 256, 8, 128, torch.bfloat16, DEVICE), False),
                     ("flashinfer_hnd", flashinfer_hnd_caches(2, 256, 8, 128, torch.float16,
                                                              DEVICE), False),
                     ("mla", mla_caches(2, 256, DEVICE), True)):
-                run_check(report, failures, name + sfx, correctness,
-                          ("sync_load_exact", "async_load_exact") + (("pinned",) if cuda else ()),
-                          caches, tmp, use_mla=mla, transfer=transfer)
+                r = run_check(report, failures, name + sfx, correctness,
+                              ("sync_load_exact", "async_load_exact")
+                              + (("pinned",) if cuda else ()),
+                              caches, tmp, use_mla=mla, transfer=transfer)
+                if cuda and transfer in ("native", "native-kernel") \
+                        and not r.get("kernel_jobs", [0])[0]:
+                    # The scattered loads must have gone through the copy kernel.
+                    failures.append(f"{name}{sfx}: kernel_jobs {r.get('kernel_jobs')}")
             if cuda:
                 # same_range_after_drop: else the check did not see memory reused after a drop.
                 run_check(report, failures, "host_memory_lifetime" + sfx, host_memory_lifetime,
@@ -755,7 +778,9 @@ def summary(report):
               f"load {t['load_GBps_median']:6.1f} GB/s ({t['load_vs_torch']:.2f}x) "
               f"enqueue save {t['save_enqueue_ms_median']:.2f} ms load "
               f"{t['load_enqueue_ms_median']:.2f} ms pinned {t['pinned']}")
-    print("native engine:", report.get("native_engine"))
+    for key in ("engine_native", "engine_native_dma", "engine_native_kernel"):
+        if key in report:
+            print(f"{key}:", report[key])
     print("failures:", report["failures"] or "none")
 
 

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use kvpool_connector::{ConnectorWorker, CopyDirection, CopyJob};
 use kvpool_core::memory::SharedMapping;
 use kvpool_cuda::{
-    CudaCopyEngine, CudaDriver, CudarcDriver, Direction, HostExecutor, HostRegistration, JobSpec,
-    KvPlanes, Plane, RawStream, RegisterError,
+    CopyMode, CudaCopyEngine, CudaDriver, CudarcDriver, Direction, HostExecutor, HostRegistration,
+    JobSpec, KvPlanes, Plane, RawStream, RegisterError,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -41,6 +41,9 @@ pub(crate) struct Copies {
     /// step's results leave the worker, since the forward pass reads their blocks.
     staged_loads: HashSet<u64>,
     node_pins: Vec<NodePin>,
+    /// Jobs queued on a GPU, and those whose pages went through the copy kernel.
+    jobs: u64,
+    kernel_jobs: u64,
 }
 
 /// Runs the copy jobs a worker plans: see the module docs. One per engine (vLLM worker).
@@ -102,7 +105,10 @@ impl Copies {
                 .map_err(|e| e.to_string()),
             Executor::Cuda(engine) => {
                 // SAFETY: the caller's contract; `compute` is the engine's stream.
-                unsafe { engine.submit(job.id, &spec, compute) }.map_err(|e| e.to_string())?;
+                let submitted =
+                    unsafe { engine.submit(job.id, &spec, compute) }.map_err(|e| e.to_string())?;
+                self.jobs += 1;
+                self.kernel_jobs += u64::from(submitted.kernel);
                 if job.direction == CopyDirection::Load
                     && !job.asynchronous
                     && job.check_copy_ptrs.iter().any(|&p| p != 0)
@@ -311,15 +317,21 @@ impl PyCopyEngine {
     /// An engine over the engine's KV planes: one `(address of block 0, bytes between
     /// blocks)` per plane, in the chunk layout's plane order, each `num_blocks` pages of
     /// `plane_block_bytes`. `device`: `None` for host memory (CPU tensors), else the CUDA
-    /// device's ordinal. The caller keeps the tensors alive while the engine is used.
+    /// device's ordinal; `mode` (CUDA): how pages move, `auto` (default: kvpool's copy
+    /// kernel for small scattered pages, else batched DMA), `dma` or `kernel`. The caller
+    /// keeps the tensors alive while the engine is used.
     #[new]
-    #[pyo3(signature = (*, planes, plane_block_bytes, num_blocks, device=None))]
+    #[pyo3(signature = (*, planes, plane_block_bytes, num_blocks, device=None, mode="auto"))]
     fn new(
         planes: Vec<(usize, usize)>,
         plane_block_bytes: usize,
         num_blocks: usize,
         device: Option<i32>,
+        mode: &str,
     ) -> PyResult<Self> {
+        let mode: CopyMode = mode
+            .parse()
+            .map_err(|e: String| PyValueError::new_err(format!("kvpool: {e}")))?;
         let planes = KvPlanes::new(
             planes
                 .into_iter()
@@ -346,9 +358,14 @@ impl PyCopyEngine {
                 let describe = driver.describe();
                 let driver: Arc<dyn CudaDriver> = Arc::new(driver);
                 // SAFETY: the caller keeps the tensors (device memory) alive.
-                let engine = unsafe { CudaCopyEngine::new(driver, planes) }
+                let mut engine = unsafe { CudaCopyEngine::new(driver, planes) }
                     .map_err(|e| PyRuntimeError::new_err(format!("kvpool: {e}")))?;
-                (Executor::Cuda(engine), "cuda", describe)
+                engine.set_mode(mode);
+                (
+                    Executor::Cuda(engine),
+                    "cuda",
+                    format!("{describe}, pages by {mode:?}"),
+                )
             }
         };
         Ok(PyCopyEngine {
@@ -356,6 +373,8 @@ impl PyCopyEngine {
                 executor,
                 staged_loads: HashSet::new(),
                 node_pins: Vec::new(),
+                jobs: 0,
+                kernel_jobs: 0,
             }),
             kind,
             describe,
@@ -372,6 +391,13 @@ impl PyCopyEngine {
     #[getter]
     fn description(&self) -> String {
         self.describe.clone()
+    }
+
+    /// Jobs whose pages went through kvpool's copy kernel, and jobs queued in all (GPU).
+    #[getter]
+    fn kernel_jobs(&self) -> PyResult<(u64, u64)> {
+        let copies = lock(&self.copies)?;
+        Ok((copies.kernel_jobs, copies.jobs))
     }
 
     /// Whether a job's copies go as one batch per phase (`cuMemcpyBatchAsync`).

@@ -154,6 +154,8 @@ def test_a_refused_job_writes_nothing():
 
 def test_the_transfer_option_resolves_per_device():
     assert resolve_transfer("auto", torch.device("cpu")) == "native"
+    assert resolve_transfer("auto", torch.device("cuda")) == "native"
+    assert resolve_transfer("torch", torch.device("cuda")) == "torch"
     assert resolve_transfer("torch", torch.device("cpu")) == "torch"
     assert resolve_transfer("native", torch.device("cpu")) == "native"
     with pytest.raises(ValueError, match="not one of"):

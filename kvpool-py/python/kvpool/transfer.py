@@ -128,9 +128,10 @@ def check_planes(planes: list[torch.Tensor]) -> int:
     return plane_block_bytes
 
 
-def native_copy_engine(planes: list[torch.Tensor]) -> Any:
+def native_copy_engine(planes: list[torch.Tensor], mode: str = "auto") -> Any:
     """kvpool-cuda's executor (``kvpool._native.CopyEngine``) over the engine's planes (the
-    views :class:`BlockMover` takes): memcpy for CPU tensors, batched CUDA copies for a GPU's.
+    views :class:`BlockMover` takes): memcpy for CPU tensors; for a GPU's, batched DMA or
+    kvpool's copy kernel for small scattered pages (``mode``: ``auto``, ``dma``, ``kernel``).
     The caller keeps the tensors alive while the engine is used."""
     from kvpool import _native
 
@@ -143,15 +144,16 @@ def native_copy_engine(planes: list[torch.Tensor]) -> Any:
         raise ValueError(f"kvpool: no native copies for KV on {device}")
     return _native.CopyEngine(planes=[(p.data_ptr(), p.stride(0)) for p in planes],
                               plane_block_bytes=plane_block_bytes,
-                              num_blocks=min(int(p.shape[0]) for p in planes), device=ordinal)
+                              num_blocks=min(int(p.shape[0]) for p in planes), device=ordinal,
+                              mode=mode)
 
 
 #: The paths a user may name (the connector's ``transfer`` option).
 TRANSFERS = ("auto", "native", "torch")
 
 #: What ``"auto"`` picks per device type: the path measured faster side by side
-#: (docs/benchmarks.md, "Transfer paths").
-DEFAULT_TRANSFER = {"cpu": "native", "cuda": "torch"}
+#: (docs/benchmarks.md, "kvpool-cuda against the torch path").
+DEFAULT_TRANSFER = {"cpu": "native", "cuda": "native"}
 
 
 def resolve_transfer(choice: str, device: Any) -> str:

@@ -24,10 +24,10 @@ lower tier),
 ``lookup_timeout_ms`` (default 5000: one lookup, all ranks together),
 ``stage_node_memory_copies`` (default false: a CPU worker loads and saves the pool daemon's
 chunks the way a GPU worker does, through a staged copy of the worker's that is checked or
-hashed; for tests of that route), ``transfer`` (``auto``, the default: ``native`` on CPU,
-``torch`` on CUDA, each the faster measured (docs/benchmarks.md); ``native``: kvpool-cuda's
-executors, memcpy on CPU and one ``cuMemcpyBatchAsync`` per job phase on kvpool's own stream
-on a GPU; ``torch``: torch's copy ops).
+hashed; for tests of that route), ``transfer`` (``auto``, the default: ``native``, measured
+faster on CPU and on an H200 (docs/benchmarks.md); ``native``: kvpool-cuda's executors,
+memcpy on CPU; on a GPU one ``cuMemcpyBatchAsync`` per job phase, or kvpool's copy kernel for
+small scattered pages, on kvpool's own stream; ``torch``: torch's copy ops, the fallback).
 
 Loads from memory leased at lookup run before the forward pass; any other load (disk, Redis,
 S3, Mooncake, or every load when vLLM schedules asynchronously) runs in the background while
