@@ -43,6 +43,15 @@ pub trait BackendFactory: Send + Sync + 'static {
     fn example(&self) -> String;
 
     /// Reads the tier's options (rejecting unknown ones), connects within
-    /// [`TierRequest::timeout`] and returns the store. Errors say what to fix.
+    /// [`TierRequest::timeout`] and returns the store. Errors say what to fix; a store that
+    /// is configured correctly but cannot be reached now answers
+    /// [`ConfigError::Unreachable`]: the pool then opens without it and keeps calling `open`
+    /// in the background (the tier misses meanwhile).
     async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError>;
+
+    /// The name the store will have (its `RemoteConnector::name`), for a tier not reached
+    /// yet: in logs and metrics until it is (default: the URL's scheme).
+    fn name_before_open(&self, scheme: &str) -> String {
+        scheme.to_string()
+    }
 }

@@ -15,7 +15,8 @@
 //! ([`register_scheme`]).
 //!
 //! Cross-cutting concerns are wrappers implementing the same trait: [`timeout`] bounds every
-//! call of any `RemoteConnector`. [`metrics_endpoint`] serves every metric kvpool records to
+//! call of any `RemoteConnector`; [`deferred`] stands in for a tier that could not be reached
+//! at start-up (a miss) and opens it in the background once it can. [`metrics_endpoint`] serves every metric kvpool records to
 //! Prometheus (`[metrics] listen`). [`allocator_trim`] hands the C allocator's free pages back
 //! to the operating system now and then (`[allocator] release_free_pages_secs`).
 
@@ -28,6 +29,7 @@ pub mod conformance;
 #[cfg(feature = "cpu")]
 pub mod cpu;
 pub mod daemon;
+pub mod deferred;
 #[cfg(feature = "disk")]
 pub mod disk;
 pub mod faults;

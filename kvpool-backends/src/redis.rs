@@ -112,19 +112,60 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
     )
 }
 
+/// Why [`RedisConnector::connect_checked`] did not connect.
+#[derive(Debug)]
+pub enum ConnectFailure {
+    /// No server answered (refused, timed out, dropped): the tier is down, not misconfigured.
+    Unreachable(BackendError),
+    /// A server answered and refused (a wrong password, a bad URL, an unexpected reply).
+    Refused(BackendError),
+}
+
+impl ConnectFailure {
+    /// The error, whichever kind.
+    pub fn into_error(self) -> BackendError {
+        match self {
+            ConnectFailure::Unreachable(e) | ConnectFailure::Refused(e) => e,
+        }
+    }
+}
+
+/// Whether `e` means no server answered (rather than one that answered and refused).
+fn no_answer(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped()
+}
+
 impl RedisConnector {
     /// Connects and checks the server answers (so a wrong address or password fails here, at
     /// pool build time, with the server's own message).
     pub async fn connect(config: &RedisConfig) -> Result<Self, BackendError> {
+        Self::connect_checked(config)
+            .await
+            .map_err(ConnectFailure::into_error)
+    }
+
+    /// [`connect`](Self::connect), telling a server that did not answer from one that
+    /// answered and refused.
+    pub async fn connect_checked(config: &RedisConfig) -> Result<Self, ConnectFailure> {
         let t = config.timeout;
-        let fail = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
+        let error = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
             backend: "redis".into(),
             reason: format!("{what} `{}`: {e}", redact(&config.url)),
         };
-        let timed_out = || BackendError::Timeout {
-            backend: "redis".into(),
-            op: "connect",
-            millis: t.as_millis() as u64,
+        let fail = |what: &str, e: &dyn std::fmt::Display| ConnectFailure::Refused(error(what, e));
+        let redis_fail = |what: &str, e: &RedisError| {
+            if no_answer(e) {
+                ConnectFailure::Unreachable(error(what, e))
+            } else {
+                ConnectFailure::Refused(error(what, e))
+            }
+        };
+        let timed_out = || {
+            ConnectFailure::Unreachable(BackendError::Timeout {
+                backend: "redis".into(),
+                op: "connect",
+                millis: t.as_millis() as u64,
+            })
         };
         let connection = if let Some(nodes) = cluster_nodes(&config.url) {
             if nodes.is_empty() {
@@ -141,7 +182,7 @@ impl RedisConnector {
             let conn = tokio::time::timeout(t, client.get_async_connection())
                 .await
                 .map_err(|_| timed_out())?
-                .map_err(|e| fail("cannot connect to cluster", &e))?;
+                .map_err(|e| redis_fail("cannot connect to cluster", &e))?;
             Connection::Cluster(conn)
         } else {
             let client = redis::Client::open(config.url.as_str())
@@ -157,7 +198,7 @@ impl RedisConnector {
             )
             .await
             .map_err(|_| timed_out())?
-            .map_err(|e| fail("cannot connect to", &e))?;
+            .map_err(|e| redis_fail("cannot connect to", &e))?;
             Connection::Single(manager)
         };
         let connector = RedisConnector {
@@ -170,7 +211,10 @@ impl RedisConnector {
         let pong: String = connector
             .command(redis::cmd("PING"))
             .await
-            .map_err(|e| fail("no answer to PING from", &e))?;
+            .map_err(|e| match e {
+                BackendError::Timeout { .. } => ConnectFailure::Unreachable(e),
+                other => fail("no answer to PING from", &other),
+            })?;
         if pong != "PONG" {
             return Err(fail("unexpected PING reply from", &pong));
         }
@@ -341,11 +385,19 @@ impl RedisConnector {
         options.finish()?;
         config.timeout = tier.timeout();
         config.max_value_bytes = Some(max_stored_len(tier.max_chunk_bytes));
-        RedisConnector::connect(&config)
+        // Options are checked above: a server that does not answer now is a tier down (the
+        // pool opens without it), one that refuses is a configuration error.
+        RedisConnector::connect_checked(&config)
             .await
-            .map_err(|e| ConfigError::Invalid {
-                field: "tier.url",
-                reason: e.to_string(),
+            .map_err(|failure| match failure {
+                ConnectFailure::Unreachable(e) => ConfigError::Unreachable {
+                    tier: redact(tier.url()),
+                    reason: e.to_string(),
+                },
+                ConnectFailure::Refused(e) => ConfigError::Invalid {
+                    field: "tier.url",
+                    reason: e.to_string(),
+                },
             })
     }
 }
@@ -361,6 +413,10 @@ impl BackendFactory for RedisFactory {
 
     async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
         Ok(Box::new(RedisConnector::from_tier(tier).await?))
+    }
+
+    fn name_before_open(&self, _scheme: &str) -> String {
+        "redis".into()
     }
 }
 

@@ -51,6 +51,7 @@ use kvpool_core::{
 
 pub use crate::backend_factory::{BackendFactory, TierRequest};
 
+use crate::deferred::DeferredConnector;
 use crate::memory::InMemoryConnector;
 use crate::timeout::TimeoutConnector;
 
@@ -209,7 +210,21 @@ pub async fn open_connector(
         tier,
         max_chunk_bytes,
     };
-    let connector = factory.open(&request).await?;
+    let connector: Box<dyn RemoteConnector> = match factory.open(&request).await {
+        Ok(connector) => connector,
+        // Configured right, down now: opened later, a miss meanwhile (never a failed start).
+        Err(ConfigError::Unreachable { reason, .. }) => {
+            let name = factory.name_before_open(scheme);
+            Box::new(DeferredConnector::new(
+                factory,
+                tier.clone(),
+                max_chunk_bytes,
+                name,
+                reason,
+            ))
+        }
+        Err(e) => return Err(e),
+    };
     Ok(TimeoutConnector::new(connector, request.timeout()))
 }
 

@@ -10,6 +10,9 @@ pub const MOONCAKE_FAST_FAILURES: &str = "kvpool_mooncake_fast_failures_total";
 /// Mooncake gets of one key that failed with a code other than "not found" (each a miss).
 pub const MOONCAKE_GET_ERRORS: &str = "kvpool_mooncake_get_errors_total";
 
+/// 1 once a tier that could not be reached at start-up is reached, 0 until then (per tier).
+pub const TIER_REACHABLE: &str = "kvpool_tier_reachable";
+
 /// Engines attached to the pool daemon.
 pub const DAEMON_SESSIONS: &str = "kvpool_daemon_sessions";
 /// Bytes of the daemon's shared arena in use.
@@ -33,6 +36,11 @@ pub const DAEMON_REQUESTS_REFUSED: &str = "kvpool_daemon_requests_refused_total"
 
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
+    gauge(
+        TIER_REACHABLE,
+        &["tier"],
+        "0 while a tier that could not be reached at start-up is down (its calls miss), 1 once it is reached.",
+    ),
     counter(
         DISK_WRITES_REFUSED,
         &[],

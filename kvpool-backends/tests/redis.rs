@@ -126,6 +126,41 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
     .await;
 }
 
+/// Redis down when the pool is built: the pool opens anyway (the tier is a miss, its writes
+/// dropped), and once a server answers on that address the tier is used, without rebuilding
+/// anything. Before, `build_pool` failed and so did the engine's start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_down_at_start_up_is_a_miss_and_is_used_once_it_answers() {
+    let Some(binary) = server_url("KVPOOL_TEST_REDIS_SERVER") else {
+        return;
+    };
+    let port = free_port();
+    let mut config = kvpool_core::PoolConfig::default();
+    config.local_cpu.enabled = false;
+    config.layout = small_layout();
+    config.chunking.chunk_size = 16;
+    let mut tier = kvpool_core::TierConfig::new(format!("redis://127.0.0.1:{port}"));
+    tier.timeout_ms = 300;
+    config.tiers.push(tier);
+    let pool = kvpool_backends::build_pool(&config)
+        .await
+        .expect("a tier down at start-up is not a failed start");
+    let engine = pool.engine.clone();
+    assert_eq!(engine.storage().tier_names(), ["redis"]);
+    let layout = small_layout();
+    let tokens: Vec<u32> = (0..64).collect();
+    let slots: Vec<i64> = (0..64).collect();
+    let kv = common::filled_cache(layout, 32, 3);
+    engine.store(&tokens, None, &kv, &slots).await.unwrap();
+    engine.storage().flush().await.unwrap();
+    assert_eq!(engine.lookup(&tokens).await.unwrap(), 0, "down: a miss");
+    let _server = servers::redis(&binary, port);
+    assert!(
+        recovers(&engine, &tokens, &kv, &slots).await,
+        "the tier is used once the server answers"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
     let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {

@@ -100,8 +100,29 @@ pub fn pool_config_for_vllm(
         })?);
         config.metrics.listen = Some(addr.to_string());
     }
+    if facts.tp_size > 1 {
+        shard_disk_tiers(&mut config, facts.tp_size, facts.tp_rank);
+    }
     config.validate()?;
     Ok(config)
+}
+
+/// A disk tier (`file://`) is one RocksDB database that a process opens exclusively: with
+/// tensor parallelism each rank keeps its own under the configured directory
+/// (`<dir>/tp<size>-rank<rank>`) with its share of the tier's capacity (the `shares` option),
+/// so the ranks never contend for one lock, and a fresh engine with the same parallel layout
+/// finds what each of its ranks stored. (Keys already carry the rank; MLA's replicated latent
+/// is then stored once per rank on disk.)
+fn shard_disk_tiers(config: &mut PoolConfig, tp_size: u32, tp_rank: u32) {
+    for tier in &mut config.tiers {
+        if let Some(dir) = tier.url.strip_prefix("file://") {
+            tier.url = format!(
+                "file://{}/tp{tp_size}-rank{tp_rank}",
+                dir.trim_end_matches('/')
+            );
+            tier.options.set("shares", u64::from(tp_size));
+        }
+    }
 }
 
 /// The lookup socket of one worker rank of one vLLM engine (`engine_id` is vLLM's
@@ -207,6 +228,38 @@ mod tests {
         assert!(pool_config_for_vllm(&base, &facts()).is_err());
         let c = pool_config_for_vllm(&PoolConfig::default(), &facts()).unwrap();
         assert_eq!(c.metrics.listen, None, "off unless asked for");
+    }
+
+    #[test]
+    fn each_tp_rank_keeps_its_own_disk_directory_with_its_share_of_the_capacity() {
+        let mut base = PoolConfig::default();
+        base.tiers = vec![
+            kvpool_core::TierConfig::new("file:///var/cache/kvpool/"),
+            kvpool_core::TierConfig::new("redis://127.0.0.1:6379"),
+        ];
+        // facts(): TP rank 1 of 2.
+        let c = pool_config_for_vllm(&base, &facts()).unwrap();
+        assert_eq!(c.tiers[0].url, "file:///var/cache/kvpool/tp2-rank1");
+        assert!(c.tiers[0].options.get("shares").is_some());
+        assert_eq!(
+            c.tiers[1].url, "redis://127.0.0.1:6379",
+            "shared tiers stay shared"
+        );
+        assert!(c.tiers[1].options.get("shares").is_none());
+        let mut one = facts();
+        (one.tp_size, one.tp_rank) = (1, 0);
+        let c = pool_config_for_vllm(&base, &one).unwrap();
+        assert_eq!(
+            c.tiers[0].url, "file:///var/cache/kvpool/",
+            "TP=1: as configured"
+        );
+        // MLA's replicated latent leaves the rank out of its keys, not its directory: two
+        // ranks never open one database.
+        let mut mla = facts();
+        mla.kind = KvKind::MlaLatent;
+        mla.replicated = true;
+        let c = pool_config_for_vllm(&base, &mla).unwrap();
+        assert_eq!(c.tiers[0].url, "file:///var/cache/kvpool/tp2-rank1");
     }
 
     #[test]

@@ -329,6 +329,15 @@ pub enum ConfigError {
         /// What is wrong and what to do.
         reason: String,
     },
+    /// A tier is configured correctly but its service cannot be reached now (a server down
+    /// at start-up). The pool opens without it and keeps trying: a miss, not a failed start.
+    #[error("tier `{tier}` cannot be reached: {reason}")]
+    Unreachable {
+        /// The tier's URL, password redacted.
+        tier: String,
+        /// Why.
+        reason: String,
+    },
     /// A tier's backend option is wrong or unknown.
     #[error("invalid option `{key}` for tier `{tier}`: {reason}")]
     TierOption {

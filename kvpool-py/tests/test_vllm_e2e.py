@@ -7,6 +7,7 @@ shows the comparison is sensitive: KV from another model changes the output.
 
 import os
 import random
+import time
 
 import pytest
 
@@ -225,6 +226,59 @@ def test_two_processes_share_a_redis_tier(runner, model_dir, redis_server):
     got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg})
     assert_same_outputs(base, got)
     assert got["results"][0]["num_cached_tokens"] >= PREFIX
+
+
+def test_redis_down_at_start_up_is_a_miss_and_is_used_once_it_answers(runner, model_dir, scratch):
+    """vLLM starts with the Redis tier down (it failed to start before: the pool refused a
+    tier it could not reach); the first prompt is served (a miss in Redis). Redis then comes
+    up on that address while the engine runs: the next prompt's chunks reach it, and a fresh
+    engine is served them from Redis."""
+    import threading
+
+    from redis_server import RedisServer
+
+    port = free_port()
+    cfg = l1(tier=[{"url": f"redis://127.0.0.1:{port}", "timeout_ms": 500}])
+    first = shared_prefix_prompts(1, seed=31)
+    later = shared_prefix_prompts(1, seed=32)
+    prompts = first + later
+    base = runner.baseline(model_dir, prompts)
+    ready, go = os.path.join(scratch, "redis-ready"), os.path.join(scratch, "redis-go")
+    result = {}
+    run = threading.Thread(target=lambda: result.update(got=runner.run({
+        "model": model_dir, "prompts": prompts, "kvpool": cfg, "batches": [[0], [1]],
+        "hold_after_batch": {"0": {"ready": ready, "go": go}}})))
+    run.start()
+    server = None
+    try:
+        deadline = time.time() + 600
+        while not os.path.exists(ready) and run.is_alive() and time.time() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(ready), "the engine did not serve its first batch"
+        server = RedisServer(scratch, port=port)
+        # The tier is tried again after 1, 2, 4... s (at most 30 s apart): wait until the
+        # engine's kvpool has connected (a client besides redis-cli's own).
+        deadline = time.time() + 60
+        while len(server.cli("client", "list").splitlines()) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(server.cli("client", "list").splitlines()) >= 2, "kvpool never connected"
+        open(go, "w").close()
+        run.join(600)
+        got = result["got"]
+        assert_same_outputs(base, got, "Redis down, then up")
+        deadline = time.time() + 30
+        while len(server.keys()) < PREFIX // 256 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(server.keys()) >= PREFIX // 256, "nothing reached Redis once it was up"
+        fresh = runner.run({"model": model_dir, "prompts": later, "kvpool": cfg})
+        assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh engine")
+        assert fresh["results"][0]["num_cached_tokens"] >= PREFIX, fresh["results"][0]
+    finally:
+        if not os.path.exists(go):
+            open(go, "w").close()
+        run.join(600)
+        if server is not None:
+            server.stop()
 
 
 def corrupt(redis_server, keys):

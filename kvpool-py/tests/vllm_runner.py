@@ -11,7 +11,10 @@ kvpool's Prometheus endpoint after the last batch), kv_events_port (turn on vLLM
 published over ZMQ to a subscriber this process binds on 127.0.0.1:port; the events received
 are returned), served_model_name, env (variables set before vLLM starts), async_scheduling
 (turn vLLM's asynchronous scheduling on: the CPU platform switches it off, so the runner puts it
-back after the platform's config check).
+back after the platform's config check), tensor_parallel_size (ranks as worker processes; on
+this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank),
+hold_after_batch ({batch index: {"ready": path, "go": path}}: after that batch, create
+``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile).
 """
 
 import json
@@ -41,7 +44,11 @@ def main(spec_path, out_path):
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvpool"],
         )
-    if not spec.get("multiprocess"):
+    if spec.get("tensor_parallel_size", 1) > 1:
+        # vLLM's workers, one process per rank (spawned: this script's body is guarded).
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
+    elif not spec.get("multiprocess"):
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("served_model_name"):
         kwargs["served_model_name"] = spec["served_model_name"]
@@ -132,6 +139,12 @@ def main(spec_path, out_path):
 
             reports = compare_blocks(kv.WORKERS[0], [prompts[i] for i in batch], blocks_of)
             out_blocks.update(zip(batch, reports))
+        hold = (spec.get("hold_after_batch") or {}).get(str(b))
+        if hold:
+            open(hold["ready"], "w").close()
+            deadline = time.time() + 120
+            while not os.path.exists(hold["go"]) and time.time() < deadline:
+                time.sleep(0.05)
         if b in kill_after:
             victim = kill_after[b]
             os.kill(os.getpid() if victim == "self" else victim, signal.SIGKILL)

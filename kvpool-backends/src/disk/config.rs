@@ -52,7 +52,9 @@ impl DiskConfig {
 
 impl DiskConnector {
     /// Opens the tier at `file:///absolute/path` with its `[[tier]]` options: `capacity`,
-    /// `admit_on_second_put`, `block_cache`, `write_buffer` (sizes such as `"64GiB"`).
+    /// `admit_on_second_put`, `block_cache`, `write_buffer` (sizes such as `"64GiB"`), and
+    /// `shares`: how many processes split `capacity` (each its own directory), which the vLLM
+    /// connector sets to the tensor-parallel size (default 1).
     pub fn from_tier(tier: &TierRequest<'_>) -> Result<Self, ConfigError> {
         let url = tier.url();
         let path = url.strip_prefix("file://").unwrap_or(url);
@@ -75,6 +77,12 @@ impl DiskConnector {
         }
         if let Some(bytes) = options.bytes("write_buffer")? {
             config.write_buffer_bytes = bytes.as_usize();
+        }
+        if let Some(shares) = options.u64("shares")? {
+            if shares == 0 {
+                return Err(options.invalid("shares", "must be at least 1"));
+            }
+            config.capacity_bytes /= shares;
         }
         options.finish()?;
         DiskConnector::open(config).map_err(|e| ConfigError::Invalid {
@@ -147,5 +155,26 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("true or false"), "{err}");
+    }
+
+    #[test]
+    fn shares_split_the_capacity_default_or_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", dir.path().display());
+        let disk = open(TierConfig::new(&url).with_option("shares", 2u64)).unwrap();
+        assert_eq!(disk.config().capacity_bytes, 32 << 30);
+        drop(disk);
+        let disk = open(
+            TierConfig::new(&url)
+                .with_option("capacity", ByteSize::gib(8))
+                .with_option("shares", 4u64),
+        )
+        .unwrap();
+        assert_eq!(disk.config().capacity_bytes, 2 << 30);
+        drop(disk);
+        let err = open(TierConfig::new(&url).with_option("shares", 0u64))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("at least 1"), "{err}");
     }
 }

@@ -5,7 +5,6 @@ side (``worker_side``, in each Worker), which drive kvpool's Rust halves."""
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import _native
-from kvpool.transfer import TRANSFERS
 from kvpool.vllm.identity import resolve_config
+from kvpool.vllm.options import check_options
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
 from kvpool.vllm.scheduler_side import SchedulerSide
 from kvpool.vllm.worker_side import WorkerSide
@@ -47,7 +46,7 @@ def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     pass). Under vLLM's asynchronous scheduling every load is asynchronous (a failed
     synchronous load would already have the next step computed on it)."""
     async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-    value = extra.get("async_loads", True)
+    value = extra.get("async_loads", True)  # checked by check_options
     if value in (False, "false", 0):
         if async_scheduling:
             raise ValueError("kvpool: \"async_loads\": false needs vLLM's async_scheduling off "
@@ -76,6 +75,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        options = check_options(extra)
         self._block_size = vllm_config.cache_config.block_size
         self._config_text, self._config_format = resolve_config(extra)
         _native.check_config(self._config_text, self._config_format)
@@ -83,15 +83,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("kvpool: pipeline parallelism is not supported yet")
         self._tp_size = parallel.tensor_parallel_size
-        socket_dir = extra.get("socket_dir") or tempfile.gettempdir()
+        socket_dir = options.socket_dir
         engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_path_of = lambda rank: _native.lookup_socket_path(socket_dir, engine_id, rank)
-        self._save_decode_tokens = bool(extra.get("save_decode_tokens", False))
-        self._stage_node_memory_copies = bool(extra.get("stage_node_memory_copies", False))
-        self._transfer = str(extra.get("transfer", "auto"))
-        if self._transfer not in TRANSFERS:
-            raise ValueError(f"kvpool: transfer {self._transfer!r} is not one of "
-                             f"{', '.join(TRANSFERS)}")
+        self._save_decode_tokens = options.save_decode_tokens
+        self._stage_node_memory_copies = options.stage_node_memory_copies
+        self._transfer = options.transfer
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | None = None
@@ -111,7 +108,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 save_decode_tokens=self._save_decode_tokens,
                 load_timing=load_timing(extra, vllm_config),
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
-                timeout_ms=int(extra.get("lookup_timeout_ms", 5000)),
+                timeout_ms=options.lookup_timeout_ms,
                 kv_events=self._kv_events,
             )
 

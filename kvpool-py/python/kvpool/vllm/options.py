@@ -1,0 +1,90 @@
+"""The connector's options (vLLM's ``kv_connector_extra_config``), each checked at start-up: an
+unknown key (a typo such as ``"asyn_loads"``) or a value of the wrong kind is refused naming
+what kvpool takes, as the TOML side refuses unknown keys. No vLLM import: usable from tools.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.transfer import TRANSFERS
+
+#: Every option, with what it takes and its default (docs/configuration.md lists the same).
+OPTIONS: dict[str, str] = {
+    "config": "the pool config: a path to a TOML file, TOML text or a dict "
+              "(default: KVPOOL_CONFIG, else 2 GiB of CPU memory and no lower tier)",
+    "pool": "the node's pool daemon, unix:///run/kvpool/kvpool.sock (default: none)",
+    "save_decode_tokens": "true or false: also store tokens generated while decoding "
+                          "(default false)",
+    "socket_dir": "where the lookup sockets go (default: the temp dir)",
+    "lookup_timeout_ms": "a positive integer: one lookup, all ranks together (default 5000)",
+    "async_loads": "true (default: lower tiers load in the background), \"always\" "
+                   "(every load does) or false (every load before the forward pass)",
+    "stage_node_memory_copies": "true or false: a CPU worker loads and saves the pool "
+                                "daemon's chunks the way a GPU worker does (tests; default "
+                                "false)",
+    "transfer": "\"auto\" (default: native), \"native\" (kvpool-cuda's copies) or \"torch\" "
+                "(torch's copy ops)",
+}
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The checked options (``config`` and ``pool`` are read by ``resolve_config``)."""
+
+    save_decode_tokens: bool = False
+    socket_dir: str = ""
+    lookup_timeout_ms: int = 5000
+    #: ``True``, ``False`` or ``"always"``.
+    async_loads: Any = True
+    stage_node_memory_copies: bool = False
+    transfer: str = "auto"
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"kvpool: option {name!r} must be true or false, not {value!r}")
+
+
+def check_options(extra: dict[str, Any]) -> ConnectorOptions:
+    """Checks every key and value of ``extra``; returns the typed options. Raises
+    ``ValueError`` naming an unknown option (and the closest known one) or a bad value."""
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
+        raise ValueError(f"kvpool: unknown option(s) {', '.join(hints)} in "
+                         f"kv_connector_extra_config. kvpool's options: {known}")
+    timeout = extra.get("lookup_timeout_ms", 5000)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, str)) \
+            or not str(timeout).isdigit() or int(timeout) <= 0:
+        raise ValueError(f"kvpool: option 'lookup_timeout_ms' must be a positive integer "
+                         f"(milliseconds), not {timeout!r}")
+    async_loads = extra.get("async_loads", True)
+    if async_loads not in (True, False, "true", "false", "always", "auto"):
+        raise ValueError(f"kvpool: option 'async_loads' must be true, false or \"always\", "
+                         f"not {async_loads!r}")
+    transfer = extra.get("transfer", "auto")
+    if transfer not in TRANSFERS:
+        raise ValueError(f"kvpool: option 'transfer' must be one of {', '.join(TRANSFERS)}, "
+                         f"not {transfer!r}")
+    socket_dir = extra.get("socket_dir") or tempfile.gettempdir()
+    if not isinstance(socket_dir, str):
+        raise ValueError(f"kvpool: option 'socket_dir' must be a path, not {socket_dir!r}")
+    return ConnectorOptions(
+        save_decode_tokens=_bool("save_decode_tokens", extra.get("save_decode_tokens", False)),
+        socket_dir=socket_dir,
+        lookup_timeout_ms=int(timeout),
+        async_loads=async_loads,
+        stage_node_memory_copies=_bool("stage_node_memory_copies",
+                                       extra.get("stage_node_memory_copies", False)),
+        transfer=transfer,
+    )

@@ -1,0 +1,42 @@
+"""The connector's options are checked at start-up: a typo or a bad value is refused naming what
+kvpool takes (before this, ``extra.get`` ignored a misspelt key silently)."""
+
+import pytest
+
+from kvpool.vllm.options import OPTIONS, check_options
+
+
+def test_a_misspelt_option_is_refused_naming_the_closest_and_every_known_option():
+    with pytest.raises(ValueError) as e:
+        check_options({"config": "kvpool.toml", "asyn_loads": False})
+    msg = str(e.value)
+    assert "'asyn_loads'" in msg and "did you mean 'async_loads'" in msg
+    for key in OPTIONS:
+        assert key in msg
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"lookup_timeout_ms": 0}, "positive integer"),
+    ({"lookup_timeout_ms": "soon"}, "positive integer"),
+    ({"lookup_timeout_ms": True}, "positive integer"),
+    ({"async_loads": "sometimes"}, "true, false or \"always\""),
+    ({"save_decode_tokens": "yes"}, "true or false"),
+    ({"stage_node_memory_copies": 2}, "true or false"),
+    ({"transfer": "fast"}, "auto, native, torch"),
+    ({"socket_dir": 3}, "a path"),
+])
+def test_a_bad_value_is_refused(extra, needle):
+    with pytest.raises(ValueError, match="kvpool: option") as e:
+        check_options(extra)
+    assert needle in str(e.value)
+
+
+def test_defaults_and_values_as_given():
+    o = check_options({})
+    assert (o.save_decode_tokens, o.lookup_timeout_ms, o.async_loads, o.transfer) == \
+        (False, 5000, True, "auto")
+    o = check_options({"save_decode_tokens": "true", "lookup_timeout_ms": "250",
+                       "async_loads": "always", "transfer": "torch", "socket_dir": "/run/x",
+                       "config": {"local_cpu": {"max_size": "1GiB"}}, "pool": "unix:///s"})
+    assert (o.save_decode_tokens, o.lookup_timeout_ms, o.async_loads, o.transfer,
+            o.socket_dir) == (True, 250, "always", "torch", "/run/x")
