@@ -232,11 +232,13 @@ mod tests {
 
     #[test]
     fn each_tp_rank_keeps_its_own_disk_directory_with_its_share_of_the_capacity() {
-        let mut base = PoolConfig::default();
-        base.tiers = vec![
-            kvpool_core::TierConfig::new("file:///var/cache/kvpool/"),
-            kvpool_core::TierConfig::new("redis://127.0.0.1:6379"),
-        ];
+        let base = PoolConfig {
+            tiers: vec![
+                kvpool_core::TierConfig::new("file:///var/cache/kvpool/"),
+                kvpool_core::TierConfig::new("redis://127.0.0.1:6379"),
+            ],
+            ..PoolConfig::default()
+        };
         // facts(): TP rank 1 of 2.
         let c = pool_config_for_vllm(&base, &facts()).unwrap();
         assert_eq!(c.tiers[0].url, "file:///var/cache/kvpool/tp2-rank1");
