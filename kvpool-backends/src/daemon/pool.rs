@@ -253,13 +253,11 @@ impl PoolDaemon {
                 Reply::Released
             }
             Request::Delete { keys } => {
-                let removed = self.store.remove(&keys);
-                for tier in &self.tiers {
-                    if let Err(e) = self.runtime.block_on(tier.batch_delete(&keys)) {
-                        warn!(tier = tier.name(), "delete failed: {e}");
-                    }
-                }
-                Reply::Deleted(removed as u64)
+                // Only shared memory's copy: an engine deletes a value whose copy out of this
+                // memory failed its check, and a stray write or a late DMA into the arena must
+                // not cost the lower tiers their (good) copies. A bad lower-tier copy is found
+                // and deleted where it is read (`get`).
+                Reply::Deleted(self.store.remove(&keys) as u64)
             }
             Request::Stats => Reply::Stats(self.stats()),
         }
@@ -319,11 +317,24 @@ impl PoolDaemon {
             let want_keys: Vec<String> = want.iter().map(|&i| keys[i].clone()).collect();
             match self.runtime.block_on(tier.batch_get(&want_keys)) {
                 Ok(values) => {
+                    let mut corrupt = Vec::new();
                     for (&i, value) in want.iter().zip(values) {
-                        if let Some(bytes) = value {
-                            out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
-                            tier_hits += u64::from(out[i].is_some());
+                        let Some(bytes) = value else { continue };
+                        if let Err(e) = check_stored_value(&keys[i], &bytes) {
+                            // This tier's copy is bad: a miss, and gone from this tier only.
+                            warn!(tier = tier.name(), key = %keys[i], error = %e, "a lower tier's value failed its check; not promoted, deleted from that tier");
+                            metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => tier.name().to_string())
+                                .increment(1);
+                            corrupt.push(keys[i].clone());
+                            continue;
                         }
+                        out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
+                        tier_hits += u64::from(out[i].is_some());
+                    }
+                    if !corrupt.is_empty()
+                        && let Err(e) = self.runtime.block_on(tier.batch_delete(&corrupt))
+                    {
+                        warn!(tier = tier.name(), "could not delete corrupt values: {e}");
                     }
                 }
                 Err(e) => debug!(tier = tier.name(), "get failed (a miss): {e}"),
@@ -385,6 +396,24 @@ impl PoolDaemon {
             drop(admitted);
         });
     }
+}
+
+/// Checks a value a lower tier holds under `key` before it enters shared memory: a value under
+/// a chunk key of kvpool's (every key an engine's pool writes) must be a whole chunk in the
+/// chunk format, its checksum right, bound to that key and its layout. A value under any other
+/// key is opaque to the daemon.
+fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
+    use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
+    let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {
+        return Ok(());
+    };
+    let expect = DecodeExpectation {
+        max_raw_len: u64::MAX,
+        layout_fingerprint: Some(parsed.scope.layout_fingerprint),
+        bytes_per_token: None,
+        key: Some(KeyBinding::of(&parsed)),
+    };
+    decode_header(bytes, &expect).map(drop)
 }
 
 fn rand_id() -> u64 {

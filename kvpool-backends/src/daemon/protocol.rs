@@ -66,7 +66,8 @@ pub enum Request {
         /// Region ids from `Get` or `PrepareSave`.
         ids: Vec<u64>,
     },
-    /// Removes keys from shared memory and every lower tier.
+    /// Removes keys from shared memory only (an engine found the copy it read from there
+    /// bad); the lower tiers keep their copies, which are checked when next read.
     Delete {
         /// Keys to remove.
         keys: Vec<String>,

@@ -208,15 +208,16 @@ impl ConnectorWorker {
             CheckVerdict::Mismatch { index, why } => {
                 let check = checks.get(index);
                 let key = check.map(|c| c.key.to_string()).unwrap_or_default();
-                warn!(req = %f.req_id, key = %key, error = %why, "a chunk copied from node memory failed its check; reporting its blocks and deleting it");
+                warn!(req = %f.req_id, key = %key, error = %why, "a chunk copied from node memory failed its check; reporting its blocks and dropping node memory's copy");
                 metrics::counter!(telemetry::COPY_CHECK_FAILURES).increment(1);
                 if let Some(check) = check {
-                    // As any tier's value that fails its checks: a miss, and deleted, so that
-                    // a later save stores it again.
+                    // A miss, and node memory's copy dropped (the next read promotes it again
+                    // from the daemon's lower tiers, checked there). Never the lower tiers':
+                    // a stray write into node memory must not cost the durable copies.
                     self.runtime.block_on(
                         self.engine
                             .storage()
-                            .remove(std::slice::from_ref(&check.key)),
+                            .remove_from_node_memory(std::slice::from_ref(&check.key)),
                     );
                 }
                 check

@@ -365,10 +365,12 @@ impl CacheEngine {
             .manager
             .primary_tier()
             .map_or_else(|| "memory".to_string(), |p| names[p].clone());
-        let mut candidates: Vec<(String, Chunk)> = in_memory
+        let primary_index = self.manager.primary_tier();
+        // (tier index, if known; tier name; chunk)
+        let mut candidates: Vec<(Option<usize>, String, Chunk)> = in_memory
             .into_iter()
             .take(held)
-            .map(|c| (primary.clone(), c))
+            .map(|c| (primary_index, primary.clone(), c))
             .collect();
         if held < spans.len() {
             let keys: Vec<_> = spans[held..].iter().map(|s| s.key.clone()).collect();
@@ -377,15 +379,20 @@ impl CacheEngine {
                     .get_with_tiers(&keys)
                     .await
                     .into_iter()
-                    .map(|(t, c)| (names[t].clone(), c)),
+                    .map(|(t, c)| (Some(t), names[t].clone(), c)),
             );
         }
         let mut out = FetchedChunks::default();
-        for (span, (tier, chunk)) in spans.iter().zip(candidates) {
+        for (span, (index, tier, chunk)) in spans.iter().zip(candidates) {
             if let Err(e) = self.validate(span, &chunk) {
                 self.counters.rejected_chunks.add(1);
-                warn!(key = %span.key, error = %e, "rejecting chunk at retrieve; removing it");
-                self.manager.remove(std::slice::from_ref(&span.key)).await;
+                warn!(key = %span.key, tier = %tier, error = %e, "rejecting chunk at retrieve; removing it from that tier");
+                // Only the copy that failed: the tier it came from.
+                if let Some(t) = index {
+                    self.manager
+                        .remove_from(t, std::slice::from_ref(&span.key))
+                        .await;
+                }
                 break;
             }
             out.chunks.push(chunk);
