@@ -55,6 +55,12 @@ pub fn read_frame_within<T: DeserializeOwned>(
     postcard::from_bytes(&body).map_err(|e| invalid_data(e.to_string()))
 }
 
+/// Decodes one frame's body (read by a caller that checked it first); `InvalidData` when it
+/// does not decode.
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+    postcard::from_bytes(body).map_err(|e| invalid_data(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -113,6 +113,20 @@ pub struct PoolDaemon {
     sessions: AtomicU64,
     pub(super) refused: AtomicU64,
     write_behind: Arc<WriteBehind>,
+    /// Bytes of requests being read and decoded now, over all sessions.
+    request_bytes: AtomicUsize,
+}
+
+/// A share of [`super::server::MAX_REQUEST_BYTES_IN_FLIGHT`], given back on drop.
+pub(super) struct RequestBudget<'a> {
+    bytes: usize,
+    held: &'a AtomicUsize,
+}
+
+impl Drop for RequestBudget<'_> {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 impl PoolDaemon {
@@ -136,6 +150,7 @@ impl PoolDaemon {
             sessions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             write_behind: Arc::default(),
+            request_bytes: AtomicUsize::new(0),
         })
     }
 
@@ -190,6 +205,20 @@ impl PoolDaemon {
                 warn!(tier = tier.name(), "closing a lower tier failed: {e}");
             }
         }
+    }
+
+    /// `bytes` of the requests-in-flight budget, or `None` when it is spent.
+    pub(super) fn request_budget(&self, bytes: usize) -> Option<RequestBudget<'_>> {
+        let limit = super::server::MAX_REQUEST_BYTES_IN_FLIGHT;
+        self.request_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                (held + bytes <= limit).then_some(held + bytes)
+            })
+            .ok()
+            .map(|_| RequestBudget {
+                bytes,
+                held: &self.request_bytes,
+            })
     }
 
     pub(super) fn new_session(&self) -> SessionId {
@@ -269,6 +298,12 @@ impl PoolDaemon {
     }
 
     fn exists(&self, keys: &[String]) -> Vec<bool> {
+        let (distinct, index) = distinct_keys(keys);
+        let found = self.exists_distinct(&distinct);
+        index.iter().map(|&p| found[p]).collect()
+    }
+
+    fn exists_distinct(&self, keys: &[String]) -> Vec<bool> {
         let mut found = self.store.contains(keys);
         for tier in &self.tiers {
             let ask: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
@@ -292,6 +327,28 @@ impl PoolDaemon {
     /// from the first lower tier that has it. Without, only the leading run shared memory
     /// holds is pinned (the reader stops at its first miss).
     fn get(
+        &self,
+        session: SessionId,
+        keys: &[String],
+        from_tiers: bool,
+    ) -> Vec<Option<super::protocol::Region>> {
+        // One pin per distinct key: a key named twice gets the same region twice (a request
+        // of 65,536 copies of one key pins it once, not 65,536 times).
+        let (distinct, index) = distinct_keys(keys);
+        let regions = self.get_distinct(session, &distinct, from_tiers);
+        let mut missed = false;
+        index
+            .iter()
+            .map(|&p| {
+                // Without the tiers, only the leading run: nothing after the first miss.
+                let region = if missed { None } else { regions[p] };
+                missed |= region.is_none() && !from_tiers;
+                region
+            })
+            .collect()
+    }
+
+    fn get_distinct(
         &self,
         session: SessionId,
         keys: &[String],
@@ -396,6 +453,23 @@ impl PoolDaemon {
             drop(admitted);
         });
     }
+}
+
+/// `keys` without repeats, in first-seen order, and each key's position among them.
+fn distinct_keys(keys: &[String]) -> (Vec<String>, Vec<usize>) {
+    let mut position: std::collections::HashMap<&str, usize> =
+        std::collections::HashMap::with_capacity(keys.len());
+    let mut distinct = Vec::new();
+    let index = keys
+        .iter()
+        .map(|k| {
+            *position.entry(k.as_str()).or_insert_with(|| {
+                distinct.push(k.clone());
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (distinct, index)
 }
 
 /// Checks a value a lower tier holds under `key` before it enters shared memory: a value under

@@ -76,6 +76,64 @@ pub enum Request {
     Stats,
 }
 
+/// The longest `client` string an `Attach` may carry (it is logged).
+pub const MAX_CLIENT_NAME: usize = 256;
+
+/// Reads a postcard varint (unsigned LEB128) at the start of `bytes`: the value and the rest.
+fn varint(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let mut value = 0u64;
+    for (i, &b) in bytes.iter().enumerate().take(10) {
+        value |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some((value, &bytes[i + 1..]));
+        }
+    }
+    None
+}
+
+/// Why [`Request::precheck`] refused a frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Precheck {
+    /// Not a request at all: the session is closed.
+    Garbled(String),
+    /// A well-formed request past a limit: refused with this reason, the session goes on.
+    TooLarge(String),
+}
+
+impl Request {
+    /// Checks a request frame's body before it is decoded: the number of items it carries
+    /// (keys, lengths, entries, ids) is at most `max_items`, and an `Attach`'s client name at
+    /// most [`MAX_CLIENT_NAME`] bytes. Decoding allocates per item, so a frame of millions of
+    /// empty strings would cost hundreds of MB of heap before a count check after decoding.
+    pub fn precheck(body: &[u8], max_items: usize) -> Result<(), Precheck> {
+        let garbled = |what: &str| Precheck::Garbled(what.to_string());
+        let (variant, rest) = varint(body).ok_or_else(|| garbled("an empty or garbled request"))?;
+        match variant {
+            // Attach { version, client }
+            0 => {
+                let (_, rest) = varint(rest).ok_or_else(|| garbled("a garbled attach"))?;
+                let (len, _) = varint(rest).ok_or_else(|| garbled("a garbled attach"))?;
+                if len > MAX_CLIENT_NAME as u64 {
+                    return Err(Precheck::TooLarge(format!(
+                        "a client name of {len} bytes (at most {MAX_CLIENT_NAME})"
+                    )));
+                }
+            }
+            // Exists, Get, GetResident, PrepareSave, Commit, Release, Delete: a list first.
+            1..=7 => {
+                let (items, _) = varint(rest).ok_or_else(|| garbled("a garbled request"))?;
+                if items > max_items as u64 {
+                    return Err(Precheck::TooLarge(format!(
+                        "{items} items in one request (at most {max_items})"
+                    )));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
 /// What the daemon answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {

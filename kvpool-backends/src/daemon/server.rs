@@ -2,7 +2,7 @@
 //! passed with `SCM_RIGHTS`), one thread per attached engine, and shutdown.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -12,14 +12,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvpool_core::frame::{read_frame_within, write_frame};
+use kvpool_core::frame::write_frame;
 use parking_lot::Mutex;
 use sendfd::SendWithFd;
 use tracing::{debug, info, warn};
 
-use super::pool::{ATTACH_TIMEOUT, MAX_REQUEST_BYTES, PoolDaemon};
-use super::protocol::{PROTOCOL_VERSION, Reply, Request};
+use super::pool::{ATTACH_TIMEOUT, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES, PoolDaemon};
+use super::protocol::{PROTOCOL_VERSION, Precheck, Reply, Request};
 use super::store::SessionId;
+
+/// The most engines attached at once (one thread each); a connection past it is refused.
+pub const MAX_SESSIONS: usize = 1024;
+
+/// How long a request's body may take to arrive once its length did (an attached engine may
+/// be idle between requests as long as it likes, but not stall half-way through one).
+pub const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Who may attach: the socket's owner only (mode 0600), or also a group (mode 0660).
 #[derive(Debug, Clone, Copy, Default)]
@@ -182,8 +189,15 @@ fn accept_loop(
 ) {
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
-            Ok((stream, _)) => {
+            Ok((mut stream, _)) => {
                 let _ = stream.set_nonblocking(false);
+                if connections.lock().len() >= MAX_SESSIONS {
+                    let why = format!("{MAX_SESSIONS} engines attached already");
+                    warn!("refusing a connection: {why}");
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = write_frame(&mut stream, &daemon.refuse(&why));
+                    continue;
+                }
                 let session = daemon.new_session();
                 let guard = SessionGuard {
                     daemon: daemon.clone(),
@@ -231,8 +245,12 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
         warn!(session, "cannot bound the attach: {e}");
         return;
     }
-    match read_frame_within::<Request>(&mut stream, MAX_REQUEST_BYTES) {
-        Ok(Request::Attach { version, client }) if version == PROTOCOL_VERSION => {
+    match read_request(daemon, &mut stream, false) {
+        Ok(Err(why)) => {
+            let _ = write_frame(&mut stream, &daemon.refuse(&why));
+            return;
+        }
+        Ok(Ok(Request::Attach { version, client })) if version == PROTOCOL_VERSION => {
             let arena = daemon.store.arena();
             let reply = Reply::Attached {
                 arena_len: arena.len() as u64,
@@ -255,14 +273,14 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
                 return;
             }
         }
-        Ok(Request::Attach { version, .. }) => {
+        Ok(Ok(Request::Attach { version, .. })) => {
             let why = format!(
                 "protocol version {version} is not the daemon's {PROTOCOL_VERSION}: upgrade the engine's kvpool or the daemon"
             );
             let _ = write_frame(&mut stream, &daemon.refuse(&why));
             return;
         }
-        Ok(_) => {
+        Ok(Ok(_)) => {
             let _ = write_frame(&mut stream, &daemon.refuse("attach first"));
             return;
         }
@@ -275,8 +293,15 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
         }
     }
     loop {
-        let request = match read_frame_within::<Request>(&mut stream, MAX_REQUEST_BYTES) {
-            Ok(r) => r,
+        let request = match read_request(daemon, &mut stream, true) {
+            Ok(Ok(r)) => r,
+            Ok(Err(why)) => {
+                if let Err(e) = write_frame(&mut stream, &daemon.refuse(&why)) {
+                    debug!(session, "engine gone: {e}");
+                    break;
+                }
+                continue;
+            }
             // A closed socket, or one reset because its engine died with a reply unread
             // (every `kill -9` mid-call): the engine left; the caller reclaims its leases.
             Err(e) if engine_left(&e) => {
@@ -295,6 +320,93 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
             break;
         }
     }
+}
+
+/// Bytes of request frames (and what decoding them allocates) the daemon holds at once, over
+/// all sessions: a request past it is refused ("busy") without being stored, so many engines
+/// sending large frames at once cannot grow the daemon's heap past this.
+pub const MAX_REQUEST_BYTES_IN_FLIGHT: usize = 256 << 20;
+
+/// The bytes of a frame's start [`Request::precheck`] reads: a variant and a count (two
+/// varints of at most 10 bytes each).
+const PRECHECK_BYTES: usize = 24;
+
+/// What decoding one item may allocate beyond its bytes on the wire (a `String`'s slot).
+const DECODED_BYTES_PER_ITEM: usize = 32;
+
+/// Reads one request: its length (waiting as long as it takes when `idle_ok`, else within the
+/// socket's timeout), then its body within [`FRAME_BODY_TIMEOUT`]. A frame above
+/// [`MAX_REQUEST_BYTES`] is an error (the session closes) before anything else is read; its
+/// first bytes are checked ([`Request::precheck`]) before the rest is stored: one carrying
+/// more than [`MAX_ITEMS_PER_REQUEST`] items, or arriving while the daemon holds
+/// [`MAX_REQUEST_BYTES_IN_FLIGHT`] of requests, is read to its end without being stored and
+/// answered `Ok(Err(why))` (the session is refused that request and goes on).
+fn read_request(
+    daemon: &PoolDaemon,
+    stream: &mut UnixStream,
+    idle_ok: bool,
+) -> io::Result<Result<Request, String>> {
+    let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidData, msg);
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_REQUEST_BYTES {
+        return Err(invalid(format!("a frame of {len} bytes is too large")));
+    }
+    if idle_ok {
+        stream.set_read_timeout(Some(FRAME_BODY_TIMEOUT))?;
+    }
+    let read = read_body(daemon, stream, len);
+    if idle_ok {
+        stream.set_read_timeout(None)?;
+    }
+    read.map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => invalid(format!(
+            "a request's body did not arrive within {FRAME_BODY_TIMEOUT:?}"
+        )),
+        _ => e,
+    })
+}
+
+fn read_body(
+    daemon: &PoolDaemon,
+    stream: &mut UnixStream,
+    len: usize,
+) -> io::Result<Result<Request, String>> {
+    let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidData, msg);
+    let mut head = [0u8; PRECHECK_BYTES];
+    let head_len = len.min(PRECHECK_BYTES);
+    stream.read_exact(&mut head[..head_len])?;
+    let refuse =
+        |stream: &mut UnixStream, why: String| drain(stream, len - head_len).map(|()| Err(why));
+    match Request::precheck(&head[..head_len], MAX_ITEMS_PER_REQUEST) {
+        Ok(()) => {}
+        Err(Precheck::TooLarge(why)) => return refuse(stream, why),
+        Err(Precheck::Garbled(why)) => return Err(invalid(why)),
+    }
+    let Some(_budget) =
+        daemon.request_budget(len + MAX_ITEMS_PER_REQUEST.min(len) * DECODED_BYTES_PER_ITEM)
+    else {
+        return refuse(
+            stream,
+            format!("busy: {MAX_REQUEST_BYTES_IN_FLIGHT} bytes of requests in flight"),
+        );
+    };
+    let mut body = vec![0u8; len];
+    body[..head_len].copy_from_slice(&head[..head_len]);
+    stream.read_exact(&mut body[head_len..])?;
+    kvpool_core::frame::decode_body(&body).map(Ok)
+}
+
+/// Reads and drops `n` bytes (a refused frame's rest), through a small buffer.
+fn drain(stream: &mut UnixStream, mut n: usize) -> io::Result<()> {
+    let mut scratch = [0u8; 64 << 10];
+    while n > 0 {
+        let take = n.min(scratch.len());
+        stream.read_exact(&mut scratch[..take])?;
+        n -= take;
+    }
+    Ok(())
 }
 
 /// Whether a failed read means the engine closed its end (cleanly or by dying), rather than

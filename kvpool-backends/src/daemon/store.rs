@@ -2,7 +2,7 @@
 //! bounded by the node's budget, with per-session pins and uncommitted allocations that end
 //! with their session or their deadline.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,10 +18,14 @@ use super::protocol::{DaemonStats, Region};
 /// A session's id (one per attached connection).
 pub type SessionId = u64;
 
+/// The most pins and uncommitted allocations one session may hold at once: an engine holds
+/// a few thousand (a load's chunks, a save's); past this a pin or an allocation is refused (a
+/// miss, a save not made), so no session can grow the daemon's heap without bound.
+pub const MAX_LEASES_PER_SESSION: usize = 1 << 18;
+
 struct Lent<T> {
     memory: T,
     session: SessionId,
-    expires: Instant,
 }
 
 #[derive(Default)]
@@ -39,6 +43,13 @@ struct State {
     policy: Box<dyn EvictionPolicy<String>>,
     pins: HashMap<u64, Lent<MemoryObj>>,
     allocations: HashMap<u64, Lent<MemoryObjMut>>,
+    /// Every lease's deadline in the order leases were made: with one time-to-live for all,
+    /// that is deadline order, so expiry pops from the front (amortised O(1), where a sweep
+    /// of every lease under the lock made each request cost the number of leases held).
+    /// Entries of leases ended earlier are skipped as they come up.
+    deadlines: VecDeque<(Instant, u64)>,
+    /// Leases held per session.
+    held: HashMap<SessionId, usize>,
     next_id: u64,
     counters: Counters,
 }
@@ -48,6 +59,35 @@ impl State {
         let id = self.next_id;
         self.next_id += 1;
         id
+    }
+
+    /// Whether `session` may take one more lease.
+    fn may_lease(&self, session: SessionId) -> bool {
+        self.held.get(&session).copied().unwrap_or(0) < MAX_LEASES_PER_SESSION
+    }
+
+    fn leased(&mut self, session: SessionId, id: u64, expires: Instant) {
+        *self.held.entry(session).or_default() += 1;
+        self.deadlines.push_back((expires, id));
+    }
+
+    fn unleased(&mut self, session: SessionId) {
+        if let Some(n) = self.held.get_mut(&session) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&session);
+            }
+        }
+    }
+
+    /// Ends lease `id` (a pin or an allocation) if it is live; returns its session.
+    fn end_lease(&mut self, id: u64) -> Option<SessionId> {
+        let session = match self.pins.remove(&id) {
+            Some(p) => p.session,
+            None => self.allocations.remove(&id)?.session,
+        };
+        self.unleased(session);
+        Some(session)
     }
 
     /// Evicts one value nobody else holds; false when there is none.
@@ -113,6 +153,8 @@ impl SharedStore {
                 policy: eviction.build(capacity),
                 pins: HashMap::new(),
                 allocations: HashMap::new(),
+                deadlines: VecDeque::new(),
+                held: HashMap::new(),
                 next_id: 1,
                 counters: Counters::default(),
             }),
@@ -137,12 +179,19 @@ impl SharedStore {
         })
     }
 
-    /// Drops pins and allocations past their deadline.
+    /// Drops pins and allocations past their deadline (popping the deadline queue's front).
     fn reclaim_expired(&self, st: &mut State, now: Instant) {
-        let before = st.pins.len() + st.allocations.len();
-        st.pins.retain(|_, p| p.expires > now);
-        st.allocations.retain(|_, a| a.expires > now);
-        st.counters.leases_reclaimed += (before - st.pins.len() - st.allocations.len()) as u64;
+        while let Some(&(expires, id)) = st.deadlines.front() {
+            if expires > now {
+                break;
+            }
+            st.deadlines.pop_front();
+            if st.end_lease(id).is_some() {
+                st.counters.leases_reclaimed += 1;
+            }
+        }
+        // Ended leases leave entries behind until their deadline: bounded by the leases made
+        // within one time-to-live.
     }
 
     /// Whether shared memory holds each key.
@@ -153,8 +202,9 @@ impl SharedStore {
 
     /// Pins `key`'s value for `session`; `None` when shared memory does not hold it.
     pub fn pin(&self, session: SessionId, key: &str) -> Option<Region> {
-        let now = Instant::now();
         let mut st = self.state.lock();
+        // Read under the lock: deadlines then enter the queue in order.
+        let now = Instant::now();
         self.reclaim_expired(&mut st, now);
         let region = self.pin_locked(&mut st, session, key, now)?;
         st.counters.memory_hits += 1;
@@ -168,18 +218,22 @@ impl SharedStore {
         key: &str,
         now: Instant,
     ) -> Option<Region> {
+        if !st.may_lease(session) {
+            return None;
+        }
         let value = st.values.get(key).cloned()?;
         st.policy.on_access(&key.to_string());
         let id = st.next_id();
         let region = Self::region(id, value.arena_offset(), value.len());
+        let expires = now + self.lease_ttl;
         st.pins.insert(
             id,
             Lent {
                 memory: value,
                 session,
-                expires: now + self.lease_ttl,
             },
         );
+        st.leased(session, id, expires);
         region
     }
 
@@ -206,20 +260,25 @@ impl SharedStore {
 
     /// Allocates `len` bytes for `session` to write; invisible until committed.
     pub fn prepare(&self, session: SessionId, len: usize) -> Option<Region> {
-        let now = Instant::now();
         let mut st = self.state.lock();
+        // Read under the lock: deadlines then enter the queue in order.
+        let now = Instant::now();
         self.reclaim_expired(&mut st, now);
+        if !st.may_lease(session) {
+            return None;
+        }
         let buf = self.allocate(&mut st, len)?;
         let id = st.next_id();
         let region = Self::region(id, buf.arena_offset(), buf.len());
+        let expires = now + self.lease_ttl;
         st.allocations.insert(
             id,
             Lent {
                 memory: buf,
                 session,
-                expires: now + self.lease_ttl,
             },
         );
+        st.leased(session, id, expires);
         region
     }
 
@@ -233,13 +292,15 @@ impl SharedStore {
     /// tiers), or `None` when the id is not this session's live allocation (one past its
     /// deadline is reclaimed, not committed: its engine may have stopped writing it halfway).
     pub fn commit(&self, session: SessionId, id: u64, key: String) -> Option<MemoryObj> {
-        let now = Instant::now();
         let mut st = self.state.lock();
+        // Read under the lock: deadlines then enter the queue in order.
+        let now = Instant::now();
         self.reclaim_expired(&mut st, now);
         if st.allocations.get(&id).is_none_or(|a| a.session != session) {
             return None;
         }
         let value = st.allocations.remove(&id)?.memory.freeze();
+        st.unleased(session);
         Self::publish(&mut st, key, value.clone());
         Some(value)
     }
@@ -247,8 +308,9 @@ impl SharedStore {
     /// Copies `bytes` (a lower tier's value) into shared memory under `key` and pins it for
     /// `session`; `None` when no room could be made.
     pub fn promote_and_pin(&self, session: SessionId, key: &str, bytes: &[u8]) -> Option<Region> {
-        let now = Instant::now();
         let mut st = self.state.lock();
+        // Read under the lock: deadlines then enter the queue in order.
+        let now = Instant::now();
         let mut buf = self.allocate(&mut st, bytes.len())?;
         buf.as_mut_slice().copy_from_slice(bytes);
         let value = buf.freeze();
@@ -261,11 +323,13 @@ impl SharedStore {
     pub fn release(&self, session: SessionId, ids: &[u64]) {
         let mut st = self.state.lock();
         for id in ids {
-            if st.pins.get(id).is_some_and(|p| p.session == session) {
-                st.pins.remove(id);
-            }
-            if st.allocations.get(id).is_some_and(|a| a.session == session) {
-                st.allocations.remove(id);
+            let owner = st
+                .pins
+                .get(id)
+                .map(|p| p.session)
+                .or_else(|| st.allocations.get(id).map(|a| a.session));
+            if owner == Some(session) {
+                st.end_lease(*id);
             }
         }
     }
@@ -273,6 +337,9 @@ impl SharedStore {
     /// Ends everything `session` holds (its connection closed); returns how many leases.
     pub fn end_session(&self, session: SessionId) -> usize {
         let mut st = self.state.lock();
+        if st.held.remove(&session).is_none() {
+            return 0;
+        }
         let before = st.pins.len() + st.allocations.len();
         st.pins.retain(|_, p| p.session != session);
         st.allocations.retain(|_, a| a.session != session);
@@ -373,6 +440,20 @@ mod tests {
         assert_eq!(s.contains(&["a".into(), "c".into()]), vec![false, true]);
         assert_eq!(s.stats().evictions, 1);
         let _ = pin;
+    }
+
+    #[test]
+    fn a_session_holds_at_most_its_share_of_leases() {
+        let s = store(1 << 20);
+        assert!(write(&s, 1, "a", 1, 4096));
+        for _ in 0..MAX_LEASES_PER_SESSION {
+            assert!(s.pin(2, "a").is_some());
+        }
+        assert!(s.pin(2, "a").is_none(), "past its share: refused");
+        assert!(s.prepare(2, 256).is_none());
+        assert!(s.pin(3, "a").is_some(), "another session is not affected");
+        assert_eq!(s.end_session(2), MAX_LEASES_PER_SESSION);
+        assert!(s.pin(2, "a").is_some());
     }
 
     #[test]

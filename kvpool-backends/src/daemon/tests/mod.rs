@@ -17,6 +17,7 @@ use super::*;
 use crate::conformance::{self, Subject};
 use crate::memory::InMemoryConnector;
 
+mod bounds;
 mod in_place;
 
 const MIB: usize = 1 << 20;
