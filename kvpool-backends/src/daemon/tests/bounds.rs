@@ -2,7 +2,6 @@
 //! requests that stall half-way, and sessions that hoard leases.
 
 use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use kvpool_core::frame::write_frame;
