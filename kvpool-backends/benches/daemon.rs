@@ -39,6 +39,7 @@ fn daemon_read_into_l1(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvpool.sock");
     let options = DaemonOptions {
+        tenant: "default".into(),
         capacity: 256 * MIB,
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,

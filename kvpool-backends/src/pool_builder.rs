@@ -45,6 +45,14 @@ pub async fn build_pool_with_allocator(
     allocator: &dyn HostAllocator,
 ) -> Result<Pool, ConfigError> {
     config.validate()?;
+    if !config.tenants.is_empty() {
+        return Err(ConfigError::Invalid {
+            field: "tenant",
+            reason: "`[[tenant]]` configures the node daemon (`kvpool serve`); an engine's pool \
+                     takes none: point the engine at its tenant's socket instead"
+                .into(),
+        });
+    }
     if let Some(addr) = config.metrics.listen_addr()? {
         crate::metrics_endpoint::serve_metrics(addr)?;
     }

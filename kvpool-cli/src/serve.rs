@@ -6,8 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvpool_backends::daemon::{DaemonOptions, DaemonServer, PoolDaemon, SocketAccess};
+use kvpool_backends::daemon::{
+    DEFAULT_TENANT, DaemonOptions, DaemonServer, NamespacedConnector, PoolDaemon, SocketAccess,
+};
 use kvpool_backends::registry::open_connectors;
+use kvpool_core::remote::RemoteConnector;
 use kvpool_core::{ByteSize, EvictionKind, PoolConfig};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
@@ -56,44 +59,136 @@ impl ServeArgs {
     }
 }
 
+/// One tenant's daemon and its socket.
+struct Served {
+    name: String,
+    daemon: Arc<PoolDaemon>,
+    server: DaemonServer,
+}
+
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, drains the writes to the
-/// lower tiers and closes them.
+/// lower tiers and closes them. With `[[tenant]]`s, one daemon per tenant (its own socket and
+/// arena, its keys under its own prefix in the shared lower tiers); without, one for everyone
+/// who can attach to `--socket`.
 pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
     let cfg = args.load()?;
     if let Some(addr) = cfg.metrics.listen_addr()? {
         kvpool_backends::serve_metrics(addr)?;
         eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
     }
-    let options = DaemonOptions::from_config(&cfg)?;
+    let base = DaemonOptions::from_config(&cfg)?;
+    let largest = cfg
+        .tenants
+        .iter()
+        .map(|t| t.memory.0)
+        .max()
+        .unwrap_or(base.capacity as u64);
     let tiers = rt
-        .block_on(open_connectors(&cfg.tiers, options.capacity as u64))
+        .block_on(open_connectors(&cfg.tiers, largest))
         .context("cannot open the lower tiers")?;
-    let daemon = Arc::new(
-        PoolDaemon::with_tiers(options, tiers, rt.handle().clone())
-            .context("cannot create the shared arena ([local_cpu] max_size)")?,
-    );
-    let access = match &args.group {
-        Some(g) => SocketAccess::group(g)?,
-        None => SocketAccess::default(),
-    };
-    let server = DaemonServer::bind(daemon.clone(), &args.socket, access).with_context(|| {
-        format!(
-            "cannot listen on {} (choose another path with --socket)",
-            args.socket.display()
-        )
-    })?;
-    let tiers: Vec<String> = cfg
+    let tier_names: Vec<String> = cfg
         .tiers
         .iter()
         .map(|t| kvpool_core::redact_url(&t.url))
         .collect();
-    eprintln!(
-        "kvpool serve: {} of shared memory ({:?} eviction), lower tiers [{}], listening on {}",
-        cfg.local_cpu.max_size.human(),
-        cfg.local_cpu.eviction,
-        tiers.join(", "),
-        args.socket.display()
-    );
+    let mut served = Vec::new();
+    if cfg.tenants.is_empty() {
+        let daemon = Arc::new(
+            PoolDaemon::with_tiers(base, tiers.clone(), rt.handle().clone())
+                .context("cannot create the shared arena ([local_cpu] max_size)")?,
+        );
+        let access = match &args.group {
+            Some(g) => SocketAccess::group(g)?,
+            None => SocketAccess::default(),
+        };
+        let server =
+            DaemonServer::bind(daemon.clone(), &args.socket, access).with_context(|| {
+                format!(
+                    "cannot listen on {} (choose another path with --socket)",
+                    args.socket.display()
+                )
+            })?;
+        eprintln!(
+            "kvpool serve: {} of shared memory ({:?} eviction), lower tiers [{}], listening on {} \
+             (one trust domain: every engine that can attach)",
+            cfg.local_cpu.max_size.human(),
+            cfg.local_cpu.eviction,
+            tier_names.join(", "),
+            args.socket.display()
+        );
+        served.push(Served {
+            name: DEFAULT_TENANT.into(),
+            daemon,
+            server,
+        });
+    } else {
+        if args.group.is_some() || args.socket != std::path::Path::new(DEFAULT_SOCKET) {
+            anyhow::bail!(
+                "with [[tenant]]s each tenant's socket and group come from its table: drop \
+                 --socket and --group"
+            );
+        }
+        for tenant in &cfg.tenants {
+            let options = DaemonOptions {
+                tenant: tenant.name.clone(),
+                capacity: tenant.memory.as_usize(),
+                ..base.clone()
+            };
+            let mac_key = tenant.mac_key()?;
+            let namespaced: Vec<Arc<dyn RemoteConnector>> = tiers
+                .iter()
+                .map(|t| {
+                    let view = NamespacedConnector::new(t.clone(), tenant.namespace());
+                    let view = match &mac_key {
+                        Some(key) => view.with_mac_key(key.clone()),
+                        None => view,
+                    };
+                    Arc::new(view) as Arc<dyn RemoteConnector>
+                })
+                .collect();
+            let daemon = Arc::new(
+                PoolDaemon::with_tiers(options, namespaced, rt.handle().clone()).with_context(
+                    || format!("cannot create tenant `{}`'s shared arena", tenant.name),
+                )?,
+            );
+            let access = match &tenant.group {
+                Some(g) => SocketAccess::group(g)?,
+                None => SocketAccess::default(),
+            };
+            let server =
+                DaemonServer::bind(daemon.clone(), &tenant.socket, access).with_context(|| {
+                    format!(
+                        "tenant `{}`: cannot listen on {}",
+                        tenant.name,
+                        tenant.socket.display()
+                    )
+                })?;
+            eprintln!(
+                "kvpool serve: tenant `{}`: {} of shared memory, lower tiers [{}] under `{}`, \
+                 listening on {}{}{}",
+                tenant.name,
+                tenant.memory.human(),
+                tier_names.join(", "),
+                tenant.namespace(),
+                tenant.socket.display(),
+                tenant
+                    .group
+                    .as_ref()
+                    .map(|g| format!(" (group {g})"))
+                    .unwrap_or_default(),
+                if mac_key.is_some() {
+                    ", values below tagged with the tenant's MAC"
+                } else {
+                    ""
+                }
+            );
+            served.push(Served {
+                name: tenant.name.clone(),
+                daemon,
+                server,
+            });
+        }
+    }
     let signal_name = rt.block_on(async {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
@@ -102,17 +197,32 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
             tokio::select! {
                 _ = term.recv() => return Ok::<_, std::io::Error>("SIGTERM"),
                 _ = int.recv() => return Ok("SIGINT"),
-                _ = tick.tick() => daemon.record_metrics(),
+                _ = tick.tick() => {
+                    for s in &served {
+                        s.daemon.record_metrics();
+                    }
+                }
             }
         }
     })?;
     eprintln!("kvpool serve: {signal_name}; draining writes to the lower tiers");
-    server.shutdown();
-    rt.block_on(daemon.close(DRAIN_LIMIT));
-    let s = daemon.stats();
-    eprintln!(
-        "kvpool serve: stopped ({} values, {} commits, {} gets from memory, {} from lower tiers, {} misses)",
-        s.entries, s.commits, s.memory_hits, s.tier_hits, s.misses
-    );
+    let tenants = !cfg.tenants.is_empty();
+    for s in served {
+        s.server.shutdown();
+        rt.block_on(s.daemon.close(DRAIN_LIMIT));
+        let st = s.daemon.stats();
+        eprintln!(
+            "kvpool serve: {} stopped ({} values, {} commits, {} gets from memory, {} from lower tiers, {} misses)",
+            s.name, st.entries, st.commits, st.memory_hits, st.tier_hits, st.misses
+        );
+    }
+    if tenants {
+        // The tenants' views do not close the shared tiers: closed once, here.
+        for tier in &tiers {
+            if let Err(e) = rt.block_on(tier.close()) {
+                eprintln!("kvpool serve: closing {} failed: {e}", tier.name());
+            }
+        }
+    }
     Ok(())
 }

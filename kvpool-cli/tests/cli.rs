@@ -207,3 +207,61 @@ fn sim_drives_the_vllm_protocol_with_failures_and_gets_every_token_right() {
     assert!(v["injected_failures"].as_u64().unwrap() > 0, "{v}");
     assert!(v["async_loads"].as_u64().unwrap() > 0, "{v}");
 }
+
+/// `kvpool serve` with two `[[tenant]]`s: a socket each (owner-only without a group), both
+/// named in what it prints; SIGTERM stops both. And `--socket` with tenants is refused.
+#[test]
+fn serve_with_tenants_listens_on_one_socket_per_tenant() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+    let config = dir.path().join("tenants.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tenant]]\nname = \"team-a\"\nsocket = \"{}\"\nmemory = \"64MiB\"\n\
+             [[tenant]]\nname = \"team-b\"\nsocket = \"{}\"\nmemory = \"32MiB\"\n",
+            a.display(),
+            b.display()
+        ),
+    )
+    .unwrap();
+    let refused = kvpool(&[
+        "serve",
+        "--config",
+        config.to_str().unwrap(),
+        "--socket",
+        dir.path().join("x.sock").to_str().unwrap(),
+    ]);
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("drop --socket"),
+        "{}",
+        stderr(&refused)
+    );
+    let serve = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !(a.exists() && b.exists()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for socket in [&a, &b] {
+        let mode = std::fs::metadata(socket).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", socket.display());
+    }
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
+    let out = serve.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let err = stderr(&out);
+    for name in ["tenant `team-a`", "tenant `team-b`", "tenant/team-a/"] {
+        assert!(err.contains(name), "{err}");
+    }
+    assert!(
+        !a.exists() && !b.exists(),
+        "both sockets removed at shutdown"
+    );
+}

@@ -50,7 +50,9 @@ pub use telemetry::counter;
 pub use cache_engine::{
     CacheEngine, EngineStats, FetchedChunks, LayerwiseRetrieve, LayerwiseStore, StoreReport,
 };
-pub use config::{AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TierConfig, redact_url};
+pub use config::{
+    AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TenantConfig, TierConfig, redact_url,
+};
 pub use error::{
     BackendError, ConfigError, EngineError, FormatError, KeyParseError, LayoutError, PoolError,
     TokenError, TransferError,

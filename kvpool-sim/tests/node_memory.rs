@@ -37,6 +37,7 @@ fn daemon_lending_for(lease_ttl: std::time::Duration) -> Daemon {
     let path = dir.path().join("kvpool.sock");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let options = DaemonOptions {
+        tenant: "default".into(),
         capacity: 64 << 20,
         eviction: EvictionKind::Lru,
         lease_ttl,

@@ -5,13 +5,21 @@
 //! - `store.rs`: the values in shared memory, with per-session pins and allocations;
 //! - `pool.rs`: the daemon's pool (the store over the lower tiers), answering requests;
 //! - `server.rs`: the daemon's socket and the engines' sessions;
-//! - `client.rs`: the engine's `kvpool+unix://` tier.
+//! - `client.rs`: the engine's `kvpool+unix://` tier;
+//! - `namespace.rs`: a tenant's view of the lower tiers (its keys under its prefix).
+//!
+//! Trust: one daemon (one socket, one arena) is one trust domain: every engine that can
+//! attach can read and write every value in it. Tenants (`[[tenant]]`) are separate domains:
+//! each its own daemon here (socket, arena, write-behind) over the shared lower tiers, its
+//! keys under its own prefix there. docs/reliability.md states what an engine can do to
+//! another.
 //!
 //! Engines store values already encoded in the chunk format (checksummed, bound to their
 //! key), so the daemon keeps opaque bytes and every check the engine makes on a lower tier's
 //! value holds for the daemon's. docs/design/pool-daemon.md has the design.
 
 mod client;
+mod namespace;
 mod pool;
 mod protocol;
 mod server;
@@ -21,9 +29,10 @@ pub use client::{
     DaemonConnector, DaemonFactory, RECONNECT_INTERVAL, SCHEMES, SESSIONS_PER_CONNECTOR,
     socket_path,
 };
+pub use namespace::{MAC_BYTES, NamespacedConnector};
 pub use pool::{
-    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DaemonOptions, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES,
-    PoolDaemon,
+    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_TENANT, DaemonOptions, MAX_ITEMS_PER_REQUEST,
+    MAX_REQUEST_BYTES, PoolDaemon,
 };
 pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
 pub use server::{DaemonServer, SocketAccess};

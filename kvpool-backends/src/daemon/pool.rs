@@ -29,9 +29,14 @@ pub const MAX_ITEMS_PER_REQUEST: usize = 1 << 16;
 /// How long a new connection has to attach.
 pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The tenant name of a daemon without `[[tenant]]`s (in logs and metric labels).
+pub const DEFAULT_TENANT: &str = "default";
+
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct DaemonOptions {
+    /// The tenant it serves ([`DEFAULT_TENANT`] without tenants): its metrics' label.
+    pub tenant: String,
     /// The shared arena's size: the node's memory budget for KV.
     pub capacity: usize,
     /// Which values leave shared memory first.
@@ -60,6 +65,7 @@ impl DaemonOptions {
             }
         }
         Ok(DaemonOptions {
+            tenant: DEFAULT_TENANT.to_string(),
             capacity: config.local_cpu.max_size.as_usize(),
             eviction: config.local_cpu.eviction,
             lease_ttl: DEFAULT_LEASE_TTL,
@@ -173,18 +179,28 @@ impl PoolDaemon {
     /// Publishes the counters as Prometheus series (for `[metrics] listen`).
     pub fn record_metrics(&self) {
         let s = self.stats();
-        metrics::gauge!(telemetry::DAEMON_SESSIONS).set(s.sessions as f64);
-        metrics::gauge!(telemetry::DAEMON_USED_BYTES).set(s.used_bytes as f64);
-        metrics::gauge!(telemetry::DAEMON_ENTRIES).set(s.entries as f64);
-        metrics::gauge!(telemetry::DAEMON_LEASES).set((s.pins + s.allocations) as f64);
-        metrics::counter!(telemetry::DAEMON_GETS, "result" => "memory").absolute(s.memory_hits);
-        metrics::counter!(telemetry::DAEMON_GETS, "result" => "tier").absolute(s.tier_hits);
-        metrics::counter!(telemetry::DAEMON_GETS, "result" => "miss").absolute(s.misses);
-        metrics::counter!(telemetry::DAEMON_COMMITS).absolute(s.commits);
-        metrics::counter!(telemetry::DAEMON_EVICTIONS).absolute(s.evictions);
-        metrics::counter!(telemetry::DAEMON_TIER_WRITES).absolute(s.tier_writes);
-        metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED).absolute(s.leases_reclaimed);
-        metrics::counter!(telemetry::DAEMON_REQUESTS_REFUSED).absolute(s.refused);
+        let t = self.options.tenant.clone();
+        metrics::gauge!(telemetry::DAEMON_SESSIONS, "tenant" => t.clone()).set(s.sessions as f64);
+        metrics::gauge!(telemetry::DAEMON_USED_BYTES, "tenant" => t.clone())
+            .set(s.used_bytes as f64);
+        metrics::gauge!(telemetry::DAEMON_ENTRIES, "tenant" => t.clone()).set(s.entries as f64);
+        metrics::gauge!(telemetry::DAEMON_LEASES, "tenant" => t.clone())
+            .set((s.pins + s.allocations) as f64);
+        for (result, n) in [
+            ("memory", s.memory_hits),
+            ("tier", s.tier_hits),
+            ("miss", s.misses),
+        ] {
+            metrics::counter!(telemetry::DAEMON_GETS, "tenant" => t.clone(), "result" => result)
+                .absolute(n);
+        }
+        metrics::counter!(telemetry::DAEMON_COMMITS, "tenant" => t.clone()).absolute(s.commits);
+        metrics::counter!(telemetry::DAEMON_EVICTIONS, "tenant" => t.clone()).absolute(s.evictions);
+        metrics::counter!(telemetry::DAEMON_TIER_WRITES, "tenant" => t.clone())
+            .absolute(s.tier_writes);
+        metrics::counter!(telemetry::DAEMON_LEASES_RECLAIMED, "tenant" => t.clone())
+            .absolute(s.leases_reclaimed);
+        metrics::counter!(telemetry::DAEMON_REQUESTS_REFUSED, "tenant" => t).absolute(s.refused);
     }
 
     /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.

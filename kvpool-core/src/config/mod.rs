@@ -2,6 +2,7 @@
 //! sizes such as `"2GiB"` ([`byte_size`]) and a tier's backend-owned options ([`tier_options`]).
 
 pub mod byte_size;
+pub mod tenant;
 pub mod tier_options;
 
 use std::fmt;
@@ -9,6 +10,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use crate::config::byte_size::ByteSize;
+pub use crate::config::tenant::TenantConfig;
 pub use crate::config::tier_options::redact_url;
 use crate::config::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 use crate::error::ConfigError;
@@ -228,6 +230,10 @@ pub struct PoolConfig {
     /// Lower tiers, looked up in this order after L1 (`[[tier]]` tables).
     #[serde(rename = "tier", default, skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<TierConfig>,
+    /// The node daemon's tenants (`[[tenant]]` tables; `kvpool serve` only, an engine's pool
+    /// refuses them): see [`TenantConfig`].
+    #[serde(rename = "tenant", default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantConfig>,
 }
 
 impl PoolConfig {
@@ -296,6 +302,7 @@ impl PoolConfig {
     /// Checks values and their combinations, with messages that say what to change.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.key_scope()?;
+        tenant::validate_tenants(&self.tenants)?;
         self.metrics.listen_addr()?;
         if self.chunking.chunk_size == 0 {
             return Err(ConfigError::Invalid {

@@ -19,11 +19,13 @@ use crate::memory::InMemoryConnector;
 
 mod bounds;
 mod in_place;
+mod tenants;
 
 const MIB: usize = 1 << 20;
 
 fn options(capacity: usize) -> DaemonOptions {
     DaemonOptions {
+        tenant: "default".into(),
         capacity,
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,

@@ -1,0 +1,139 @@
+//! A tenant's view of the daemon's lower tiers: every key it reads or writes lives under the
+//! tenant's prefix (`tenant/<name>/`), so one tenant's engines can neither read, overwrite,
+//! delete nor learn of another's values in a shared tier through the daemon. With the
+//! tenant's secret, every value it writes carries an HMAC-SHA256 (over its key and bytes,
+//! appended), checked on the way back: a value put in the shared tier by anyone without the
+//! secret (another node, another program) is a miss, however consistent its header.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use kvpool_core::BackendError;
+use kvpool_core::remote::RemoteConnector;
+use kvpool_core::tier_events::TierEventLog;
+use sha2::Sha256;
+use tracing::warn;
+
+/// Bytes of the tag appended to each value.
+pub const MAC_BYTES: usize = 32;
+
+/// See the module docs.
+pub struct NamespacedConnector {
+    inner: Arc<dyn RemoteConnector>,
+    prefix: String,
+    mac_key: Option<Vec<u8>>,
+}
+
+impl NamespacedConnector {
+    /// `inner`'s keys under `prefix` (a tenant's `TenantConfig::namespace`).
+    pub fn new(inner: Arc<dyn RemoteConnector>, prefix: String) -> Self {
+        NamespacedConnector {
+            inner,
+            prefix,
+            mac_key: None,
+        }
+    }
+
+    /// The same, each value tagged with an HMAC-SHA256 under `key` (the tenant's secret).
+    pub fn with_mac_key(mut self, key: Vec<u8>) -> Self {
+        self.mac_key = Some(key);
+        self
+    }
+
+    fn keys(&self, keys: &[String]) -> Vec<String> {
+        keys.iter().map(|k| format!("{}{k}", self.prefix)).collect()
+    }
+
+    /// The tag of `value` under `key` (the key in the tier's namespace: a value moved to
+    /// another key fails its check).
+    fn tag(secret: &[u8], key: &str, value: &[u8]) -> [u8; MAC_BYTES] {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes a key of any length");
+        mac.update(&(key.len() as u64).to_le_bytes());
+        mac.update(key.as_bytes());
+        mac.update(value);
+        mac.finalize().into_bytes().into()
+    }
+
+    /// `value` without its tag, if the tag is right.
+    fn verified(secret: &[u8], key: &str, stored: Bytes) -> Option<Bytes> {
+        let split = stored.len().checked_sub(MAC_BYTES)?;
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes a key of any length");
+        mac.update(&(key.len() as u64).to_le_bytes());
+        mac.update(key.as_bytes());
+        mac.update(&stored[..split]);
+        // Constant time.
+        mac.verify_slice(&stored[split..]).ok()?;
+        Some(stored.slice(..split))
+    }
+}
+
+#[async_trait]
+impl RemoteConnector for NamespacedConnector {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.inner.batch_exists(&self.keys(keys)).await
+    }
+
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let names = self.keys(keys);
+        let values = self.inner.batch_get(&names).await?;
+        let Some(secret) = &self.mac_key else {
+            return Ok(values);
+        };
+        Ok(names
+            .iter()
+            .zip(values)
+            .map(|(name, value)| {
+                let value = value?;
+                let checked = Self::verified(secret, name, value);
+                if checked.is_none() {
+                    warn!(tier = self.inner.name(), key = %name, "a value without this tenant's MAC: a miss");
+                    metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => self.inner.name().to_string())
+                        .increment(1);
+                }
+                checked
+            })
+            .collect())
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        let entries = entries
+            .into_iter()
+            .map(|(k, v)| {
+                let name = format!("{}{k}", self.prefix);
+                let value = match &self.mac_key {
+                    Some(secret) => {
+                        let tag = Self::tag(secret, &name, &v);
+                        let mut tagged = Vec::with_capacity(v.len() + MAC_BYTES);
+                        tagged.extend_from_slice(&v);
+                        tagged.extend_from_slice(&tag);
+                        Bytes::from(tagged)
+                    }
+                    None => v,
+                };
+                (name, value)
+            })
+            .collect();
+        self.inner.batch_put(entries).await
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.inner.batch_delete(&self.keys(keys)).await
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        // The tier is shared by every tenant: `kvpool serve` closes it once, itself.
+        Ok(())
+    }
+
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        self.inner.set_event_log(events);
+    }
+}
