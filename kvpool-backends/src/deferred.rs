@@ -31,7 +31,9 @@ struct Shared {
     events: Mutex<Option<Arc<TierEventLog>>>,
 }
 
-/// See the module docs.
+/// See the module docs. It stands in for a store (values in, values out): the node-memory
+/// methods keep the trait's defaults, as the stores it defers do (the daemon's own tier
+/// connects lazily and never defers).
 pub struct DeferredConnector {
     shared: Arc<Shared>,
     retry: Option<tokio::task::JoinHandle<()>>,

@@ -50,10 +50,25 @@ impl<C: RemoteConnector> FaultInjector<C> {
     }
 }
 
+// Every method, forwarded or faulted, by construction: a wrapper that left one to the
+// trait's default would silently change what the wrapped tier does (a daemon tier that stops
+// lending node memory).
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner.node_memory_mapping()
+    }
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.injected_get_failure()?;
+        self.inner.get(key).await
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        // Through `batch_put`, which corrupts.
+        self.batch_put(vec![(key.to_string(), value)]).await
     }
     fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
         self.inner.set_event_log(events);
@@ -232,10 +247,34 @@ impl<C: RemoteConnector> ControlledFaults<C> {
     }
 }
 
+// Every method, forwarded or faulted, by construction (see `FaultInjector`'s impl). Before,
+// this one left the node-memory methods to the trait's defaults, so a daemon tier wrapped in
+// it silently stopped lending.
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+    fn lends_node_memory(&self) -> bool {
+        self.inner.lends_node_memory()
+    }
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner.node_memory_mapping()
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.ask(keys.len()).await?;
+        self.inner.batch_pin(keys).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        self.before_put(lens.len()).await?;
+        self.inner.batch_lend(lens).await
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        self.inner.batch_commit_lent(entries).await
     }
     fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
         self.inner.set_event_log(events);

@@ -72,6 +72,7 @@ impl<C: RemoteConnector> TimeoutConnector<C> {
 }
 
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     fn name(&self) -> &str {
         self.inner.name()

@@ -90,6 +90,17 @@ impl DaemonServer {
     /// daemon serves), with the permissions `access` says, and serves `daemon`.
     pub fn bind(daemon: Arc<PoolDaemon>, path: &Path, access: SocketAccess) -> io::Result<Self> {
         if path.exists() {
+            use std::os::unix::fs::FileTypeExt;
+            // Only a socket may be replaced: a file an operator mistyped the path onto stays.
+            if !std::fs::symlink_metadata(path)?.file_type().is_socket() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{} exists and is not a socket; not replacing it",
+                        path.display()
+                    ),
+                ));
+            }
             match UnixStream::connect(path) {
                 // Nobody listens: a socket left by a daemon that died.
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {

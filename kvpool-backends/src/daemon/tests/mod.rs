@@ -638,3 +638,20 @@ async fn a_bad_lower_tier_copy_is_a_miss_and_is_deleted_from_that_tier_only() {
     assert!(first.exists(&good_key).await.unwrap());
     assert_eq!(run.daemon.stats().entries, 2);
 }
+
+/// A path that holds something other than a socket is never replaced (before, a stale-socket
+/// check removed whatever was there when nothing answered on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_at_the_socket_path_is_not_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    std::fs::write(&path, b"an operator's file").unwrap();
+    let daemon = Arc::new(
+        PoolDaemon::with_tiers(options(MIB), vec![], tokio::runtime::Handle::current()).unwrap(),
+    );
+    let err = DaemonServer::bind(daemon, &path, SocketAccess::default())
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"an operator's file");
+}

@@ -180,6 +180,7 @@ fn one_answer<T>(backend: &str, answers: Vec<T>) -> Result<T, BackendError> {
 
 /// A boxed connector is a connector (what a registered backend factory returns).
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl RemoteConnector for Box<dyn RemoteConnector> {
     fn name(&self) -> &str {
         (**self).name()
