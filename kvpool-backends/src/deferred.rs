@@ -23,6 +23,8 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// What the connector and its retry task share.
 struct Shared {
     name: String,
+    /// Set by `close`: a tier opened after it is closed at once, never used.
+    closed: std::sync::atomic::AtomicBool,
     /// The tier once it opened.
     opened: RwLock<Option<Arc<dyn RemoteConnector>>>,
     /// Why it is not open (the last failure).
@@ -51,6 +53,7 @@ impl DeferredConnector {
     ) -> Self {
         let shared = Arc::new(Shared {
             name,
+            closed: std::sync::atomic::AtomicBool::new(false),
             opened: RwLock::new(None),
             reason: Mutex::new(first_error),
             events: Mutex::new(None),
@@ -108,13 +111,25 @@ async fn retry(
         match attempt {
             Ok(Ok(connector)) => {
                 let connector: Arc<dyn RemoteConnector> = Arc::from(connector);
-                // Under the events lock: `set_event_log` cannot slip between the two.
-                let events = shared.events.lock();
-                if let Some(events) = events.clone() {
-                    connector.set_event_log(events);
+                {
+                    // Under the events lock: `set_event_log` cannot slip between the two;
+                    // under the `opened` lock: `close` cannot either.
+                    let events = shared.events.lock();
+                    let mut opened = shared.opened.write();
+                    if !shared.closed.load(std::sync::atomic::Ordering::Acquire) {
+                        if let Some(events) = events.clone() {
+                            connector.set_event_log(events);
+                        }
+                        *opened = Some(connector);
+                        drop(opened);
+                        drop(events);
+                    } else {
+                        drop(opened);
+                        drop(events);
+                        let _ = connector.close().await;
+                        return;
+                    }
                 }
-                *shared.opened.write() = Some(connector);
-                drop(events);
                 metrics::gauge!(telemetry::TIER_REACHABLE, "tier" => shared.name.clone()).set(1.0);
                 tracing::warn!(tier = %url, "tier `{url}` reached: in use from now on");
                 return;
@@ -124,9 +139,15 @@ async fn retry(
                 *shared.reason.lock() = reason;
             }
             Ok(Err(e)) => {
-                tracing::error!(tier = %url, "tier `{url}` reached but refused: {e}; it stays down");
-                *shared.reason.lock() = e.to_string();
-                return;
+                // Reached, and refused (a password changed, say): still down, tried again at
+                // the longest interval; said loudly the first time.
+                let reason = e.to_string();
+                if *shared.reason.lock() != reason {
+                    tracing::error!(tier = %url, "tier `{url}` reached but refused: {e}; it stays down and is tried again every {RETRY_MAX:?}");
+                }
+                *shared.reason.lock() = reason;
+                wait = RETRY_MAX;
+                continue;
             }
             Err(_) => {
                 *shared.reason.lock() = format!("no answer within {:?}", request.timeout());
@@ -170,7 +191,13 @@ impl RemoteConnector for DeferredConnector {
         if let Some(retry) = &self.retry {
             retry.abort();
         }
-        let opened = self.shared.opened.read().clone();
+        let opened = {
+            let mut opened = self.shared.opened.write();
+            self.shared
+                .closed
+                .store(true, std::sync::atomic::Ordering::Release);
+            opened.take()
+        };
         match opened {
             Some(connector) => connector.close().await,
             None => Ok(()),

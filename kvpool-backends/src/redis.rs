@@ -208,13 +208,26 @@ impl RedisConnector {
             max_value_bytes: config.max_value_bytes,
             closed: Arc::new(AtomicBool::new(false)),
         };
-        let pong: String = connector
-            .command(redis::cmd("PING"))
-            .await
-            .map_err(|e| match e {
-                BackendError::Timeout { .. } => ConnectFailure::Unreachable(e),
-                other => fail("no answer to PING from", &other),
-            })?;
+        let pong: String = connector.command(redis::cmd("PING")).await.map_err(|e| {
+            // A server refusing us (a wrong password, no permission) is a configuration
+            // error; any other failed PING (loading its dataset, a reset, a timeout, a
+            // cluster down) is a server not ready yet.
+            let text = e.to_string().to_ascii_uppercase();
+            if [
+                "NOAUTH",
+                "WRONGPASS",
+                "INVALID PASSWORD",
+                "NOPERM",
+                "AUTHENTICATION",
+            ]
+            .iter()
+            .any(|w| text.contains(w))
+            {
+                fail("no answer to PING from", &e)
+            } else {
+                ConnectFailure::Unreachable(error("no answer to PING from", &e))
+            }
+        })?;
         if pong != "PONG" {
             return Err(fail("unexpected PING reply from", &pong));
         }

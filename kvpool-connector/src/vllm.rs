@@ -120,7 +120,10 @@ fn shard_disk_tiers(config: &mut PoolConfig, tp_size: u32, tp_rank: u32) {
                 "file://{}/tp{tp_size}-rank{tp_rank}",
                 dir.trim_end_matches('/')
             );
-            tier.options.set("shares", u64::from(tp_size));
+            // An operator's own `shares` stands.
+            if tier.options.get("shares").is_none() {
+                tier.options.set("shares", u64::from(tp_size));
+            }
         }
     }
 }

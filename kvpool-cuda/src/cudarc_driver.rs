@@ -162,7 +162,7 @@ impl CudarcDriver {
     /// Loads the copy kernel where the device reads registered host memory at its host
     /// address (`None` where it cannot).
     fn load_kernel(&mut self) -> Result<Option<(sys::CUmodule, sys::CUfunction)>, CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut direct = 0;
         // SAFETY: valid out-pointer and device.
         check("cuDeviceGetAttribute", unsafe {
@@ -195,18 +195,45 @@ impl CudarcDriver {
         Ok(Some((module, function)))
     }
 
-    fn bind(&self) -> Result<(), CudaError> {
+    /// Makes the device's primary context current on this thread for one call, restoring
+    /// the thread's own when the guard drops (a thread of a process with engines on several
+    /// devices keeps its device).
+    fn bind(&self) -> Result<ContextGuard, CudaError> {
+        let mut current = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut current)
+        })?;
+        if current == self.context {
+            return Ok(ContextGuard { pushed: false });
+        }
         // SAFETY: the context is retained while `self` lives.
-        check("cuCtxSetCurrent", unsafe {
-            sys::cuCtxSetCurrent(self.context)
-        })
+        check("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(self.context)
+        })?;
+        Ok(ContextGuard { pushed: true })
+    }
+}
+
+/// Pops the context [`CudarcDriver::bind`] pushed, if it pushed one.
+struct ContextGuard {
+    pushed: bool,
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut popped = std::ptr::null_mut();
+            // SAFETY: pops exactly what `bind` pushed on this thread.
+            let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        }
     }
 }
 
 impl Drop for CudarcDriver {
     fn drop(&mut self) {
         if let Some((module, _)) = self.kernel.take()
-            && self.bind().is_ok()
+            && let Ok(_bound) = self.bind()
         {
             // SAFETY: the module `load_kernel` loaded; no launch is queued (every stream
             // kvpool made was synchronized and destroyed before the driver drops).
@@ -249,7 +276,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     unsafe fn host_register(&self, ptr: usize, len: usize) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // Portable (every context) and mapped: the copy kernel reads and writes it in place.
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller keeps the range allocated until it is unregistered.
@@ -259,7 +286,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn host_unregister(&self, ptr: usize) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the driver checks that `ptr` starts a registered range.
         check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(ptr as *mut c_void)
@@ -267,7 +294,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn stream_create(&self) -> Result<RawStream, CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("cuStreamCreate", unsafe {
@@ -277,14 +304,14 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn stream_destroy(&self, s: RawStream) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: a stream this driver created, destroyed once by its owner.
             let _ = unsafe { sys::cuStreamDestroy_v2(stream(s)) };
         }
     }
 
     fn stream_synchronize(&self, s: RawStream) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a live stream handle.
         check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(stream(s))
@@ -292,7 +319,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn stream_wait_event(&self, s: RawStream, e: RawEvent) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: live handles.
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(stream(s), event(e), 0)
@@ -300,7 +327,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn event_create(&self) -> Result<RawEvent, CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("cuEventCreate", unsafe {
@@ -310,14 +337,14 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn event_destroy(&self, e: RawEvent) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: an event this driver created, destroyed once by its owner.
             let _ = unsafe { sys::cuEventDestroy_v2(event(e)) };
         }
     }
 
     fn event_record(&self, e: RawEvent, s: RawStream) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: live handles.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(event(e), stream(s))
@@ -325,7 +352,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn event_query(&self, e: RawEvent) -> Result<bool, CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a live event handle.
         match unsafe { sys::cuEventQuery(event(e)) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -335,7 +362,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn event_synchronize(&self, e: RawEvent) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a live event handle.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(event(e))
@@ -357,7 +384,7 @@ impl CudaDriver for CudarcDriver {
                 name: "not in this driver".into(),
             });
         };
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut dsts: Vec<sys::CUdeviceptr> = segments.iter().map(|s| s.dst).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = segments.iter().map(|s| s.src).collect();
         let mut sizes: Vec<usize> = segments.iter().map(|s| s.len as usize).collect();
@@ -406,7 +433,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     unsafe fn copy_async(&self, segment: Segment, s: RawStream) -> Result<(), CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller keeps both ranges valid until the stream ran the copy; unified
         // addressing tells host from device addresses.
         check("cuMemcpyAsync", unsafe {
@@ -419,7 +446,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn host_alloc(&self, bytes: usize) -> Result<usize, CudaError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut p = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: valid out-pointer.
@@ -430,7 +457,7 @@ impl CudaDriver for CudarcDriver {
     }
 
     fn host_free(&self, ptr: usize) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: memory from `host_alloc`, freed once by its owner.
             let _ = unsafe { sys::cuMemFreeHost(ptr as *mut c_void) };
         }
@@ -460,7 +487,7 @@ impl CudaDriver for CudarcDriver {
                 code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i32,
                 name: format!("{count} segments in one launch"),
             })?;
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut table_arg = table as u64;
         let mut count_arg = blocks;
         let mut params = [

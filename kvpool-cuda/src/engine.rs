@@ -114,6 +114,9 @@ pub enum CopyError {
     /// A driver call failed.
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// A job of this id is in flight already.
+    #[error("copy job {0} is in flight already")]
+    DuplicateJob(u64),
 }
 
 /// kvpool's own stream, destroyed (after its copies finished) when the last holder drops it:
@@ -292,6 +295,10 @@ impl CudaCopyEngine {
         job: &JobSpec<'_>,
         compute: RawStream,
     ) -> Result<Submitted, CopyError> {
+        if self.pending.iter().any(|p| p.job == job_id) {
+            // Completion, and the copy table's life, are tracked by id.
+            return Err(CopyError::DuplicateJob(job_id));
+        }
         let plan = CopyPlan::build(&self.planes, job)?;
         let start = self.event()?;
         let done = match self.event() {
@@ -341,6 +348,21 @@ impl CudaCopyEngine {
         let mut kernel = false;
         let page_phase = plan.page_phase();
         for (index, phase) in plan.phases().iter().enumerate() {
+            if plan.host_phase() == Some(index) {
+                // Host to host (a load's staged chunks into their buffers): done here, now,
+                // before the device copies that read the buffers are queued.
+                for s in phase {
+                    // SAFETY: the caller's contract: host memory of the job, valid now.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            s.src as usize as *const u8,
+                            s.dst as usize as *mut u8,
+                            s.len as usize,
+                        )
+                    };
+                }
+                continue;
+            }
             if let Some((pages, host_is_src)) = page_phase
                 && pages == index
                 && self.kernel_fits(phase, host_is_src)
@@ -412,12 +434,24 @@ impl CudaCopyEngine {
     unsafe fn queue_kernel(&mut self, job_id: u64, phase: &[Segment]) -> Result<bool, CudaError> {
         if self.tables.is_none() {
             let bytes = TABLE_SEGMENTS * std::mem::size_of::<Segment>();
-            let base = self.driver.host_alloc(bytes)?;
-            self.tables = Some(TableRing {
-                base,
-                capacity: TABLE_SEGMENTS,
-                used: VecDeque::new(),
-            });
+            match self.driver.host_alloc(bytes) {
+                Ok(base) => {
+                    self.tables = Some(TableRing {
+                        base,
+                        capacity: TABLE_SEGMENTS,
+                        used: VecDeque::new(),
+                    })
+                }
+                Err(e) => {
+                    // No tables, no kernel: every job goes as DMA from now on.
+                    tracing::warn!(
+                        "kvpool-cuda: no page-locked memory for the copy kernel's tables ({e}); \
+                         copying as DMA"
+                    );
+                    self.mode = CopyMode::Dma;
+                    return Ok(false);
+                }
+            }
         }
         let tables = self.tables.as_mut().expect("allocated above");
         let Some(first) = tables.reserve(job_id, phase.len()) else {
@@ -478,9 +512,7 @@ impl CudaCopyEngine {
             if jobs.contains(&p.job) {
                 let outcome = self.driver.event_synchronize(p.done);
                 self.spare_events.push(p.done);
-                if outcome.is_ok() {
-                    self.release_table(p.job);
-                }
+                self.release_table(p.job);
                 ended.push((p.job, outcome));
             } else {
                 still.push(p);

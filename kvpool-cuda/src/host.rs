@@ -59,20 +59,23 @@ impl HostExecutor {
             }
             let shares = split_by_bytes(phase, threads);
             std::thread::scope(|scope| {
-                let mut shares = shares.iter();
-                let mine = shares.next();
-                for share in shares {
+                for share in &shares[1..] {
                     // Addresses cross the thread as integers; the scope ends before `run`
                     // returns, so every copy is done by then.
-                    scope.spawn(move || {
-                        // SAFETY: as below; the shares of a phase never overlap.
-                        unsafe { copy_segments(share) }
-                    });
+                    let spawned = std::thread::Builder::new()
+                        .name("kvpool-host-copy".into())
+                        .spawn_scoped(scope, move || {
+                            // SAFETY: as below; the shares of a phase never overlap.
+                            unsafe { copy_segments(share) }
+                        });
+                    if spawned.is_err() {
+                        // No thread: this one copies that share too.
+                        // SAFETY: this function's contract (see `copy_segments`).
+                        unsafe { copy_segments(share) };
+                    }
                 }
-                if let Some(share) = mine {
-                    // SAFETY: this function's contract (see `copy_segments`).
-                    unsafe { copy_segments(share) };
-                }
+                // SAFETY: this function's contract (see `copy_segments`).
+                unsafe { copy_segments(&shares[0]) };
             });
         }
         Ok(plan.stats())

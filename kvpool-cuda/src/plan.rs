@@ -9,10 +9,11 @@
 //!
 //! A job may name, per chunk, a *staged copy*: a buffer of the worker's that the chunk passes
 //! through, because the chunk's own place is memory other processes can write (the node
-//! daemon's arena). A load then copies the chunk into that buffer first and fills the blocks
-//! from the buffer (phase 0, then phase 1), so the blocks get exactly the bytes the worker
-//! checks; a save gathers the blocks into the buffer, then copies the buffer into the place
-//! (the worker seals the chunk from its buffer). Copies within a phase may run in any order
+//! daemon's arena). A load then copies the chunk into that buffer first (phase 0, host to host:
+//! [`CopyPlan::host_phase`]) and fills the blocks from the buffer (phase 1), so the blocks get
+//! exactly the bytes the worker checks; a save copies each page both into the buffer and into
+//! the place, in one phase (the worker seals the chunk from its buffer; no host-to-host copy,
+//! which CUDA runs synchronously with the host). Copies within a phase may run in any order
 //! (a CUDA batch gives no order); phases run one after the other.
 
 use std::collections::HashSet;
@@ -110,12 +111,14 @@ pub struct KvPlanes {
     planes: Vec<Plane>,
     page_bytes: u64,
     num_blocks: u64,
+    block_bytes: u64,
 }
 
 impl KvPlanes {
     /// Planes in the chunk layout's plane order, each of `num_blocks` pages of `page_bytes`.
     /// Refuses no planes, empty pages, a null base, pages that overlap (`row_stride <
-    /// page_bytes`) and planes whose last page's end does not fit in 64 bits.
+    /// page_bytes`, or one plane's pages another's), and planes whose last page's end does not
+    /// fit in 64 bits.
     pub fn new(planes: Vec<Plane>, page_bytes: u64, num_blocks: u64) -> Result<Self, PlanError> {
         if planes.is_empty() || page_bytes == 0 || num_blocks == 0 {
             return Err(PlanError::Planes(format!(
@@ -143,10 +146,27 @@ impl KvPlanes {
                 .and_then(|v| v.checked_add(p.base))
                 .ok_or_else(|| fail("its last page ends past the address space"))?;
         }
+        for (i, a) in planes.iter().enumerate() {
+            for b in &planes[..i] {
+                if pages_overlap(a, b, page_bytes, num_blocks) {
+                    return Err(PlanError::Plane {
+                        plane: i,
+                        reason: format!(
+                            "its pages overlap another plane's (bases {:#x} and {:#x})",
+                            a.base, b.base
+                        ),
+                    });
+                }
+            }
+        }
+        let block_bytes = page_bytes
+            .checked_mul(planes.len() as u64)
+            .ok_or_else(|| PlanError::Planes("a block's bytes overflow".into()))?;
         Ok(KvPlanes {
             planes,
             page_bytes,
             num_blocks,
+            block_bytes,
         })
     }
 
@@ -167,7 +187,7 @@ impl KvPlanes {
 
     /// Bytes of one block across all planes: a chunk's block length.
     pub fn block_bytes(&self) -> u64 {
-        self.page_bytes * self.planes.len() as u64
+        self.block_bytes
     }
 
     /// Where block `block`'s page of plane `plane` starts (both checked by the caller).
@@ -175,6 +195,22 @@ impl KvPlanes {
         let p = self.planes[plane];
         p.base + u64::from(block) * p.row_stride
     }
+}
+
+/// Whether any page of plane `a` overlaps any page of plane `b` (both `num_blocks` pages of
+/// `page` bytes). Planes whose extents are disjoint do not; planes with one row stride may
+/// interleave (one plane's pages in the gaps of the other's rows).
+fn pages_overlap(a: &Plane, b: &Plane, page: u64, num_blocks: u64) -> bool {
+    let end = |p: &Plane| p.base + (num_blocks - 1) * p.row_stride + page;
+    if end(a) <= b.base || end(b) <= a.base {
+        return false;
+    }
+    if a.row_stride != b.row_stride {
+        return true;
+    }
+    let stride = a.row_stride;
+    let delta = a.base.abs_diff(b.base) % stride;
+    !(delta >= page && delta <= stride - page)
 }
 
 /// One copy job as the worker plans it (the fields of `kvpool_connector::CopyJob`).
@@ -228,6 +264,7 @@ pub struct CopyPlan {
     direction: Direction,
     phases: Vec<Vec<Segment>>,
     pages: usize,
+    host_phase: Option<usize>,
 }
 
 /// Segments of one phase, each merged into the one before when both sides run on.
@@ -276,7 +313,11 @@ impl CopyPlan {
                 chunks,
             });
         }
-        let blocks: usize = job.chunk_blocks.iter().sum();
+        let blocks = job
+            .chunk_blocks
+            .iter()
+            .try_fold(0usize, |sum, &b| sum.checked_add(b))
+            .ok_or(PlanError::Overflow)?;
         if job.skip_blocks > 0 {
             if job.direction == Direction::Save {
                 return Err(PlanError::Skip(
@@ -306,10 +347,15 @@ impl CopyPlan {
             if ptr == 0 || bpc == 0 {
                 return Err(PlanError::Chunk(c));
             }
-            (bpc as u64)
+            let len = (bpc as u64)
                 .checked_mul(job.block_bytes)
-                .and_then(|len| ptr.checked_add(len))
                 .ok_or(PlanError::Overflow)?;
+            ptr.checked_add(len).ok_or(PlanError::Overflow)?;
+            if let Some(&buffer) = job.check_copy_ptrs.get(c)
+                && buffer != 0
+            {
+                buffer.checked_add(len).ok_or(PlanError::Overflow)?;
+            }
         }
         for &id in job.block_ids {
             if u64::from(id) >= planes.num_blocks {
@@ -326,45 +372,57 @@ impl CopyPlan {
             }
         }
         let staged = |c: usize| job.check_copy_ptrs.get(c).copied().filter(|&p| p != 0);
-        // Staging (load: chunk -> buffer; save: buffer -> chunk) and the pages' copies.
+        // A load's staging: each staged chunk into its buffer (host to host).
         let mut staging = PhaseBuilder::default();
-        let mut pages = PhaseBuilder::default();
-        for (c, (&ptr, &bpc)) in job.chunk_ptrs.iter().zip(job.chunk_blocks).enumerate() {
-            if let Some(buffer) = staged(c) {
-                let len = bpc as u64 * job.block_bytes;
-                match job.direction {
-                    Direction::Load => staging.push(ptr, buffer, len),
-                    Direction::Save => staging.push(buffer, ptr, len),
+        if job.direction == Direction::Load {
+            for (c, (&ptr, &bpc)) in job.chunk_ptrs.iter().zip(job.chunk_blocks).enumerate() {
+                if let Some(buffer) = staged(c) {
+                    staging.push(ptr, buffer, bpc as u64 * job.block_bytes);
                 }
             }
         }
+        // The pages' copies; a save's staged chunk gets each page twice (place and buffer).
+        let mut pages = PhaseBuilder::default();
+        let mut copies = PhaseBuilder::default();
         let mut n_pages = 0;
         for plane in 0..n_planes {
             let mut first = 0;
             for (c, (&ptr, &bpc)) in job.chunk_ptrs.iter().zip(job.chunk_blocks).enumerate() {
-                let host = staged(c).unwrap_or(ptr);
                 let skip = if c == 0 { job.skip_blocks } else { 0 };
                 let ids = &job.block_ids[first..first + bpc - skip];
                 first += bpc - skip;
                 for (j, &id) in (skip..bpc).zip(ids) {
-                    let host_page = host + ((plane * bpc + j) as u64) * page;
+                    let offset = ((plane * bpc + j) as u64) * page;
                     let engine_page = planes.page(plane, id);
                     match job.direction {
-                        Direction::Load => pages.push(host_page, engine_page, page),
-                        Direction::Save => pages.push(engine_page, host_page, page),
+                        Direction::Load => {
+                            let host = staged(c).unwrap_or(ptr);
+                            pages.push(host + offset, engine_page, page);
+                        }
+                        Direction::Save => {
+                            pages.push(engine_page, ptr + offset, page);
+                            if let Some(buffer) = staged(c) {
+                                copies.push(engine_page, buffer + offset, page);
+                            }
+                        }
                     }
                     n_pages += 1;
                 }
             }
         }
+        let mut page_phase = pages.0;
+        page_phase.extend(copies.0);
         let phases = match job.direction {
-            Direction::Load => [staging.0, pages.0],
-            Direction::Save => [pages.0, staging.0],
+            Direction::Load => vec![staging.0, page_phase],
+            Direction::Save => vec![page_phase],
         };
+        let phases: Vec<Vec<Segment>> = phases.into_iter().filter(|p| !p.is_empty()).collect();
+        let host_phase = (job.direction == Direction::Load && phases.len() == 2).then_some(0);
         Ok(CopyPlan {
             direction: job.direction,
-            phases: phases.into_iter().filter(|p| !p.is_empty()).collect(),
+            phases,
             pages: n_pages,
+            host_phase,
         })
     }
 
@@ -378,9 +436,8 @@ impl CopyPlan {
         &self.phases
     }
 
-    /// The phase that copies the engine's pages (the others copy host memory to host
-    /// memory: a staged chunk into or out of its buffer), and whether each of its segments'
-    /// host side is its source (a load) rather than its destination (a save).
+    /// The phase that copies the engine's pages, and whether each of its segments' host side
+    /// is its source (a load) rather than its destination (a save).
     pub fn page_phase(&self) -> Option<(usize, bool)> {
         if self.pages == 0 {
             return None;
@@ -389,6 +446,13 @@ impl CopyPlan {
             Direction::Load => (self.phases.len() - 1, true),
             Direction::Save => (0, false),
         })
+    }
+
+    /// The phase that copies host memory to host memory (a load's staged chunks into their
+    /// buffers), if any: the CUDA engine runs it with memcpy before it queues the rest (CUDA
+    /// would run such a copy synchronously with the host, after the stream's earlier work).
+    pub fn host_phase(&self) -> Option<usize> {
+        self.host_phase
     }
 
     /// What the plan moves.
@@ -518,17 +582,19 @@ mod tests {
         // The staged chunk's blocks come from the buffer, the other chunk's from its place.
         assert_eq!(plan.phases()[1][0].src, 0xb000_0000);
         assert_eq!(plan.phases()[1][1].src, 0xa000_0000);
+        assert_eq!(plan.host_phase(), Some(0));
+        // A save: one phase, each page of the staged chunk to its place and to its buffer.
         j.direction = Direction::Save;
         let plan = CopyPlan::build(&kv, &j).unwrap();
-        assert_eq!(plan.phases()[0][0].dst, 0xb000_0000);
-        assert_eq!(
-            plan.phases()[1],
-            vec![Segment {
-                src: 0xb000_0000,
-                dst: 0x9000_0000,
-                len: 128
-            }]
+        assert_eq!(plan.phases().len(), 1);
+        assert_eq!(plan.host_phase(), None);
+        let dsts: Vec<u64> = plan.phases()[0].iter().map(|s| s.dst).collect();
+        assert!(
+            dsts.contains(&0x9000_0000) && dsts.contains(&0xb000_0000),
+            "{dsts:x?}"
         );
+        assert!(dsts.contains(&0xa000_0000));
+        assert_eq!(plan.stats().bytes, 3 * 64 + 2 * 64);
     }
 
     #[test]
@@ -575,6 +641,19 @@ mod tests {
             bad(job(Direction::Load, &[1, 2], &[2], &[u64::MAX - 10], 128)),
             PlanError::Overflow
         ));
+    }
+
+    #[test]
+    fn planes_whose_pages_overlap_are_refused_and_interleaved_ones_taken() {
+        let p = |base, row_stride| Plane { base, row_stride };
+        // Overlapping extents, one stride, pages colliding.
+        assert!(KvPlanes::new(vec![p(4096, 128), p(4096 + 64, 128)], 96, 8).is_err());
+        // Interleaved: the second plane's pages fill the first's gaps.
+        KvPlanes::new(vec![p(4096, 128), p(4096 + 64, 128)], 64, 8).unwrap();
+        // Other strides over the same memory.
+        assert!(KvPlanes::new(vec![p(4096, 128), p(4096, 256)], 64, 8).is_err());
+        // Disjoint.
+        KvPlanes::new(vec![p(4096, 64), p(4096 + 8 * 64, 64)], 64, 8).unwrap();
     }
 
     #[test]

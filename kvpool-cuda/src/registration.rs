@@ -13,14 +13,18 @@ use parking_lot::Mutex;
 use crate::driver::{CudaDriver, CudaError};
 use crate::engine::CopyStream;
 
-/// Ranges page-locked by this process through kvpool-cuda, `start -> length`.
-static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+/// Ranges page-locked by this process through kvpool-cuda, `start -> (length, done)`: an entry
+/// is reserved (`done` false) before the driver is asked, so no other registration of an
+/// overlapping range starts meanwhile, without the lock held during the driver's call (which
+/// takes seconds for a large arena, and every copy-kernel job looks the registry up).
+static REGISTERED: Mutex<BTreeMap<usize, (usize, bool)>> = Mutex::new(BTreeMap::new());
 
 /// Whether every `(address, length)` range of `ranges` lies within one range page-locked
 /// through kvpool-cuda now (one look at the registry for all of them).
 pub fn all_registered(ranges: impl IntoIterator<Item = (u64, u64)>) -> bool {
     let registered = REGISTERED.lock();
     // Consecutive ranges mostly fall in the same registration: try the last one found first.
+    // Only finished registrations count.
     let mut last: Option<(usize, usize)> = None;
     ranges.into_iter().all(|(ptr, len)| {
         let (Ok(ptr), Ok(len)) = (usize::try_from(ptr), usize::try_from(len)) else {
@@ -36,7 +40,8 @@ pub fn all_registered(ranges: impl IntoIterator<Item = (u64, u64)>) -> bool {
         let found = registered
             .range(..=ptr)
             .next_back()
-            .map(|(&start, &l)| (start, l));
+            .filter(|(_, (_, done))| *done)
+            .map(|(&start, &(l, _))| (start, l));
         last = found;
         found.is_some_and(within)
     })
@@ -100,24 +105,34 @@ impl HostRegistration {
         if ptr == 0 || len == 0 {
             return Err(RegisterError::Empty { ptr, len });
         }
-        let mut registered = REGISTERED.lock();
-        let overlaps = registered
-            .range(..ptr.saturating_add(len))
-            .next_back()
-            .is_some_and(|(&start, &l)| start + l > ptr);
-        if overlaps {
-            return Err(RegisterError::AlreadyRegistered { ptr, len });
+        {
+            let mut registered = REGISTERED.lock();
+            let overlaps = registered
+                .range(..ptr.saturating_add(len))
+                .next_back()
+                .is_some_and(|(&start, &(l, _))| start + l > ptr);
+            if overlaps {
+                return Err(RegisterError::AlreadyRegistered { ptr, len });
+            }
+            registered.insert(ptr, (len, false));
         }
         // SAFETY: the caller keeps the range allocated until the guard drops, which
         // unregisters it.
-        match unsafe { driver.host_register(ptr, len) } {
-            Ok(()) => {}
-            Err(e) if e.is_already_registered() => {
-                return Err(RegisterError::AlreadyRegistered { ptr, len });
+        let result = unsafe { driver.host_register(ptr, len) };
+        let mut registered = REGISTERED.lock();
+        match result {
+            Ok(()) => {
+                registered.insert(ptr, (len, true));
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                registered.remove(&ptr);
+                return Err(if e.is_already_registered() {
+                    RegisterError::AlreadyRegistered { ptr, len }
+                } else {
+                    e.into()
+                });
+            }
         }
-        registered.insert(ptr, len);
         Ok(HostRegistration {
             driver,
             ptr,
@@ -142,9 +157,11 @@ impl Drop for HostRegistration {
                 );
             }
         }
+        // Out of the registry first: no copy-kernel job may take the range as locked once
+        // its unlocking starts.
+        REGISTERED.lock().remove(&self.ptr);
         if let Err(e) = self.driver.host_unregister(self.ptr) {
             tracing::warn!("kvpool-cuda: unlocking {self:?}: {e}");
         }
-        REGISTERED.lock().remove(&self.ptr);
     }
 }

@@ -18,7 +18,20 @@ use kvpool_cuda::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::py_worker::PyCopyJob;
+/// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
+/// block_bytes, chunk_ptrs, check_copy_ptrs, asynchronous)`.
+pub type PyCopyJob = (
+    u64,
+    bool,
+    String,
+    Vec<u32>,
+    usize,
+    Vec<usize>,
+    usize,
+    Vec<usize>,
+    Vec<usize>,
+    bool,
+);
 
 /// Where the engine's KV is, and so which executor runs the plans.
 enum Executor {
@@ -170,12 +183,14 @@ impl PyCopyEngine {
         load: bool,
         compute: usize,
     ) -> PyResult<usize> {
+        // Locked before the jobs are taken: a job taken and never started would stay in
+        // flight for ever.
+        let mut copies = lock(&self.copies)?;
         let jobs = if load {
             worker.take_load_jobs()
         } else {
             worker.take_save_jobs()
         };
-        let mut copies = lock(&self.copies)?;
         for job in &jobs {
             // SAFETY: the worker keeps each job's buffers (and the leases of what it loads)
             // until the job is reported done, which happens below or once polled.
@@ -484,14 +499,22 @@ impl PyCopyEngine {
     /// started so far; returns, per mapping still held, whether it is page-locked.
     fn wait_node_memory_pinned(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<bool>> {
         py.detach(|| {
-            let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+            let wait =
+                Duration::try_from_secs_f64(timeout.clamp(0.0, 3600.0)).unwrap_or(Duration::ZERO);
+            let deadline = Instant::now() + wait;
+            // Polled with the lock let go in between: the step's copies go on meanwhile.
+            loop {
+                let busy = lock(&self.copies)?
+                    .node_pins
+                    .iter()
+                    .any(|p| p.registering.as_ref().is_some_and(|h| !h.is_finished()));
+                if !busy || Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
             let mut copies = lock(&self.copies)?;
             for pin in &mut copies.node_pins {
-                while pin.registering.as_ref().is_some_and(|h| !h.is_finished())
-                    && Instant::now() < deadline
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
                 if pin.registering.as_ref().is_some_and(|h| h.is_finished())
                     && let Some(handle) = pin.registering.take()
                 {

@@ -17,7 +17,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::py_copies::PyCopyEngine;
+use crate::py_copies::{PyCopyEngine, PyCopyJob};
 
 /// Everything a worker needs, as the Python connector gathers it from vLLM.
 #[derive(Debug, Clone)]
@@ -125,21 +125,6 @@ impl WorkerCore {
             .map_err(|e| e.to_string())
     }
 }
-
-/// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
-/// block_bytes, chunk_ptrs, check_copy_ptrs, asynchronous)`.
-pub type PyCopyJob = (
-    u64,
-    bool,
-    String,
-    Vec<u32>,
-    usize,
-    Vec<usize>,
-    usize,
-    Vec<usize>,
-    Vec<usize>,
-    bool,
-);
 
 fn py_job(j: CopyJob) -> PyCopyJob {
     (

@@ -40,3 +40,13 @@ def test_defaults_and_values_as_given():
                        "config": {"local_cpu": {"max_size": "1GiB"}}, "pool": "unix:///s"})
     assert (o.save_decode_tokens, o.lookup_timeout_ms, o.async_loads, o.transfer,
             o.socket_dir) == (True, 250, "always", "torch", "/run/x")
+
+
+def test_every_option_is_in_the_configuration_reference():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                            "configuration.md")).read()
+    section = doc[doc.index("## The vLLM connector's options"):]
+    for key in OPTIONS:
+        assert f"| `{key}` |" in section, key

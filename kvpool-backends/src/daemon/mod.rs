@@ -32,7 +32,7 @@ pub use client::{
 pub use namespace::{MAC_BYTES, NamespacedConnector};
 pub use pool::{
     ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_TENANT, DaemonOptions, MAX_ITEMS_PER_REQUEST,
-    MAX_REQUEST_BYTES, PoolDaemon,
+    MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT, PoolDaemon,
 };
 pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
 pub use server::{DaemonServer, SocketAccess};

@@ -87,20 +87,44 @@ impl RemoteConnector for NamespacedConnector {
         let Some(secret) = &self.mac_key else {
             return Ok(values);
         };
-        Ok(names
+        let mut forged = Vec::new();
+        let out = names
             .iter()
             .zip(values)
             .map(|(name, value)| {
                 let value = value?;
-                let checked = Self::verified(secret, name, value);
+                let checked = Self::verified(secret, name, value.clone());
                 if checked.is_none() {
-                    warn!(tier = self.inner.name(), key = %name, "a value without this tenant's MAC: a miss");
+                    warn!(tier = self.inner.name(), key = %name, "a value without this tenant's MAC: a miss, deleted");
                     metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => self.inner.name().to_string())
                         .increment(1);
+                    forged.push((name.clone(), value));
                 }
                 checked
             })
-            .collect())
+            .collect();
+        // Deleted (each only if still the bytes read: a good value written since stays), so
+        // that lookups stop promising it and a later save stores it again.
+        if !forged.is_empty() {
+            let again: Vec<String> = forged.iter().map(|(k, _)| k.clone()).collect();
+            if let Ok(now) = self.inner.batch_get(&again).await {
+                let still: Vec<String> = forged
+                    .into_iter()
+                    .zip(now)
+                    .filter(|((_, was), now)| now.as_ref() == Some(was))
+                    .map(|((k, _), _)| k)
+                    .collect();
+                if !still.is_empty()
+                    && let Err(e) = self.inner.batch_delete(&still).await
+                {
+                    warn!(
+                        tier = self.inner.name(),
+                        "could not delete values without the MAC: {e}"
+                    );
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {

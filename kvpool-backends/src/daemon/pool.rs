@@ -23,6 +23,11 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
 /// The largest request frame the daemon reads (requests carry keys, never values).
 pub const MAX_REQUEST_BYTES: usize = 8 << 20;
 
+/// Bytes of request frames (and what decoding them allocates) the daemon holds at once, over
+/// all sessions: a request past it is refused ("busy") without being stored, so many engines
+/// sending large frames at once cannot grow the daemon's heap past this.
+pub const MAX_REQUEST_BYTES_IN_FLIGHT: usize = 256 << 20;
+
 /// The most keys, lengths or entries one request may carry.
 pub const MAX_ITEMS_PER_REQUEST: usize = 1 << 16;
 
@@ -31,6 +36,10 @@ pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The tenant name of a daemon without `[[tenant]]`s (in logs and metric labels).
 pub const DEFAULT_TENANT: &str = "default";
+
+/// Where tenants' keys live in the lower tiers (`tenant/<name>/...`): refused to an untenanted
+/// daemon's engines.
+pub const TENANT_PREFIX: &str = "tenant/";
 
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
 #[derive(Debug, Clone)]
@@ -74,16 +83,6 @@ impl DaemonOptions {
     }
 }
 
-/// A committed value handed to lower tiers without a copy: its memory stays in the arena (and
-/// cannot be evicted) until every tier's write ended.
-struct ArenaBytes(MemoryObj);
-
-impl AsRef<[u8]> for ArenaBytes {
-    fn as_ref(&self) -> &[u8] {
-        self.0.as_slice()
-    }
-}
-
 #[derive(Default)]
 struct WriteBehind {
     bytes: AtomicUsize,
@@ -123,7 +122,7 @@ pub struct PoolDaemon {
     request_bytes: AtomicUsize,
 }
 
-/// A share of [`super::server::MAX_REQUEST_BYTES_IN_FLIGHT`], given back on drop.
+/// A share of [`MAX_REQUEST_BYTES_IN_FLIGHT`], given back on drop.
 pub(super) struct RequestBudget<'a> {
     bytes: usize,
     held: &'a AtomicUsize,
@@ -225,7 +224,7 @@ impl PoolDaemon {
 
     /// `bytes` of the requests-in-flight budget, or `None` when it is spent.
     pub(super) fn request_budget(&self, bytes: usize) -> Option<RequestBudget<'_>> {
-        let limit = super::server::MAX_REQUEST_BYTES_IN_FLIGHT;
+        let limit = MAX_REQUEST_BYTES_IN_FLIGHT;
         self.request_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 (held + bytes <= limit).then_some(held + bytes)
@@ -270,6 +269,23 @@ impl PoolDaemon {
             return self.refuse(&format!(
                 "{items} items in one request (at most {MAX_ITEMS_PER_REQUEST})"
             ));
+        }
+        // An untenanted daemon over tiers tenants also use must not reach their namespaces.
+        if self.options.tenant == DEFAULT_TENANT {
+            let tenant_key = |k: &String| k.starts_with(TENANT_PREFIX);
+            let touches = match &request {
+                Request::Exists { keys }
+                | Request::Get { keys }
+                | Request::GetResident { keys }
+                | Request::Delete { keys } => keys.iter().any(tenant_key),
+                Request::Commit { entries } => entries.iter().any(|(_, k)| tenant_key(k)),
+                _ => false,
+            };
+            if touches {
+                return self.refuse(&format!(
+                    "keys under `{TENANT_PREFIX}` belong to the daemon's tenants"
+                ));
+            }
         }
         match request {
             Request::Attach { .. } => self.refuse("already attached"),
@@ -398,17 +414,13 @@ impl PoolDaemon {
                             warn!(tier = tier.name(), key = %keys[i], error = %e, "a lower tier's value failed its check; not promoted, deleted from that tier");
                             metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => tier.name().to_string())
                                 .increment(1);
-                            corrupt.push(keys[i].clone());
+                            corrupt.push((keys[i].clone(), bytes));
                             continue;
                         }
                         out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
                         tier_hits += u64::from(out[i].is_some());
                     }
-                    if !corrupt.is_empty()
-                        && let Err(e) = self.runtime.block_on(tier.batch_delete(&corrupt))
-                    {
-                        warn!(tier = tier.name(), "could not delete corrupt values: {e}");
-                    }
+                    self.delete_if_unchanged(tier.as_ref(), corrupt);
                 }
                 Err(e) => debug!(tier = tier.name(), "get failed (a miss): {e}"),
             }
@@ -416,6 +428,34 @@ impl PoolDaemon {
         let misses = out.iter().filter(|r| r.is_none()).count() as u64;
         self.store.count_lookups(tier_hits, misses);
         out
+    }
+
+    /// Deletes `bad` values (key, the bytes read) from `tier`, each only if the tier still holds
+    /// those very bytes: a good value written under the key since (a commit's write-behind)
+    /// stays.
+    fn delete_if_unchanged(&self, tier: &dyn RemoteConnector, bad: Vec<(String, Bytes)>) {
+        if bad.is_empty() {
+            return;
+        }
+        let keys: Vec<String> = bad.iter().map(|(k, _)| k.clone()).collect();
+        let now = match self.runtime.block_on(tier.batch_get(&keys)) {
+            Ok(now) => now,
+            Err(e) => {
+                debug!(tier = tier.name(), "could not re-read corrupt values: {e}");
+                return;
+            }
+        };
+        let still: Vec<String> = bad
+            .into_iter()
+            .zip(now)
+            .filter(|((_, was), now)| now.as_ref() == Some(was))
+            .map(|((k, _), _)| k)
+            .collect();
+        if !still.is_empty()
+            && let Err(e) = self.runtime.block_on(tier.batch_delete(&still))
+        {
+            warn!(tier = tier.name(), "could not delete corrupt values: {e}");
+        }
     }
 
     /// Hands committed values to every lower tier in the background, within the quota.
@@ -446,12 +486,25 @@ impl PoolDaemon {
             write_behind: self.write_behind.clone(),
             bytes,
         };
-        let entries: Vec<(String, Bytes)> = committed
-            .into_iter()
-            .map(|(k, v)| (k, Bytes::from_owner(ArenaBytes(v))))
-            .collect();
         let tiers = self.tiers.clone();
         self.runtime.spawn(async move {
+            // Copied out of the arena (which every attached engine can write) and checked on
+            // that private copy: a stray write after the commit costs this value's write, never
+            // a good copy a lower tier already holds.
+            let entries: Vec<(String, Bytes)> = committed
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    let copy = Bytes::copy_from_slice(v.as_slice());
+                    drop(v);
+                    match check_stored_value(&k, &copy) {
+                        Ok(()) => Some((k, copy)),
+                        Err(e) => {
+                            warn!(key = %k, error = %e, "a committed value failed its check; not written below");
+                            None
+                        }
+                    }
+                })
+                .collect();
             let mut all_ok = true;
             for tier in &tiers {
                 if let Err(e) = tier.batch_put(entries.clone()).await {

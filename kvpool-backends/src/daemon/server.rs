@@ -10,14 +10,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvpool_core::frame::write_frame;
 use parking_lot::Mutex;
 use sendfd::SendWithFd;
 use tracing::{debug, info, warn};
 
-use super::pool::{ATTACH_TIMEOUT, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES, PoolDaemon};
+use super::pool::{
+    ATTACH_TIMEOUT, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT,
+    PoolDaemon, RequestBudget,
+};
 use super::protocol::{PROTOCOL_VERSION, Precheck, Reply, Request};
 use super::store::SessionId;
 
@@ -261,7 +264,7 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
             let _ = write_frame(&mut stream, &daemon.refuse(&why));
             return;
         }
-        Ok(Ok(Request::Attach { version, client })) if version == PROTOCOL_VERSION => {
+        Ok(Ok((Request::Attach { version, client }, _))) if version == PROTOCOL_VERSION => {
             let arena = daemon.store.arena();
             let reply = Reply::Attached {
                 arena_len: arena.len() as u64,
@@ -284,7 +287,7 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
                 return;
             }
         }
-        Ok(Ok(Request::Attach { version, .. })) => {
+        Ok(Ok((Request::Attach { version, .. }, _))) => {
             let why = format!(
                 "protocol version {version} is not the daemon's {PROTOCOL_VERSION}: upgrade the engine's kvpool or the daemon"
             );
@@ -304,7 +307,8 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
         }
     }
     loop {
-        let request = match read_request(daemon, &mut stream, true) {
+        // The request's budget is held until its reply is written.
+        let (request, _budget) = match read_request(daemon, &mut stream, true) {
             Ok(Ok(r)) => r,
             Ok(Err(why)) => {
                 if let Err(e) = write_frame(&mut stream, &daemon.refuse(&why)) {
@@ -333,11 +337,6 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
     }
 }
 
-/// Bytes of request frames (and what decoding them allocates) the daemon holds at once, over
-/// all sessions: a request past it is refused ("busy") without being stored, so many engines
-/// sending large frames at once cannot grow the daemon's heap past this.
-pub const MAX_REQUEST_BYTES_IN_FLIGHT: usize = 256 << 20;
-
 /// The bytes of a frame's start [`Request::precheck`] reads: a variant and a count (two
 /// varints of at most 10 bytes each).
 const PRECHECK_BYTES: usize = 24;
@@ -345,59 +344,96 @@ const PRECHECK_BYTES: usize = 24;
 /// What decoding one item may allocate beyond its bytes on the wire (a `String`'s slot).
 const DECODED_BYTES_PER_ITEM: usize = 32;
 
-/// Reads one request: its length (waiting as long as it takes when `idle_ok`, else within the
-/// socket's timeout), then its body within [`FRAME_BODY_TIMEOUT`]. A frame above
+/// The largest frame a connection may send before it attached (an `Attach` is small).
+const MAX_ATTACH_BYTES: usize = 4 << 10;
+
+/// A request as read, and its share of the requests-in-flight budget, held until its reply is
+/// written.
+type Received<'a> = (Request, Option<RequestBudget<'a>>);
+
+/// Reads one request. Before attaching (`attached` false) the whole frame must arrive within
+/// [`ATTACH_TIMEOUT`] and hold at most 4 KiB; once attached, an engine may be idle before a
+/// frame as long as it likes, and the frame's body must then arrive within
+/// [`FRAME_BODY_TIMEOUT`] (a deadline, not a per-read timeout). A frame above
 /// [`MAX_REQUEST_BYTES`] is an error (the session closes) before anything else is read; its
 /// first bytes are checked ([`Request::precheck`]) before the rest is stored: one carrying
 /// more than [`MAX_ITEMS_PER_REQUEST`] items, or arriving while the daemon holds
 /// [`MAX_REQUEST_BYTES_IN_FLIGHT`] of requests, is read to its end without being stored and
 /// answered `Ok(Err(why))` (the session is refused that request and goes on).
-fn read_request(
-    daemon: &PoolDaemon,
+fn read_request<'a>(
+    daemon: &'a PoolDaemon,
     stream: &mut UnixStream,
-    idle_ok: bool,
-) -> io::Result<Result<Request, String>> {
+    attached: bool,
+) -> io::Result<Result<Received<'a>, String>> {
     let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidData, msg);
+    let attach_by = (!attached).then(|| Instant::now() + ATTACH_TIMEOUT);
     let mut len = [0u8; 4];
-    stream.read_exact(&mut len)?;
+    match attach_by {
+        Some(deadline) => read_exact_by(stream, &mut len, deadline)?,
+        None => {
+            stream.set_read_timeout(None)?;
+            stream.read_exact(&mut len)?;
+        }
+    }
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_REQUEST_BYTES {
+    let max = if attached {
+        MAX_REQUEST_BYTES
+    } else {
+        MAX_ATTACH_BYTES
+    };
+    if len > max {
         return Err(invalid(format!("a frame of {len} bytes is too large")));
     }
-    if idle_ok {
-        stream.set_read_timeout(Some(FRAME_BODY_TIMEOUT))?;
-    }
-    let read = read_body(daemon, stream, len);
-    if idle_ok {
-        stream.set_read_timeout(None)?;
-    }
-    read.map_err(|e| match e.kind() {
+    let deadline = attach_by.unwrap_or_else(|| Instant::now() + FRAME_BODY_TIMEOUT);
+    read_body(daemon, stream, len, deadline).map_err(|e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => invalid(format!(
-            "a request's body did not arrive within {FRAME_BODY_TIMEOUT:?}"
+            "a request did not arrive in time ({:?} for an attach, {FRAME_BODY_TIMEOUT:?} for a body)",
+            ATTACH_TIMEOUT
         )),
         _ => e,
     })
 }
 
-fn read_body(
-    daemon: &PoolDaemon,
+/// `read_exact` that fails once `deadline` passes, however the bytes trickle in.
+fn read_exact_by(stream: &mut UnixStream, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn read_body<'a>(
+    daemon: &'a PoolDaemon,
     stream: &mut UnixStream,
     len: usize,
-) -> io::Result<Result<Request, String>> {
+    deadline: Instant,
+) -> io::Result<Result<Received<'a>, String>> {
     let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidData, msg);
     let mut head = [0u8; PRECHECK_BYTES];
     let head_len = len.min(PRECHECK_BYTES);
-    stream.read_exact(&mut head[..head_len])?;
-    let refuse =
-        |stream: &mut UnixStream, why: String| drain(stream, len - head_len).map(|()| Err(why));
+    read_exact_by(stream, &mut head[..head_len], deadline)?;
+    let refuse = |stream: &mut UnixStream, why: String| {
+        drain(stream, len - head_len, deadline).map(|()| Err(why))
+    };
     match Request::precheck(&head[..head_len], MAX_ITEMS_PER_REQUEST) {
         Ok(()) => {}
         Err(Precheck::TooLarge(why)) => return refuse(stream, why),
         Err(Precheck::Garbled(why)) => return Err(invalid(why)),
     }
-    let Some(_budget) =
-        daemon.request_budget(len + MAX_ITEMS_PER_REQUEST.min(len) * DECODED_BYTES_PER_ITEM)
-    else {
+    // The frame and what decoding it allocates, and as much again for what answering it
+    // copies (deduplicated keys, a tier's keys, the reply).
+    let cost = 2 * (len + MAX_ITEMS_PER_REQUEST.min(len) * DECODED_BYTES_PER_ITEM);
+    let Some(budget) = daemon.request_budget(cost) else {
         return refuse(
             stream,
             format!("busy: {MAX_REQUEST_BYTES_IN_FLIGHT} bytes of requests in flight"),
@@ -405,16 +441,17 @@ fn read_body(
     };
     let mut body = vec![0u8; len];
     body[..head_len].copy_from_slice(&head[..head_len]);
-    stream.read_exact(&mut body[head_len..])?;
-    kvpool_core::frame::decode_body(&body).map(Ok)
+    read_exact_by(stream, &mut body[head_len..], deadline)?;
+    let request = kvpool_core::frame::decode_body(&body)?;
+    Ok(Ok((request, Some(budget))))
 }
 
-/// Reads and drops `n` bytes (a refused frame's rest), through a small buffer.
-fn drain(stream: &mut UnixStream, mut n: usize) -> io::Result<()> {
+/// Reads and drops `n` bytes (a refused frame's rest) by `deadline`, through a small buffer.
+fn drain(stream: &mut UnixStream, mut n: usize, deadline: Instant) -> io::Result<()> {
     let mut scratch = [0u8; 64 << 10];
     while n > 0 {
         let take = n.min(scratch.len());
-        stream.read_exact(&mut scratch[..take])?;
+        read_exact_by(stream, &mut scratch[..take], deadline)?;
         n -= take;
     }
     Ok(())

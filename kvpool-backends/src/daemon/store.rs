@@ -23,6 +23,9 @@ pub type SessionId = u64;
 /// miss, a save not made), so no session can grow the daemon's heap without bound.
 pub const MAX_LEASES_PER_SESSION: usize = 1 << 18;
 
+/// The most pins and uncommitted allocations all sessions together may hold.
+pub const MAX_LEASES: usize = 1 << 21;
+
 struct Lent<T> {
     memory: T,
     session: SessionId,
@@ -64,11 +67,21 @@ impl State {
     /// Whether `session` may take one more lease.
     fn may_lease(&self, session: SessionId) -> bool {
         self.held.get(&session).copied().unwrap_or(0) < MAX_LEASES_PER_SESSION
+            && self.pins.len() + self.allocations.len() < MAX_LEASES
     }
 
     fn leased(&mut self, session: SessionId, id: u64, expires: Instant) {
         *self.held.entry(session).or_default() += 1;
         self.deadlines.push_back((expires, id));
+        // Leases ended early leave their deadline behind: past twice the live leases, the
+        // queue keeps only the live ones (so it tracks leases held, not leases made).
+        let live = self.pins.len() + self.allocations.len();
+        if self.deadlines.len() > 2 * live + 4096 {
+            let (pins, allocations) = (&self.pins, &self.allocations);
+            self.deadlines
+                .retain(|(_, id)| pins.contains_key(id) || allocations.contains_key(id));
+            self.deadlines.shrink_to(2 * self.deadlines.len() + 4096);
+        }
     }
 
     fn unleased(&mut self, session: SessionId) {
@@ -454,6 +467,21 @@ mod tests {
         assert!(s.pin(3, "a").is_some(), "another session is not affected");
         assert_eq!(s.end_session(2), MAX_LEASES_PER_SESSION);
         assert!(s.pin(2, "a").is_some());
+    }
+
+    #[test]
+    fn the_deadline_queue_tracks_leases_held_not_leases_made() {
+        let s = store(1 << 20);
+        assert!(write(&s, 1, "a", 1, 4096));
+        for _ in 0..100_000 {
+            let r = s.pin(2, "a").unwrap();
+            s.release(2, &[r.id]);
+        }
+        let queued = s.state.lock().deadlines.len();
+        assert!(
+            queued <= 4096 + 2,
+            "{queued} deadlines queued for no lease held"
+        );
     }
 
     #[test]

@@ -355,9 +355,11 @@ impl CacheEngine {
     }
 
     /// Fetches and verifies the chunks of `spans`, in order, stopping at the first that is
-    /// missing or fails a check (a chunk that fails is removed from every tier and counted).
+    /// missing or fails a check (a chunk that fails is counted, and removed as below).
     /// `in_memory` are chunks already in hand for the leading spans (a lookup lease's), used
-    /// as they are and checked like the rest; the other spans are read from the tiers.
+    /// as they are and checked like the rest; the other spans are read from the tiers. A chunk
+    /// that fails is removed from the tier it came from and from memory (L1, node memory),
+    /// never from another durable tier.
     pub async fn fetch_spans(&self, spans: &[ChunkSpan], in_memory: Vec<Chunk>) -> FetchedChunks {
         let held = in_memory.len().min(spans.len());
         let names = self.manager.tier_names();
@@ -386,13 +388,17 @@ impl CacheEngine {
         for (span, (index, tier, chunk)) in spans.iter().zip(candidates) {
             if let Err(e) = self.validate(span, &chunk) {
                 self.counters.rejected_chunks.add(1);
-                warn!(key = %span.key, tier = %tier, error = %e, "rejecting chunk at retrieve; removing it from that tier");
-                // Only the copy that failed: the tier it came from.
+                warn!(key = %span.key, tier = %tier, error = %e, "rejecting chunk at retrieve; removing it from that tier and memory");
+                // The copy that failed, and the memory copies it may have been read through or
+                // promoted into (L1, node memory); never another durable tier's.
+                let key = std::slice::from_ref(&span.key);
                 if let Some(t) = index {
-                    self.manager
-                        .remove_from(t, std::slice::from_ref(&span.key))
-                        .await;
+                    self.manager.remove_from(t, key).await;
                 }
+                if let Some(p) = primary_index.filter(|&p| Some(p) != index) {
+                    self.manager.remove_from(p, key).await;
+                }
+                self.manager.remove_from_node_memory(key).await;
                 break;
             }
             out.chunks.push(chunk);

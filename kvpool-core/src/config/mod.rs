@@ -372,6 +372,64 @@ impl PoolConfig {
 mod tests {
     use super::*;
 
+    /// docs/configuration.md names every key of the config (`section.key`, a `[[tier]]`'s and
+    /// a `[[tenant]]`'s), so the reference cannot drift from the structs.
+    #[test]
+    fn every_config_key_is_documented() {
+        fn walk(prefix: &str, value: &toml::Value, out: &mut Vec<String>) {
+            match value {
+                toml::Value::Table(t) => {
+                    for (k, v) in t {
+                        let path = if prefix.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{prefix}.{k}")
+                        };
+                        // A table that is a value of its own (`{ kind = "zstd" }`) is one key;
+                        // other tables are sections, their keys documented one by one.
+                        if path == "codec.compression" || !v.is_table() && !v.is_array() {
+                            out.push(path);
+                        } else {
+                            walk(&path, v, out);
+                        }
+                    }
+                }
+                toml::Value::Array(items) => {
+                    for item in items {
+                        walk(prefix, item, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut config = PoolConfig::default();
+        config.metrics.listen = Some("127.0.0.1:9464".into());
+        config.tiers.push(TierConfig::new("file:///x"));
+        config.tenants.push(TenantConfig {
+            name: "a".into(),
+            socket: "/run/a.sock".into(),
+            group: Some("g".into()),
+            memory: ByteSize::gib(1),
+            mac_key_file: Some("/k".into()),
+        });
+        let value = toml::Value::try_from(&config).unwrap();
+        let mut keys = Vec::new();
+        walk("", &value, &mut keys);
+        let doc = include_str!("../../../docs/configuration.md");
+        let missing: Vec<&String> = keys
+            .iter()
+            .filter(|k| {
+                // A tier's own keys are documented in its table (`url`, `timeout_ms`).
+                let bare = k.strip_prefix("tier.").unwrap_or(k);
+                !doc.contains(&format!("`{k}`")) && !doc.contains(&format!("`{bare}`"))
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "docs/configuration.md lacks {missing:?}"
+        );
+    }
+
     #[test]
     fn default_config_round_trips_through_its_toml() {
         let text = PoolConfig::default_toml();

@@ -125,24 +125,34 @@ async fn frames_built_to_cost_memory_are_refused_before_they_are_stored() {
     assert!(run.daemon.stats().refused >= 50);
 }
 
-/// A request whose length arrived but whose body stalls closes its session after
-/// `FRAME_BODY_TIMEOUT` (an idle session between requests is not bounded).
+/// A request whose length arrived but whose body trickles in (a byte every 2 s, each read
+/// well within any per-read timeout) closes its session once `FRAME_BODY_TIMEOUT` has passed
+/// since the length (an idle session between requests is not bounded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_stalled_half_way_closes_its_session() {
+async fn a_request_trickling_in_closes_its_session_at_its_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let path = socket(&dir);
     let run = start(&path, MIB, vec![]);
     let mut s = raw_session(&path);
     wait_for(&run.daemon, |st| st.sessions == 1);
     s.write_all(&100u32.to_le_bytes()).unwrap();
-    s.write_all(&[1, 1]).unwrap();
     let started = Instant::now();
+    let mut trickle = s.try_clone().unwrap();
+    let limit = super::super::server::FRAME_BODY_TIMEOUT;
+    std::thread::spawn(move || {
+        for _ in 0..20 {
+            if trickle.write_all(&[1]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    });
     let mut byte = [0u8; 1];
-    s.set_read_timeout(Some(super::super::server::FRAME_BODY_TIMEOUT * 3))
-        .unwrap();
-    // The daemon closes the socket: the read ends (EOF), well before our own timeout.
+    s.set_read_timeout(Some(limit * 4)).unwrap();
+    // The daemon closes the socket: the read ends (EOF), at the body's deadline.
     assert_eq!(s.read(&mut byte).unwrap_or(0), 0);
-    assert!(started.elapsed() >= super::super::server::FRAME_BODY_TIMEOUT);
+    let took = started.elapsed();
+    assert!(took >= limit && took < limit * 3, "closed after {took:?}");
     wait_for(&run.daemon, |st| st.sessions == 0 && st.refused == 1);
     let _ = write_frame(&mut s, &Request::Stats);
 }

@@ -131,4 +131,30 @@ async fn a_value_forged_in_a_shared_tier_without_the_tenants_secret_is_a_miss() 
         "its own value, checked"
     );
     assert_eq!(got[1], None, "the forged value is a miss");
+    assert!(
+        !shared
+            .exists(&format!("tenant/a/{}", chunk_value(5, &[]).0))
+            .await
+            .unwrap(),
+        "and is deleted: lookups stop offering it"
+    );
+}
+
+/// An untenanted daemon over tiers tenants also use refuses keys in their namespaces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untenanted_daemon_refuses_keys_in_tenants_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
+    let _run = start(&dir.path().join("open.sock"), MIB, vec![shared.clone()]);
+    let mut s = raw_session(&dir.path().join("open.sock"));
+    let reply = call(
+        &mut s,
+        Request::Get {
+            keys: vec!["tenant/a/k".into()],
+        },
+    );
+    assert!(
+        matches!(reply, Reply::Error(ref why) if why.contains("tenants")),
+        "{reply:?}"
+    );
 }

@@ -199,6 +199,13 @@ class WorkerSide:
         return KvpoolConnectorStats(data=delta)
 
     def shutdown(self) -> None:
+        if self.copies is not None:
+            # Copies still queued on kvpool's stream end before the pool frees their buffers.
+            try:
+                self.copies.synchronize()
+                self.native.poll_copies(self.copies)
+            except Exception:  # noqa: BLE001 - the pool still flushes and closes
+                logger.exception("kvpool: could not wait for the copies in flight")
         if self.node_memory_pins is not None:
             try:
                 self.node_memory_pins.release()
