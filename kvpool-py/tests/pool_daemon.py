@@ -76,7 +76,8 @@ class PoolDaemon:
             return page.read().decode()
 
     def stats(self):
-        """The daemon's `kvpool_daemon_*` series, without the prefix (labels as `name:value`)."""
+        """The daemon's `kvpool_daemon_*` series, without the prefix (labels but `tenant` as
+        `name:value`; summed over tenants)."""
         out = {}
         for line in self.scrape().splitlines():
             if not line.startswith("kvpool_daemon_"):
@@ -85,8 +86,10 @@ class PoolDaemon:
             name = series[len("kvpool_daemon_"):]
             if "{" in name:
                 base, labels = name[:-1].split("{", 1)
-                name = base + ":" + labels.split('"')[1]
-            out[name] = float(value)
+                pairs = [p.split("=", 1) for p in labels.split(",") if "=" in p]
+                rest = [v.strip('"') for k, v in pairs if k != "tenant"]
+                name = base + "".join(":" + v for v in rest)
+            out[name] = out.get(name, 0.0) + float(value)
         return out
 
     def wait(self, done, what, timeout=30):

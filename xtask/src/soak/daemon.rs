@@ -101,12 +101,25 @@ impl Daemon {
         Ok(page)
     }
 
-    /// An unlabelled series of the daemon's page.
+    /// A series of the daemon's page, summed over its labels (the daemon's series carry a
+    /// `tenant` label).
     fn series(&self, name: &str) -> Result<f64, String> {
         let page = self.scrape()?;
-        page.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-            .ok_or_else(|| format!("{name} missing from the daemon's metrics"))
+        let values: Vec<f64> = page
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let rest = match rest.strip_prefix('{') {
+                    Some(labelled) => &labelled[labelled.find('}')? + 1..],
+                    None => rest,
+                };
+                rest.strip_prefix(' ')?.trim().parse().ok()
+            })
+            .collect();
+        if values.is_empty() {
+            return Err(format!("{name} missing from the daemon's metrics"));
+        }
+        Ok(values.iter().sum())
     }
 
     /// (anonymous, shared) resident bytes of the daemon now.
