@@ -2,7 +2,9 @@
 //! recorder, serving the text format on `[metrics] listen` (every path answers).
 //!
 //! A process has one recorder, so one endpoint: a second pool may name the same address (it
-//! shares the endpoint) or none; another address is an error that says which one serves.
+//! shares the endpoint) or none; another address is an error that says which one serves. A
+//! port another process holds is a warning, not a failed start: the process runs without
+//! metrics (a monitoring gap, not an outage).
 
 use std::net::SocketAddr;
 
@@ -30,10 +32,14 @@ fn refuse(reason: String) -> ConfigError {
 
 /// Serves Prometheus metrics on `addr` for the rest of the process (idempotent for the same
 /// address). Install it before building a pool: series are registered when tiers are built.
-pub fn serve_metrics(addr: SocketAddr) -> Result<(), ConfigError> {
+///
+/// A port that cannot be bound (taken by another process, or not permitted) is logged as a
+/// warning naming the address and the reason, and the process goes on without an endpoint
+/// (`Ok(false)`); `Ok(true)` once this process serves on `addr`.
+pub fn serve_metrics(addr: SocketAddr) -> Result<bool, ConfigError> {
     let mut serving = SERVING.lock();
     match *serving {
-        Some(current) if current == addr => return Ok(()),
+        Some(current) if current == addr => return Ok(true),
         Some(current) => {
             return Err(refuse(format!(
                 "this process already serves metrics on {current}; one endpoint per process"
@@ -41,9 +47,16 @@ pub fn serve_metrics(addr: SocketAddr) -> Result<(), ConfigError> {
         }
         None => {}
     }
-    // Bind once ourselves first: a taken port becomes a plain error naming it.
-    std::net::TcpListener::bind(addr)
-        .map_err(|e| refuse(format!("cannot listen on {addr}: {e} (is the port taken?)")))?;
+    // Bind once ourselves first: a taken port is a warning naming it, and no endpoint.
+    if let Err(e) = std::net::TcpListener::bind(addr) {
+        tracing::warn!(
+            %addr,
+            error = %e,
+            "cannot serve Prometheus metrics: the port is taken or not permitted; running \
+             without a metrics endpoint (choose another `[metrics] listen`)"
+        );
+        return Ok(false);
+    }
     let builder = PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
@@ -57,7 +70,7 @@ pub fn serve_metrics(addr: SocketAddr) -> Result<(), ConfigError> {
     telemetry::describe();
     *serving = Some(addr);
     tracing::info!(%addr, "serving Prometheus metrics");
-    Ok(())
+    Ok(true)
 }
 
 /// The address this process serves metrics on, if any.

@@ -1,7 +1,7 @@
 //! The metrics only a backend records, in a catalogue of their own (kvpool-core's covers the
 //! rest), listed in docs/metrics.md like core's.
 
-use kvpool_core::telemetry::{MetricInfo, counter, describe_metrics, gauge};
+use kvpool_core::telemetry::{MetricInfo, counter, describe_metrics, gauge, histogram};
 
 /// Disk-tier writes refused because the disk or the tier's capacity is full.
 pub const DISK_WRITES_REFUSED: &str = "kvpool_disk_writes_refused_total";
@@ -34,6 +34,14 @@ pub const DAEMON_LEASES_RECLAIMED: &str = "kvpool_daemon_leases_reclaimed_total"
 /// Requests the daemon refused, and sessions it closed because an engine sent a bad frame.
 pub const DAEMON_REQUESTS_REFUSED: &str = "kvpool_daemon_requests_refused_total";
 
+/// The pool daemon's shared arena size.
+pub const DAEMON_CAPACITY_BYTES: &str = "kvpool_daemon_capacity_bytes";
+/// Bytes of committed values the daemon is writing to its lower tiers now.
+pub const DAEMON_WRITE_BEHIND_BYTES: &str = "kvpool_daemon_write_behind_bytes";
+/// Committed values the daemon did not write to its lower tiers: the write-behind quota was full.
+pub const DAEMON_WRITE_BEHIND_DROPPED: &str = "kvpool_daemon_write_behind_dropped_total";
+/// Latency of the daemon's calls to its lower tiers, by tier and call.
+pub const DAEMON_TIER_OP_SECONDS: &str = "kvpool_daemon_tier_op_seconds";
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
     gauge(
@@ -101,6 +109,26 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         &["tenant"],
         "Pins and allocations the pool daemon reclaimed because their engine left or forgot them.",
     ),
+    gauge(
+        DAEMON_CAPACITY_BYTES,
+        &["tenant"],
+        "The pool daemon's shared arena size in bytes.",
+    ),
+    gauge(
+        DAEMON_WRITE_BEHIND_BYTES,
+        &["tenant"],
+        "Bytes of committed values the pool daemon is writing to its lower tiers now.",
+    ),
+    counter(
+        DAEMON_WRITE_BEHIND_DROPPED,
+        &["tenant"],
+        "Committed values the pool daemon did not write to its lower tiers because the write-behind quota was full.",
+    ),
+    histogram(
+        DAEMON_TIER_OP_SECONDS,
+        &["tenant", "tier", "op"],
+        "Latency of one call of the pool daemon to a lower tier (get, put, contains).",
+    ),
     counter(
         DAEMON_REQUESTS_REFUSED,
         &["tenant"],
@@ -117,6 +145,107 @@ pub fn describe() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every metric kvpool records: core's catalogue and the backends'.
+    fn all_metrics() -> Vec<MetricInfo> {
+        kvpool_core::telemetry::METRICS
+            .iter()
+            .chain(BACKEND_METRICS)
+            .copied()
+            .collect()
+    }
+
+    /// The metric names `text` mentions (`kvpool_` and what follows), with the line each is on.
+    fn metric_names(text: &str) -> Vec<(String, &str)> {
+        text.match_indices("kvpool_")
+            .map(|(at, _)| {
+                let name: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                let line_end = text[at..].find('\n').map_or(text.len(), |e| at + e);
+                let line_start = text[..at].rfind('\n').map_or(0, |s| s + 1);
+                (name, &text[line_start..line_end])
+            })
+            .collect()
+    }
+
+    /// The recorded metric `name` names (a histogram's `_bucket`/`_count`/`_sum` series too).
+    fn recorded<'a>(all: &'a [MetricInfo], name: &str) -> Option<&'a MetricInfo> {
+        let base = name
+            .trim_end_matches("_bucket")
+            .trim_end_matches("_count")
+            .trim_end_matches("_sum");
+        all.iter().find(|m| m.name == name || m.name == base)
+    }
+
+    /// The Grafana dashboard (docs/grafana/kvpool-dashboard.json) parses, queries only
+    /// metrics kvpool records, groups by a label only the metrics that carry it, and has the
+    /// daemon's panels.
+    #[test]
+    fn the_dashboard_queries_only_recorded_metrics_by_their_labels() {
+        let dashboard = include_str!("../../docs/grafana/kvpool-dashboard.json");
+        let json: serde_json::Value = serde_json::from_str(dashboard).expect("valid JSON");
+        let panels = json["panels"].as_array().expect("panels");
+        let mut ids = std::collections::HashSet::new();
+        for p in panels {
+            assert!(
+                ids.insert(p["id"].as_u64().unwrap()),
+                "panel ids are unique"
+            );
+            if p["type"] != "row" {
+                assert!(
+                    !p["targets"].as_array().unwrap().is_empty(),
+                    "{} has queries",
+                    p["title"]
+                );
+            }
+        }
+        let all = all_metrics();
+        let mut used = std::collections::HashSet::new();
+        for (name, line) in metric_names(dashboard) {
+            let metric = recorded(&all, &name).unwrap_or_else(|| {
+                panic!("the dashboard queries {name}, which kvpool does not record")
+            });
+            for label in ["tier", "tenant", "op"] {
+                if line.contains(&format!("by ({label}")) || line.contains(&format!("{label}=~")) {
+                    assert!(
+                        metric.labels.contains(&label),
+                        "the dashboard selects {name} by {label}, which it does not carry: {line}"
+                    );
+                }
+            }
+            used.insert(metric.name);
+        }
+        for m in BACKEND_METRICS
+            .iter()
+            .filter(|m| m.name.starts_with("kvpool_daemon_"))
+        {
+            assert!(used.contains(m.name), "no dashboard panel shows {}", m.name);
+        }
+        assert!(
+            used.len() >= 25,
+            "the dashboard queries {} metrics",
+            used.len()
+        );
+    }
+
+    /// The alert rules (deploy/prometheus/kvpool-alerts.yml) name only metrics kvpool records
+    /// (promtool checks their syntax and runs their unit tests: kvpool-cli/tests/prometheus.rs).
+    #[test]
+    fn the_alert_rules_use_only_recorded_metrics() {
+        let rules = include_str!("../../deploy/prometheus/kvpool-alerts.yml");
+        let all = all_metrics();
+        let mut used = 0;
+        for (name, line) in metric_names(rules) {
+            assert!(
+                recorded(&all, &name).is_some(),
+                "the alert rules query {name}, which kvpool does not record: {line}"
+            );
+            used += 1;
+        }
+        assert!(used >= 10, "the alert rules query {used} metrics");
+    }
 
     #[test]
     fn backend_metrics_follow_the_conventions_and_docs_list_exactly_the_recorded_metrics() {

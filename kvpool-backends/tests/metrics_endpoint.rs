@@ -1,5 +1,5 @@
-//! `[metrics] listen`: build_pool serves Prometheus metrics, a taken port is a clear error,
-//! and a process has exactly one endpoint.
+//! `[metrics] listen`: build_pool serves Prometheus metrics, a taken port is a warning and a
+//! pool without an endpoint (not a failed start), and a process has exactly one endpoint.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -18,17 +18,18 @@ fn config(listen: Option<String>) -> PoolConfig {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-async fn build_pool_serves_metrics_once_per_process_and_names_a_taken_port() {
+async fn build_pool_serves_metrics_once_per_process_and_starts_without_a_taken_port() {
+    // Another process's port (TP rank r's port + r may be someone else's): the pool starts,
+    // without an endpoint.
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let err = kvpool_backends::build_pool(&config(Some(addr.clone())))
+    let pool = kvpool_backends::build_pool(&config(Some(addr.clone())))
         .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("metrics.listen") && err.contains(&addr) && err.contains("port taken"),
-        "{err}"
-    );
+        .expect("a taken metrics port does not stop a pool from starting");
+    let tokens: Vec<u32> = (0..256).collect();
+    assert_eq!(pool.engine.lookup(&tokens).await.unwrap(), 0);
+    assert_eq!(kvpool_backends::metrics_address(), None);
+    drop(pool);
     let err = kvpool_backends::build_pool(&config(Some("localhost".into())))
         .await
         .unwrap_err()

@@ -174,7 +174,11 @@ struct MetricsArgs {
 impl MetricsArgs {
     fn start(&self) -> anyhow::Result<()> {
         if let Some(addr) = self.metrics_listen {
-            kvpool_backends::serve_metrics(addr)?;
+            // Asked for on the command line, a taken port stops the command (a daemon or an
+            // engine warns and runs on).
+            if !kvpool_backends::serve_metrics(addr)? {
+                anyhow::bail!("--metrics-listen {addr}: cannot listen there (the port is taken?)");
+            }
             eprintln!("serving Prometheus metrics on http://{addr}/metrics");
         }
         Ok(())

@@ -73,8 +73,11 @@ struct Served {
 pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
     let cfg = args.load()?;
     if let Some(addr) = cfg.metrics.listen_addr()? {
-        kvpool_backends::serve_metrics(addr)?;
-        eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
+        if kvpool_backends::serve_metrics(addr)? {
+            eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
+        } else {
+            eprintln!("kvpool serve: WARNING: no Prometheus metrics: cannot listen on {addr}");
+        }
     }
     let base = DaemonOptions::from_config(&cfg)?;
     let largest = cfg

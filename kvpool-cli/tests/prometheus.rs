@@ -1,6 +1,7 @@
 //! A real Prometheus server (Debian's `prometheus`) scrapes `kvpool bench --metrics-listen`
 //! while the benchmark runs and is then asked, through its HTTP API, for kvpool's hit tokens
-//! and a per-tier latency histogram.
+//! and a per-tier latency histogram; `promtool` checks the alert rules in deploy/prometheus and
+//! runs their unit tests.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -50,25 +51,56 @@ fn query(port: u16, promql: &str) -> Vec<serde_json::Value> {
     v["data"]["result"].as_array().cloned().unwrap_or_default()
 }
 
-fn prometheus_binary() -> Option<&'static str> {
-    Command::new("prometheus")
+/// `name` (a binary of Debian's `prometheus` package) if it runs; in CI its absence fails the
+/// test instead of skipping it.
+fn prometheus_binary(name: &'static str) -> Option<&'static str> {
+    let found = Command::new(name)
         .arg("--version")
         .output()
-        .is_ok_and(|o| o.status.success())
-        .then_some("prometheus")
-}
-
-#[test]
-fn prometheus_scrapes_hit_tokens_and_tier_latency_histograms_during_a_bench() {
-    let Some(prometheus) = prometheus_binary() else {
+        .is_ok_and(|o| o.status.success());
+    if !found {
         let required = ["CI", "KVPOOL_MATRIX", "KVPOOL_REQUIRE_PROMETHEUS"]
             .iter()
             .any(|v| std::env::var_os(v).is_some());
         assert!(
             !required,
-            "the `prometheus` binary is missing (`cargo xtask ci` installs Debian's package)"
+            "the `{name}` binary is missing (`cargo xtask ci` installs Debian's `prometheus`)"
         );
-        println!("SKIP: no `prometheus` binary; `apt-get install prometheus` to run this test");
+        println!("SKIP: no `{name}` binary; `apt-get install prometheus` to run this test");
+    }
+    found.then_some(name)
+}
+
+/// deploy/prometheus/kvpool-alerts.yml is valid, and each alert fires on the series that should
+/// fire it and stays quiet on healthy ones (kvpool-alerts.test.yml, promtool's unit tests).
+#[test]
+fn alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let Some(promtool) = prometheus_binary("promtool") else {
+        return;
+    };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus");
+    for args in [
+        ["check", "rules", "kvpool-alerts.yml"],
+        ["test", "rules", "kvpool-alerts.test.yml"],
+    ] {
+        let out = Command::new(promtool)
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn prometheus_scrapes_hit_tokens_and_tier_latency_histograms_during_a_bench() {
+    let Some(prometheus) = prometheus_binary("prometheus") else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -128,8 +128,14 @@ def test_the_daemon_killed_mid_run_costs_only_recomputes_and_its_disk_serves_aft
     base = runner.baseline(model_dir, [first[1], second[1], second[0]])
 
     runner.run({"model": model_dir, "prompts": [first[0], second[0]], "kvpool": cfg})
-    daemon.wait(lambda s: s.get("tier_writes_total", 0) >= 2 * PREFIX // CHUNK,
-                "both prefixes written to the disk tier")
+    written = daemon.wait(lambda s: s.get("tier_writes_total", 0) >= 2 * PREFIX // CHUNK,
+                          "both prefixes written to the disk tier")
+    # What the dashboard and the alert rules read (docs/metrics.md).
+    assert written["capacity_bytes"] == 512 << 20, written
+    assert written["write_behind_dropped_total"] == 0, written
+    puts = {k: v for k, v in written.items()
+            if k.startswith("tier_op_seconds_count:") and k.endswith(":put")}
+    assert puts and all(v >= 1 for v in puts.values()), written
 
     got = runner.run({"model": model_dir, "prompts": [first[1], second[1]], "kvpool": cfg,
                       "batches": [[0], [1]], "kill_after_batch": {"0": daemon.pid}})

@@ -5,7 +5,7 @@ logprobs within 1e-4.
 
 A disk tier under TP=2 did not start before each rank got its own RocksDB directory (rank 1
 could not take the lock rank 0 held); a load that fails on one rank only must be recomputed on
-both, or the ranks' KV would disagree.
+both, or the ranks' KV would disagree; both ranks can share the node's pool daemon.
 """
 
 import os
@@ -13,6 +13,9 @@ import random
 
 from test_vllm_e2e import PREFIX, assert_same_outputs, corrupt, l1
 from conftest import shared_prefix_prompts
+
+#: Tokens per chunk in the default config.
+CHUNK = 256
 
 TP2 = {"tensor_parallel_size": 2, "multiprocess": True,
        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
@@ -52,3 +55,27 @@ def test_tp2_a_load_failing_on_one_rank_is_recomputed_on_both(runner, model_dir,
                       "batches": [[0], [1, 2]], "async_scheduling": True, **TP2})
     assert got["async_scheduling"], "vLLM ran without asynchronous scheduling"
     assert_same_outputs(base, got, "one rank's loads failing")
+
+
+def test_tp2_through_the_pool_daemon_a_fresh_engine_is_served_by_the_daemon(runner, model_dir,
+                                                                            pool_daemon):
+    """Both ranks of a TP=2 engine attach to one node daemon (each saves its own shard of every
+    chunk into the daemon's shared memory); a fresh TP=2 engine is served from the daemon,
+    with outputs equal to TP=2 without kvpool, and the daemon holds no lease after."""
+    daemon = pool_daemon("tp2")
+    cfg = {"config": {"local_cpu": {"max_size": "256MiB"}}, "pool": daemon.url}
+    prompts = shared_prefix_prompts(3, seed=21)  # the first test's: its TP=2 baseline is reused
+    base = runner.baseline(model_dir, prompts, **TP2)
+    first = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg, **TP2})
+    assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
+    # Each rank's chunks, committed under its own keys.
+    daemon.wait(lambda s: s.get("commits_total", 0) >= 2 * PREFIX // CHUNK,
+                "both ranks' chunks committed")
+    second = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
+                         "batches": [[0], [1, 2]], **TP2})
+    assert_same_outputs(base, second, "fresh engine through the daemon")
+    assert second["results"][0]["num_cached_tokens"] >= PREFIX, second["results"][0]
+    daemon.wait(lambda s: s.get("gets_total:memory", 0) >= 2 * PREFIX // CHUNK,
+                "both ranks served from the daemon's shared memory")
+    after = daemon.wait(lambda s: s["sessions"] == 0, "both ranks detached")
+    assert after["leases"] == 0, after

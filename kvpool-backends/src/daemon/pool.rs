@@ -175,10 +175,21 @@ impl PoolDaemon {
         self.write_behind.dropped.load(Ordering::Relaxed)
     }
 
+    /// Records one call to a lower tier in `kvpool_daemon_tier_op_seconds`.
+    fn record_tier_op(&self, tier: &str, op: &'static str, started: Instant) {
+        tier_op_seconds(&self.options.tenant, tier, op).record(started.elapsed());
+    }
+
     /// Publishes the counters as Prometheus series (for `[metrics] listen`).
     pub fn record_metrics(&self) {
         let s = self.stats();
         let t = self.options.tenant.clone();
+        metrics::gauge!(telemetry::DAEMON_CAPACITY_BYTES, "tenant" => t.clone())
+            .set(s.capacity_bytes as f64);
+        metrics::gauge!(telemetry::DAEMON_WRITE_BEHIND_BYTES, "tenant" => t.clone())
+            .set(self.write_behind.bytes.load(Ordering::Relaxed) as f64);
+        metrics::counter!(telemetry::DAEMON_WRITE_BEHIND_DROPPED, "tenant" => t.clone())
+            .absolute(self.write_behind_dropped());
         metrics::gauge!(telemetry::DAEMON_SESSIONS, "tenant" => t.clone()).set(s.sessions as f64);
         metrics::gauge!(telemetry::DAEMON_USED_BYTES, "tenant" => t.clone())
             .set(s.used_bytes as f64);
@@ -343,7 +354,10 @@ impl PoolDaemon {
                 break;
             }
             let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
-            match self.runtime.block_on(tier.batch_exists(&ask_keys)) {
+            let started = Instant::now();
+            let answer = self.runtime.block_on(tier.batch_exists(&ask_keys));
+            self.record_tier_op(tier.name(), "contains", started);
+            match answer {
                 Ok(answers) => {
                     for (&i, yes) in ask.iter().zip(answers) {
                         found[i] = yes;
@@ -404,7 +418,10 @@ impl PoolDaemon {
                 break;
             }
             let want_keys: Vec<String> = want.iter().map(|&i| keys[i].clone()).collect();
-            match self.runtime.block_on(tier.batch_get(&want_keys)) {
+            let started = Instant::now();
+            let answer = self.runtime.block_on(tier.batch_get(&want_keys));
+            self.record_tier_op(tier.name(), "get", started);
+            match answer {
                 Ok(values) => {
                     let mut corrupt = Vec::new();
                     for (&i, value) in want.iter().zip(values) {
@@ -487,6 +504,7 @@ impl PoolDaemon {
             bytes,
         };
         let tiers = self.tiers.clone();
+        let tenant = self.options.tenant.clone();
         self.runtime.spawn(async move {
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
@@ -507,7 +525,10 @@ impl PoolDaemon {
                 .collect();
             let mut all_ok = true;
             for tier in &tiers {
-                if let Err(e) = tier.batch_put(entries.clone()).await {
+                let started = Instant::now();
+                let written = tier.batch_put(entries.clone()).await;
+                tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
+                if let Err(e) = written {
                     warn!(tier = tier.name(), "write-behind failed: {e}");
                     all_ok = false;
                 }
@@ -522,6 +543,12 @@ impl PoolDaemon {
             drop(admitted);
         });
     }
+}
+
+/// The daemon's latency histogram for one call kind to one lower tier.
+fn tier_op_seconds(tenant: &str, tier: &str, op: &'static str) -> metrics::Histogram {
+    metrics::histogram!(telemetry::DAEMON_TIER_OP_SECONDS, "tenant" => tenant.to_string(),
+        "tier" => tier.to_string(), "op" => op)
 }
 
 /// `keys` without repeats, in first-seen order, and each key's position among them.

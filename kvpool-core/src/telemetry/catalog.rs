@@ -385,43 +385,6 @@ mod tests {
         assert!(check_catalogue(&[counter("kvpool_things", &[], "no _total")]).is_err());
     }
 
-    /// The Grafana dashboard (docs/grafana/kvpool-dashboard.json) queries only metrics kvpool
-    /// records, and groups by `tier` only those that carry it.
-    #[test]
-    fn the_dashboard_queries_only_recorded_metrics() {
-        let dashboard = include_str!("../../../docs/grafana/kvpool-dashboard.json");
-        let mut used = 0;
-        for (at, _) in dashboard.match_indices("kvpool_") {
-            let name: String = dashboard[at..]
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
-                .collect();
-            let base = name
-                .trim_end_matches("_bucket")
-                .trim_end_matches("_count")
-                .trim_end_matches("_sum");
-            let metric = METRICS
-                .iter()
-                .find(|m| m.name == name || m.name == base)
-                .unwrap_or_else(|| {
-                    panic!("the dashboard queries {name}, which kvpool does not record")
-                });
-            // The query around the name: does it group by tier?
-            let line_end = dashboard[at..]
-                .find('\n')
-                .map_or(dashboard.len(), |e| at + e);
-            let line_start = dashboard[..at].rfind('\n').map_or(0, |s| s + 1);
-            if dashboard[line_start..line_end].contains("by (tier") {
-                assert!(
-                    metric.labels.contains(&"tier"),
-                    "the dashboard groups {name} by tier, which it does not carry"
-                );
-            }
-            used += 1;
-        }
-        assert!(used >= 15, "the dashboard queries {used} metrics");
-    }
-
     /// docs/metrics.md lists every metric of core's catalogue.
     #[test]
     fn docs_list_every_metric() {
