@@ -14,7 +14,8 @@ are returned), served_model_name, env (variables set before vLLM starts), async_
 back after the platform's config check), tensor_parallel_size (ranks as worker processes; on
 this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank),
 hold_after_batch ({batch index: {"ready": path, "go": path}}: after that batch, create
-``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile).
+``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile),
+dtype (default float32), disable_hybrid_kv_cache_manager (vLLM's flag; unset: vLLM decides).
 """
 
 import json
@@ -65,6 +66,8 @@ def main(spec_path, out_path):
         cpu_platform.CpuPlatform.check_and_update_config = classmethod(keep_async)
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    if spec.get("disable_hybrid_kv_cache_manager") is not None:
+        kwargs["disable_hybrid_kv_cache_manager"] = spec["disable_hybrid_kv_cache_manager"]
     blocks_of = {}
     preempted = set()
     if use_kvpool and not spec.get("multiprocess"):
@@ -104,7 +107,7 @@ def main(spec_path, out_path):
         model=spec["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         block_size=32,
         max_model_len=spec.get("max_model_len", 4096),
         max_num_seqs=spec.get("max_num_seqs", 256),
@@ -171,12 +174,13 @@ def main(spec_path, out_path):
     if use_kvpool and not spec.get("multiprocess"):
         from kvpool import vllm as kv
 
-        worker = kv.WORKERS[0]
+        # None when kvpool stood aside (a hybrid model's several KV cache groups).
+        worker = kv.WORKERS[0] if kv.WORKERS else None
         if spec.get("check_blocks"):
             out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
         for w in list(kv.WORKERS):
             w.shutdown()
-        out["stats"] = dict(worker._work.native.stats())
+        out["stats"] = dict(worker._work.native.stats()) if worker is not None else {}
     with open(out_path, "w") as f:
         json.dump(out, f)
 

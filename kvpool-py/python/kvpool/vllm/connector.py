@@ -14,11 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import _native
 from kvpool.vllm.identity import resolve_config
+from kvpool.vllm.layouts import hybrid_groups
 from kvpool.vllm.options import check_options
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
 from kvpool.vllm.scheduler_side import SchedulerSide
@@ -68,14 +70,24 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
 
 
-class KvpoolConnector(KVConnectorBase_V1):
-    """kvpool as a vLLM KV connector: see the package docs (``kvpool.vllm``)."""
+class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvpool as a vLLM KV connector: see the package docs (``kvpool.vllm``).
+
+    It declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: hybrid
+    models start (SSM / linear-attention hybrids such as Qwen3-Next do not start without it)
+    and sliding-window layers hold only their window. kvpool does not yet store a hybrid
+    model's KV cache groups: for a model with more than one group it stands aside (no lookup,
+    no load, no save; one warning at start-up), and vLLM serves it with its own prefix cache.
+    A sliding-window hybrid run with ``--disable-hybrid-kv-cache-manager`` has one group
+    (every layer holds the whole context), which kvpool serves."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = check_options(extra)
+        #: The model's KV cache groups when they are several (kvpool then stands aside).
+        self._hybrid = hybrid_groups(kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._config_text, self._config_format = resolve_config(extra)
         _native.check_config(self._config_text, self._config_format)
@@ -93,6 +105,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | None = None
         self._work: WorkerSide | None = None
+        if self._hybrid is not None:
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "kvpool: this model's KV cache has %s (vLLM's hybrid KV cache manager); "
+                    "kvpool does not store hybrid models' groups yet and stands aside: no "
+                    "lookups, loads or saves (vLLM's own prefix cache still serves). For a "
+                    "sliding-window model, vLLM's --disable-hybrid-kv-cache-manager makes one "
+                    "group that kvpool serves, every layer holding the whole context",
+                    self._hybrid)
+            return
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy after it built this connector: a chunk kvpool cannot
@@ -121,22 +143,24 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._sched is not None
+        if self._sched is None:  # a hybrid model: kvpool stands aside
+            return 0, False
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
-        assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._sched is not None:
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self._sched is not None
+        if self._sched is None:
+            return KvpoolConnectorMetadata()
         data, preempted = self._sched.build_connector_meta(scheduler_output)
         return KvpoolConnectorMetadata(data=data, preempted=preempted)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
-        assert self._sched is not None
-        self._sched.update_connector_output(connector_output)
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
 
     def take_events(self):
         if self._sched is not None:
@@ -147,6 +171,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request), None
+
+    def request_finished_all_groups(
+            self, request: "Request",
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's call under its hybrid KV cache manager (``SupportsHMA``): one block list per
+        # KV cache group. kvpool serves only single-group models, so the same as above.
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -162,6 +193,8 @@ class KvpoolConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if self._hybrid is not None:
+            return  # kvpool stands aside: no pool is built
         self._work = WorkerSide(
             self._vllm_config, kv_caches,
             config_text=self._config_text, config_format=self._config_format,

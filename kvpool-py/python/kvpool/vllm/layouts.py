@@ -159,3 +159,24 @@ def detect_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], block_size:
                   num_blocks=getattr(kv_cache_config, "num_blocks", None),
                   use_mla=use_mla, replicated=use_mla and replicas == tp,
                   backend=backend, layout_name=layout_name)
+
+
+def hybrid_groups(kv_cache_config: Any) -> str | None:
+    """``None`` for a model whose layers form one KV cache group (what kvpool serves); for a
+    hybrid model under vLLM's hybrid KV cache manager (several groups: sliding-window and
+    full-attention layers, or Mamba / linear-attention state next to attention), a description
+    of its groups, e.g. ``"4 groups: FullAttentionSpec x1, SlidingWindowSpec(window 64) x3"``.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) <= 1:
+        return None
+    kinds: dict[str, int] = {}
+    for group in groups:
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        window = getattr(spec, "sliding_window", None)
+        if window:
+            name += f"(window {window})"
+        kinds[name] = kinds.get(name, 0) + 1
+    return f"{len(groups)} groups: " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
+
