@@ -20,7 +20,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from make_model import make_model  # noqa: E402
+from make_model import make_mla_model, make_model  # noqa: E402
 from pool_daemon import PoolDaemon  # noqa: E402
 from redis_server import RedisServer, free_port  # noqa: E402,F401 - tests import free_port
 
@@ -36,6 +36,12 @@ def scratch():
 @pytest.fixture(scope="session")
 def model_dir(scratch):
     return make_model(os.path.join(scratch, "tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def mla_model_dir(scratch):
+    """A DeepSeek-V2-shaped model (MLA: one latent per token, the same on every TP rank)."""
+    return make_mla_model(os.path.join(scratch, "tiny-deepseek-mla"), seed=0)
 
 
 @pytest.fixture(scope="session")

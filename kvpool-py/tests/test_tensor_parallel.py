@@ -79,3 +79,25 @@ def test_tp2_through_the_pool_daemon_a_fresh_engine_is_served_by_the_daemon(runn
                 "both ranks served from the daemon's shared memory")
     after = daemon.wait(lambda s: s["sessions"] == 0, "both ranks detached")
     assert after["leases"] == 0, after
+
+
+def test_tp2_mla_on_the_cpu_build_starts_and_kvpool_stands_aside(runner, mla_model_dir,
+                                                                  redis_server):
+    """MLA (a DeepSeek-V2-shaped model, vLLM's CPU MLA backend) under TP=2. vLLM's CPU build
+    turns its own prefix cache off for MLA ("forcing chunked prefill and prefix caching to be
+    disabled"): it does not resume MLA from a cached prefix. Served by kvpool anyway, a hit
+    (its bytes equal to the engine's own blocks) moved logprobs by up to 0.03 against the
+    prompt computed whole, so kvpool stands aside there: the engine starts, nothing is stored,
+    outputs equal TP=2 without kvpool. (MLA's latent stored once for every rank, which kvpool
+    does elsewhere, is covered by the simulator and kvpool-connector's scope tests.)"""
+    cfg = l1(tier=[{"url": redis_server.url}])
+    prompts = shared_prefix_prompts(3, seed=27)
+    batches = [[0], [1, 2]]
+    base = runner.baseline(mla_model_dir, prompts, batches=batches, **TP2)
+    got = runner.run({"model": mla_model_dir, "prompts": prompts, "kvpool": cfg,
+                      "batches": batches, **TP2})
+    assert_same_outputs(base, got, "MLA, TP=2")
+    with open(got["log"]) as f:
+        log = f.read()
+    assert "MLA on vLLM's CPU build" in log and "kvpool stands aside" in log, log[-3000:]
+    assert redis_server.keys() == [], "kvpool stored MLA KV it must not serve"

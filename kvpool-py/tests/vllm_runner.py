@@ -252,7 +252,7 @@ def compare_blocks(worker, prompts, blocks_of):
         blocks = blocks_of.get(tuple(prompt)) or []
         chunks = worker._work.native.stored_chunks(prompt)
         chunk_tokens = 256
-        per_chunk = chunk_tokens // 32
+        per_chunk = chunk_tokens // worker._block_size
         mismatched = 0
         compared = 0
         for c, data in enumerate(chunks):

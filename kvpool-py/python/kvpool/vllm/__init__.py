@@ -36,6 +36,11 @@ the blocks in the step that computed them and become visible once every rank ran
 with no failed load touching them. A chunk that cannot be loaded is reported through
 ``get_block_ids_with_load_errors`` and recomputed (kvpool sets ``kv_load_failure_policy`` to
 ``"recompute"``).
+
+The connector declares vLLM's ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on).
+It stands aside, with one warning and no lookup, load or save, where it cannot serve exactly:
+a hybrid model's several KV cache groups (not stored yet), and MLA on vLLM's CPU build (which
+does not resume MLA from a cached prefix).
 """
 
 _EXPORTS = {

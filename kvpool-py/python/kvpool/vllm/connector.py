@@ -61,6 +61,27 @@ def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     raise ValueError(f"kvpool: async_loads must be true, false or \"always\", not {value!r}")
 
 
+def stand_aside_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
+                       ) -> str | None:
+    """Why kvpool must not serve this engine (it then looks up, loads and saves nothing), as
+    the warning it logs once; None when it serves. Serving where vLLM cannot resume from a
+    cached prefix exactly would hand the model KV it does not compute with: a miss instead."""
+    groups = hybrid_groups(kv_cache_config)
+    if groups is not None:
+        return (f"this model's KV cache has {groups} (vLLM's hybrid KV cache manager); kvpool "
+                "does not store hybrid models' groups yet and stands aside: no lookups, loads "
+                "or saves (vLLM's own prefix cache still serves). For a sliding-window model, "
+                "vLLM's --disable-hybrid-kv-cache-manager makes one group that kvpool serves, "
+                "every layer holding the whole context")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and getattr(vllm_config.model_config, "use_mla", False):
+        return ("MLA on vLLM's CPU build, which turns its own prefix cache off for MLA: it does "
+                "not resume MLA from a cached prefix, so kvpool stands aside (no lookups, loads "
+                "or saves)")
+    return None
+
+
 @dataclass
 class KvpoolConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers: kvpool's encoded metadata, and the requests preempted
@@ -79,15 +100,20 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     model's KV cache groups: for a model with more than one group it stands aside (no lookup,
     no load, no save; one warning at start-up), and vLLM serves it with its own prefix cache.
     A sliding-window hybrid run with ``--disable-hybrid-kv-cache-manager`` has one group
-    (every layer holds the whole context), which kvpool serves."""
+    (every layer holds the whole context), which kvpool serves.
+
+    It also stands aside for MLA on vLLM's CPU build, which turns its own prefix cache off for
+    MLA ("forcing chunked prefill and prefix caching to be disabled"): that build does not
+    resume MLA from a cached prefix, and a kvpool hit there (bytes equal to the engine's own
+    blocks) moved logprobs by up to 0.03 against computing the prompt whole."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = check_options(extra)
-        #: The model's KV cache groups when they are several (kvpool then stands aside).
-        self._hybrid = hybrid_groups(kv_cache_config)
+        #: Why kvpool stands aside for this engine (no lookup, load or save), or None.
+        self._stands_aside = stand_aside_reason(vllm_config, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._config_text, self._config_format = resolve_config(extra)
         _native.check_config(self._config_text, self._config_format)
@@ -105,15 +131,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | None = None
         self._work: WorkerSide | None = None
-        if self._hybrid is not None:
+        if self._stands_aside is not None:
             if role == KVConnectorRole.SCHEDULER:
-                logger.warning(
-                    "kvpool: this model's KV cache has %s (vLLM's hybrid KV cache manager); "
-                    "kvpool does not store hybrid models' groups yet and stands aside: no "
-                    "lookups, loads or saves (vLLM's own prefix cache still serves). For a "
-                    "sliding-window model, vLLM's --disable-hybrid-kv-cache-manager makes one "
-                    "group that kvpool serves, every layer holding the whole context",
-                    self._hybrid)
+                logger.warning("kvpool: %s", self._stands_aside)
             return
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -193,7 +213,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        if self._hybrid is not None:
+        if self._stands_aside is not None:
             return  # kvpool stands aside: no pool is built
         self._work = WorkerSide(
             self._vllm_config, kv_caches,
