@@ -28,7 +28,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
 CONFIG_FILES = ("config.json", "params.json", "adapter_config.json")
 
 _lock = threading.Lock()
-_memo: dict[str, tuple[int, int, str]] = {}
+#: Path -> (the file's identity: size, mtime, ctime, inode, device; its digest).
+_memo: dict[str, tuple[tuple[int, ...], str]] = {}
 
 
 def _cache_path() -> str:
@@ -41,8 +42,8 @@ def _load_cache() -> None:
         return
     try:
         with open(_cache_path(), encoding="utf-8") as f:
-            for path, (size, mtime, digest) in json.load(f).items():
-                _memo[path] = (int(size), int(mtime), str(digest))
+            for path, (identity, digest) in json.load(f).items():
+                _memo[path] = (tuple(int(v) for v in identity), str(digest))
     except (OSError, ValueError, TypeError):
         pass
 
@@ -53,24 +54,32 @@ def _save_cache() -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".digests-")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({p: list(v) for p, v in _memo.items()}, f)
+            json.dump({p: [list(identity), digest] for p, (identity, digest) in _memo.items()}, f)
         os.replace(tmp, path)
     except OSError as e:
         logger.debug("kvpool: cannot write the digest cache %s: %s", path, e)
 
 
+def _file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file's bytes are unchanged without reading them: size and modification
+    time, which ``cp -p`` and ``rsync -a`` carry over to a different file, and the
+    inode-change time, inode and device, which no copy can set (writing the bytes, or putting
+    another file at the path, changes them)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
 def file_digest(path: str) -> str:
-    """The digest of one file's bytes, cached by path, size and modification time."""
+    """The digest of one file's bytes, cached by path and the file's identity (above)."""
     real = os.path.realpath(path)
-    st = os.stat(real)
+    identity = _file_identity(os.stat(real))
     with _lock:
         _load_cache()
         known = _memo.get(real)
-        if known and known[0] == st.st_size and known[1] == st.st_mtime_ns:
-            return known[2]
+        if known and known[0] == identity:
+            return known[1]
     digest = _native.digest_file(real)
     with _lock:
-        _memo[real] = (st.st_size, st.st_mtime_ns, digest)
+        _memo[real] = (identity, digest)
         _save_cache()
     return digest
 

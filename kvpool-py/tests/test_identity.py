@@ -1,0 +1,55 @@
+"""What keys are bound to: the weights digest of a checkpoint, cached per file so that a
+restart does not read every weight file again, never reused for other bytes."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+
+@pytest.fixture
+def identity(tmp_path, monkeypatch):
+    """``kvpool.identity`` with its digest cache in ``tmp_path`` and empty in memory."""
+    from kvpool import identity as module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(module, "_memo", {})
+    return module
+
+
+def test_a_same_size_file_copied_with_its_mtime_gets_a_new_digest(identity, tmp_path):
+    """A fine-tune of the same size copied over the old weights with ``cp -p`` (or
+    ``rsync -a``) keeps size and modification time: the cache must not hand back the old
+    digest, or two checkpoints would share KV."""
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"A" * 4096)
+    old = identity.file_digest(str(weights))
+    assert identity.file_digest(str(weights)) == old  # cached
+
+    tuned = tmp_path / "tuned.safetensors"
+    tuned.write_bytes(b"B" * 4096)
+    stamp = os.stat(weights)
+    os.utime(tuned, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    time.sleep(0.01)
+    shutil.copy2(tuned, weights)  # cp -p: the bytes replaced in place, mtime carried over
+    after = os.stat(weights)
+    assert (after.st_size, after.st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
+    assert identity.file_digest(str(weights)) != old
+
+    # The same through the cache file, as a restarted engine reads it.
+    identity._memo.clear()
+    assert identity.file_digest(str(weights)) == identity._native.digest_file(str(weights))
+
+
+def test_an_old_cache_file_is_ignored_not_trusted(identity, tmp_path):
+    """A cache written by an earlier kvpool (path -> size, mtime, digest) is read as empty."""
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"C" * 100)
+    st = os.stat(weights)
+    cache = tmp_path / "cache" / "kvpool" / "file-digests.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text('{"%s": [%d, %d, "stale"]}' % (os.path.realpath(weights), st.st_size,
+                                                    st.st_mtime_ns))
+    assert identity.file_digest(str(weights)) != "stale"
