@@ -6,14 +6,16 @@ use std::process::Command;
 use crate::{run, run_with_env};
 
 /// Debian packages the full build and its tests need: RocksDB to link the `disk` feature
-/// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, and Prometheus,
-/// which a test runs to scrape kvpool's metrics endpoint.
+/// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, Prometheus,
+/// which a test runs to scrape kvpool's metrics endpoint (and whose `promtool` checks the alert
+/// rules), and systemd, whose `systemd-analyze` checks the daemon's unit.
 pub(crate) const SYSTEM_PACKAGES: &[&str] = &[
     "librocksdb-dev",
     "libclang-dev",
     "libssl-dev",
     "pkg-config",
     "prometheus",
+    "systemd",
 ];
 
 fn dpkg_installed(package: &str) -> bool {

@@ -280,7 +280,7 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
                 warn!(session, "attach failed: {e}");
                 return;
             }
-            info!(session, client = %client, "engine attached");
+            info!(session, client = ?client, "engine attached");
             // Attached engines may be idle for as long as they like.
             if let Err(e) = stream.set_read_timeout(None) {
                 warn!(session, "{e}");
