@@ -16,6 +16,8 @@ const TARGETS: &[&str] = &[
     "tier_url",
     "cache_key_text",
     "trace_lines",
+    "daemon_request",
+    "lookup_frames",
 ];
 
 /// The cargo-fuzz release installed when it is missing.

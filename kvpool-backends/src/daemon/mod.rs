@@ -34,7 +34,10 @@ pub use pool::{
     ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_TENANT, DaemonOptions, MAX_ITEMS_PER_REQUEST,
     MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT, PoolDaemon,
 };
-pub use protocol::{DaemonStats, PROTOCOL_VERSION, Region, Reply, Request};
+pub use protocol::{
+    DaemonStats, MAX_CLIENT_NAME, PRECHECK_BYTES, PROTOCOL_VERSION, Precheck, Region, Reply,
+    Request,
+};
 pub use server::{DaemonServer, SocketAccess};
 pub use store::{SessionId, SharedStore};
 

@@ -76,6 +76,10 @@ pub enum Request {
     Stats,
 }
 
+/// The bytes of a frame's start [`Request::precheck`] reads: a variant and a count (two
+/// varints of at most 10 bytes each).
+pub const PRECHECK_BYTES: usize = 24;
+
 /// The longest `client` string an `Attach` may carry (it is logged).
 pub const MAX_CLIENT_NAME: usize = 256;
 

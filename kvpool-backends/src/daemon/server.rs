@@ -21,7 +21,7 @@ use super::pool::{
     ATTACH_TIMEOUT, MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT,
     PoolDaemon, RequestBudget,
 };
-use super::protocol::{PROTOCOL_VERSION, Precheck, Reply, Request};
+use super::protocol::{PRECHECK_BYTES, PROTOCOL_VERSION, Precheck, Reply, Request};
 use super::store::SessionId;
 
 /// The most engines attached at once (one thread each); a connection past it is refused.
@@ -336,10 +336,6 @@ fn serve_session(daemon: &PoolDaemon, mut stream: UnixStream, session: SessionId
         }
     }
 }
-
-/// The bytes of a frame's start [`Request::precheck`] reads: a variant and a count (two
-/// varints of at most 10 bytes each).
-const PRECHECK_BYTES: usize = 24;
 
 /// What decoding one item may allocate beyond its bytes on the wire (a `String`'s slot).
 const DECODED_BYTES_PER_ITEM: usize = 32;

@@ -1,0 +1,36 @@
+//! The pool daemon's request frames (bytes from any engine that can attach): the precheck and
+//! the decoder never panic, and a frame the precheck passes decodes to no more items than the
+//! precheck allowed, and to a client name no longer than the limit (the daemon budgets memory
+//! for what the precheck saw, before it reads the body).
+#![no_main]
+
+use kvpool_backends::daemon::{MAX_CLIENT_NAME, PRECHECK_BYTES, Request};
+use libfuzzer_sys::fuzz_target;
+
+/// A small cap, so that the fuzzer reaches it (the daemon's is 65,536).
+const MAX_ITEMS: usize = 4;
+
+fuzz_target!(|data: &[u8]| {
+    let head = &data[..data.len().min(PRECHECK_BYTES)];
+    if Request::precheck(head, MAX_ITEMS).is_err() {
+        return;
+    }
+    let Ok(request) = kvpool_core::frame::decode_body::<Request>(data) else {
+        return;
+    };
+    let items = match &request {
+        Request::Attach { client, .. } => {
+            assert!(client.len() <= MAX_CLIENT_NAME, "a client name past the precheck");
+            0
+        }
+        Request::Exists { keys }
+        | Request::Get { keys }
+        | Request::GetResident { keys }
+        | Request::Delete { keys } => keys.len(),
+        Request::PrepareSave { lens } => lens.len(),
+        Request::Commit { entries } => entries.len(),
+        Request::Release { ids } => ids.len(),
+        Request::Stats => 0,
+    };
+    assert!(items <= MAX_ITEMS, "{items} items past a precheck of {MAX_ITEMS}");
+});
