@@ -349,7 +349,9 @@ impl PoolDaemon {
     fn exists_distinct(&self, keys: &[String]) -> Vec<bool> {
         let mut found = self.store.contains(keys);
         for tier in &self.tiers {
-            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+            let ask: Vec<usize> = (0..keys.len())
+                .filter(|&i| !found[i] && is_kvpool_key(&keys[i]))
+                .collect();
             if ask.is_empty() {
                 break;
             }
@@ -413,7 +415,9 @@ impl PoolDaemon {
         let mut tier_hits = 0;
         let tiers: &[_] = if from_tiers { &self.tiers } else { &[] };
         for tier in tiers {
-            let want: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+            let want: Vec<usize> = (0..keys.len())
+                .filter(|&i| out[i].is_none() && is_kvpool_key(&keys[i]))
+                .collect();
             if want.is_empty() {
                 break;
             }
@@ -512,6 +516,10 @@ impl PoolDaemon {
             let entries: Vec<(String, Bytes)> = committed
                 .into_iter()
                 .filter_map(|(k, v)| {
+                    if !is_kvpool_key(&k) {
+                        debug!(key = %k, "not a kvpool key: kept in shared memory, not written below");
+                        return None;
+                    }
                     let copy = Bytes::copy_from_slice(v.as_slice());
                     drop(v);
                     match check_stored_value(&k, &copy) {
@@ -572,6 +580,14 @@ fn distinct_keys(keys: &[String]) -> (Vec<String>, Vec<usize>) {
 /// a chunk key of kvpool's (every key an engine's pool writes) must be a whole chunk in the
 /// chunk format, its checksum right, bound to that key and its layout. A value under any other
 /// key is opaque to the daemon.
+/// Whether `key` is a kvpool key (a [`kvpool_core::CacheKey`]'s text): only such keys reach the
+/// lower tiers. Engines may name anything in shared memory, which holds only what engines
+/// committed; the lower tiers may be shared with other programs (one Redis, one bucket), whose
+/// keys an engine that can attach must not read, write, probe or have deleted as corrupt.
+fn is_kvpool_key(key: &str) -> bool {
+    key.parse::<kvpool_core::CacheKey>().is_ok()
+}
+
 fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
     use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
     let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {

@@ -24,7 +24,8 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
     let dir = tempfile::tempdir().unwrap();
     let path = socket(&dir);
     let disk: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
-    disk.put("below", value(5, 4096)).await.unwrap();
+    let (below, below_value) = chunk_value(5, &[5u8; 4096]);
+    disk.put(&below, below_value.clone()).await.unwrap();
     let run = start(&path, 16 * MIB, vec![disk]);
     let engine = client(&path);
     assert!(engine.reads_node_memory());
@@ -32,18 +33,18 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
         .batch_put(vec![("resident".into(), value(6, 4096))])
         .await
         .unwrap();
-    let keys = ["resident".to_string(), "below".to_string()];
+    let keys = ["resident".to_string(), below.clone()];
     // What a lookup asks: shared memory only, the lower tier untouched.
     let got = read_resident(&engine, &keys).await;
     assert_eq!(got[0].as_deref(), Some(&vec![6u8; 4096][..]));
     assert!(got[1].is_none(), "read from the daemon's lower tier");
     assert_eq!(run.daemon.stats().tier_hits, 0);
     // A miss ends the run: nothing after it is pinned or copied.
-    let got = read_resident(&engine, &["below".into(), "resident".into()]).await;
+    let got = read_resident(&engine, &[below.clone(), "resident".into()]).await;
     assert_eq!(got, [None, None]);
     // A plain get promotes it from the lower tier.
     let got = engine.batch_get(&keys).await.unwrap();
-    assert_eq!(got[1].as_deref(), Some(&vec![5u8; 4096][..]));
+    assert_eq!(got[1].as_deref(), Some(&below_value[..]));
     assert_eq!(run.daemon.stats().tier_hits, 1);
     // Both leave nothing pinned.
     assert_eq!(wait_for(&run.daemon, |s| s.pins == 0).pins, 0);

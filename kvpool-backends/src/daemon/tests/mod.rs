@@ -295,32 +295,33 @@ async fn values_go_to_the_lower_tier_and_come_back_after_a_daemon_restart() {
     let disk: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
     let run = start(&path, 16 * MIB, vec![disk.clone()]);
     let engine = client(&path);
+    let (k, v) = chunk_value(4, &[4u8; 64 << 10]);
     engine
-        .batch_put(vec![("k".into(), value(4, 64 << 10))])
+        .batch_put(vec![(k.clone(), v.clone())])
         .await
         .unwrap();
     for _ in 0..500 {
-        if disk.exists("k").await.unwrap() {
+        if disk.exists(&k).await.unwrap() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(
-        disk.exists("k").await.unwrap(),
+        disk.exists(&k).await.unwrap(),
         "write-behind never reached the tier"
     );
 
     // The daemon dies: the engine's calls fail (misses), nothing panics.
     run.server.shutdown();
     drop(run.daemon);
-    assert!(engine.batch_get(&["k".into()]).await.is_err());
+    assert!(engine.batch_get(std::slice::from_ref(&k)).await.is_err());
     assert!(!path.exists(), "shutdown removes the socket");
 
     // A new daemon over the same lower tier: the engine attaches again by itself.
     let run = start(&path, 16 * MIB, vec![disk.clone()]);
     tokio::time::sleep(RECONNECT_INTERVAL + Duration::from_millis(100)).await;
-    let got = engine.batch_get(&["k".into()]).await.unwrap();
-    assert_eq!(got[0].as_deref(), Some(&vec![4u8; 64 << 10][..]));
+    let got = engine.batch_get(std::slice::from_ref(&k)).await.unwrap();
+    assert_eq!(got[0].as_deref(), Some(&v[..]));
     let stats = run.daemon.stats();
     assert_eq!(
         (stats.tier_hits, stats.memory_hits, stats.entries),

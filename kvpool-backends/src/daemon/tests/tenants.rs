@@ -51,8 +51,7 @@ async fn an_engine_of_one_tenant_cannot_read_learn_overwrite_or_delete_anothers_
     let _b = tenant(&dir, "b", &shared);
     let a = client(&dir.path().join("a.sock"));
     let b = client(&dir.path().join("b.sock"));
-    let key = "m@tp1@rank0@pp0@0000000000000007@0123".to_string();
-    let theirs = value(0xa1, 8192);
+    let (key, theirs) = chunk_value(0x01, &[0xa1; 8192]);
     a.batch_put(vec![(key.clone(), theirs.clone())])
         .await
         .unwrap();
@@ -69,9 +68,8 @@ async fn an_engine_of_one_tenant_cannot_read_learn_overwrite_or_delete_anothers_
     );
     // B deletes it, then writes its own value under it: A's is untouched.
     assert_eq!(b.batch_delete(std::slice::from_ref(&key)).await.unwrap(), 0);
-    b.batch_put(vec![(key.clone(), value(0xb2, 8192))])
-        .await
-        .unwrap();
+    let (_, ours) = chunk_value(0x01, &[0xb2; 8192]);
+    b.batch_put(vec![(key.clone(), ours)]).await.unwrap();
     written_below(&shared, &format!("tenant/b/{key}")).await;
     let got = a.batch_get(std::slice::from_ref(&key)).await.unwrap();
     assert_eq!(got[0].as_deref(), Some(&theirs[..]));
@@ -157,4 +155,36 @@ async fn an_untenanted_daemon_refuses_keys_in_tenants_namespaces() {
         matches!(reply, Reply::Error(ref why) if why.contains("tenants")),
         "{reply:?}"
     );
+}
+
+/// A daemon's lower tier may be shared with other programs (one Redis, one bucket): an engine
+/// that can attach reaches only kvpool keys there. Another program's value is not read,
+/// probed, overwritten or deleted through the daemon, whatever key the engine names; a value
+/// the engine commits under such a key stays in shared memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_reaches_only_kvpool_keys_in_a_shared_lower_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let shared: Arc<dyn RemoteConnector> = Arc::new(InMemoryConnector::new());
+    let secret = Bytes::from_static(b"another program's session token");
+    shared.put("app:session", secret.clone()).await.unwrap();
+    let run = start(&path, 16 * MIB, vec![shared.clone()]);
+    let engine = client(&path);
+    let key = ["app:session".to_string()];
+    assert_eq!(engine.batch_exists(&key).await.unwrap(), [false]);
+    assert_eq!(engine.batch_get(&key).await.unwrap(), [None]);
+    assert_eq!(engine.batch_delete(&key).await.unwrap(), 0);
+    engine
+        .batch_put(vec![("app:session".into(), value(0xee, 4096))])
+        .await
+        .unwrap();
+    // The engine's own value is in shared memory; the tier keeps the program's.
+    let got = engine.batch_get(&key).await.unwrap();
+    assert_eq!(got[0].as_deref(), Some(&vec![0xee; 4096][..]));
+    // A kvpool key committed alongside reaches the tier (the write-behind ran).
+    let (k, v) = chunk_value(9, &[9u8; 4096]);
+    engine.batch_put(vec![(k.clone(), v)]).await.unwrap();
+    written_below(&shared, &k).await;
+    assert_eq!(shared.get("app:session").await.unwrap(), Some(secret));
+    assert_eq!(run.daemon.stats().tier_hits, 0);
 }
