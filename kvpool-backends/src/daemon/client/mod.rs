@@ -120,6 +120,32 @@ impl Inner {
         self.run(&mut guard, f)
     }
 
+    /// Drops this process's mapping of daemon `daemon_id`'s arena once no session but `ended`
+    /// (the slot whose session just ended) may still be attached to it: a daemon that died
+    /// keeps its arena's pages alive as long as an engine maps them, so a restarted daemon's
+    /// new arena would double the node's memory (and overrun a `MemoryMax=`) until every engine
+    /// attached again. Values lent out hold their own reference until they are let go; a busy
+    /// slot counts as attached (it drops the mapping when it fails in turn).
+    fn forget_arena_unless_attached(&self, daemon_id: u64, ended: usize) {
+        let attached = self
+            .sessions
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != ended)
+            .any(|(_, slot)| {
+                slot.try_lock()
+                    .is_none_or(|g| g.as_ref().is_some_and(|s| s.daemon_id == daemon_id))
+            });
+        if attached {
+            return;
+        }
+        let mut arena = self.arena.lock();
+        if arena.as_ref().is_some_and(|(id, _)| *id == daemon_id) {
+            *arena = None;
+            info!(socket = %self.path.display(), daemon = daemon_id, "no session left on the daemon: its arena unmapped");
+        }
+    }
+
     /// Ends the idle sessions still attached to a daemon other than `daemon_id` (one that
     /// died or was replaced): each keeps that daemon's whole arena mapped, and a slot used
     /// only when calls overlap might not fail for a long time. A busy one ends on its own at
@@ -165,10 +191,12 @@ impl Inner {
             .expect("the caller checked a session is attached");
         let result = session.release_let_go().and_then(|()| f(session));
         let slot = session.slot;
+        let daemon_id = session.daemon_id;
         if let Err(e) = &result {
             warn!(socket = %self.path.display(), "daemon session ended: {e}");
             **guard = None;
             *self.last_failure.lock() = Some(Instant::now());
+            self.forget_arena_unless_attached(daemon_id, slot);
         }
         self.release_let_go_elsewhere(slot);
         result.map_err(|e| self.unavailable(e.to_string()))

@@ -133,3 +133,29 @@ async fn a_new_daemon_ends_every_idle_session_still_attached_to_the_old_one() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_unmaps_a_dead_daemons_arena_at_its_next_call() {
+    // A restarted daemon allocates a new arena at start: an engine still mapping the old one
+    // (which keeps its pages alive) would double the node's memory until it attached again.
+    let (_dir, _path, run, connector) = daemon_and_connector();
+    connector
+        .batch_put(vec![("k".into(), Bytes::from(vec![1u8; 4096]))])
+        .await
+        .unwrap();
+    let mapping = connector
+        .node_memory_mapping()
+        .expect("an attached engine maps the arena");
+    let old = Arc::downgrade(&mapping);
+    drop(mapping);
+
+    run.server.shutdown();
+    drop(run.daemon);
+    // The call that finds the daemon gone ends the session and lets its arena go.
+    assert!(connector.batch_get(&["k".into()]).await.is_err());
+    assert!(connector.node_memory_mapping().is_none());
+    assert!(
+        old.upgrade().is_none(),
+        "the engine still maps the dead daemon's arena"
+    );
+}
