@@ -1,6 +1,7 @@
 //! The `kvpool` command: `serve`, `bench`, `replay`, `gen-trace`, `sim` and `config`.
 
 mod bench;
+mod hostile;
 mod replay;
 mod report;
 mod serve;
@@ -45,6 +46,10 @@ enum Command {
     Sim(SimArgs),
     /// Show or check configuration.
     Config(ConfigArgs),
+    /// An engine that attacks the pool daemon (garbage frames, key storms, forged commits,
+    /// holes punched into its arena): for `cargo xtask soak --daemon`, never for production.
+    #[command(hide = true)]
+    HostileEngine(hostile::HostileArgs),
 }
 
 #[derive(Args, Debug)]
@@ -565,6 +570,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Sim(a) => run_sim(a)?,
+        Command::HostileEngine(a) => hostile::run(a, &rt)?,
         Command::Config(a) => {
             if a.print_default {
                 print!("{}", PoolConfig::default_toml());

@@ -1,9 +1,12 @@
 //! `cargo xtask soak --daemon`: the chaos soak of the node's pool daemon. Two `kvpool sim`
 //! engines attach to one `kvpool serve` (shared memory over a disk tier) and check every KV
 //! row against recomputation, while this process kills the daemon (SIGKILL) and restarts it,
-//! and kills and restarts a third engine attached to it. At the end the daemon must hold no
-//! lease of any engine, its resident memory must have stayed within its budget, and SIGTERM
-//! must stop it cleanly.
+//! and kills and restarts a third engine attached to it. Beside them, in a tenant of its own
+//! over the same disk tier, a hostile engine (`kvpool hostile-engine`) attacks the daemon the
+//! whole time: garbage frames, duplicate-key storms, forged commits, holes punched into its
+//! arena. At the end the honest engines must have seen no wrong KV and no refusal, the
+//! hostile one must have been refused, the daemon must hold no lease of any engine, its
+//! resident memory must have stayed within its budget, and SIGTERM must stop it cleanly.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -15,15 +18,19 @@ use super::engines::{print_sim_report, sim_command};
 use super::{CALM_SECS, Dice, SoakArgs};
 use crate::servers;
 
-/// The daemon's shared memory: small, so the engines' chunks are evicted to its disk tier.
+/// The honest tenant's shared memory: small, so the engines' chunks are evicted to its disk
+/// tier.
 const ARENA_MIB: u64 = 64;
+/// The hostile tenant's shared memory.
+const HOSTILE_ARENA_MIB: u64 = 16;
 /// Anonymous memory the daemon may use besides its arena (RocksDB's caches, frames, threads).
 const DAEMON_ANON_LIMIT_MIB: u64 = 160;
 
-/// `kvpool serve`, restartable on one socket.
+/// `kvpool serve` with two tenants, restartable.
 struct Daemon {
     kvpool: PathBuf,
     config: PathBuf,
+    /// The honest tenant's socket (the config names every tenant's).
     socket: PathBuf,
     dir: PathBuf,
     metrics_port: u16,
@@ -39,8 +46,6 @@ impl Daemon {
             .arg("serve")
             .arg("--config")
             .arg(&self.config)
-            .arg("--socket")
-            .arg(&self.socket)
             .stdout(std::fs::File::create(&log).map_err(|e| e.to_string())?)
             .stderr(std::fs::File::create(log.with_extension("err")).map_err(|e| e.to_string())?)
             .spawn()
@@ -104,14 +109,27 @@ impl Daemon {
     /// A series of the daemon's page, summed over its labels (the daemon's series carry a
     /// `tenant` label).
     fn series(&self, name: &str) -> Result<f64, String> {
+        self.series_of(name, "")
+    }
+
+    /// [`Self::series`] over the lines whose labels contain `labels` (e.g.
+    /// `tenant="honest"`; empty: every line).
+    fn series_of(&self, name: &str, labels: &str) -> Result<f64, String> {
         let page = self.scrape()?;
         let values: Vec<f64> = page
             .lines()
             .filter_map(|l| {
                 let rest = l.strip_prefix(name)?;
                 let rest = match rest.strip_prefix('{') {
-                    Some(labelled) => &labelled[labelled.find('}')? + 1..],
-                    None => rest,
+                    Some(labelled) => {
+                        let end = labelled.find('}')?;
+                        if !labelled[..end].contains(labels) {
+                            return None;
+                        }
+                        &labelled[end + 1..]
+                    }
+                    None if labels.is_empty() => rest,
+                    None => return None,
                 };
                 rest.strip_prefix(' ')?.trim().parse().ok()
             })
@@ -159,17 +177,25 @@ pub(crate) fn soak_daemon(args: &SoakArgs) -> Result<(), String> {
 
 fn run(dir: &Path, kvpool: &Path, args: &SoakArgs) -> Result<(), String> {
     let socket = dir.join("kvpool.sock");
+    let hostile_socket = dir.join("hostile.sock");
     let metrics_port = servers::free_port()?;
     let daemon_config = dir.join("daemon.toml");
     std::fs::write(
         &daemon_config,
         format!(
-            r#"# The soak's pool daemon: small shared memory over a disk tier.
-[local_cpu]
-max_size = "{ARENA_MIB}MiB"
-
+            r#"# The soak's pool daemon: two tenants, each small shared memory, over a disk tier.
 [metrics]
 listen = "127.0.0.1:{metrics_port}"
+
+[[tenant]]
+name = "honest"
+socket = "{socket}"
+memory = "{ARENA_MIB}MiB"
+
+[[tenant]]
+name = "hostile"
+socket = "{hostile_socket}"
+memory = "{HOSTILE_ARENA_MIB}MiB"
 
 [[tier]]
 url = "file://{disk}"
@@ -178,7 +204,9 @@ block_cache = "4MiB"
 write_buffer = "2MiB"
 timeout_ms = 1000
 "#,
-            disk = dir.join("disk").display()
+            disk = dir.join("disk").display(),
+            socket = socket.display(),
+            hostile_socket = hostile_socket.display(),
         ),
     )
     .map_err(|e| e.to_string())?;
@@ -248,8 +276,20 @@ timeout_ms = 1000
     };
     let mut victim_starts = 1;
     let mut victim = spawn_victim(victim_starts)?;
+    // The hostile engine, in its own tenant: it outlives the soak and is killed at its end.
+    let hostile_out = dir.join("hostile.json");
+    let mut hostile = Command::new(kvpool)
+        .arg("hostile-engine")
+        .arg("--socket")
+        .arg(&hostile_socket)
+        .args(["--seconds", &format!("{}", args.minutes * 60.0 * 4.0)])
+        .args(["--seed", &args.seed.to_string()])
+        .stdout(std::fs::File::create(&hostile_out).map_err(|e| e.to_string())?)
+        .stderr(std::fs::File::create(dir.join("hostile.log")).map_err(|e| e.to_string())?)
+        .spawn()
+        .map_err(|e| format!("cannot start the hostile engine: {e}"))?;
     eprintln!(
-        "==> soak --daemon: {} min, two engines checked and one killed and restarted, attached to one kvpool serve (shared memory over disk); faults until {CALM_SECS} s before the end",
+        "==> soak --daemon: {} min, two engines checked and one killed and restarted, attached to one kvpool serve (shared memory over disk), a hostile engine in another tenant; faults until {CALM_SECS} s before the end",
         args.minutes
     );
 
@@ -309,6 +349,15 @@ timeout_ms = 1000
     }
     let _ = victim.kill();
     let _ = victim.wait();
+    // What the hostile engine cost: counted before it leaves (a restart zeroes the counters:
+    // this covers the last daemon's run, at least the calm period's seconds).
+    let hostile_refused = daemon.series_of(
+        "kvpool_daemon_requests_refused_total",
+        r#"tenant="hostile""#,
+    )?;
+    let hostile_alive = matches!(hostile.try_wait(), Ok(None));
+    let _ = hostile.kill();
+    let _ = hostile.wait();
     // Every engine is gone: the daemon must have reclaimed whatever they held.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut leases = f64::NAN;
@@ -319,8 +368,9 @@ timeout_ms = 1000
             break;
         }
     }
-    // Engines here only die or time out, never send garbage: nothing of theirs is a refusal.
-    let refused = daemon.series("kvpool_daemon_requests_refused_total")?;
+    // The honest engines only die or time out, never send garbage: nothing of theirs is a
+    // refusal, whatever the hostile tenant does.
+    let refused = daemon.series_of("kvpool_daemon_requests_refused_total", r#"tenant="honest""#)?;
     sample(&daemon);
     let clean_stop = daemon.terminate()?;
 
@@ -345,7 +395,19 @@ timeout_ms = 1000
         mib(peak_shared)
     );
     println!("{:<40} {leases:>8}", "leases held after every engine left");
-    println!("{:<40} {refused:>8}", "requests refused (must be 0)");
+    println!("{:<40} {refused:>8}", "honest requests refused (must be 0)");
+    println!(
+        "{:<40} {hostile_refused:>8}",
+        "hostile requests refused (last daemon)"
+    );
+    println!(
+        "-- hostile engine's attacks: {}",
+        std::fs::read_to_string(&hostile_out)
+            .unwrap_or_default()
+            .lines()
+            .last()
+            .unwrap_or("(none reported)")
+    );
     println!("{:<40} {clean_stop:>8}", "SIGTERM stopped it cleanly");
     for (name, report) in ["engine a", "engine b"].iter().zip(&reports) {
         println!("-- {name}");
@@ -361,16 +423,26 @@ timeout_ms = 1000
             "the daemon refused {refused} requests of engines that sent no garbage (its log says why)"
         ));
     }
+    if !hostile_alive {
+        failed.push(format!(
+            "the hostile engine stopped early (its log: {})",
+            dir.join("hostile.log").display()
+        ));
+    }
+    if hostile_refused == 0.0 {
+        failed.push("the daemon refused nothing of the hostile engine: did it run?".into());
+    }
     if peak_anon > DAEMON_ANON_LIMIT_MIB << 20 {
         failed.push(format!(
             "the daemon's anonymous RSS reached {:.1} MiB (limit {DAEMON_ANON_LIMIT_MIB})",
             mib(peak_anon)
         ));
     }
-    // The arena is the only shared memory the daemon maps (1 MiB of slack for rounding).
-    if peak_shared > (ARENA_MIB + 1) << 20 {
+    // The arenas are the only shared memory the daemon maps (1 MiB of slack for rounding).
+    let arenas = ARENA_MIB + HOSTILE_ARENA_MIB;
+    if peak_shared > (arenas + 1) << 20 {
         failed.push(format!(
-            "the daemon's shared RSS reached {:.1} MiB, above its {ARENA_MIB} MiB arena",
+            "the daemon's shared RSS reached {:.1} MiB, above its {arenas} MiB of arenas",
             mib(peak_shared)
         ));
     }

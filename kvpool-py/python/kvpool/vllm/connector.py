@@ -163,7 +163,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._sched is None:  # a hybrid model: kvpool stands aside
+        if self._sched is None:  # kvpool stands aside (stand_aside_reason)
             return 0, False
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
