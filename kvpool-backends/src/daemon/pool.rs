@@ -576,10 +576,6 @@ fn distinct_keys(keys: &[String]) -> (Vec<String>, Vec<usize>) {
     (distinct, index)
 }
 
-/// Checks a value a lower tier holds under `key` before it enters shared memory: a value under
-/// a chunk key of kvpool's (every key an engine's pool writes) must be a whole chunk in the
-/// chunk format, its checksum right, bound to that key and its layout. A value under any other
-/// key is opaque to the daemon.
 /// Whether `key` is a kvpool key (a [`kvpool_core::CacheKey`]'s text): only such keys reach the
 /// lower tiers. Engines may name anything in shared memory, which holds only what engines
 /// committed; the lower tiers may be shared with other programs (one Redis, one bucket), whose
@@ -588,6 +584,10 @@ fn is_kvpool_key(key: &str) -> bool {
     key.parse::<kvpool_core::CacheKey>().is_ok()
 }
 
+/// Checks a value under `key` before it crosses between shared memory and a lower tier: a value
+/// under a chunk key of kvpool's (every key an engine's pool writes, and the only keys that
+/// reach a lower tier: [`is_kvpool_key`]) must be a whole chunk in the chunk format, its
+/// checksum right, bound to that key and its layout.
 fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
     use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
     let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {
