@@ -41,7 +41,7 @@ pub struct HostileArgs {
 /// Connections that never attach, held open at once (the daemon closes each at its deadline).
 const MAX_STALLED: usize = 8;
 
-/// The attacks, by name, in the order of the counts printed at the end.
+/// The attacks, by name (the keys of the counts it prints).
 const ATTACKS: [&str; 6] = [
     "garbage frames",
     "frames claiming a million items",
