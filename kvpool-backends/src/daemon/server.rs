@@ -27,6 +27,11 @@ use super::store::SessionId;
 /// The most engines attached at once (one thread each); a connection past it is refused.
 pub const MAX_SESSIONS: usize = 1024;
 
+/// The most sessions one process (the peer's pid, from `SO_PEERCRED`) holds at once: an engine
+/// opens up to four, a tensor-parallel rank is a process of its own; one process cannot take
+/// every session of [`MAX_SESSIONS`] from the others.
+pub const MAX_SESSIONS_PER_PROCESS: usize = 64;
+
 /// How long a request's body may take to arrive once its length did (an attached engine may
 /// be idle between requests as long as it likes, but not stall half-way through one).
 pub const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,7 +75,8 @@ pub struct DaemonServer {
 
 /// The attached engines: a clone of each socket (to disconnect it at shutdown) and its
 /// thread (to wait for it).
-type Connections = HashMap<SessionId, (UnixStream, Option<JoinHandle<()>>)>;
+/// Each session's socket (to shut it down), its thread, and its peer's pid.
+type Connections = HashMap<SessionId, (UnixStream, Option<JoinHandle<()>>, Option<libc::pid_t>)>;
 
 /// Ends a session however its thread ends (returning, panicking, or never starting): the
 /// daemon reclaims its leases and forgets its socket.
@@ -177,10 +183,13 @@ impl DaemonServer {
         // finishes (its tier calls are bounded by their timeouts) before the tiers close.
         let threads: Vec<JoinHandle<()>> = {
             let mut conns = self.connections.lock();
-            for (conn, _) in conns.values() {
+            for (conn, _, _) in conns.values() {
                 let _ = conn.shutdown(std::net::Shutdown::Both);
             }
-            conns.values_mut().filter_map(|(_, t)| t.take()).collect()
+            conns
+                .values_mut()
+                .filter_map(|(_, t, _)| t.take())
+                .collect()
         };
         for t in threads {
             let _ = t.join();
@@ -205,8 +214,24 @@ fn accept_loop(
         match listener.accept() {
             Ok((mut stream, _)) => {
                 let _ = stream.set_nonblocking(false);
-                if connections.lock().len() >= MAX_SESSIONS {
-                    let why = format!("{MAX_SESSIONS} engines attached already");
+                let pid = peer_pid(&stream);
+                let full = {
+                    let conns = connections.lock();
+                    let of_peer = pid.map_or(0, |p| {
+                        conns.values().filter(|(_, _, q)| *q == Some(p)).count()
+                    });
+                    if conns.len() >= MAX_SESSIONS {
+                        Some(format!("{MAX_SESSIONS} engines attached already"))
+                    } else if of_peer >= MAX_SESSIONS_PER_PROCESS {
+                        Some(format!(
+                            "process {} holds {of_peer} sessions already (at most {MAX_SESSIONS_PER_PROCESS} per process)",
+                            pid.unwrap_or_default()
+                        ))
+                    } else {
+                        None
+                    }
+                };
+                if let Some(why) = full {
                     warn!("refusing a connection: {why}");
                     let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
                     let _ = write_frame(&mut stream, &daemon.refuse(&why));
@@ -223,7 +248,7 @@ fn accept_loop(
                     continue; // the guard ends the session
                 };
                 // Registered before the thread starts, so the guard's removal comes after.
-                connections.lock().insert(session, (clone, None));
+                connections.lock().insert(session, (clone, None, pid));
                 let daemon = daemon.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("kvpool-daemon-session-{session}"))
@@ -250,6 +275,28 @@ fn accept_loop(
             }
         }
     }
+}
+
+/// The pid of the process at the other end of `stream` (`SO_PEERCRED`), if the kernel says.
+fn peer_pid(stream: &UnixStream) -> Option<libc::pid_t> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the descriptor is a live Unix socket this function borrows; `cred` and `len`
+    // are valid for writes of `len` bytes, the size of `ucred` the kernel fills.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (rc == 0 && cred.pid > 0).then_some(cred.pid)
 }
 
 /// Serves one engine until it disconnects or sends something that is not a request.

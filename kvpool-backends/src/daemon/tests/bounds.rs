@@ -156,3 +156,35 @@ async fn a_request_trickling_in_closes_its_session_at_its_deadline() {
     wait_for(&run.daemon, |st| st.sessions == 0 && st.refused == 1);
     let _ = write_frame(&mut s, &Request::Stats);
 }
+
+/// One process holds at most `MAX_SESSIONS_PER_PROCESS` sessions: the next connection is
+/// refused (before, one process could open all 1,024 and lock every other engine out), and a
+/// session it ends makes room for another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_cannot_take_more_than_its_share_of_sessions() {
+    use crate::daemon::server::MAX_SESSIONS_PER_PROCESS;
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let run = start(&path, 4 * MIB, vec![]);
+    // Connections that have not attached yet hold a session each.
+    let mut held: Vec<UnixStream> = (0..MAX_SESSIONS_PER_PROCESS)
+        .map(|_| UnixStream::connect(&path).unwrap())
+        .collect();
+    wait_for(&run.daemon, |s| {
+        s.sessions == MAX_SESSIONS_PER_PROCESS as u64
+    });
+    let mut one_more = UnixStream::connect(&path).unwrap();
+    one_more
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    match read_frame::<Reply>(&mut one_more).unwrap() {
+        Reply::Error(why) => assert!(why.contains("per process"), "{why}"),
+        other => panic!("not refused: {other:?}"),
+    }
+    // One of them leaves: a new connection is served (it attaches).
+    drop(held.pop());
+    wait_for(&run.daemon, |s| {
+        s.sessions == MAX_SESSIONS_PER_PROCESS as u64 - 1
+    });
+    drop(raw_session(&path));
+}
