@@ -18,19 +18,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(request) = kvpool_core::frame::decode_body::<Request>(data) else {
         return;
     };
-    let items = match &request {
-        Request::Attach { client, .. } => {
-            assert!(client.len() <= MAX_CLIENT_NAME, "a client name past the precheck");
-            0
-        }
-        Request::Exists { keys }
-        | Request::Get { keys }
-        | Request::GetResident { keys }
-        | Request::Delete { keys } => keys.len(),
-        Request::PrepareSave { lens } => lens.len(),
-        Request::Commit { entries } => entries.len(),
-        Request::Release { ids } => ids.len(),
-        Request::Stats => 0,
-    };
+    if let Request::Attach { client, .. } = &request {
+        assert!(client.len() <= MAX_CLIENT_NAME, "a client name past the precheck");
+    }
+    let items = request.item_count();
     assert!(items <= MAX_ITEMS, "{items} items past a precheck of {MAX_ITEMS}");
 });

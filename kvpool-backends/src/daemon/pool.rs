@@ -266,16 +266,7 @@ impl PoolDaemon {
 
     /// Answers one request of `session` (anything but `Attach`).
     pub fn handle(&self, session: SessionId, request: Request) -> Reply {
-        let items = match &request {
-            Request::Exists { keys }
-            | Request::Get { keys }
-            | Request::GetResident { keys }
-            | Request::Delete { keys } => keys.len(),
-            Request::PrepareSave { lens } => lens.len(),
-            Request::Commit { entries } => entries.len(),
-            Request::Release { ids } => ids.len(),
-            Request::Attach { .. } | Request::Stats => 0,
-        };
+        let items = request.item_count();
         if items > MAX_ITEMS_PER_REQUEST {
             return self.refuse(&format!(
                 "{items} items in one request (at most {MAX_ITEMS_PER_REQUEST})"

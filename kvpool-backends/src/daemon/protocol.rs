@@ -105,6 +105,21 @@ pub enum Precheck {
 }
 
 impl Request {
+    /// How many items (keys, lengths, entries, ids) the request carries: what
+    /// [`Self::precheck`] bounds before decoding and the daemon checks again after.
+    pub fn item_count(&self) -> usize {
+        match self {
+            Request::Exists { keys }
+            | Request::Get { keys }
+            | Request::GetResident { keys }
+            | Request::Delete { keys } => keys.len(),
+            Request::PrepareSave { lens } => lens.len(),
+            Request::Commit { entries } => entries.len(),
+            Request::Release { ids } => ids.len(),
+            Request::Attach { .. } | Request::Stats => 0,
+        }
+    }
+
     /// Checks a request frame's body before it is decoded: the number of items it carries
     /// (keys, lengths, entries, ids) is at most `max_items`, and an `Attach`'s client name at
     /// most [`MAX_CLIENT_NAME`] bytes. Decoding allocates per item, so a frame of millions of
