@@ -33,6 +33,10 @@ pub struct MooncakeConfig {
     pub python_path: Vec<PathBuf>,
     /// Bound on connecting (setup).
     pub connect_timeout: Duration,
+    /// The deadline of every call: past it the caller gets a timeout, the connector pauses
+    /// for `retry_after`, and calls fail fast until Mooncake returns from the late call. The
+    /// registry sets it just inside the tier's `timeout_ms`.
+    pub call_timeout: Duration,
     /// After the cluster fails a call, calls fail fast for this long.
     pub retry_after: Duration,
 }
@@ -51,6 +55,7 @@ impl Default for MooncakeConfig {
             staging_bytes: 256 << 20,
             python_path: Vec::new(),
             connect_timeout: Duration::from_secs(20),
+            call_timeout: Duration::from_secs(5),
             retry_after: Duration::from_secs(1),
         }
     }

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -28,9 +28,22 @@ pub(super) struct Inner {
     /// Keys this connector is writing now (see [`KeyClaims`]).
     pub(super) writing: KeyClaims,
     retry_after: Duration,
+    /// The deadline of every call (see [`MooncakeConfig::call_timeout`]).
+    call_timeout: Duration,
+    /// Calls past their deadline that Mooncake has not returned from yet; while any is,
+    /// new calls fail fast instead of queueing more blocked threads behind it.
+    overdue: Arc<AtomicUsize>,
     closed: AtomicBool,
     name: String,
 }
+
+/// A call's state, shared by the caller and the thread running it: whichever of the two
+/// moves it out of `CALL_RUNNING` first decides whether the call counts as overdue.
+const CALL_RUNNING: u8 = 0;
+/// The call returned before its deadline.
+const CALL_DONE: u8 = 1;
+/// The caller gave up at the deadline; the thread uncounts the call when it returns.
+const CALL_OVERDUE: u8 = 2;
 
 /// A Mooncake Store [`RemoteConnector`]. Clones share one client and staging arena.
 #[derive(Clone)]
@@ -106,22 +119,40 @@ impl MooncakeConnector {
                 paused_until: Mutex::new(None),
                 writing: KeyClaims::default(),
                 retry_after: config.retry_after,
+                call_timeout: config.call_timeout,
+                overdue: Arc::new(AtomicUsize::new(0)),
                 closed: AtomicBool::new(false),
                 name: format!("mooncake({})", config.master_server_address),
             }),
         })
     }
 
-    /// Runs the blocking `f` unless the connector is closed or paused; a cluster failure
-    /// pauses it for `retry_after`.
+    /// Runs the blocking `f` on the blocking pool unless the connector is closed or paused,
+    /// and waits at most [`MooncakeConfig::call_timeout`] for it, plus the time the `bytes`
+    /// it writes take at [`crate::timeout::SLOWEST_WRITE_BYTES_PER_SEC`]. A cluster failure or a
+    /// missed deadline pauses the connector for `retry_after`, and calls fail fast while a
+    /// call past its deadline is still inside Mooncake.
     async fn call<T: Send + 'static>(
         &self,
         op: &'static str,
+        bytes: usize,
         f: impl FnOnce(&Inner) -> Result<T, CallError> + Send + 'static,
     ) -> Result<T, BackendError> {
         let inner = &self.inner;
+        let deadline = inner.call_timeout
+            + Duration::from_secs_f64(bytes as f64 / crate::timeout::SLOWEST_WRITE_BYTES_PER_SEC);
         if inner.closed.load(Ordering::Acquire) {
             return Err(BackendError::Closed(inner.name.clone()));
+        }
+        let stuck = inner.overdue.load(Ordering::Acquire);
+        if stuck > 0 {
+            metrics::counter!(crate::telemetry::MOONCAKE_FAST_FAILURES).increment(1);
+            return Err(unavailable(
+                &inner.name,
+                format!(
+                    "{op} skipped: {stuck} call(s) past their deadline are still inside Mooncake"
+                ),
+            ));
         }
         if let Some(until) = *inner.paused_until.lock()
             && Instant::now() < until
@@ -133,26 +164,60 @@ impl MooncakeConnector {
             ));
         }
         let shared = inner.clone();
-        // On a multi-threaded runtime the call runs on this worker (`block_in_place`): handing
-        // it to the blocking pool and back cost ~30 µs per 1 MiB operation, 8% of a get
-        // (docs/benchmarks.md). The price: a `tokio::time::timeout` around the call cannot cut
-        // it short; Mooncake bounds its own RPCs (about 4 s with the master gone), and after
-        // one cluster failure calls fail fast for `retry_after`.
-        let result = if tokio::runtime::Handle::current().runtime_flavor()
-            == tokio::runtime::RuntimeFlavor::MultiThread
-        {
-            tokio::task::block_in_place(move || f(&shared))
-        } else {
-            tokio::task::spawn_blocking(move || f(&shared))
-                .await
-                .map_err(|e| unavailable(&inner.name, format!("{op}: {e}")))?
+        // On the blocking pool, never `block_in_place`: a call stuck inside Mooncake (a
+        // master that stopped answering) must not hold its caller past the deadline. The
+        // hand-off costs some microseconds per call (docs/benchmarks.md, "Mooncake Store").
+        // The closure owns everything the call touches (its staging slots included), so a
+        // call abandoned at its deadline finishes or fails on its own thread safely.
+        let state = Arc::new(AtomicU8::new(CALL_RUNNING));
+        let finished = state.clone();
+        let overdue = inner.overdue.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let result = f(&shared);
+            if finished
+                .compare_exchange(CALL_RUNNING, CALL_DONE, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // The caller gave up on this call at its deadline and counted it overdue.
+                overdue.fetch_sub(1, Ordering::AcqRel);
+            }
+            result
+        });
+        let result = match tokio::time::timeout(deadline, task).await {
+            Ok(joined) => joined.map_err(|e| unavailable(&inner.name, format!("{op}: {e}")))?,
+            Err(_) => {
+                inner.overdue.fetch_add(1, Ordering::AcqRel);
+                if state
+                    .compare_exchange(
+                        CALL_RUNNING,
+                        CALL_OVERDUE,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_err()
+                {
+                    // It finished just now; its result is dropped with the task.
+                    inner.overdue.fetch_sub(1, Ordering::AcqRel);
+                }
+                inner.pause();
+                metrics::counter!(kvpool_core::telemetry::TIMEOUTS, "tier" => inner.name.clone())
+                    .increment(1);
+                let millis = deadline.as_millis() as u64;
+                warn!(backend = %inner.name, op, millis,
+                      "a Mooncake call missed its deadline; calls fail fast until it returns");
+                return Err(BackendError::Timeout {
+                    backend: inner.name.clone(),
+                    op,
+                    millis,
+                });
+            }
         };
         match result {
             Ok(v) => Ok(v),
             Err(CallError::Client(reason)) => Err(unavailable(&inner.name, reason)),
             Err(CallError::Code(code)) => {
                 if is_cluster_failure(code) {
-                    *inner.paused_until.lock() = Some(Instant::now() + inner.retry_after);
+                    inner.pause();
                 }
                 Err(unavailable(
                     &inner.name,
@@ -214,6 +279,11 @@ impl From<String> for CallError {
 }
 
 impl Inner {
+    /// Makes calls fail fast for `retry_after` (the cluster failed one, or one is stuck).
+    fn pause(&self) {
+        *self.paused_until.lock() = Some(Instant::now() + self.retry_after);
+    }
+
     /// Allocates staging for `len` bytes; a value larger than the whole arena is an error.
     fn stage(&self, len: usize) -> Result<Option<MemoryObjMut>, CallError> {
         match self.staging.allocate(len.max(1)) {
@@ -325,6 +395,11 @@ impl Inner {
                     }
                     code => {
                         warn!(backend = %self.name, %key, code, meaning = describe_code(code), "Mooncake put failed");
+                        if is_cluster_failure(code) {
+                            // Before this call's key claims are let go: a put waiting on
+                            // them must see the pause and fail fast.
+                            self.pause();
+                        }
                         return Err(CallError::Code(code));
                     }
                 }
@@ -527,7 +602,7 @@ impl RemoteConnector for MooncakeConnector {
             return Ok(Vec::new());
         }
         let keys = keys.to_vec();
-        self.call("batch_is_exist", move |inner| {
+        self.call("batch_is_exist", 0, move |inner| {
             let n = keys.len();
             codes_to_bools(inner.client.batch_is_exist(&keys)?, n)
         })
@@ -539,7 +614,7 @@ impl RemoteConnector for MooncakeConnector {
             return Ok(Vec::new());
         }
         let keys = keys.to_vec();
-        self.call("batch_get_into", move |inner| inner.get_all(&keys))
+        self.call("batch_get_into", 0, move |inner| inner.get_all(&keys))
             .await
     }
 
@@ -547,8 +622,11 @@ impl RemoteConnector for MooncakeConnector {
         if entries.is_empty() {
             return Ok(());
         }
-        self.call("batch_upsert_from", move |inner| inner.put_all(&entries))
-            .await
+        let bytes = entries.iter().map(|(_, value)| value.len()).sum();
+        self.call("batch_upsert_from", bytes, move |inner| {
+            inner.put_all(&entries)
+        })
+        .await
     }
 
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
@@ -556,7 +634,7 @@ impl RemoteConnector for MooncakeConnector {
             return Ok(0);
         }
         let keys = keys.to_vec();
-        self.call("batch_remove", move |inner| {
+        self.call("batch_remove", 0, move |inner| {
             let codes = inner.client.batch_remove(&keys)?;
             let mut removed = 0;
             for code in codes {

@@ -62,6 +62,9 @@ impl BackendFactory for MooncakeFactory {
         // Room for a few values of the largest chunk the pool stores.
         let needed = (tier.max_chunk_bytes + 4096).saturating_mul(4);
         config.staging_bytes = config.staging_bytes.max(needed);
+        // Just inside the tier's timeout (the registry's `TimeoutConnector` around this one),
+        // so that the connector's own deadline fires first and pauses it.
+        config.call_timeout = tier.timeout().mul_f64(0.9);
         let connector = MooncakeConnector::connect(&config)
             .await
             .map_err(|e| config::invalid(e.to_string()))?;

@@ -27,6 +27,8 @@ struct FakeStore {
     race_once: Mutex<Vec<String>>,
     /// How long each put takes.
     put_delay: Mutex<Duration>,
+    /// How long each get takes (a master that stopped answering).
+    get_delay: Mutex<Duration>,
     /// Keys being put now, and how often a put began on a key another put was still writing.
     putting: Mutex<Vec<String>>,
     overlapping_puts: AtomicUsize,
@@ -116,6 +118,7 @@ impl MooncakeStoreClient for FakeStore {
         if let Some(code) = self.enter() {
             return Ok(vec![code; keys.len()]);
         }
+        std::thread::sleep(*self.get_delay.lock());
         // As Mooncake does, the buffers are addressed by key: of a key given twice, only the
         // last buffer is written, and both are reported filled.
         let last: HashMap<&String, &RawBuffer> = keys.iter().zip(buffers).collect();
@@ -304,7 +307,8 @@ async fn a_put_that_waited_on_one_the_cluster_failed_fails_fast() {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     fake.master_down.store(true, Ordering::SeqCst);
-    assert!(first.await.unwrap().is_err(), "the master died during it");
+    let first = first.await.unwrap();
+    assert!(first.is_err(), "the master died during it: {first:?}");
     assert!(second.await.unwrap().is_err());
     assert_eq!(
         fake.calls.load(Ordering::SeqCst),
@@ -364,6 +368,46 @@ async fn a_failed_cluster_pauses_calls_then_they_resume() {
     fake.master_down.store(false, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(c.get("k").await.unwrap(), Some(value(4, 100)));
+}
+
+/// The defect: calls ran inline (`block_in_place`) with no deadline, so a call stuck inside
+/// Mooncake held its caller until Mooncake gave up (the get here took its full 2 s and
+/// succeeded), and every other call queued behind a stuck one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_stuck_inside_mooncake_times_out_and_later_calls_fail_fast_until_it_returns() {
+    let fake = Arc::new(FakeStore::default());
+    let config = MooncakeConfig {
+        master_server_address: "fake:1".into(),
+        staging_bytes: 4 << 20,
+        call_timeout: Duration::from_millis(100),
+        retry_after: Duration::from_millis(50),
+        ..MooncakeConfig::default()
+    };
+    let c = MooncakeConnector::with_client(fake.clone(), &config).unwrap();
+    c.put("k", value(5, 4096)).await.unwrap();
+    *fake.get_delay.lock() = Duration::from_millis(1500);
+    let started = std::time::Instant::now();
+    let err = c.get("k").await.unwrap_err();
+    assert!(
+        matches!(err, BackendError::Timeout { .. }),
+        "a stuck get is a timeout: {err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1000),
+        "the caller was held {:?}",
+        started.elapsed()
+    );
+    // Past `retry_after` but with the late call still inside Mooncake: calls fail fast and
+    // do not reach the client.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let calls = fake.calls.load(Ordering::SeqCst);
+    let err = c.exists("k").await.unwrap_err().to_string();
+    assert!(err.contains("past their deadline"), "{err}");
+    assert_eq!(fake.calls.load(Ordering::SeqCst), calls);
+    // Once it returns, calls go through again.
+    *fake.get_delay.lock() = Duration::ZERO;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(c.get("k").await.unwrap(), Some(value(5, 4096)));
 }
 
 #[tokio::test]
