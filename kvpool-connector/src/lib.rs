@@ -72,6 +72,7 @@
 
 #![warn(missing_docs)]
 
+pub mod address_range;
 pub mod extra_keys;
 pub mod host_blocks;
 pub mod leases;

@@ -36,8 +36,15 @@ fn page_spans(pages: usize, addrs: &[usize], sizes: &[usize]) -> PyResult<Vec<Pa
             addrs.len()
         )));
     }
-    if addrs.contains(&0) {
-        return Err(PyValueError::new_err("kvpool: a null buffer address"));
+    for (&addr, &len) in addrs.iter().zip(sizes) {
+        kvpool_connector::address_range::strided_range_end(
+            "an SGLang host buffer",
+            addr,
+            1,
+            0,
+            len,
+        )
+        .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
     }
     let per_page = addrs.len() / pages;
     Ok(addrs
@@ -213,5 +220,7 @@ mod tests {
         assert!(page_spans(3, &[10, 20, 30, 40], &[1, 2, 3, 4]).is_err());
         assert!(page_spans(2, &[10, 20], &[1]).is_err());
         assert!(page_spans(1, &[0], &[1]).is_err());
+        // A span whose end wraps the address space (`addr + len` overflows).
+        assert!(page_spans(1, &[usize::MAX - 4], &[16]).is_err());
     }
 }

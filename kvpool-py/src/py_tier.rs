@@ -42,6 +42,10 @@ impl PyOffloadTier {
                 "kvpool: vLLM's primary region is empty (no address or no rows)",
             ));
         }
+        // SAFETY: see this constructor's doc: the caller keeps the region alive and vLLM pins
+        // a job's rows until it is reported.
+        let region = unsafe { PrimaryRegion::new(base, rows, row_bytes) }
+            .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
         py.detach(|| {
             let built = crate::ValuePool::build(
                 config_text,
@@ -56,9 +60,6 @@ impl PyOffloadTier {
                 "vLLM's primary rows",
                 "kvpool-tier",
             )?;
-            // SAFETY: see this constructor's doc: the caller keeps the region alive and vLLM
-            // pins a job's rows until it is reported.
-            let region = unsafe { PrimaryRegion::new(base, rows, row_bytes) };
             let tier_names = built.storage.tier_names();
             tracing::info!(scope = %built.config.model.name, tiers = ?tier_names, rows, row_bytes, "kvpool offload tier ready");
             Ok(PyOffloadTier {

@@ -461,18 +461,12 @@ impl PyWorker {
         plane_block_bytes: usize,
         num_blocks: usize,
     ) -> PyResult<()> {
-        if planes
-            .iter()
-            .any(|&(address, stride)| address == 0 || stride < plane_block_bytes)
-        {
-            return Err(PyValueError::new_err(
-                "kvpool: a host KV plane without an address, or with blocks overlapping",
-            ));
-        }
         // SAFETY: the engine side registers its KV tensors, which live as long as the engine
-        // (and this worker's use); the checks above exclude null and overlapping rows.
+        // (and this worker's use); `HostPlanes::new` refuses null, overlapping and wrapping
+        // planes.
         let planes =
-            unsafe { kvpool_connector::HostPlanes::new(planes, plane_block_bytes, num_blocks) };
+            unsafe { kvpool_connector::HostPlanes::new(planes, plane_block_bytes, num_blocks) }
+                .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
         core_guard(self)?
             .worker
             .set_host_planes(planes)

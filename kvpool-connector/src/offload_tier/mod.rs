@@ -62,19 +62,31 @@ pub struct PrimaryRegion {
 }
 
 impl PrimaryRegion {
-    /// The region at `base`.
+    /// The region at `base`; refused when `base` is null or the region's end does not fit
+    /// the address space.
     ///
     /// # Safety
     ///
     /// `base .. base + rows * row_bytes` must stay valid for reads and writes for as long as
     /// any [`OffloadTier`] built on it lives, and a row named by a job must not be touched by
     /// anyone else until that job is reported finished (vLLM pins a job's rows).
-    pub unsafe fn new(base: usize, rows: usize, row_bytes: usize) -> Self {
-        Self {
+    pub unsafe fn new(
+        base: usize,
+        rows: usize,
+        row_bytes: usize,
+    ) -> Result<Self, crate::address_range::AddressRangeError> {
+        crate::address_range::strided_range_end(
+            "vLLM's primary region",
             base,
             rows,
             row_bytes,
-        }
+            row_bytes,
+        )?;
+        Ok(Self {
+            base,
+            rows,
+            row_bytes,
+        })
     }
 
     /// Bytes per row.

@@ -63,7 +63,7 @@ fn fixture(model: &str, l1_rows: Option<usize>, lower: Lower) -> Fixture {
         .collect();
     // SAFETY: the region outlives the tier in every test (the fixture owns both and the
     // tier is drained before the region is read or dropped).
-    let primary = unsafe { PrimaryRegion::new(region.as_mut_ptr() as usize, ROWS, ROW) };
+    let primary = unsafe { PrimaryRegion::new(region.as_mut_ptr() as usize, ROWS, ROW) }.unwrap();
     let tier = OffloadTier::new(
         storage,
         runtime.clone(),

@@ -191,14 +191,20 @@ impl HiCacheStore {
             );
             return false;
         }
+        // Summed with overflow checks: lengths from the caller must not wrap to a page.
+        let page_len = |spans: &PageSpans| {
+            spans
+                .iter()
+                .try_fold(0usize, |sum, span| sum.checked_add(span.len))
+        };
         if let Some((i, spans)) = pages
             .iter()
             .enumerate()
-            .find(|(_, s)| s.iter().map(|s| s.len).sum::<usize>() != self.page_bytes)
+            .find(|(_, s)| page_len(s) != Some(self.page_bytes))
         {
             tracing::warn!(
                 page = i,
-                bytes = spans.iter().map(|s| s.len).sum::<usize>(),
+                bytes = ?page_len(spans),
                 page_bytes = self.page_bytes,
                 "sglang storage: a page's host spans do not add up to a page; call refused"
             );

@@ -238,6 +238,19 @@ fn spans_that_do_not_add_up_to_a_page_are_refused_and_nothing_moves() {
     assert_eq!(read(&mut f, &keys(0..2), &[3]), vec![false; 2]);
     assert_eq!(f.host, before);
     assert_eq!(f.store.totals().pages_refused, 1);
+    // Lengths whose sum wraps to exactly a page (the defect: the sum wrapped in a release
+    // build, and overflowed in a debug one) are refused too; nothing is read through them.
+    let mut wrapping = spans(&mut f, 1);
+    wrapping[0].len = usize::MAX;
+    // usize::MAX + (2 * SEG + 1) wraps to 2 * SEG: with the other 2 * LAYERS - 2 spans, PAGE.
+    wrapping[1].len = 2 * SEG + 1;
+    let total = wrapping
+        .iter()
+        .fold(0usize, |sum, s| sum.wrapping_add(s.len));
+    assert_eq!(total, PAGE, "the lengths wrap to one page");
+    // SAFETY: the call is refused before any span is touched (what this test checks).
+    let written = unsafe { f.store.write_pages(&keys(0..1), &[wrapping]) };
+    assert_eq!(written, vec![false]);
 }
 
 #[test]

@@ -25,7 +25,8 @@ pub struct HostPlanes {
 
 impl HostPlanes {
     /// Planes at the given `(address, row stride)`, of `num_blocks` blocks of
-    /// `plane_block_bytes` each.
+    /// `plane_block_bytes` each; refused when a plane starts at null, its blocks overlap
+    /// (a stride shorter than a block), or its last block ends past the address space.
     ///
     /// # Safety
     ///
@@ -35,12 +36,29 @@ impl HostPlanes {
         planes: Vec<(usize, usize)>,
         plane_block_bytes: usize,
         num_blocks: usize,
-    ) -> Self {
-        HostPlanes {
+    ) -> Result<Self, crate::address_range::AddressRangeError> {
+        for &(base, stride) in &planes {
+            if stride < plane_block_bytes {
+                return Err(crate::address_range::AddressRangeError {
+                    what: "a host KV plane",
+                    reason: format!(
+                        "blocks of {plane_block_bytes} bytes overlap at a stride of {stride}"
+                    ),
+                });
+            }
+            crate::address_range::strided_range_end(
+                "a host KV plane",
+                base,
+                num_blocks,
+                stride,
+                plane_block_bytes,
+            )?;
+        }
+        Ok(HostPlanes {
             planes,
             plane_block_bytes,
             num_blocks,
-        }
+        })
     }
 
     /// The planes of a [`kvpool_core::HostPagedKvCache`] (tests and the simulator).
@@ -224,7 +242,7 @@ mod tests {
         }
         let base = memory.as_ptr() as usize;
         // SAFETY: `memory` outlives the planes in each test and is not resized.
-        unsafe { HostPlanes::new(vec![(base, 16), (base + 64, 16)], 8, 4) }
+        unsafe { HostPlanes::new(vec![(base, 16), (base + 64, 16)], 8, 4) }.unwrap()
     }
 
     #[test]
