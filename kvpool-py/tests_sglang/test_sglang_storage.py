@@ -181,6 +181,51 @@ def test_other_weights_another_interface_or_another_layout_share_nothing(scratch
     reader.close()
 
 
+def namespaced_page_keys(tokens, page_size, extra_key=None, cache_salt=None):
+    """A request's page keys as SGLang 0.5.23 derives them: a chain seeded by SGLang's own
+    ``storage_namespace_seed(extra_key, cache_salt)`` (the LoRA adapter and the cache salt),
+    each page's hash covering the previous one. The per-page hash is a hashlib stand-in for
+    SGLang's native one, which SGLang compiles at run time (it needs ninja and a compiler)."""
+    import hashlib
+
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    prior = storage_namespace_seed(extra_key, cache_salt)
+    keys = []
+    for start in range(0, len(tokens), page_size):
+        page = tokens[start:start + page_size]
+        h = hashlib.sha256(bytes.fromhex(prior) if prior else b"")
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in page))
+        prior = h.hexdigest()
+        keys.append(prior)
+    return keys
+
+
+def test_lora_adapters_and_cache_salts_share_no_pages(scratch, weights):
+    """Two LoRA adapters, or two cache salts, over the same prompt and base weights share no
+    page: SGLang seeds each request's page-hash chain with both, and kvpool stores and finds
+    pages by exactly those keys (kvpool.sglang accepts only an SGLang that seeds them)."""
+    disk = tier_config(scratch, "disk", name="namespaces")
+    host = host_pool("mha", "page_first")
+    backend = attach(host, "mha", "page_first", kvpool_extra(disk, weights))
+    ctrl = Controller(backend, host)
+    tokens = list(range(100, 100 + 3 * host.page_size))
+    adapter_a = namespaced_page_keys(tokens, host.page_size, extra_key="lora-a")
+    idx, want = stored_pages(host, 3)
+    assert ctrl.backup(adapter_a, idx) is True
+    for extra_key, cache_salt in [("lora-b", None), (None, None), ("lora-a", "tenant-2"),
+                                  (None, "lora-a")]:
+        other = namespaced_page_keys(tokens, host.page_size, extra_key, cache_salt)
+        assert ctrl.exists(other) == 0, (extra_key, cache_salt)
+        assert ctrl.prefetch(other, host.alloc(3 * host.page_size)) == 0
+    # The same adapter finds its own pages, byte for byte (the misses above are not vacuous).
+    dst = host.alloc(3 * host.page_size)
+    assert ctrl.prefetch(adapter_a, dst) == 3
+    for p in range(3):
+        assert torch.equal(page_bytes(host, dst, p), want[p])
+    backend.close()
+
+
 def scrape(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return r.read().decode()
