@@ -206,8 +206,12 @@ fn ci() -> Result<(), String> {
     clock.stage("doc tests", || {
         run(cargo, &["test", "--workspace", "--all-features", "--doc"])
     })?;
-    // The Prometheus test must run here, not skip: the package was installed above.
-    let require = [("KVPOOL_REQUIRE_PROMETHEUS", "1")];
+    // The Prometheus test must run here, not skip: the package was installed above. So must
+    // the daemon's restart under a memory cgroup (CI runs as root, as it installs packages).
+    let require = [
+        ("KVPOOL_REQUIRE_PROMETHEUS", "1"),
+        ("KVPOOL_REQUIRE_CGROUP", "1"),
+    ];
     clock.stage("workspace tests", || {
         if has_nextest() {
             run_with_env(

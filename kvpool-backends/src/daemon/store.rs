@@ -131,6 +131,33 @@ pub struct SharedStore {
     state: Mutex<State>,
 }
 
+/// How much of the arena [`commit_within_memory_limit`] takes at a time.
+const COMMIT_STEP: usize = 64 << 20;
+
+/// Room [`commit_within_memory_limit`] leaves under the memory limit for the daemon's own
+/// heap, its threads and the page tables of the arena.
+const COMMIT_MARGIN: u64 = 64 << 20;
+
+/// Commits the arena's pages from its start in steps of [`COMMIT_STEP`], each only while the
+/// process's cgroups have room for it and [`COMMIT_MARGIN`]; returns the bytes committed.
+/// A restarted daemon must not be killed for taking its arena while engines still map the
+/// previous daemon's (charged to the same cgroup until they let go): what is not committed
+/// here is taken page by page as values arrive, by when the engines have let the old go.
+fn commit_within_memory_limit(arena: &SharedMapping) -> std::io::Result<usize> {
+    let mut committed = 0;
+    while committed < arena.len() {
+        let step = COMMIT_STEP.min(arena.len() - committed);
+        if let Some(room) = kvpool_core::memory::cgroup::memory_headroom()
+            && room < step as u64 + COMMIT_MARGIN
+        {
+            break;
+        }
+        arena.commit_pages_in(committed, step)?;
+        committed += step;
+    }
+    Ok(committed)
+}
+
 impl SharedStore {
     /// A store of `capacity` bytes in a new memory file, all allocated now, evicting by
     /// `eviction`; pins and allocations not ended within `lease_ttl` are reclaimed.
@@ -145,18 +172,29 @@ impl SharedStore {
             bytes: capacity,
             reason: "the shared allocator kept no arena".into(),
         })?;
-        // Taken whole at start, as engines take their KV memory: no page is allocated under
-        // load, and an engine's mapping of a committed page needs no allocation either.
+        // Taken whole at start where the memory limit allows, as engines take their KV
+        // memory: no page is allocated under load, and an engine's mapping of a committed
+        // page needs no allocation either.
         let started = Instant::now();
-        arena.commit_pages().map_err(|e| PoolError::Arena {
+        let committed = commit_within_memory_limit(&arena).map_err(|e| PoolError::Arena {
             bytes: capacity,
             reason: format!("committing the shared memory: {e}"),
         })?;
-        tracing::info!(
-            bytes = capacity,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "committed the pool's shared memory"
-        );
+        if committed < arena.len() {
+            tracing::warn!(
+                committed,
+                bytes = arena.len(),
+                "committed only part of the pool's shared memory at start: the cgroup's memory \
+                 limit leaves no more room (engines may still map the arena of a daemon that ran \
+                 before, until they notice it is gone); the rest is taken as values arrive"
+            );
+        } else {
+            tracing::info!(
+                bytes = capacity,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "committed the pool's shared memory"
+            );
+        }
         Ok(SharedStore {
             pool,
             arena,

@@ -1,6 +1,7 @@
 //! Host memory: the bounded pool that every L1 chunk lives in, and the eviction policies that
 //! decide what a bounded tier drops.
 
+pub mod cgroup;
 pub mod eviction;
 pub mod guards;
 pub mod pool;

@@ -118,7 +118,16 @@ impl SharedMapping {
     /// taken at start instead of page by page under load, and every process that maps the
     /// file finds each page present.
     pub fn commit_pages(&self) -> io::Result<()> {
-        self.populate(libc::MADV_POPULATE_WRITE, |page| {
+        self.commit_pages_in(0, self.len)
+    }
+
+    /// [`SharedMapping::commit_pages`] for the `len` bytes from `offset` only (clipped to the
+    /// mapping; `offset` a multiple of the page size), so an owner can take its memory in
+    /// steps and stop before a memory limit.
+    pub fn commit_pages_in(&self, offset: usize, len: usize) -> io::Result<()> {
+        let offset = offset.min(self.len);
+        let len = len.min(self.len - offset);
+        self.populate(offset, len, libc::MADV_POPULATE_WRITE, |page| {
             // SAFETY: `page` lies inside the mapping, which no other process maps yet (the
             // caller's contract), so writing back the byte just read changes nothing.
             unsafe { page.write_volatile(page.read_volatile()) }
@@ -131,7 +140,7 @@ impl SharedMapping {
     /// already mapped). Costs about as much as those faults, once per mapping, so engines
     /// run it on a thread of its own after attaching.
     pub fn map_all_pages(&self) -> io::Result<()> {
-        self.populate(libc::MADV_POPULATE_READ, |page| {
+        self.populate(0, self.len, libc::MADV_POPULATE_READ, |page| {
             // SAFETY: `page` lies inside the mapping; a volatile read of one byte is a plain
             // load the compiler keeps.
             unsafe {
@@ -166,11 +175,24 @@ impl SharedMapping {
         }
     }
 
-    /// `madvise(advice)` over the whole mapping, or `touch` on one byte of every page where
-    /// the kernel does not know `advice` (before Linux 5.14).
-    fn populate(&self, advice: libc::c_int, touch: impl Fn(*mut u8)) -> io::Result<()> {
-        // SAFETY: advises exactly the range this mapping covers.
-        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
+    /// `madvise(advice)` over `len` bytes from `offset` of the mapping (both inside it), or
+    /// `touch` on one byte of each of their pages where the kernel does not know `advice`
+    /// (before Linux 5.14).
+    fn populate(
+        &self,
+        offset: usize,
+        len: usize,
+        advice: libc::c_int,
+        touch: impl Fn(*mut u8),
+    ) -> io::Result<()> {
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= self.len));
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside this mapping (the callers clip it).
+        let start = unsafe { self.ptr.as_ptr().add(offset) };
+        // SAFETY: advises a range inside this mapping.
+        let rc = unsafe { libc::madvise(start.cast(), len, advice) };
         if rc == 0 {
             return Ok(());
         }
@@ -180,9 +202,9 @@ impl SharedMapping {
         }
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-        for offset in (0..self.len).step_by(page.max(1)) {
-            // SAFETY: `offset < len`, inside the mapping.
-            touch(unsafe { self.ptr.as_ptr().add(offset) });
+        for at in (0..len).step_by(page.max(1)) {
+            // SAFETY: `at < len`, inside the range, inside the mapping.
+            touch(unsafe { start.add(at) });
         }
         Ok(())
     }

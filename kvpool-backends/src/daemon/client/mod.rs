@@ -11,8 +11,8 @@ mod session;
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -33,6 +33,9 @@ pub const SCHEMES: &[&str] = &["kvpool+unix"];
 
 /// How long after a failed connection no new one is tried (calls are misses meanwhile).
 pub const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often an engine looks at its idle sessions for a daemon that went away.
+pub const DAEMON_WATCH_INTERVAL: Duration = Duration::from_millis(500);
 
 /// Sessions one connector keeps open, so a long write-behind does not hold up a load (each
 /// call runs on one session; copies of different calls run on different threads).
@@ -143,6 +146,28 @@ impl Inner {
         if arena.as_ref().is_some_and(|(id, _)| *id == daemon_id) {
             *arena = None;
             info!(socket = %self.path.display(), daemon = daemon_id, "no session left on the daemon: its arena unmapped");
+        }
+    }
+
+    /// Ends the idle sessions whose daemon went away, then unmaps its arena unless a busy
+    /// session may still use it: an engine that makes no call would otherwise keep a dead
+    /// daemon's whole arena alive, and a restarted daemon's new one would double the node's
+    /// memory. Runs every [`DAEMON_WATCH_INTERVAL`] on the connector's watch thread.
+    fn end_sessions_of_departed_daemons(&self) {
+        let mut ended = Vec::new();
+        for (i, slot) in self.sessions.iter().enumerate() {
+            let Some(mut guard) = slot.try_lock() else {
+                continue;
+            };
+            if guard.as_ref().is_some_and(Session::daemon_went_away)
+                && let Some(session) = guard.take()
+            {
+                ended.push((session.daemon_id, i));
+            }
+        }
+        for (daemon_id, slot) in ended {
+            info!(socket = %self.path.display(), daemon = daemon_id, "the kvpool daemon went away: its session ended");
+            self.forget_arena_unless_attached(daemon_id, slot);
         }
     }
 
@@ -343,11 +368,23 @@ pub struct DaemonConnector {
     inner: Arc<Inner>,
 }
 
+/// The connector's watch thread: every [`DAEMON_WATCH_INTERVAL`], ends the idle sessions of
+/// a daemon that went away; ends with the connector.
+fn watch_for_departed_daemons(inner: Weak<Inner>) {
+    loop {
+        std::thread::sleep(DAEMON_WATCH_INTERVAL);
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        inner.end_sessions_of_departed_daemons();
+    }
+}
+
 impl DaemonConnector {
     /// A connector for the daemon at `path`; nothing is connected until the first call.
     pub fn new(path: impl Into<PathBuf>, timeout: Duration) -> Self {
         let path = path.into();
-        DaemonConnector {
+        let connector = DaemonConnector {
             inner: Arc::new(Inner {
                 // Metrics' `tier` label and KV events' medium (`DAEMON`); the path is logged.
                 name: "daemon".into(),
@@ -360,7 +397,17 @@ impl DaemonConnector {
                 last_failure: Mutex::new(None),
                 arena: Mutex::new(None),
             }),
+        };
+        let watched = Arc::downgrade(&connector.inner);
+        let spawned = std::thread::Builder::new()
+            .name("kvpool-daemon-watch".into())
+            .spawn(move || watch_for_departed_daemons(watched));
+        if let Err(e) = spawned {
+            warn!(
+                "no thread to watch for a departed daemon ({e}): an idle engine notices one at its next call"
+            );
         }
+        connector
     }
 
     /// Attaches one session now (a probe); the error says why it could not.

@@ -77,6 +77,30 @@ impl Session {
         })
     }
 
+    /// Whether the daemon closed its end of this idle session (it exited or was killed):
+    /// looks at the socket without reading from it or waiting. The protocol is request and
+    /// reply, so an idle session's socket holds nothing to read but the end of the stream.
+    pub(super) fn daemon_went_away(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: peeks at most one byte into `byte` (left in the socket), without blocking.
+        let n = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                (&raw mut byte).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => !matches!(
+                io::Error::last_os_error().kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ),
+        }
+    }
+
     /// Releases the pins lent out of this session that their holders let go of.
     pub(super) fn release_let_go(&mut self) -> io::Result<()> {
         let ids = std::mem::take(&mut *self.unreleased.lock());

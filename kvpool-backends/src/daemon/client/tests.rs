@@ -159,3 +159,25 @@ async fn an_engine_unmaps_a_dead_daemons_arena_at_its_next_call() {
         "the engine still maps the dead daemon's arena"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_unmaps_a_dead_daemons_arena_without_making_a_call() {
+    // An engine that makes no call after its daemon died kept the dead daemon's whole arena
+    // mapped (and so alive), so a restarted daemon's new arena doubled the node's memory
+    // for as long as that engine stayed idle.
+    let (_dir, _path, run, connector) = daemon_and_connector();
+    connector
+        .batch_put(vec![("k".into(), Bytes::from(vec![1u8; 4096]))])
+        .await
+        .unwrap();
+    let old = Arc::downgrade(
+        &connector
+            .node_memory_mapping()
+            .expect("an attached engine maps the arena"),
+    );
+    run.server.shutdown();
+    drop(run.daemon);
+    eventually("the idle engine let go of the dead daemon's arena", || {
+        connector.node_memory_mapping().is_none() && old.upgrade().is_none()
+    });
+}
