@@ -53,3 +53,37 @@ def test_an_old_cache_file_is_ignored_not_trusted(identity, tmp_path):
     cache.write_text('{"%s": [%d, %d, "stale"]}' % (os.path.realpath(weights), st.st_size,
                                                     st.st_mtime_ns))
     assert identity.file_digest(str(weights)) != "stale"
+
+
+def _hf_snapshot(cache_dir, repo_id, weights: bytes):
+    """A Hugging Face cache in ``cache_dir`` holding one snapshot of ``repo_id`` (the layout
+    ``huggingface_hub`` reads with ``local_files_only``)."""
+    repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(weights)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_weights_in_the_engines_download_dir_are_the_ones_digested(identity, tmp_path,
+                                                                    monkeypatch):
+    """An engine started with ``--download-dir`` loads the snapshot there. The digest must
+    come from that snapshot, not from an older one of the same model in the default Hugging
+    Face cache: two engines with different weights would otherwise share keys."""
+    default_cache, download_dir = tmp_path / "hf-default", tmp_path / "downloads"
+    import huggingface_hub.constants
+
+    # Read when huggingface_hub is imported, and again at each call: set both.
+    monkeypatch.setenv("HF_HUB_CACHE", str(default_cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(default_cache))
+    _hf_snapshot(default_cache, "org/model", b"old weights" * 100)
+    _hf_snapshot(download_dir, "org/model", b"new weights" * 100)
+    from_default = identity.weights_digest("org/model")
+    from_downloads = identity.weights_digest("org/model", download_dir=str(download_dir))
+    assert not from_default.startswith("process-"), "the default cache's snapshot was found"
+    assert from_downloads == identity.directory_digest(
+        str(next((download_dir / "models--org--model" / "snapshots").iterdir())))
+    assert from_downloads != from_default

@@ -98,13 +98,17 @@ def directory_digest(directory: str) -> str | None:
     return _native.digest_text("\n".join(parts))
 
 
-def _local_checkpoint(model: str, revision: str | None) -> str | None:
+def _local_checkpoint(model: str, revision: str | None, download_dir: str | None) -> str | None:
+    """Where the engine loads ``model``'s files from: a local directory as given, else the
+    Hugging Face snapshot in ``download_dir`` (the engine's own download cache, as vLLM's
+    ``--download-dir``) or, without one, the default Hugging Face cache."""
     if os.path.isdir(model):
         return model
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision, local_files_only=True)
+        return snapshot_download(model, revision=revision, local_files_only=True,
+                                 cache_dir=download_dir or None)
     except Exception:  # noqa: BLE001 - any failure means: no local files to hash
         return None
 
@@ -118,9 +122,11 @@ _PROCESS_NONCE = uuid.uuid4().hex
 WEIGHTS_DIGEST_ENV = "KVPOOL_TEST_WEIGHTS_DIGEST"
 
 
-def weights_digest(model: str, revision: str | None = None, load_format: str = "auto") -> str:
-    """The digest of the weights a model path or Hugging Face id loads from its local files,
-    or a digest unique to this process when there are none (random weights, nothing local)."""
+def weights_digest(model: str, revision: str | None = None, load_format: str = "auto",
+                   download_dir: str | None = None) -> str:
+    """The digest of the weights a model path or Hugging Face id loads from its local files
+    (in ``download_dir`` when the engine downloads there), or a digest unique to this
+    process when there are none (random weights, nothing local)."""
     pinned = os.environ.get(WEIGHTS_DIGEST_ENV)
     if pinned:
         logger.warning("kvpool: %s=%s pins the weights digest: checkpoints that differ share "
@@ -130,7 +136,7 @@ def weights_digest(model: str, revision: str | None = None, load_format: str = "
         logger.warning("kvpool: load_format=%s gives random weights; this engine shares no "
                        "chunk with any other process", load_format)
         return f"process-{_PROCESS_NONCE}"
-    directory = _local_checkpoint(model, revision)
+    directory = _local_checkpoint(model, revision, download_dir)
     digest = directory_digest(directory) if directory else None
     if digest is None:
         logger.warning("kvpool: no local weight files found for %s; keys are bound to this "

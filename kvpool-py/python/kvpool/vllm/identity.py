@@ -29,8 +29,10 @@ def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
     name = mc.served_model_name or mc.model
     if isinstance(name, (list, tuple)):
         name = name[0]
-    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
-    return str(name), weights_digest(str(mc.model), getattr(mc, "revision", None), load_format)
+    load_config = vllm_config.load_config
+    load_format = str(getattr(load_config, "load_format", "auto"))
+    return str(name), weights_digest(str(mc.model), getattr(mc, "revision", None), load_format,
+                                     getattr(load_config, "download_dir", None))
 
 
 def _lora_identity(lora: Any) -> str:
