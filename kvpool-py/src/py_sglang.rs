@@ -2,7 +2,7 @@
 //! `kvpool.sglang.KvpoolStorage` (the Rust side is `kvpool_connector::sglang_storage`).
 
 use kvpool_connector::opaque_values::ValueScope;
-use kvpool_connector::sglang_storage::{CallSample, HiCacheStore, HostSpan, PageSpans};
+use kvpool_connector::sglang_storage::{CallSample, HiCacheStore, PageSpans};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -17,46 +17,10 @@ pub struct PyHiCacheStore {
     tier_names: Vec<String>,
 }
 
-/// Groups flat (address, size) lists, as SGLang's `get_page_buffer_meta` returns them for
-/// `pages` pages, into each page's spans.
+/// [`kvpool_connector::sglang_storage::page_spans`], refusals as Python's `ValueError`.
 fn page_spans(pages: usize, addrs: &[usize], sizes: &[usize]) -> PyResult<Vec<PageSpans>> {
-    if addrs.len() != sizes.len() {
-        return Err(PyValueError::new_err(format!(
-            "kvpool: {} addresses but {} sizes",
-            addrs.len(),
-            sizes.len()
-        )));
-    }
-    if pages == 0 {
-        return Ok(Vec::new());
-    }
-    if addrs.is_empty() || !addrs.len().is_multiple_of(pages) {
-        return Err(PyValueError::new_err(format!(
-            "kvpool: {} buffer segments do not split evenly over {pages} pages",
-            addrs.len()
-        )));
-    }
-    for (&addr, &len) in addrs.iter().zip(sizes) {
-        kvpool_connector::address_range::strided_range_end(
-            "an SGLang host buffer",
-            addr,
-            1,
-            0,
-            len,
-        )
-        .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
-    }
-    let per_page = addrs.len() / pages;
-    Ok(addrs
-        .chunks(per_page)
-        .zip(sizes.chunks(per_page))
-        .map(|(a, s)| {
-            a.iter()
-                .zip(s)
-                .map(|(&addr, &len)| HostSpan { addr, len })
-                .collect()
-        })
-        .collect())
+    kvpool_connector::sglang_storage::page_spans(pages, addrs, sizes)
+        .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))
 }
 
 fn samples(calls: Vec<CallSample>) -> Vec<Sample> {
@@ -199,28 +163,5 @@ impl PyHiCacheStore {
     /// The pool's tiers, in lookup order.
     fn tier_names(&self) -> Vec<String> {
         self.tier_names.clone()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn flat_segment_lists_split_into_pages_in_order_and_bad_ones_are_refused() {
-        let pages = page_spans(2, &[10, 20, 30, 40], &[1, 2, 3, 4]).unwrap();
-        assert_eq!(
-            pages,
-            vec![
-                vec![HostSpan { addr: 10, len: 1 }, HostSpan { addr: 20, len: 2 }],
-                vec![HostSpan { addr: 30, len: 3 }, HostSpan { addr: 40, len: 4 }],
-            ]
-        );
-        assert!(page_spans(0, &[], &[]).unwrap().is_empty());
-        assert!(page_spans(3, &[10, 20, 30, 40], &[1, 2, 3, 4]).is_err());
-        assert!(page_spans(2, &[10, 20], &[1]).is_err());
-        assert!(page_spans(1, &[0], &[1]).is_err());
-        // A span whose end wraps the address space (`addr + len` overflows).
-        assert!(page_spans(1, &[usize::MAX - 4], &[16]).is_err());
     }
 }

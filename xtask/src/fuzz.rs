@@ -18,6 +18,8 @@ const TARGETS: &[&str] = &[
     "trace_lines",
     "daemon_request",
     "lookup_frames",
+    "copy_check",
+    "host_ranges",
 ];
 
 /// The cargo-fuzz release installed when it is missing.

@@ -99,9 +99,25 @@ impl PrimaryRegion {
         self.rows
     }
 
-    fn row_ptr(&self, row: usize) -> *mut u8 {
+    /// Why a job of `keys` keys over `rows` does not fit this region (`None`: it fits): as
+    /// many rows as keys, each inside the region.
+    pub fn job_refusal(&self, keys: usize, rows: &[usize]) -> Option<String> {
+        if keys != rows.len() {
+            return Some(format!("{keys} keys but {} rows", rows.len()));
+        }
+        rows.iter()
+            .find(|&&row| row >= self.rows)
+            .map(|row| format!("row {row} is outside the region's {} rows", self.rows))
+    }
+
+    /// The address of row `row` (one [`PrimaryRegion::job_refusal`] found inside the region).
+    pub fn row_address(&self, row: usize) -> usize {
         debug_assert!(row < self.rows);
-        (self.base + row * self.row_bytes) as *mut u8
+        self.base + row * self.row_bytes
+    }
+
+    fn row_ptr(&self, row: usize) -> *mut u8 {
+        self.row_address(row) as *mut u8
     }
 }
 
@@ -419,16 +435,8 @@ impl OffloadTier {
             job.finish(false, is_load.then_some(0), 0);
             return None;
         }
-        let bad_row = job.rows.iter().find(|&&r| r >= self.region.rows);
-        if job.keys.len() != job.rows.len() || bad_row.is_some() {
-            tracing::warn!(
-                job_id,
-                keys = job.keys.len(),
-                rows = job.rows.len(),
-                ?bad_row,
-                region_rows = self.region.rows,
-                "offload tier: job refused (keys and rows differ, or a row is outside the region)"
-            );
+        if let Some(reason) = self.region.job_refusal(job.keys.len(), &job.rows) {
+            tracing::warn!(job_id, "offload tier: job refused: {reason}");
             job.finish(false, is_load.then_some(0), 0);
             return None;
         }

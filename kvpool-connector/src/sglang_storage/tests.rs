@@ -313,3 +313,22 @@ fn after_clear_nothing_stored_before_is_found_and_after_close_calls_are_refused(
     assert_eq!(write(&mut f, &keys(3..4), &[3]), vec![false]);
     assert_eq!(read(&mut f, &keys(0..1), &[6]), vec![false]);
 }
+
+#[test]
+fn flat_segment_lists_split_into_pages_in_order_and_bad_ones_are_refused() {
+    let pages = page_spans(2, &[10, 20, 30, 40], &[1, 2, 3, 4]).unwrap();
+    assert_eq!(
+        pages,
+        vec![
+            vec![HostSpan { addr: 10, len: 1 }, HostSpan { addr: 20, len: 2 }],
+            vec![HostSpan { addr: 30, len: 3 }, HostSpan { addr: 40, len: 4 }],
+        ]
+    );
+    assert!(page_spans(0, &[], &[]).unwrap().is_empty());
+    assert!(page_spans(3, &[10, 20, 30, 40], &[1, 2, 3, 4]).is_err());
+    assert!(page_spans(2, &[10, 20], &[1]).is_err());
+    assert!(page_spans(1, &[0], &[1]).is_err());
+    // A span whose end wraps the address space (`addr + len` overflows).
+    let err = page_spans(1, &[usize::MAX - 4], &[16]).unwrap_err();
+    assert!(err.contains("past the end of the address space"), "{err}");
+}
