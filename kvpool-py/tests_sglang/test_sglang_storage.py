@@ -205,9 +205,9 @@ def test_lora_adapters_and_cache_salts_share_no_pages(scratch, weights):
     """Two LoRA adapters, or two cache salts, over the same prompt and base weights share no
     page: SGLang seeds each request's page-hash chain with both, and kvpool stores and finds
     pages by exactly those keys (kvpool.sglang accepts only an SGLang that seeds them)."""
-    disk = tier_config(scratch, "disk", name="namespaces")
+    # L1 only: a write is there when `backup` returns (the disk tier's is written behind).
     host = host_pool("mha", "page_first")
-    backend = attach(host, "mha", "page_first", kvpool_extra(disk, weights))
+    backend = attach(host, "mha", "page_first", kvpool_extra(tier_config(scratch, "l1"), weights))
     ctrl = Controller(backend, host)
     tokens = list(range(100, 100 + 3 * host.page_size))
     adapter_a = namespaced_page_keys(tokens, host.page_size, extra_key="lora-a")
