@@ -1,4 +1,6 @@
-//! The `kvpool` command: `serve`, `bench`, `replay`, `gen-trace`, `sim` and `config`.
+//! The `kvpool` command: `serve`, `bench`, `replay`, `gen-trace`, `sim` and `config`. A library
+//! so that the same command runs from the `kvpool` binary and from the Python package's
+//! `kvpool` entry point ([`run_command_line`]).
 
 mod bench;
 mod hostile;
@@ -294,23 +296,42 @@ struct ConfigArgs {
     schemes: bool,
 }
 
-fn main() {
-    let cli = Cli::parse();
-    // A daemon logs who attaches and what it reclaims; the one-shot commands only warnings.
-    let default_level = match cli.command {
-        Command::Serve(_) => "info",
-        _ => "warn",
+/// The log level of a command when `KVPOOL_LOG` does not say: a daemon (`serve`) logs who
+/// attaches and what it reclaims (`info`); the one-shot commands only warnings.
+pub fn default_log_level(serve: bool) -> &'static str {
+    if serve { "info" } else { "warn" }
+}
+
+/// Runs the `kvpool` command line `args` (the program name first) and returns the process's
+/// exit code: 0 on success, 1 on an error (printed), 2 on a usage error (clap's). Installs a
+/// `tracing` subscriber on stderr (`KVPOOL_LOG`) unless the process has one already.
+pub fn run_command_line<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--help` and `--version` are "errors" that print to stdout and succeed.
+            let _ = e.print();
+            return e.exit_code();
+        }
     };
-    tracing_subscriber::fmt()
+    let default_level = default_log_level(matches!(cli.command, Command::Serve(_)));
+    let _ = tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_env("KVPOOL_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
+        .try_init();
+    match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
     }
 }
 

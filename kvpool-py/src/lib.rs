@@ -124,13 +124,47 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> PyResult<std::sync::MutexGuard
 /// line per finished request), colored only on a terminal.
 fn init_logging() {
     use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVPOOL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let installed = tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_writer(std::io::stderr),
+        )
         .try_init();
+    if installed.is_ok() {
+        let _ = LOG_FILTER.set(handle);
+    }
+}
+
+/// The log filter [`init_logging`] installed, so that the `kvpool` command can set its own
+/// default level (its `serve` logs at `info`).
+static LOG_FILTER: std::sync::OnceLock<
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>,
+> = std::sync::OnceLock::new();
+
+/// The `kvpool` command (`serve`, `bench`, `replay`, `config`, …) run on `argv` (the
+/// program name first), for the package's `kvpool` entry point (`kvpool._cli`): returns the
+/// exit code. The calling process becomes the command: SIGINT is given back its default
+/// action (Python's handler would only set a flag nobody reads while the command runs), and
+/// the interpreter's lock is released until the command ends.
+#[pyfunction]
+fn run_command_line(py: Python<'_>, argv: Vec<String>) -> i32 {
+    if std::env::var_os("KVPOOL_LOG").is_none()
+        && let Some(handle) = LOG_FILTER.get()
+    {
+        let serve = argv.get(1).is_some_and(|c| c == "serve");
+        let level = kvpool_cli::default_log_level(serve);
+        let _ = handle.reload(tracing_subscriber::EnvFilter::new(level));
+    }
+    // SAFETY: restores the default action of one signal; no handler of ours is replaced.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+    py.detach(|| kvpool_cli::run_command_line(argv))
 }
 
 /// Encodes a request's extra keys (LoRA name, cache salt, multimodal hashes) the way every
@@ -226,6 +260,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config_with_pool, m)?)?;
     m.add_function(wrap_pyfunction!(digest_file, m)?)?;
     m.add_function(wrap_pyfunction!(digest_text, m)?)?;
+    m.add_function(wrap_pyfunction!(run_command_line, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
