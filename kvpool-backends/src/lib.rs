@@ -45,6 +45,8 @@ pub mod registry;
 pub mod s3;
 pub mod telemetry;
 pub mod timeout;
+#[cfg(any(feature = "redis", feature = "s3"))]
+mod tls;
 
 #[cfg(feature = "cpu")]
 pub use cpu::LocalCpuBackend;

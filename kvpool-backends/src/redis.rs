@@ -22,7 +22,8 @@ use crate::backend_factory::{BackendFactory, TierRequest};
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     /// `redis://[user:pass@]host:port[/db]`, `rediss://…` for TLS (append `#insecure` to accept
-    /// a self-signed certificate; a private CA is trusted through OpenSSL's `SSL_CERT_FILE`),
+    /// a self-signed certificate; a private CA is trusted through `SSL_CERT_FILE`, which
+    /// rustls-native-certs reads with the system's store),
     /// or `redis+cluster://[user:pass@]h1:p1,h2:p2,…` (`rediss+cluster://` for TLS).
     pub url: String,
     /// Expire stored chunks after this long (none by default).
@@ -147,6 +148,7 @@ impl RedisConnector {
     /// [`connect`](Self::connect), telling a server that did not answer from one that
     /// answered and refused.
     pub async fn connect_checked(config: &RedisConfig) -> Result<Self, ConnectFailure> {
+        crate::tls::use_ring_for_tls();
         let t = config.timeout;
         let error = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
             backend: "redis".into(),

@@ -106,6 +106,7 @@ impl S3Connector {
     /// Builds the client and lists the prefix once, so a missing bucket, bad credentials or an
     /// unreachable endpoint fail here with the server's answer.
     pub async fn connect(config: &S3Config) -> Result<Self, BackendError> {
+        crate::tls::use_ring_for_tls();
         let fail = |what: &str, e: &dyn std::fmt::Display| BackendError::Unavailable {
             backend: "s3".into(),
             reason: format!("{what} `{}`: {e}", kvpool_core::redact_url(&config.url)),

@@ -6,13 +6,12 @@ use std::process::Command;
 use crate::{run, run_with_env};
 
 /// Debian packages the full build and its tests need: RocksDB to link the `disk` feature
-/// against, libclang for its bindings, OpenSSL for the `redis` feature's TLS, Prometheus,
+/// against, libclang for its bindings, Prometheus,
 /// which a test runs to scrape kvpool's metrics endpoint (and whose `promtool` checks the alert
 /// rules), and systemd, whose `systemd-analyze` checks the daemon's unit.
 pub(crate) const SYSTEM_PACKAGES: &[&str] = &[
     "librocksdb-dev",
     "libclang-dev",
-    "libssl-dev",
     "pkg-config",
     "prometheus",
     "systemd",

@@ -24,7 +24,6 @@ const TOOL_REQUIREMENTS: &[&str] = &["uv==0.13.9", "maturin==1.16.0"];
 pub(crate) const PACKAGES: &[&str] = &[
     "librocksdb-dev",
     "libclang-dev",
-    "libssl-dev",
     "pkg-config",
     "redis-server",
     "redis-tools",
