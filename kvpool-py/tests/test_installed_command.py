@@ -1,6 +1,7 @@
 """The ``kvpool`` command the package installs (its console entry point, not the workspace's
 binary): ``pip install`` gives the node's pool daemon, ``kvpool serve``, and the one-shot
-commands, run by the native module."""
+commands, run by the native module. Standard library only: ``cargo xtask wheel`` runs this
+file in a fresh virtualenv holding nothing but the release wheel (and pytest)."""
 
 import json
 import os
@@ -27,7 +28,10 @@ def test_the_installed_command_serves_the_pool_and_benches_through_it(tmp_path):
 
     socket = tmp_path / "kvpool.sock"
     log = open(tmp_path / "serve.log", "w+")
-    serve = subprocess.Popen([kvpool, "serve", "--socket", str(socket), "--cpu-size", "64MiB"],
+    # A disk tier under the daemon: RocksDB as the package links it.
+    disk = tmp_path / "disk"
+    serve = subprocess.Popen([kvpool, "serve", "--socket", str(socket), "--cpu-size", "64MiB",
+                              "--tier", f"file://{disk}"],
                              stderr=log, env={k: v for k, v in os.environ.items()
                                               if k != "KVPOOL_LOG"})
     try:
@@ -52,3 +56,4 @@ def test_the_installed_command_serves_the_pool_and_benches_through_it(tmp_path):
     text = log.read()
     # `serve` logs at info without KVPOOL_LOG, as the binary does.
     assert "attached" in text, text
+    assert (disk / "CURRENT").exists(), "the disk tier made no RocksDB database"

@@ -3,9 +3,9 @@
 //! - `cargo xtask ci`: installs missing Debian packages (as root), then formatting, clippy
 //!   (warnings are errors), doc tests, every other test (nextest when installed, else
 //!   `cargo test`), all with every feature, the example third-party backend
-//!   (`examples/opendal-tier`, built as an outside crate), then `matrix`, the GPU bundle (dev
-//!   profile, dry-run on CPU tensors by the vLLM suite), `vllm` and `sglang`: exactly what CI
-//!   runs; it ends with each stage's time. Every task links the system's librocksdb when a compatible one is installed
+//!   (`examples/opendal-tier`, built as an outside crate), then `matrix`, `wheel`, the GPU
+//!   bundle (carrying that wheel, dry-run on CPU tensors by the vLLM suite), `vllm` and
+//!   `sglang`, both against the release wheel: exactly what CI runs; it ends with each stage's time. Every task links the system's librocksdb when a compatible one is installed
 //!   (`system.rs`), else the `disk` feature builds RocksDB from source.
 //! - `cargo xtask module-cycles`: fails on an import cycle between the modules of a crate.
 //! - `cargo xtask diagrams`: renders `docs/diagrams/*.dot` (Graphviz) to the SVGs beside them.
@@ -16,6 +16,10 @@
 //!   `--daemon`: engines attached to one `kvpool serve`, the daemon and an engine killed and
 //!   restarted (CI: 1.5 minutes).
 //! - `cargo xtask sanitize`: kvpool-core's unit tests under AddressSanitizer (nightly).
+//! - `cargo xtask wheel [--skip-smoke]`: the portable release wheel (manylinux_2_28 through
+//!   maturin's zig linker, RocksDB built in statically, the `kvpool` command as its entry
+//!   point) in `target/wheel-dist/`, checked by `auditwheel show` and tried in fresh Python
+//!   3.10 and 3.12 virtualenvs with no Rust on `PATH`.
 //! - `cargo xtask vllm [pytest args]`: builds the `kvpool` Python package and runs its
 //!   end-to-end tests inside real vLLM (CPU build, installed under `target/vllm-venv`).
 //! - `cargo xtask sglang [pytest args]`: the same package as SGLang's HiCache L3 storage
@@ -50,6 +54,7 @@ mod soak;
 mod system;
 mod third_party;
 mod vllm;
+mod wheel;
 
 pub(crate) use system::ensure_system_packages;
 
@@ -268,9 +273,14 @@ fn ci() -> Result<(), String> {
     })?;
     clock.stage("example backend", third_party::example_backend)?;
     clock.stage("matrix", matrix::matrix)?;
+    // The portable release wheel (manylinux_2_28, RocksDB inside, the `kvpool` command),
+    // checked by auditwheel and tried in fresh virtualenvs without Rust; the vLLM and SGLang
+    // suites below then run against that wheel, as an operator installs it.
+    let wheel = clock.stage_value("wheel", || wheel::wheel(&[]))?;
+    vllm::test_the_release_wheel(wheel);
     // The GPU bundle, as a lent GPU machine gets it but carrying the wheel the vLLM suite
-    // installs (dev profile, default features: one build for both), is dry-run on CPU tensors
-    // by the vLLM suite's `test_gpu_check.py`.
+    // installs (the release wheel), is dry-run on CPU tensors by the vLLM suite's
+    // `test_gpu_check.py`.
     let bundle = clock.stage_value("gpu bundle", || {
         vllm::build_gpu_bundle("dev", vllm::BundleWheel::AsTested)
     })?;
@@ -584,10 +594,11 @@ fn main() -> ExitCode {
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-serve") => vllm::bench_serve(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("wheel") => wheel::wheel(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-serve | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-serve | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | wheel | fmt>"
             );
             return ExitCode::from(2);
         }

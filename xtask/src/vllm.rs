@@ -42,16 +42,27 @@ pub(crate) fn path_str(p: &Path) -> Result<&str, String> {
 
 /// A Python 3.12 interpreter: `KVPOOL_PYTHON`, `python3.12` on PATH, or pyenv's.
 pub(crate) fn python312() -> Result<PathBuf, String> {
-    let works = |p: &Path| {
-        Command::new(p)
-            .args(["-c", "import sys; assert sys.version_info[:2] == (3, 12)"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
     if let Ok(p) = std::env::var("KVPOOL_PYTHON") {
         return Ok(PathBuf::from(p));
     }
-    let mut candidates = vec![PathBuf::from("python3.12")];
+    python_version("3.12")
+        .map_err(|_| "vLLM's CPU build needs Python 3.12: install it (e.g. `pyenv install 3.12`) or set KVPOOL_PYTHON".into())
+}
+
+/// A Python interpreter of `version` (`3.10`): `python3.10` on PATH, or pyenv's newest.
+pub(crate) fn python_version(version: &str) -> Result<PathBuf, String> {
+    let (major, minor) = version
+        .split_once('.')
+        .ok_or_else(|| format!("not a Python version: {version}"))?;
+    let check = format!("import sys; assert sys.version_info[:2] == ({major}, {minor})");
+    let works = |p: &Path| {
+        Command::new(p)
+            .args(["-c", &check])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let binary = format!("python{version}");
+    let mut candidates = vec![PathBuf::from(&binary)];
     let pyenv_root = std::env::var("PYENV_ROOT")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
@@ -63,9 +74,9 @@ pub(crate) fn python312() -> Result<PathBuf, String> {
             .map(|e| e.path())
             .filter(|p| {
                 p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("3.12"))
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{version}.")))
             })
-            .map(|p| p.join("bin/python3.12"))
+            .map(|p| p.join("bin").join(&binary))
             .collect();
         versions.sort();
         candidates.extend(versions.into_iter().rev());
@@ -73,9 +84,7 @@ pub(crate) fn python312() -> Result<PathBuf, String> {
     candidates
         .into_iter()
         .find(|p| works(p))
-        .ok_or_else(|| {
-            "vLLM's CPU build needs Python 3.12: install it (e.g. `pyenv install 3.12`) or set KVPOOL_PYTHON".into()
-        })
+        .ok_or_else(|| format!("no Python {version}: install it (e.g. `pyenv install {version}`)"))
 }
 
 /// The tool virtualenv (uv, maturin); returns its `bin` directory.
@@ -180,8 +189,16 @@ fn build_wheel(
 /// ([`python312`]), not for each one's own: the vLLM and SGLang wheels and the GPU bundle then
 /// share one cargo build instead of rebuilding PyO3 and everything above it for each path.
 pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
-    let wheels = target_dir().join("wheels");
-    let wheel = build_wheel(tools, &python312()?, profile, &wheels, &[])?;
+    let wheel = match TESTED_WHEEL.get() {
+        Some(released) => released.clone(),
+        None => build_wheel(
+            tools,
+            &python312()?,
+            profile,
+            &target_dir().join("wheels"),
+            &[],
+        )?,
+    };
     uv_pip_install(
         tools,
         venv_python,
@@ -202,6 +219,16 @@ fn uv_pip_install(tools: &Path, venv_python: &Path, args: &[&str]) -> Result<(),
         &all,
         &[("VIRTUAL_ENV", path_str(venv)?)],
     )
+}
+
+/// Set by `cargo xtask ci` once `cargo xtask wheel` built and checked the release wheel: the
+/// vLLM and SGLang suites and the GPU bundle's dry run then take that wheel, what an operator
+/// installs, instead of building a dev wheel of their own.
+static TESTED_WHEEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// From now on, the suites install `wheel` (see [`TESTED_WHEEL`]).
+pub(crate) fn test_the_release_wheel(wheel: PathBuf) {
+    let _ = TESTED_WHEEL.set(wheel);
 }
 
 /// Set by `cargo xtask ci` once its workspace tests have run: [`build_kvpool_cli`] then takes
@@ -485,8 +512,9 @@ pub(crate) enum BundleWheel {
     /// Without the disk, Redis and S3 tiers, stripped: what a GPU machine gets (the bundle
     /// travels in a 64 MiB carry).
     Lean,
-    /// The wheel the vLLM suite installs (default features), from the same build: CI's CPU
-    /// dry run of the bundle, which uses none of those tiers, then costs no build of its own.
+    /// The wheel the vLLM suite installs (default features; in CI, the release wheel of
+    /// `cargo xtask wheel`): CI's CPU dry run of the bundle, which uses none of those tiers,
+    /// then costs no build of its own.
     AsTested,
 }
 
@@ -499,7 +527,18 @@ pub(crate) fn build_gpu_bundle(profile: &str, wheel_kind: BundleWheel) -> Result
         BundleWheel::Lean => &["--no-default-features", "--strip"],
         BundleWheel::AsTested => &[],
     };
-    let wheel = build_wheel(&tools, &python, profile, &bundle, extra)?;
+    let wheel = match (&wheel_kind, TESTED_WHEEL.get()) {
+        (BundleWheel::AsTested, Some(released)) => {
+            let _ = std::fs::remove_dir_all(&bundle);
+            std::fs::create_dir_all(&bundle).map_err(|e| e.to_string())?;
+            let name = released.file_name().ok_or("the wheel has no file name")?;
+            let copy = bundle.join(name);
+            std::fs::copy(released, &copy)
+                .map_err(|e| format!("cannot copy the release wheel: {e}"))?;
+            copy
+        }
+        _ => build_wheel(&tools, &python, profile, &bundle, extra)?,
+    };
     let root = workspace_root();
     let command = bundle.join("kvpool");
     match wheel_kind {
