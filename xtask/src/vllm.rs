@@ -189,8 +189,9 @@ fn build_wheel(
 /// ([`python312`]), not for each one's own: the vLLM and SGLang wheels and the GPU bundle then
 /// share one cargo build instead of rebuilding PyO3 and everything above it for each path.
 pub(crate) fn install_wheel(tools: &Path, venv_python: &Path, profile: &str) -> Result<(), String> {
-    let wheel = match TESTED_WHEEL.get() {
-        Some(released) => released.clone(),
+    let given = std::env::var_os("KVPOOL_TEST_WHEEL").map(PathBuf::from);
+    let wheel = match TESTED_WHEEL.get().cloned().or(given) {
+        Some(released) => released,
         None => build_wheel(
             tools,
             &python312()?,
@@ -226,7 +227,8 @@ fn uv_pip_install(tools: &Path, venv_python: &Path, args: &[&str]) -> Result<(),
 /// installs, instead of building a dev wheel of their own.
 static TESTED_WHEEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
-/// From now on, the suites install `wheel` (see [`TESTED_WHEEL`]).
+/// From now on, the suites install `wheel` (see [`TESTED_WHEEL`]). Outside CI,
+/// `KVPOOL_TEST_WHEEL=<path to a wheel>` does the same for one `cargo xtask vllm` or `sglang`.
 pub(crate) fn test_the_release_wheel(wheel: PathBuf) {
     let _ = TESTED_WHEEL.set(wheel);
 }
