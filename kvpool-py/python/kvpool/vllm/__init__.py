@@ -11,6 +11,7 @@
 | ``identity.py`` | what vLLM keys are bound to: the served model and its weights, LoRA adapters, extra keys (weights digests and the config itself: ``kvpool.identity``) |
 | ``reports.py`` | worker metadata, connector stats, Prometheus series, KV events |
 | ``tier.py`` | ``KvpoolTier``: kvpool as a secondary tier under vLLM's native offloading |
+| ``compat.py`` | the vLLM versions tested, and the start-up check: an untested version warned about, a different connector API refused |
 
 The transfer paths themselves (kvpool-cuda's native executors; torch block copies) are
 engine-agnostic: ``kvpool.transfer``. The connector's classes are imported on first use, so

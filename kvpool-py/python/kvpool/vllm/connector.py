@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool import _native
+from kvpool.vllm.compat import check_vllm
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.layouts import hybrid_groups
 from kvpool.vllm.options import check_options
@@ -109,6 +111,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
+        check_vllm(vllm.__version__, KvpoolConnector, (KVConnectorBase_V1, SupportsHMA))
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = check_options(extra)

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -51,6 +52,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvpool import _native
+from kvpool.vllm.compat import check_vllm
 from kvpool.vllm.identity import model_identity, resolve_config, weights_digest
 
 if TYPE_CHECKING:
@@ -141,6 +143,7 @@ class KvpoolTier(SecondaryTierManager):
                 "TOML text or a dict) besides vLLM's own `type`, `module_path`, `locality` and "
                 "`backpressure`"
             )
+        check_vllm(vllm.__version__, KvpoolTier, (SecondaryTierManager,))
         super().__init__(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
