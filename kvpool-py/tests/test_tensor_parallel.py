@@ -92,7 +92,13 @@ def test_tp2_mla_on_the_cpu_build_starts_and_kvpool_stands_aside(runner, mla_mod
     does elsewhere, is covered by the simulator and kvpool-connector's scope tests.)"""
     cfg = l1(tier=[{"url": redis_server.url}])
     prompts = shared_prefix_prompts(3, seed=27)
-    batches = [[0], [1, 2]]
+    # One prompt per batch. With prompts 1 and 2 in one batch, the run with kvpool standing
+    # aside (no lookup, load or save) gave other tokens for prompt 1 than the baseline in 3 of
+    # 5 tries, while two baseline runs agreed. In multi-process mode the engine may start a
+    # step before a batch's second prompt arrives. This build's MLA output for a prompt then
+    # depends on what the prompt was batched and chunked with, and the random-weight model's
+    # near-tied logits flip on it. One prompt per batch passed 3 of 3 tries.
+    batches = [[0], [1], [2]]
     base = runner.baseline(mla_model_dir, prompts, batches=batches, **TP2)
     got = runner.run({"model": mla_model_dir, "prompts": prompts, "kvpool": cfg,
                       "batches": batches, **TP2})
