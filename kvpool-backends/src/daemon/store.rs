@@ -160,7 +160,7 @@ fn commit_within_memory_limit(arena: &SharedMapping) -> std::io::Result<usize> {
 
 impl SharedStore {
     /// A store of `capacity` bytes in a new memory file, allocated now as far as the
-    /// process's memory limit leaves room ([`commit_within_memory_limit`]), evicting by
+    /// process's memory limit leaves room (`commit_within_memory_limit`), evicting by
     /// `eviction`; pins and allocations not ended within `lease_ttl` are reclaimed.
     pub fn new(
         capacity: usize,
