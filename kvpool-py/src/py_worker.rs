@@ -32,29 +32,30 @@ pub struct WorkerSpec {
     pub socket_path: Option<PathBuf>,
 }
 
+/// A worker's pool, as another worker over it shares it.
+pub struct PoolHandles {
+    engine: Arc<kvpool_core::CacheEngine>,
+    runtime: Arc<tokio::runtime::Runtime>,
+    l1_bytes: usize,
+}
+
 /// The worker without Python: pool, connector worker, lookup server.
 pub struct WorkerCore {
     /// The connector's worker half.
     pub worker: ConnectorWorker,
     runtime: Arc<tokio::runtime::Runtime>,
     _server: Option<LookupServer>,
+    /// Whether this core built the pool (and closes it); `false` for a core sharing another's
+    /// ([`WorkerCore::sharing_pool_of`]).
+    owns_pool: bool,
+    /// Bytes of L1 (bounds leases and asynchronous loads).
+    l1_bytes: usize,
 }
 
 impl WorkerCore {
     /// Builds the pool and starts answering lookups.
     pub fn new(spec: &WorkerSpec) -> Result<Self, String> {
-        let base = crate::parse_pool_config(&spec.config_text, &spec.config_format)?;
-        let config = pool_config_for_vllm(&base, &spec.facts).map_err(|e| e.to_string())?;
-        let f = &spec.facts;
-        let layout = KvLayout::new(
-            f.num_layers,
-            f.num_kv_heads,
-            f.head_size,
-            f.dtype,
-            f.kind,
-            f.block_size,
-        )
-        .map_err(|e| e.to_string())?;
+        let (config, layout) = Self::config_and_layout(spec)?;
         let runtime = Arc::new(
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -69,24 +70,121 @@ impl WorkerCore {
         // Leases and asynchronous loads each get at most a quarter of L1.
         let l1 = config.local_cpu.max_size.0 as usize;
         let leases = Arc::new(LeaseTable::new(l1 / 4, DEFAULT_LEASE_TTL));
+        let core = Self::serve(spec, pool.engine.clone(), &layout, runtime, leases, l1, 1)?;
+        tracing::info!(model = %config.model.name, tiers = ?pool.engine.storage().tier_names(), "kvpool worker ready");
+        Ok(WorkerCore {
+            owns_pool: true,
+            ..core
+        })
+    }
+
+    /// A worker for another part of the same engine's KV (one KV cache group of a hybrid
+    /// model: its own layers, layout and key scope, `spec.facts.kv_format` naming the group)
+    /// over `owner`'s pool: one L1, one set of tiers, one runtime; leases of its own. Its chunks
+    /// must not be larger than the owner's (the tiers were opened for those). Asynchronous
+    /// loads of each of the `parts` workers get an equal share of the owner's bound.
+    pub fn sharing_pool_of(
+        owner: &PoolHandles,
+        spec: &WorkerSpec,
+        parts: usize,
+    ) -> Result<Self, String> {
+        let (config, layout) = Self::config_and_layout(spec)?;
+        let owner_engine = &owner.engine;
+        let cs = config.chunking.chunk_size;
+        if config.chunking != *owner_engine.token_database().config() {
+            return Err("a worker sharing a pool must chunk as its owner does".into());
+        }
+        if layout.chunk_bytes(cs) > owner_engine.layout().chunk_bytes(cs) {
+            return Err(format!(
+                "a chunk of this part ({} bytes) is larger than the pool owner's ({} bytes): \
+                 build the pool for the largest part",
+                layout.chunk_bytes(cs),
+                owner_engine.layout().chunk_bytes(cs)
+            ));
+        }
+        let db = kvpool_core::ChunkedTokenDatabase::new(
+            config.chunking,
+            config.key_scope().map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?;
+        let engine = Arc::new(
+            kvpool_core::CacheEngine::new(layout, db, owner_engine.storage().clone())
+                .map_err(|e| e.to_string())?,
+        );
+        Self::serve(
+            spec,
+            engine,
+            &layout,
+            owner.runtime.clone(),
+            // Leases of its own: a lease is taken by request id and matched by chunk hash,
+            // which every group of a request shares (a shared table would hand one group's
+            // chunks to another's load).
+            Arc::new(LeaseTable::new(
+                owner.l1_bytes / 4 / parts.max(1),
+                DEFAULT_LEASE_TTL,
+            )),
+            owner.l1_bytes,
+            parts,
+        )
+    }
+
+    /// What another worker needs to share this one's pool ([`WorkerCore::sharing_pool_of`]).
+    pub fn pool_handles(&self) -> PoolHandles {
+        PoolHandles {
+            engine: self.worker.engine().clone(),
+            runtime: self.runtime.clone(),
+            l1_bytes: self.l1_bytes,
+        }
+    }
+
+    /// Shares the bound on asynchronous loads equally among `parts` workers over this pool.
+    pub fn share_load_bound(&mut self, parts: usize) {
+        self.worker
+            .set_load_limits(load_limits(self.l1_bytes, parts));
+    }
+
+    fn config_and_layout(spec: &WorkerSpec) -> Result<(kvpool_core::PoolConfig, KvLayout), String> {
+        let base = crate::parse_pool_config(&spec.config_text, &spec.config_format)?;
+        let config = pool_config_for_vllm(&base, &spec.facts).map_err(|e| e.to_string())?;
+        let f = &spec.facts;
+        let layout = KvLayout::new(
+            f.num_layers,
+            f.num_kv_heads,
+            f.head_size,
+            f.dtype,
+            f.kind,
+            f.block_size,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok((config, layout))
+    }
+
+    /// The connector worker over `engine` and its lookup server.
+    fn serve(
+        spec: &WorkerSpec,
+        engine: Arc<kvpool_core::CacheEngine>,
+        layout: &KvLayout,
+        runtime: Arc<tokio::runtime::Runtime>,
+        leases: Arc<LeaseTable>,
+        l1_bytes: usize,
+        parts: usize,
+    ) -> Result<Self, String> {
+        let f = &spec.facts;
         let mut worker = ConnectorWorker::new(
-            pool.engine.clone(),
+            engine.clone(),
             runtime.clone(),
             f.block_size,
             leases.clone(),
         );
-        worker.set_load_limits(LoadLimits {
-            max_bytes: (l1 / 4).max(1),
-            ..LoadLimits::default()
-        });
+        worker.set_load_limits(load_limits(l1_bytes, parts));
         worker
-            .register_kv_caches(&layout)
+            .register_kv_caches(layout)
             .map_err(|e| e.to_string())?;
         let server = match &spec.socket_path {
             Some(path) => Some(
                 LookupServer::start(
                     path,
-                    pool.engine.clone(),
+                    engine,
                     runtime.clone(),
                     leases,
                     f.tp_rank,
@@ -96,11 +194,12 @@ impl WorkerCore {
             ),
             None => None,
         };
-        tracing::info!(model = %config.model.name, tiers = ?pool.engine.storage().tier_names(), "kvpool worker ready");
         Ok(WorkerCore {
             worker,
             runtime,
             _server: server,
+            owns_pool: false,
+            l1_bytes,
         })
     }
 
@@ -117,12 +216,25 @@ impl WorkerCore {
         Ok(chunks.iter().map(|c| c.data.as_slice().to_vec()).collect())
     }
 
-    /// Flushes write-behind to lower tiers and closes them.
+    /// Flushes write-behind to lower tiers and closes them (the pool's owner only: a worker
+    /// sharing another's pool leaves it to the owner).
     pub fn close(&self) -> Result<(), String> {
+        if !self.owns_pool {
+            return Ok(());
+        }
         let engine = self.worker.engine().clone();
         self.runtime
             .block_on(engine.storage().close())
             .map_err(|e| e.to_string())
+    }
+}
+
+/// Asynchronous loads of one of `parts` workers over a pool of `l1_bytes` of L1: an equal
+/// share of a quarter of L1.
+fn load_limits(l1_bytes: usize, parts: usize) -> LoadLimits {
+    LoadLimits {
+        max_bytes: (l1_bytes / 4 / parts.max(1)).max(1),
+        ..LoadLimits::default()
     }
 }
 
@@ -211,7 +323,13 @@ impl PyWorker {
     /// (K and V per token) or `"latent"` (MLA: one latent vector per token); `replicated`: the
     /// KV is the same on every tensor-parallel rank (MLA), so keys leave the rank out.
     #[new]
-    #[pyo3(signature = (*, config_text, config_format, model, weights, tp_size, tp_rank, pp_rank, block_size, num_layers, num_kv_heads, head_size, dtype, kv_format, kind="kv", replicated=false, socket_path=None))]
+    ///
+    /// With `share_pool_with`, no pool is built: this worker serves another part of the same
+    /// engine's KV (one KV cache group of a hybrid model; `kv_format` names the group, so its
+    /// keys are its own) over that worker's pool, one of `parts` such workers. With
+    /// `null_block`, that block id is the engine's null block, never read or written (vLLM's
+    /// block 0 under its hybrid KV cache manager).
+    #[pyo3(signature = (*, config_text, config_format, model, weights, tp_size, tp_rank, pp_rank, block_size, num_layers, num_kv_heads, head_size, dtype, kv_format, kind="kv", replicated=false, socket_path=None, share_pool_with=None, parts=1, null_block=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -231,6 +349,9 @@ impl PyWorker {
         kind: &str,
         replicated: bool,
         socket_path: Option<String>,
+        share_pool_with: Option<PyRef<'_, PyWorker>>,
+        parts: usize,
+        null_block: Option<u32>,
     ) -> PyResult<Self> {
         let dtype: Dtype = dtype
             .trim_start_matches("torch.")
@@ -265,9 +386,16 @@ impl PyWorker {
             },
             socket_path: socket_path.map(PathBuf::from),
         };
-        let core = py
-            .detach(|| WorkerCore::new(&spec))
-            .map_err(PyValueError::new_err)?;
+        let mut core = match share_pool_with {
+            None => py.detach(|| WorkerCore::new(&spec)),
+            Some(owner) => {
+                let owner = core_guard(&owner)?.pool_handles();
+                py.detach(|| WorkerCore::sharing_pool_of(&owner, &spec, parts))
+            }
+        }
+        .map_err(PyValueError::new_err)?;
+        core.worker.set_null_block(null_block);
+        core.share_load_bound(parts);
         Ok(PyWorker {
             core: Mutex::new(core),
             before_free: Mutex::new(None),
@@ -419,6 +547,13 @@ impl PyWorker {
     /// Engine block ids whose load failed since the last call.
     fn failed_blocks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         py.detach(|| Ok(core_guard(self)?.worker.get_block_ids_with_load_errors()))
+    }
+
+    /// `(request ids, unattributed)`: requests whose load failed since the last call, and
+    /// whether blocks failed that no request was named for (then every load in flight must
+    /// be taken as failed). For vLLM's `failed_recving`, under its hybrid KV cache manager.
+    fn failed_load_requests(&self, py: Python<'_>) -> PyResult<(Vec<String>, bool)> {
+        py.detach(|| Ok(core_guard(self)?.worker.take_failed_load_requests()))
     }
 
     /// `(executed_steps, copied_steps)` since the last call, for the scheduler.

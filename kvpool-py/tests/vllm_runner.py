@@ -180,7 +180,12 @@ def main(spec_path, out_path):
             out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
         for w in list(kv.WORKERS):
             w.shutdown()
-        out["stats"] = dict(worker._work.native.stats()) if worker is not None else {}
+        if worker is None:
+            out["stats"] = {}
+        elif hasattr(worker._work, "native_stats"):  # a hybrid model's parts
+            out["stats"] = worker._work.native_stats()
+        else:
+            out["stats"] = dict(worker._work.native.stats())
     with open(out_path, "w") as f:
         json.dump(out, f)
 

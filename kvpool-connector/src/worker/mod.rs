@@ -186,6 +186,12 @@ pub struct ConnectorWorker {
     loaded_from_node_memory: HashSet<kvpool_core::CacheKey>,
     /// Until when this step's saves may wait for node memory ([`planning::SAVE_SLOT_BUDGET`]).
     save_slot_deadline: std::time::Instant,
+    /// The engine's null block (see [`ConnectorWorker::set_null_block`]).
+    null_block: Option<u32>,
+    /// Requests with a failed load since [`ConnectorWorker::take_failed_load_requests`].
+    failed_load_requests: BTreeSet<String>,
+    /// Blocks failed with no request named since that call.
+    unattributed_load_errors: bool,
 }
 
 impl ConnectorWorker {
@@ -230,7 +236,44 @@ impl ConnectorWorker {
             checking: Vec::new(),
             loaded_from_node_memory: HashSet::new(),
             save_slot_deadline: std::time::Instant::now(),
+            null_block: None,
+            failed_load_requests: BTreeSet::new(),
+            unattributed_load_errors: false,
         }
+    }
+
+    /// The block id the engine puts where a request holds no block (vLLM's null block, id 0,
+    /// under its hybrid KV cache manager: a sliding-window layer's blocks outside its window).
+    /// Such a block is never read or written: a load starts past the leading run of them (the
+    /// engine does not need those tokens' KV), and a save stops before the first chunk with
+    /// one (its bytes are not the request's).
+    pub fn set_null_block(&mut self, block: Option<u32>) {
+        self.null_block = block;
+    }
+
+    /// Tokens of `block_ids`' leading run of null blocks (0 without a null block).
+    pub(super) fn leading_null_tokens(&self, block_ids: &[u32]) -> usize {
+        self.null_block.map_or(0, |null| {
+            block_ids.iter().take_while(|&&b| b == null).count() * self.block_size
+        })
+    }
+
+    /// Whether `blocks` holds the engine's null block.
+    pub(super) fn holds_null_block(&self, blocks: &[u32]) -> bool {
+        self.null_block.is_some_and(|null| blocks.contains(&null))
+    }
+
+    /// Requests whose load failed (some of their blocks were reported by
+    /// [`ConnectorWorker::get_block_ids_with_load_errors`]) since the last call, and whether
+    /// blocks failed that no request was named for (the scheduler's `unloadable_blocks`,
+    /// which vLLM never causes): for an engine that takes failures per request (vLLM's
+    /// `failed_recving` under its hybrid KV cache manager, where a block id does not name one
+    /// request's block), which must then fail every load it has in flight.
+    pub fn take_failed_load_requests(&mut self) -> (Vec<String>, bool) {
+        self.settle_checks();
+        let requests = std::mem::take(&mut self.failed_load_requests);
+        let unattributed = std::mem::take(&mut self.unattributed_load_errors);
+        (requests.into_iter().collect(), unattributed)
     }
 
     /// The pool this worker loads from and saves to.
@@ -340,18 +383,25 @@ impl ConnectorWorker {
         metrics::gauge!(telemetry::HELD_REQUESTS).set(self.held.len() as f64);
         for &block in &meta.unloadable_blocks {
             self.fail_block(block);
+            self.unattributed_load_errors = true;
         }
         if self.engine.token_database().scope().rank == 0 {
             record_scheduler_counters(&meta.scheduler);
         }
         for r in &meta.requests {
             if let Some(load) = r.load {
-                self.plan_load(
-                    r,
-                    load.gpu_cached_tokens as usize,
-                    load.load_until as usize,
-                    load.asynchronous,
-                );
+                // Blocks the engine left null hold tokens it does not need (outside a
+                // sliding window): the load starts past them.
+                let from =
+                    (load.gpu_cached_tokens as usize).max(self.leading_null_tokens(&r.block_ids));
+                let until = load.load_until as usize;
+                if from >= until && from > load.gpu_cached_tokens as usize {
+                    if load.asynchronous {
+                        self.finished_recving.push(r.req_id.clone());
+                    }
+                    continue;
+                }
+                self.plan_load(r, from, until, load.asynchronous);
             }
         }
         self.save_slot_deadline = std::time::Instant::now() + planning::SAVE_SLOT_BUDGET;
@@ -550,6 +600,9 @@ impl ConnectorWorker {
     }
 
     fn fail_blocks_of(&mut self, req: &str, blocks: &[u32]) {
+        if !blocks.is_empty() {
+            self.failed_load_requests.insert(req.to_string());
+        }
         if let Some(t) = self.traces.of(req) {
             t.failed_tokens += (blocks.len() * self.block_size) as u64;
         }

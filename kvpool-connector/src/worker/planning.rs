@@ -324,13 +324,26 @@ impl ConnectorWorker {
         if until <= from {
             return;
         }
-        let spans = match self.spans(r, from, until, &r.save_tail) {
+        let mut spans = match self.spans(r, from, until, &r.save_tail) {
             Ok(spans) => spans,
             Err(e) => {
                 self.save_failed(&r.req_id, &e);
                 return;
             }
         };
+        // A chunk with a null block (outside a sliding window) holds bytes that are not the
+        // request's: the save stops before it.
+        if let Some(first_null) = spans.iter().position(|s| {
+            self.null_block.is_some()
+                && r.block_ids
+                    .get(s.start / bs..s.end / bs)
+                    .is_none_or(|blocks| self.holds_null_block(blocks))
+        }) {
+            spans.truncate(first_null);
+            if spans.is_empty() {
+                return;
+            }
+        }
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
         // Chunks L1 already holds were committed (nothing unverified is ever stored), and so
         // were those this step loads straight from node memory (if one's copy fails its

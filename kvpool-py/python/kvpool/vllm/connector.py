@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -21,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvpool import _native
 from kvpool.vllm.compat import check_vllm
+from kvpool.vllm.hybrid import (NULL_BLOCK, AttentionGroup, HybridSchedulerSide,
+                                HybridWorkerSide, attention_groups)
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.layouts import hybrid_groups
 from kvpool.vllm.options import check_options
@@ -70,11 +73,11 @@ def stand_aside_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
     cached prefix exactly would hand the model KV it does not compute with: a miss instead."""
     groups = hybrid_groups(kv_cache_config)
     if groups is not None:
-        return (f"this model's KV cache has {groups} (vLLM's hybrid KV cache manager); kvpool "
-                "does not store hybrid models' groups yet and stands aside: no lookups, loads "
-                "or saves (vLLM's own prefix cache still serves). For a sliding-window model, "
-                "vLLM's --disable-hybrid-kv-cache-manager makes one group that kvpool serves, "
-                "every layer holding the whole context")
+        served = attention_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        if isinstance(served, str):
+            return (f"this model's KV cache has {groups} (vLLM's hybrid KV cache manager), and "
+                    f"{served}; kvpool stands aside for it: no lookups, loads or saves "
+                    "(vLLM's own prefix cache still serves)")
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and getattr(vllm_config.model_config, "use_mla", False):
@@ -91,6 +94,11 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
 
     data: bytes = b""
     preempted: list[str] = field(default_factory=list)
+    #: A hybrid model's metadata: one encoded part per KV cache group kvpool serves.
+    parts: list[bytes] = field(default_factory=list)
+    #: A hybrid model's requests finished in the last step whose blocks parts hold for their
+    #: saves, and how many parts.
+    holds: dict[str, int] = field(default_factory=dict)
 
 
 class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -98,11 +106,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     It declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: hybrid
     models start (SSM / linear-attention hybrids such as Qwen3-Next do not start without it)
-    and sliding-window layers hold only their window. kvpool does not yet store a hybrid
-    model's KV cache groups: for a model with more than one group it stands aside (no lookup,
-    no load, no save; one warning at start-up), and vLLM serves it with its own prefix cache.
-    A sliding-window hybrid run with ``--disable-hybrid-kv-cache-manager`` has one group
-    (every layer holds the whole context), which kvpool serves.
+    and sliding-window layers hold only their window. kvpool serves a model whose groups are
+    full attention and sliding-window attention, one part per group (``kvpool.vllm.hybrid``);
+    for other groups (Mamba / linear-attention state) it stands aside (no lookup, no load, no
+    save; one warning at start-up), and vLLM serves the model with its own prefix cache.
 
     It also stands aside for MLA on vLLM's CPU build, which turns its own prefix cache off for
     MLA ("forcing chunked prefill and prefix caching to be disabled"): that build does not
@@ -132,8 +139,19 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfer = options.transfer
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
-        self._sched: SchedulerSide | None = None
-        self._work: WorkerSide | None = None
+        self._sched: SchedulerSide | HybridSchedulerSide | None = None
+        self._work: WorkerSide | HybridWorkerSide | None = None
+        #: A hybrid model's KV cache groups, one kvpool part each (None: one group).
+        self._groups: list[AttentionGroup] | None = None
+        self._engine_id = engine_id
+        self._options = options
+        if self._stands_aside is None and hybrid_groups(kv_cache_config) is not None:
+            groups = attention_groups(kv_cache_config, self._block_size)
+            assert not isinstance(groups, str)  # stand_aside_reason said why
+            # The pool is built for the part with the most layers (its chunks are largest);
+            # a full-attention part first (its counters are the connector's own).
+            self._groups = sorted(groups, key=lambda g: (-len(g.layer_names),
+                                                         g.sliding_window is not None, g.index))
         if self._stands_aside is not None:
             if role == KVConnectorRole.SCHEDULER:
                 logger.warning("kvpool: %s", self._stands_aside)
@@ -147,15 +165,39 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                     "cannot be loaded (evicted from a lower tier, corrupt, tier down); kvpool "
                     "sets it to \"recompute\"", self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._sched = SchedulerSide(
-                socket_paths=[self._socket_path_of(r) for r in range(self._tp_size)],
+            timing = load_timing(extra, vllm_config)
+            side = dict(
                 block_size=self._block_size,
                 save_decode_tokens=self._save_decode_tokens,
-                load_timing=load_timing(extra, vllm_config),
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 timeout_ms=options.lookup_timeout_ms,
-                kv_events=self._kv_events,
             )
+            if self._groups is None:
+                self._sched = SchedulerSide(
+                    socket_paths=[self._socket_path_of(r) for r in range(self._tp_size)],
+                    load_timing=timing, kv_events=self._kv_events, **side)
+            else:
+                if timing == "never":
+                    raise ValueError(
+                        "kvpool: \"async_loads\": false is not possible for a hybrid model: "
+                        "vLLM takes its load failures per request, which only asynchronous "
+                        "loads report")
+                if self._kv_events:
+                    logger.warning("kvpool: KV events of a hybrid model's tiers are not "
+                                   "published yet")
+                self._sched = HybridSchedulerSide([
+                    SchedulerSide(
+                        socket_paths=[self._part_socket(g, r) for r in range(self._tp_size)],
+                        load_timing="always", kv_events=False, group=g.index,
+                        sliding_window=g.sliding_window is not None, **side)
+                    for g in self._groups])
+                logger.info("kvpool serves this hybrid model's %d KV cache groups: %s",
+                            len(self._groups), ", ".join(g.key_format for g in self._groups))
+
+    def _part_socket(self, group: AttentionGroup, rank: int) -> str:
+        """The lookup socket of a hybrid model's part for ``group`` on ``rank``."""
+        return _native.lookup_socket_path(self._options.socket_dir,
+                                          f"{self._engine_id}-g{group.index}", rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -178,6 +220,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self._sched is None:
             return KvpoolConnectorMetadata()
+        if isinstance(self._sched, HybridSchedulerSide):
+            parts, preempted, holds = self._sched.build_connector_meta(scheduler_output)
+            return KvpoolConnectorMetadata(preempted=preempted, parts=parts, holds=holds)
         data, preempted = self._sched.build_connector_meta(scheduler_output)
         return KvpoolConnectorMetadata(data=data, preempted=preempted)
 
@@ -199,7 +244,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self, request: "Request",
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's call under its hybrid KV cache manager (``SupportsHMA``): one block list per
-        # KV cache group. kvpool serves only single-group models, so the same as above.
+        # KV cache group (each part knows its group's blocks already).
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
@@ -218,14 +263,27 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self._stands_aside is not None:
             return  # kvpool stands aside: no pool is built
-        self._work = WorkerSide(
-            self._vllm_config, kv_caches,
+        common = dict(
             config_text=self._config_text, config_format=self._config_format,
             tp_size=self._tp_size, block_size=self._block_size,
-            socket_path_of=self._socket_path_of, kv_events=self._kv_events,
             kv_cache_config=self._kv_cache_config,
             stage_node_memory_copies=self._stage_node_memory_copies,
             transfer=self._transfer)
+        if self._groups is None:
+            self._work = WorkerSide(self._vllm_config, kv_caches,
+                                    socket_path_of=self._socket_path_of,
+                                    kv_events=self._kv_events, **common)
+        else:
+            parts: list[WorkerSide] = []
+            for g in self._groups:
+                caches = {name: kv_caches[name] for name in g.layer_names if name in kv_caches}
+                parts.append(WorkerSide(
+                    self._vllm_config, caches,
+                    socket_path_of=lambda rank, g=g: self._part_socket(g, rank),
+                    kv_events=False, group_format=g.key_format,
+                    share_pool_with=parts[0] if parts else None, parts=len(self._groups),
+                    null_block=NULL_BLOCK, **common))
+            self._work = HybridWorkerSide(parts)
         WORKERS.append(self)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
@@ -235,7 +293,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._work is not None and isinstance(connector_metadata, KvpoolConnectorMetadata):
-            self._work.bind(connector_metadata.data)
+            if isinstance(self._work, HybridWorkerSide):
+                self._work.bind(connector_metadata.parts, connector_metadata.holds)
+            else:
+                self._work.bind(connector_metadata.data)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -264,16 +325,32 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._work is None:
             return None, None
+        if isinstance(self._work, HybridWorkerSide):
+            results = self.get_transfer_results(finished_req_ids)
+            return results.finished_sending or None, results.finished_recving or None
         return self._work.finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if isinstance(self._work, HybridWorkerSide):
+            # vLLM takes a hybrid model's load failures per request (block ids do not name
+            # one request's blocks across groups): the request is recomputed.
+            sending, recving, failed = self._work.transfer_results(finished_req_ids)
+            return KVConnectorTransferResults(finished_sending=sending,
+                                              finished_recving=recving, failed_recving=failed)
+        return super().get_transfer_results(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self._work is None else self._work.failed_blocks()
+        if self._work is None or isinstance(self._work, HybridWorkerSide):
+            return set()
+        return self._work.failed_blocks()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return None if self._work is None else self._work.worker_meta()
 
     def get_kv_connector_kv_cache_events(self) -> KvpoolKVEvents | None:
-        return None if self._work is None else self._work.kv_cache_events()
+        if self._work is None or isinstance(self._work, HybridWorkerSide):
+            return None
+        return self._work.kv_cache_events()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return None if self._work is None else self._work.stats()

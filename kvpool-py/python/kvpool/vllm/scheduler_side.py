@@ -35,8 +35,14 @@ class SchedulerSide:
     """See the module docs."""
 
     def __init__(self, *, socket_paths: list[str], block_size: int, save_decode_tokens: bool,
-                 load_timing: str, async_scheduling: bool, timeout_ms: int, kv_events: bool):
+                 load_timing: str, async_scheduling: bool, timeout_ms: int, kv_events: bool,
+                 group: int = 0, sliding_window: bool = False):
         self.block_size = block_size
+        #: The KV cache group whose blocks this side follows (a hybrid model has several).
+        self.group = group
+        #: The group's blocks outside a sliding window are freed while the request runs: see
+        #: ``SlidingWindowBlocks``.
+        self.window_blocks = SlidingWindowBlocks() if sliding_window else None
         self.save_decode_tokens = save_decode_tokens
         self.native = _native.Scheduler(
             socket_paths=socket_paths,
@@ -68,8 +74,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()
-        self.native.update_state_after_alloc(
-            request.request_id, list(block_ids[0]) if block_ids else [], num_external_tokens)
+        ids = list(block_ids[self.group]) if block_ids else []
+        if self.window_blocks is not None:
+            self.window_blocks.replace(request.request_id, ids, allocated_now=True)
+        self.native.update_state_after_alloc(request.request_id, ids, num_external_tokens)
         if self.kv_events:
             self._remember_chunk_blocks(request)
 
@@ -111,8 +119,15 @@ class SchedulerSide:
             _, evicted = self.chunk_blocks.popitem(last=False)
             self.chunk_blocks_bytes -= evicted[4]
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> tuple[bytes, list[str]]:
-        """The step's encoded metadata, and the requests preempted in it."""
+    def build_connector_meta(self, so: "SchedulerOutput", allocated: frozenset[int] = frozenset()
+                             ) -> tuple[bytes, list[str]]:
+        """The step's encoded metadata, and the requests preempted in it. ``allocated``: the
+        block ids the engine handed out in this step, in any group (see
+        ``SlidingWindowBlocks``)."""
+        g = self.group
+        window = self.window_blocks
+        if window is not None:
+            window.forget_stale(allocated)
         scheduled = []
         new_ids = [r.req_id for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
@@ -133,15 +148,19 @@ class SchedulerSide:
         for r in so.scheduled_new_reqs:
             computed = r.num_computed_tokens + so.num_scheduled_tokens.get(r.req_id, 0)
             start, tokens = new_tokens(r.req_id)
-            scheduled.append((r.req_id, start, tokens, REPLACE,
-                              list(r.block_ids[0]) if r.block_ids else [], computed))
+            ids = list(r.block_ids[g]) if r.block_ids else []
+            if window is not None:
+                window.replace(r.req_id, ids)
+            scheduled.append((r.req_id, start, tokens, REPLACE, ids, computed))
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             if blocks is None:
                 kind, ids = UNCHANGED, []
             else:
                 kind = REPLACE if req_id in cached.resumed_req_ids else APPEND
-                ids = list(blocks[0])
+                ids = list(blocks[g])
+            if window is not None:
+                kind, ids = window.update(req_id, kind, ids)
             computed = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             start, tokens = new_tokens(req_id)
             scheduled.append((req_id, start, tokens, kind, ids, computed))
@@ -188,6 +207,8 @@ class SchedulerSide:
     def request_finished(self, request: "Request") -> bool:
         """Whether vLLM must hold the request's blocks until the workers report it."""
         self.requests.pop(request.request_id, None)
+        if self.window_blocks is not None:
+            self.window_blocks.forget(request.request_id)
         return self.native.request_finished(request.request_id)
 
     def has_pending_work(self) -> bool:
@@ -195,3 +216,69 @@ class SchedulerSide:
 
     def reset(self) -> None:
         self.native.reset()
+
+
+class SlidingWindowBlocks:
+    """A sliding-window group's blocks of each request, as vLLM holds them now. vLLM frees a
+    request's blocks that fell outside the window while the request runs (putting its null
+    block, id 0, in their place) without telling the connector, and may hand them to another
+    request in a later step. A block id the engine hands out in a step is stale wherever it
+    still sits in a list known before the step: it is replaced by the null block, which the
+    worker never saves from (a save stops before the chunk). A list that changed is sent whole
+    (``REPLACE``) the next time its request is scheduled. vLLM's own OffloadingConnector keeps
+    its sliding-window lists the same way. (Ids the step handed out include a new request's
+    cached prefix blocks, which others may hold too: their saves then stop early, a miss.)"""
+
+    def __init__(self):
+        self.blocks: dict[str, list[int]] = {}
+        self.changed: set[str] = set()
+        #: Lists vLLM gave at allocation in this step (``update_state_after_alloc``): current.
+        self.fresh: set[str] = set()
+
+    def replace(self, req_id: str, ids: list[int], *, allocated_now: bool = False) -> None:
+        self.blocks[req_id] = list(ids)
+        self.changed.discard(req_id)
+        if allocated_now:
+            self.fresh.add(req_id)
+
+    def forget(self, req_id: str) -> None:
+        self.blocks.pop(req_id, None)
+        self.changed.discard(req_id)
+        self.fresh.discard(req_id)
+
+    def forget_stale(self, allocated: frozenset[int]) -> None:
+        """Replaces by the null block every id of ``allocated`` in the lists known before
+        this step."""
+        fresh, self.fresh = self.fresh, set()
+        if not allocated:
+            return
+        for req_id, ids in self.blocks.items():
+            if req_id in fresh:
+                continue
+            stale = False
+            for j, b in enumerate(ids):
+                if b and b in allocated:
+                    ids[j] = 0
+                    stale = True
+            if stale:
+                self.changed.add(req_id)
+
+    def update(self, req_id: str, kind: int, ids: list[int]) -> tuple[int, list[int]]:
+        """A scheduled request's block update, applied here, as it must reach the native
+        scheduler: the whole list when an earlier position was replaced."""
+        if kind == REPLACE:
+            self.replace(req_id, ids)
+            return REPLACE, list(ids)
+        known = self.blocks.get(req_id)
+        if known is None:
+            # vLLM allocates every request's blocks through update_state_after_alloc or
+            # lists them whole for a new request: not reached.
+            logger.warning("kvpool: sliding-window blocks of request %s were never listed "
+                           "whole; its update is passed on as it is", req_id)
+            return kind, ids
+        if kind == APPEND:
+            known.extend(ids)
+        if req_id in self.changed:
+            self.changed.discard(req_id)
+            return REPLACE, list(known)
+        return kind, ids

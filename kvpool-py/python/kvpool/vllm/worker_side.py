@@ -30,10 +30,22 @@ class WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor], *,
                  config_text: str, config_format: str, tp_size: int, block_size: int,
                  socket_path_of, kv_events: bool, kv_cache_config=None,
-                 stage_node_memory_copies: bool = False, transfer: str = "auto"):
+                 stage_node_memory_copies: bool = False, transfer: str = "auto",
+                 group_format: str = "", share_pool_with: "WorkerSide | None" = None,
+                 parts: int = 1, null_block: int | None = None):
+        """For one KV cache group of a hybrid model (``kvpool.vllm.hybrid``): ``kv_caches``
+        holds the group's layers, ``group_format`` names the group in every key,
+        ``share_pool_with`` is the worker side whose pool it shares (``None`` builds the pool),
+        one of ``parts``, and ``null_block`` is vLLM's null block id."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         layout = detect_for(vllm_config, kv_caches, block_size, kv_cache_config)
+        if group_format:
+            layout.kv_format += "|" + group_format
+        owns_pool = share_pool_with is None
+        #: Whether this side built the pool (a hybrid model's other groups share it): only
+        #: the owner page-locks the pool's memory.
+        self.owns_pool = owns_pool
         self.tp_rank = get_tensor_model_parallel_rank()
         self.kv_caches = kv_caches
         planes = layout.planes
@@ -61,13 +73,16 @@ class WorkerSide:
             kind=layout.kind,
             replicated=layout.replicated,
             socket_path=socket_path_of(self.tp_rank),
+            share_pool_with=None if owns_pool else share_pool_with.native,
+            parts=parts,
+            null_block=null_block,
         )
         self.host_pin = None
         # On a GPU, the daemon's shared memory as mapped here, page-locked for one DMA per
         # chunk (from the first step after the worker reached the daemon): by the native
         # engine (guards the mappings own) or, on the torch path, from here.
         self.node_memory_pins = NodeMemoryPins(self.native, self.device) \
-            if self.cuda and self.mover is not None else None
+            if self.cuda and self.mover is not None and owns_pool else None
         if self.cuda or stage_node_memory_copies:
             # A chunk of the node's pool daemon is read once, from its shared memory: staged
             # (on a GPU: copied to the device once, the blocks filled from that copy, which is
@@ -80,7 +95,7 @@ class WorkerSide:
             self.native.set_host_planes([(p.data_ptr(), p.stride(0)) for p in planes],
                                         int(planes[0].shape[1]),
                                         min(int(p.shape[0]) for p in planes))
-        if self.cuda:
+        if self.cuda and owns_pool:
             # kvpool's chunks live in L1's arena, page-locked once for DMA and unlocked before
             # the arena is freed: natively by a guard the arena owns; on the torch path from
             # here (at shutdown, or by the native worker just before it frees the arena).
@@ -159,7 +174,7 @@ class WorkerSide:
         self._poll()
         if self.node_memory_pins is not None:
             self.node_memory_pins.refresh()
-        elif self.cuda:
+        elif self.cuda and self.owns_pool:
             self.native.pin_node_memory(self.copies)
         self._run(load=True)
 

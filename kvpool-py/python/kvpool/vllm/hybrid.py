@@ -1,0 +1,257 @@
+"""Hybrid models under vLLM's hybrid KV cache manager (HMA): one kvpool *part* per KV cache
+group, each with its own layers, layout and keys (the group is named in every key), all parts
+sharing one pool (one L1, one set of tiers).
+
+What kvpool serves: groups of full attention and sliding-window attention (Gemma 2/3, gpt-oss
+and the like), the groups vLLM's own OffloadingConnector serves. Each part saves its group's
+blocks chunk by chunk and loads them on its own; a prefix hit is the shortest of the parts'
+hits, so every group the model needs is present for it. A sliding-window group loads only the
+blocks vLLM keeps inside the window (vLLM puts its null block outside, which is never read or
+written) and stops saving before a chunk whose blocks vLLM freed (``SlidingWindowBlocks``).
+Not served yet (kvpool stands aside, one warning, vLLM's own prefix cache serves): Mamba /
+linear-attention state groups, MLA, groups of another block size.
+
+Loads of a hybrid model are asynchronous: vLLM takes a hybrid model's load failures per
+request (``failed_recving``: the request is recomputed), never per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolWorkerMeta
+
+if TYPE_CHECKING:
+    from kvpool.vllm.scheduler_side import SchedulerSide
+    from kvpool.vllm.worker_side import WorkerSide
+
+logger = logging.getLogger("kvpool.vllm")
+
+#: vLLM's null block (``BlockPool.null_block``, the first block of the pool).
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """One KV cache group kvpool serves as a part."""
+
+    #: The group's index in vLLM's ``kv_cache_groups``.
+    index: int
+    layer_names: tuple[str, ...]
+    #: The window in tokens of a sliding-window group; None for full attention.
+    sliding_window: int | None
+    #: What every key of the group carries: index, count and kind of the group.
+    key_format: str
+
+
+def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGroup] | str:
+    """The groups of a hybrid model as kvpool parts, or why kvpool cannot serve them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    parts = []
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec)
+        if kind is FullAttentionSpec:
+            window = None
+            name = "full"
+        elif kind is SlidingWindowSpec:
+            window = int(spec.sliding_window)
+            name = f"sliding(window={window},retained={int(spec.extra_retained_tokens)})"
+        else:
+            return (f"group {i} is {kind.__name__}: kvpool stores full-attention and "
+                    "sliding-window groups only (not Mamba / linear-attention state, MLA or "
+                    "others yet)")
+        if spec.block_size != block_size:
+            return (f"group {i} has blocks of {spec.block_size} tokens, not the engine's "
+                    f"{block_size}")
+        parts.append(AttentionGroup(index=i, layer_names=tuple(group.layer_names),
+                                    sliding_window=window,
+                                    key_format=f"group={i}/{len(groups)}:{name}"))
+    return parts
+
+
+def allocated_in_step(so: Any, since_last_step: set[int]) -> frozenset[int]:
+    """Block ids vLLM handed out in a step, in any group: new requests' lists, appended
+    blocks, copy destinations, and blocks of loads allocated since the last step."""
+    ids = set(since_last_step)
+    for r in so.scheduled_new_reqs:
+        for group in r.block_ids or ():
+            ids.update(group)
+    for blocks in so.scheduled_cached_reqs.new_block_ids:
+        for group in blocks or ():
+            ids.update(group)
+    for copy in getattr(so, "kv_cache_block_copies", None) or ():
+        ids.add(copy.dst_block_id)
+    ids.discard(NULL_BLOCK)
+    return frozenset(ids)
+
+
+class HybridSchedulerSide:
+    """The scheduler side of every part."""
+
+    def __init__(self, parts: list["SchedulerSide"]):
+        self.parts = parts
+        self.allocated_since_step: set[int] = set()
+        #: Requests whose blocks parts hold for their saves, and how many parts, for the
+        #: next step's metadata.
+        self.holds: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        answers = [p.get_num_new_matched_tokens(request, num_computed_tokens)
+                   for p in self.parts]
+        hit = min(n for n, _ in answers)
+        # Every part's load is asynchronous (see the module docs).
+        return hit, hit > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        for group in blocks.get_block_ids():
+            self.allocated_since_step.update(group)
+        for p in self.parts:
+            p.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, so: Any) -> tuple[list[bytes], list[str], dict[str, int]]:
+        allocated = allocated_in_step(so, self.allocated_since_step)
+        self.allocated_since_step = set()
+        built = [p.build_connector_meta(so, allocated) for p in self.parts]
+        holds, self.holds = self.holds, {}
+        return [data for data, _ in built], built[0][1], holds
+
+    def update_connector_output(self, out: Any) -> None:
+        meta = getattr(out, "kv_connector_worker_meta", None)
+        for i, p in enumerate(self.parts):
+            p.update_connector_output(_PartOutput(out, meta, i))
+
+    def request_finished(self, request: Any) -> bool:
+        held = sum(bool(p.request_finished(request)) for p in self.parts)
+        if held:
+            self.holds[request.request_id] = held
+        return held > 0
+
+    def has_pending_work(self) -> bool:
+        return any(p.has_pending_work() for p in self.parts)
+
+    def take_events(self):
+        """No KV events yet for a hybrid model's tiers."""
+        return iter(())
+
+    def reset(self) -> None:
+        for p in self.parts:
+            p.reset()
+
+
+class _PartOutput:
+    """One part's view of a step's ``KVConnectorOutput``: its own step reports, the requests
+    whose load ended in every part, and no failed blocks (failures are per request)."""
+
+    def __init__(self, out: Any, meta: Any, part: int):
+        self.kv_connector_worker_meta = KvpoolWorkerMeta(
+            executed=_of_part(meta.executed, part), copied=_of_part(meta.copied, part)
+        ) if isinstance(meta, KvpoolWorkerMeta) else None
+        self.invalid_block_ids = set()
+        self.finished_recving = out.finished_recving
+        self.kv_cache_events = None
+
+
+def _of_part(counts: Counter, part: int) -> Counter:
+    return Counter({step: n for (p, step), n in counts.items() if p == part})
+
+
+class HybridWorkerSide:
+    """The worker side of every part, reporting to vLLM as one connector: a request's load
+    ended once every part's did (failed if any part's failed), its saves once every part
+    that held it reported them."""
+
+    def __init__(self, parts: list["WorkerSide"]):
+        self.parts = parts
+        self.recving: Counter = Counter()
+        self.failed: set[str] = set()
+        self.loading: set[str] = set()
+        self.expected_sending: dict[str, int] = {}
+        self.sending: Counter = Counter()
+
+    def bind(self, datas: list[bytes], holds: dict[str, int]) -> None:
+        self.expected_sending.update(holds)
+        for p, data in zip(self.parts, datas):
+            p.bind(data)
+
+    def handle_preemptions(self, preempted: list[str]) -> None:
+        for p in self.parts:
+            p.handle_preemptions(preempted)
+
+    def start_load(self) -> None:
+        for p in self.parts:
+            p.start_load()
+
+    def save(self) -> None:
+        for p in self.parts:
+            p.save()
+
+    def clear(self) -> None:
+        for p in self.parts:
+            p.clear()
+
+    def transfer_results(self, finished_req_ids: set[str]
+                         ) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)``."""
+        n = len(self.parts)
+        for p in self.parts:
+            sending, recving = p.finished(finished_req_ids)
+            self.sending.update(sending or ())
+            self.recving.update(recving or ())
+            self.loading.update(recving or ())
+            p.native.failed_blocks()  # drained: vLLM takes a hybrid's failures per request
+            failed, unattributed = p.native.failed_load_requests()
+            self.failed.update(failed)
+            if unattributed:
+                logger.error("kvpool: blocks failed with no request named; every load in "
+                             "flight is recomputed")
+                self.failed.update(self.loading)
+        done_recving = {r for r, k in self.recving.items() if k >= n}
+        for r in done_recving:
+            del self.recving[r]
+            self.loading.discard(r)
+        failed = self.failed & done_recving
+        self.failed -= failed
+        done_sending = set()
+        for r, k in list(self.sending.items()):
+            if k >= self.expected_sending.get(r, n):
+                done_sending.add(r)
+                del self.sending[r]
+                self.expected_sending.pop(r, None)
+        return done_sending, done_recving, failed
+
+    def worker_meta(self) -> KvpoolWorkerMeta:
+        executed, copied = Counter(), Counter()
+        for i, p in enumerate(self.parts):
+            m = p.worker_meta()
+            executed.update({(i, s): k for s, k in m.executed.items()})
+            copied.update({(i, s): k for s, k in m.copied.items()})
+        return KvpoolWorkerMeta(executed=executed, copied=copied)
+
+    def stats(self) -> KvpoolConnectorStats:
+        """The first part's counters as they are, every other part's under ``g<index>_``."""
+        data: dict[str, Any] = {}
+        for i, p in enumerate(self.parts):
+            for k, v in p.stats().data.items():
+                data[k if i == 0 else f"g{i}_{k}"] = v
+        return KvpoolConnectorStats(data=data)
+
+    def native_stats(self) -> dict[str, int]:
+        """Every part's counters since it started, named as ``stats`` names them."""
+        data: dict[str, int] = {}
+        for i, p in enumerate(self.parts):
+            for k, v in p.native.stats().items():
+                data[k if i == 0 else f"g{i}_{k}"] = v
+        return data
+
+    def shutdown(self) -> None:
+        # The pool's owner (the first part) closes it, after the others stopped.
+        for p in reversed(self.parts):
+            p.shutdown()
