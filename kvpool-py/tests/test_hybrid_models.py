@@ -96,3 +96,47 @@ def test_a_sliding_window_models_failed_loads_are_recomputed(runner, scratch, re
     assert_same_outputs(base, got, "corrupt values")
     failed = sum(v for k, v in got["stats"].items() if k.endswith("failed_load_blocks"))
     assert failed > 0, got["stats"]
+
+
+TP2 = {"tensor_parallel_size": 2, "multiprocess": True,
+       "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def test_a_sliding_window_model_under_tp2_multiprocess_is_served_from_disk(runner, scratch):
+    """The Gemma 3 shape with HMA on under TP=2 in vLLM's multi-process mode (scheduler in
+    EngineCore, each rank a worker process with its own parts and pool): a fresh engine is
+    served the shared prefix from disk, outputs identical to TP=2 without kvpool."""
+    model = make_gemma3_model(os.path.join(scratch, "tiny-gemma3"))
+    prompts = shared_prefix_prompts(3, seed=64)
+    base = runner.baseline(model, prompts, **TP2)
+    disk = os.path.join(scratch, "gemma3-disk-tp2")
+    cfg = l1(tier=[{"url": f"file://{disk}"}])
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1], **TP2})
+    assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
+    assert HMA_OFF not in log_of(first) and STANDS_ASIDE not in log_of(first)
+    fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts,
+                        "batches": [[0], [1, 2]], **TP2})
+    assert_same_outputs(base, fresh, "fresh TP=2 engine from disk")
+    assert fresh["results"][0]["num_cached_tokens"] >= PREFIX, fresh["results"][0]
+
+
+def test_a_sliding_window_model_is_served_through_the_pool_daemon(runner, scratch,
+                                                                 pool_daemon):
+    """The Gemma 3 shape's parts attached to the node's pool daemon: every group's chunks are
+    committed there, and a fresh engine is served from the daemon, outputs identical."""
+    model = make_gemma3_model(os.path.join(scratch, "tiny-gemma3"))
+    prompts = shared_prefix_prompts(3, seed=65)
+    base = runner.baseline(model, prompts)
+    daemon = pool_daemon("hybrid")
+    cfg = {"config": {"local_cpu": {"max_size": "256MiB"}}, "pool": daemon.url}
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1]})
+    assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
+    # Four whole chunks of the prefix, in each of the four groups.
+    daemon.wait(lambda s: s.get("commits_total", 0) >= 4 * PREFIX // 256,
+                "every group's chunks committed")
+    fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts,
+                        "batches": [[0], [1, 2]]})
+    assert_same_outputs(base, fresh, "fresh engine through the daemon")
+    assert fresh["results"][0]["num_cached_tokens"] >= PREFIX, fresh["results"][0]
+    assert fresh["stats"]["loaded_tokens"] >= PREFIX, fresh["stats"]
+    daemon.wait(lambda s: s["sessions"] == 0, "every part detached")
