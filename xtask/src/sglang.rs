@@ -40,13 +40,15 @@ pub(crate) fn sglang(pytest_args: &[String]) -> Result<(), String> {
     // The same as the vLLM tests': the wheel's build, and Redis for the shared-tier test.
     ensure_system_packages(crate::vllm::PACKAGES)?;
     let venv_python = ready_venv("dev")?;
+    let suite = crate::vllm::suite_env(&venv_python)?;
+    let suite: Vec<(&str, &str)> = suite.iter().map(|(k, v)| (*k, v.as_str())).collect();
     eprintln!("SGLang environment ready in {:.0?}", started.elapsed());
     run_pytest(
         "cargo xtask sglang",
         &venv_python,
         "kvpool-py/tests_sglang",
         pytest_args,
-        &[],
+        &suite,
         started,
     )
 }

@@ -319,20 +319,61 @@ pub(crate) fn vllm_with_env(pytest_args: &[String], env: &[(&str, &str)]) -> Res
     let venv_python = ensure_vllm_venv(&python, &tools)?;
     install_wheel(&tools, &venv_python, "dev")?;
     // The pool-daemon tests start `kvpool serve`.
-    let kvpool = build_kvpool_cli()?;
+    let suite = suite_env(&venv_python)?;
     eprintln!("vLLM environment ready in {:.0?}", started.elapsed());
+    let suite: Vec<(&str, &str)> = suite.iter().map(|(k, v)| (*k, v.as_str())).collect();
     run_pytest(
         "cargo xtask vllm",
         &venv_python,
         "kvpool-py/tests",
         pytest_args,
-        &[
-            &[("HF_HUB_OFFLINE", "1"), ("KVPOOL_BIN", path_str(&kvpool)?)],
-            env,
-        ]
-        .concat(),
+        &[&[("HF_HUB_OFFLINE", "1")], suite.as_slice(), env].concat(),
         started,
     )
+}
+
+/// Whether the suites test the release wheel ([`test_the_release_wheel`], or
+/// `KVPOOL_TEST_WHEEL`) rather than a dev build.
+fn testing_the_release_wheel() -> bool {
+    TESTED_WHEEL.get().is_some() || std::env::var_os("KVPOOL_TEST_WHEEL").is_some()
+}
+
+/// The `kvpool` command the suites start (`KVPOOL_BIN`) and the `PATH` they run with. Testing
+/// the release wheel: the wheel's own `kvpool` console script in `venv_python`'s environment,
+/// and a `PATH` with no `cargo` or `rustc` on it, as a user of the wheel has. Otherwise the
+/// command built from source, and the caller's `PATH`.
+pub(crate) fn suite_env(venv_python: &Path) -> Result<Vec<(&'static str, String)>, String> {
+    if !testing_the_release_wheel() {
+        return Ok(vec![(
+            "KVPOOL_BIN",
+            path_str(&build_kvpool_cli()?)?.to_string(),
+        )]);
+    }
+    let kvpool = venv_python
+        .parent()
+        .map(|bin| bin.join("kvpool"))
+        .filter(|k| k.is_file())
+        .ok_or_else(|| {
+            format!(
+                "the wheel installed no `kvpool` next to {}",
+                venv_python.display()
+            )
+        })?;
+    let path = std::env::var("PATH").unwrap_or_default();
+    let has_rust = |dir: &str| {
+        ["cargo", "rustc"]
+            .iter()
+            .any(|t| Path::new(dir).join(t).exists())
+    };
+    let user_path: Vec<&str> = path
+        .split(':')
+        .filter(|d| !d.is_empty() && !has_rust(d))
+        .collect();
+    eprintln!("the suites run the wheel's `kvpool` with no cargo or rustc on PATH");
+    Ok(vec![
+        ("KVPOOL_BIN", path_str(&kvpool)?.to_string()),
+        ("PATH", user_path.join(":")),
+    ])
 }
 
 /// Runs pytest on `tests` (relative to the workspace root) with `venv_python`, then says how
