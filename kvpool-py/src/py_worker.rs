@@ -642,15 +642,16 @@ impl PyWorker {
         Ok(())
     }
 
-    /// Chunks that entered or left a tier since the last call: a list of
+    /// This worker's chunks that entered or left a tier since the last call: a list of
     /// `(tier, stored, [chunk hash bytes])`, `stored` false for a removal or eviction.
     fn take_tier_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyTierEvent<'py>>> {
-        let events = core_guard(self)?
-            .worker
-            .engine()
+        let core = core_guard(self)?;
+        let engine = core.worker.engine();
+        // This worker's own chunks: a hybrid model's parts share the pool (and its log).
+        let events = engine
             .storage()
             .tier_events()
-            .drain();
+            .drain_scope(engine.token_database().scope().digest());
         Ok(events
             .into_iter()
             .map(|e| {

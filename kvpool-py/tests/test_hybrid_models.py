@@ -13,7 +13,7 @@ compared with the same engine without kvpool: greedy tokens identical, logprobs 
 import os
 import random
 
-from conftest import shared_prefix_prompts
+from conftest import free_port, shared_prefix_prompts
 from make_hybrid_model import make_gemma3_model, make_qwen3_next_model
 from test_vllm_e2e import PREFIX, assert_same_outputs, corrupt, l1
 
@@ -57,7 +57,8 @@ def test_a_sliding_window_model_is_served_by_kvpool_with_hma_on(runner, scratch)
 
     disk = os.path.join(scratch, "gemma3-disk")
     cfg = l1(tier=[{"url": f"file://{disk}"}])
-    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1]})
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1],
+                        "kv_events_port": free_port()})
     assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
     log = log_of(first)
     assert HMA_OFF not in log, "vLLM turned its hybrid KV cache manager off"
@@ -65,6 +66,23 @@ def test_a_sliding_window_model_is_served_by_kvpool_with_hma_on(runner, scratch)
     stats = first["stats"]
     for part in ["", "g1_", "g2_", "g3_"]:
         assert stats[part + "stored_tokens"] >= PREFIX, stats
+    # KV events: each group's chunks entering each tier, named by the group, carrying block
+    # hashes vLLM announced. (vLLM announces a sliding-window group's blocks inside the
+    # window only; a block's hash is the same in every group.)
+    events = first["kv_events"]
+    engine = {}
+    for e in events:
+        if e["type"] == "BlockStored" and e["medium"] in ("GPU", None):
+            engine.setdefault(e["group"], set()).update(e["block_hashes"])
+    assert sorted(engine) == [0, 1, 2, 3], sorted(engine)
+    announced = set().union(*engine.values())
+    for medium in ("CPU", "DISK"):
+        for group in range(4):
+            stored = [h for e in events if e["type"] == "BlockStored"
+                      and e["medium"] == medium and e["group"] == group
+                      for h in e["block_hashes"]]
+            assert len(stored) >= PREFIX // 32, (medium, group, events[:3])
+            assert set(stored) <= announced, (medium, group)
 
     fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts,
                         "batches": [[0], [1, 2]]})

@@ -241,7 +241,9 @@ class EventSubscriber:
                     parent = str(parent)
                 events.append({"type": type(e).__name__, "medium": getattr(e, "medium", None),
                                "block_hashes": hashes, "parent": parent,
-                               "tokens": len(getattr(e, "token_ids", []) or [])})
+                               "tokens": len(getattr(e, "token_ids", []) or []),
+                               "group": getattr(e, "group_idx", None),
+                               "kind": getattr(e, "kv_cache_spec_kind", None)})
         return events
 
 

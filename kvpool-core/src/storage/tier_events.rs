@@ -29,6 +29,10 @@ pub struct TierEvent {
     pub kind: TierEventKind,
     /// The chunks' chained hashes, in the order they were written or removed.
     pub chunk_hashes: Vec<ChunkHash>,
+    /// [`crate::KeyScope::digest`] of the chunks' scope: one pool may hold chunks of several
+    /// scopes under the same hashes (a hybrid model's KV cache groups), each drained by its
+    /// own consumer ([`TierEventLog::drain_scope`]).
+    pub scope_digest: u64,
 }
 
 /// A bounded queue of [`TierEvent`]s. Recording does nothing until [`TierEventLog::enable`];
@@ -85,17 +89,33 @@ impl TierEventLog {
         if !self.is_enabled() {
             return;
         }
-        let chunk_hashes: Vec<ChunkHash> = keys.into_iter().map(|k| k.hash).collect();
-        if chunk_hashes.is_empty() {
+        // One event per run of keys of one scope.
+        let mut events: Vec<TierEvent> = Vec::new();
+        let mut run_scope: Option<&CacheKey> = None;
+        for k in keys {
+            let same = run_scope
+                .is_some_and(|r| std::sync::Arc::ptr_eq(&r.scope, &k.scope) || r.scope == k.scope);
+            if !same {
+                events.push(TierEvent {
+                    tier: tier.to_string(),
+                    kind,
+                    chunk_hashes: Vec::new(),
+                    scope_digest: k.scope.digest(),
+                });
+                run_scope = Some(k);
+            }
+            if let Some(e) = events.last_mut() {
+                e.chunk_hashes.push(k.hash);
+            }
+        }
+        if events.is_empty() {
             return;
         }
         let mut q = self.queue.lock();
-        q.hashes += chunk_hashes.len();
-        q.events.push_back(TierEvent {
-            tier: tier.to_string(),
-            kind,
-            chunk_hashes,
-        });
+        for e in events {
+            q.hashes += e.chunk_hashes.len();
+            q.events.push_back(e);
+        }
         while q.hashes > self.capacity {
             let Some(old) = q.events.pop_front() else {
                 break;
@@ -111,6 +131,19 @@ impl TierEventLog {
         let mut q = self.queue.lock();
         q.hashes = 0;
         q.events.drain(..).collect()
+    }
+
+    /// Everything recorded for chunks of the scope whose [`crate::KeyScope::digest`] is
+    /// `scope_digest` since it was last drained, oldest first; other scopes' events stay.
+    pub fn drain_scope(&self, scope_digest: u64) -> Vec<TierEvent> {
+        let mut q = self.queue.lock();
+        let (mine, others): (VecDeque<TierEvent>, VecDeque<TierEvent>) = q
+            .events
+            .drain(..)
+            .partition(|e| e.scope_digest == scope_digest);
+        q.hashes = others.iter().map(|e| e.chunk_hashes.len()).sum();
+        q.events = others;
+        mine.into_iter().collect()
     }
 
     /// Events dropped because nobody drained the log in time.
@@ -171,5 +204,32 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].chunk_hashes[0], ChunkHash([9; 16]));
         assert_eq!(log.dropped(), 8);
+    }
+
+    #[test]
+    fn each_scope_drains_its_own_events_though_the_hashes_are_the_same() {
+        let log = TierEventLog::new(16);
+        log.enable();
+        let a = Arc::new(KeyScope::new("m|group=0", 1, 0, 0, 1).unwrap());
+        let b = Arc::new(KeyScope::new("m|group=1", 1, 0, 0, 1).unwrap());
+        let of = |scope: &Arc<KeyScope>, i: u8| CacheKey::new(scope.clone(), ChunkHash([i; 16]));
+        log.record(
+            "cpu",
+            TierEventKind::Stored,
+            &[of(&a, 1), of(&b, 1), of(&b, 2)],
+        );
+        log.record("disk", TierEventKind::Stored, &[of(&a, 1)]);
+        let got_b = log.drain_scope(b.digest());
+        assert_eq!(got_b.len(), 1);
+        assert_eq!(
+            got_b[0].chunk_hashes,
+            vec![ChunkHash([1; 16]), ChunkHash([2; 16])]
+        );
+        let got_a = log.drain_scope(a.digest());
+        assert_eq!(
+            got_a.iter().map(|e| e.tier.as_str()).collect::<Vec<_>>(),
+            ["cpu", "disk"]
+        );
+        assert!(log.drain().is_empty());
     }
 }

@@ -182,15 +182,17 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                         "kvpool: \"async_loads\": false is not possible for a hybrid model: "
                         "vLLM takes its load failures per request, which only asynchronous "
                         "loads report")
-                if self._kv_events:
-                    logger.warning("kvpool: KV events of a hybrid model's tiers are not "
-                                   "published yet")
-                self._sched = HybridSchedulerSide([
-                    SchedulerSide(
+                parts: list[SchedulerSide] = []
+                for g in self._groups:
+                    fields = {"group_idx": g.index, "kv_cache_spec_kind": g.spec_kind}
+                    if g.sliding_window is not None:
+                        fields["kv_cache_spec_sliding_window"] = g.sliding_window
+                    parts.append(SchedulerSide(
                         socket_paths=[self._part_socket(g, r) for r in range(self._tp_size)],
-                        load_timing="always", kv_events=False, group=g.index,
-                        sliding_window=g.sliding_window is not None, **side)
-                    for g in self._groups])
+                        load_timing="always", kv_events=self._kv_events, group=g.index,
+                        sliding_window=g.sliding_window is not None, event_fields=fields,
+                        chunk_blocks_of=parts[0] if parts else None, **side))
+                self._sched = HybridSchedulerSide(parts)
                 logger.info("kvpool serves this hybrid model's %d KV cache groups: %s",
                             len(self._groups), ", ".join(g.key_format for g in self._groups))
 
@@ -280,7 +282,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 parts.append(WorkerSide(
                     self._vllm_config, caches,
                     socket_path_of=lambda rank, g=g: self._part_socket(g, rank),
-                    kv_events=False, group_format=g.key_format,
+                    kv_events=self._kv_events, group_format=g.key_format,
                     share_pool_with=parts[0] if parts else None, parts=len(self._groups),
                     null_block=NULL_BLOCK, **common))
             self._work = HybridWorkerSide(parts)
@@ -348,9 +350,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return None if self._work is None else self._work.worker_meta()
 
     def get_kv_connector_kv_cache_events(self) -> KvpoolKVEvents | None:
-        if self._work is None or isinstance(self._work, HybridWorkerSide):
-            return None
-        return self._work.kv_cache_events()
+        return None if self._work is None else self._work.kv_cache_events()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return None if self._work is None else self._work.stats()

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolWorkerMeta
+from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
 
 if TYPE_CHECKING:
     from kvpool.vllm.scheduler_side import SchedulerSide
@@ -45,11 +45,14 @@ class AttentionGroup:
     sliding_window: int | None
     #: What every key of the group carries: index, count and kind of the group.
     key_format: str
+    #: vLLM's name for the group's kind in KV events (``KVCacheSpecKind``).
+    spec_kind: str
 
 
 def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGroup] | str:
     """The groups of a hybrid model as kvpool parts, or why kvpool cannot serve them."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, SlidingWindowSpec,
+                                            get_kv_cache_spec_kind)
 
     groups = list(kv_cache_config.kv_cache_groups)
     parts = []
@@ -71,7 +74,8 @@ def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGro
                     f"{block_size}")
         parts.append(AttentionGroup(index=i, layer_names=tuple(group.layer_names),
                                     sliding_window=window,
-                                    key_format=f"group={i}/{len(groups)}:{name}"))
+                                    key_format=f"group={i}/{len(groups)}:{name}",
+                                    spec_kind=str(get_kv_cache_spec_kind(spec).value)))
     return parts
 
 
@@ -125,8 +129,10 @@ class HybridSchedulerSide:
 
     def update_connector_output(self, out: Any) -> None:
         meta = getattr(out, "kv_connector_worker_meta", None)
+        events = getattr(out, "kv_cache_events", None)
+        by_part = _split_events(events) if isinstance(events, KvpoolKVEvents) else {}
         for i, p in enumerate(self.parts):
-            p.update_connector_output(_PartOutput(out, meta, i))
+            p.update_connector_output(_PartOutput(out, meta, i, by_part.get(i)))
 
     def request_finished(self, request: Any) -> bool:
         held = sum(bool(p.request_finished(request)) for p in self.parts)
@@ -138,8 +144,9 @@ class HybridSchedulerSide:
         return any(p.has_pending_work() for p in self.parts)
 
     def take_events(self):
-        """No KV events yet for a hybrid model's tiers."""
-        return iter(())
+        """Every part's tier events as vLLM KV events, each naming its KV cache group."""
+        for p in self.parts:
+            yield from p.take_events()
 
     def reset(self) -> None:
         for p in self.parts:
@@ -150,13 +157,25 @@ class _PartOutput:
     """One part's view of a step's ``KVConnectorOutput``: its own step reports, the requests
     whose load ended in every part, and no failed blocks (failures are per request)."""
 
-    def __init__(self, out: Any, meta: Any, part: int):
+    def __init__(self, out: Any, meta: Any, part: int, events: "KvpoolKVEvents | None"):
         self.kv_connector_worker_meta = KvpoolWorkerMeta(
             executed=_of_part(meta.executed, part), copied=_of_part(meta.copied, part)
         ) if isinstance(meta, KvpoolWorkerMeta) else None
         self.invalid_block_ids = set()
         self.finished_recving = out.finished_recving
-        self.kv_cache_events = None
+        self.kv_cache_events = events
+
+
+def _split_events(events: KvpoolKVEvents) -> dict[int, KvpoolKVEvents]:
+    """The parts' tier events, as ``HybridWorkerSide.kv_cache_events`` tagged them (every
+    part names a chunk by the same hash: the tier carries the part)."""
+    parts: dict[int, list] = {}
+    # With each event as often as ranks reported it (``aggregate`` keeps what all did).
+    for (tier, stored, hashes), n in events._counts.items():
+        part, _, name = tier.partition(":")
+        parts.setdefault(int(part), []).extend([(name, stored, hashes)] * n)
+    workers = events.get_number_of_workers()
+    return {i: KvpoolKVEvents(evs, num_workers=workers) for i, evs in parts.items()}
 
 
 def _of_part(counts: Counter, part: int) -> Counter:
@@ -234,6 +253,16 @@ class HybridWorkerSide:
             executed.update({(i, s): k for s, k in m.executed.items()})
             copied.update({(i, s): k for s, k in m.copied.items()})
         return KvpoolWorkerMeta(executed=executed, copied=copied)
+
+    def kv_cache_events(self) -> KvpoolKVEvents | None:
+        """Every part's tier events, each tier tagged with its part (``_split_events``)."""
+        events = []
+        for i, p in enumerate(self.parts):
+            got = p.kv_cache_events()
+            if got is not None:
+                events += [(f"{i}:{tier}", stored, hashes)
+                           for tier, stored, hashes in got.get_all_events()]
+        return KvpoolKVEvents(events) if events else None
 
     def stats(self) -> KvpoolConnectorStats:
         """The first part's counters as they are, every other part's under ``g<index>_``."""

@@ -36,13 +36,20 @@ class SchedulerSide:
 
     def __init__(self, *, socket_paths: list[str], block_size: int, save_decode_tokens: bool,
                  load_timing: str, async_scheduling: bool, timeout_ms: int, kv_events: bool,
-                 group: int = 0, sliding_window: bool = False):
+                 group: int = 0, sliding_window: bool = False,
+                 event_fields: dict[str, Any] | None = None,
+                 chunk_blocks_of: "SchedulerSide | None" = None):
         self.block_size = block_size
         #: The KV cache group whose blocks this side follows (a hybrid model has several).
         self.group = group
         #: The group's blocks outside a sliding window are freed while the request runs: see
         #: ``SlidingWindowBlocks``.
         self.window_blocks = SlidingWindowBlocks() if sliding_window else None
+        #: Fields of this side's KV events naming its group (a hybrid model's part).
+        self.event_fields = dict(event_fields or {})
+        #: The side whose chunk -> vLLM blocks map the events read (a hybrid model's parts
+        #: name a chunk alike: one map serves them all); None: this side's own.
+        self.chunk_blocks_of = chunk_blocks_of
         self.save_decode_tokens = save_decode_tokens
         self.native = _native.Scheduler(
             socket_paths=socket_paths,
@@ -78,7 +85,7 @@ class SchedulerSide:
         if self.window_blocks is not None:
             self.window_blocks.replace(request.request_id, ids, allocated_now=True)
         self.native.update_state_after_alloc(request.request_id, ids, num_external_tokens)
-        if self.kv_events:
+        if self.kv_events and self.chunk_blocks_of is None:
             self._remember_chunk_blocks(request)
 
     def _remember_chunk_blocks(self, request: "Request") -> None:
@@ -190,19 +197,23 @@ class SchedulerSide:
         pending, self.pending_events = self.pending_events, None
         if pending is None:
             return
+        chunk_blocks = (self.chunk_blocks_of or self).chunk_blocks
+        group = self.event_fields
+        removed_group = {k: v for k, v in group.items() if k == "group_idx"}
         for tier, stored, hashes in pending.aggregate().get_all_events():
             medium = "CPU" if tier == "cpu" else tier.upper()
             for h in hashes:
-                known = self.chunk_blocks.get(h)
+                known = chunk_blocks.get(h)
                 if known is None:
                     continue
                 blocks, parent, tokens, lora_name, _ = known
                 if stored:
                     yield BlockStored(block_hashes=blocks, parent_block_hash=parent,
                                       token_ids=tokens, block_size=self.block_size,
-                                      lora_id=None, medium=medium, lora_name=lora_name)
+                                      lora_id=None, medium=medium, lora_name=lora_name,
+                                      **group)
                 else:
-                    yield BlockRemoved(block_hashes=blocks, medium=medium)
+                    yield BlockRemoved(block_hashes=blocks, medium=medium, **removed_group)
 
     def request_finished(self, request: "Request") -> bool:
         """Whether vLLM must hold the request's blocks until the workers report it."""
