@@ -17,18 +17,10 @@ use kvpool_backends::registry::open_tier;
 use kvpool_core::{ChunkCodec, RemoteConnector, TierConfig};
 use servers::{MooncakeCluster, free_port, server_url};
 
-/// The venv with Mooncake's wheel, or `None` after saying how to enable these tests.
-fn venv() -> Option<String> {
-    if std::env::var("KVPOOL_TEST_MOONCAKE_VENV").is_err()
-        && std::env::var("KVPOOL_MATRIX").is_err()
-    {
-        println!(
-            "SKIP: Mooncake tests need KVPOOL_TEST_MOONCAKE_VENV, a virtualenv with \
-             `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` (and Debian's \
-             libibverbs1); `cargo xtask matrix` sets one up and runs them"
-        );
-        return None;
-    }
+/// The venv with Mooncake's wheel (`KVPOOL_TEST_MOONCAKE_VENV`, a virtualenv with
+/// `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` and Debian's libibverbs1;
+/// `cargo xtask matrix` sets one up and runs these tests).
+fn venv() -> String {
     server_url("KVPOOL_TEST_MOONCAKE_VENV")
 }
 
@@ -44,8 +36,9 @@ fn config_for(cluster: &MooncakeCluster) -> MooncakeConfig {
 const SEGMENT_BYTES: u64 = 768 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn mooncake_passes_the_kit() {
-    let Some(venv) = venv() else { return };
+    let venv = venv();
     let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let config = config_for(&cluster);
     assert_passes_the_kit("mooncake", || {
@@ -58,8 +51,9 @@ async fn mooncake_passes_the_kit() {
 /// Bytes written by this process are read back from the holder's segment, byte for byte, and
 /// batches larger than the staging arena go through in rounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn batches_larger_than_staging_round_trip_exactly() {
-    let Some(venv) = venv() else { return };
+    let venv = venv();
     let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let config = MooncakeConfig {
         staging_bytes: 8 << 20,
@@ -96,8 +90,9 @@ async fn batches_larger_than_staging_round_trip_exactly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn opens_from_a_tier_url_or_mooncake_json() {
-    let Some(venv) = venv() else { return };
+    let venv = venv();
     let cluster = MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap();
     let site = cluster.site_packages().unwrap().display().to_string();
     let dir = tempfile::tempdir().unwrap();
@@ -143,8 +138,9 @@ async fn opens_from_a_tier_url_or_mooncake_json() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn bad_configuration_is_a_clear_error() {
-    let Some(venv) = venv() else { return };
+    let venv = venv();
     let site = MooncakeCluster::site_packages_of(std::path::Path::new(&venv)).unwrap();
     // Nothing listens on this port: setup fails, bounded by the connect timeout.
     let config = MooncakeConfig {
@@ -181,8 +177,9 @@ async fn bad_configuration_is_a_clear_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn killed_master_turns_into_misses_and_dropped_writes_then_recovers() {
-    let Some(venv) = venv() else { return };
+    let venv = venv();
     let cluster = std::cell::RefCell::new(
         MooncakeCluster::start(std::path::Path::new(&venv), SEGMENT_BYTES, None).unwrap(),
     );

@@ -29,34 +29,30 @@ async fn kit(name: &str, url: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn standalone_passes_the_kit() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_URL");
     kit("redis", &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn cluster_passes_the_kit() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_CLUSTER_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_CLUSTER_URL");
     kit("redis-cluster", &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn tls_passes_the_kit() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_TLS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_TLS_URL");
     kit("redis-tls", &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn ttl_expires_chunks() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_URL");
     let mut config = RedisConfig::new(url);
     config.ttl = Some(Duration::from_millis(300));
     let c = RedisConnector::connect(&config).await.unwrap();
@@ -68,10 +64,9 @@ async fn ttl_expires_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn bad_configuration_fails_at_connect_with_a_clear_error() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_URL");
     // Wrong password on the real (password-protected) server.
     let wrong = match url.rfind('@') {
         Some(at) => format!("redis://:wrong-password@{}", &url[at + 1..]),
@@ -106,10 +101,9 @@ async fn bad_configuration_fails_at_connect_with_a_clear_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
-    let Some(binary) = server_url("KVPOOL_TEST_REDIS_SERVER") else {
-        return;
-    };
+    let binary = server_url("KVPOOL_TEST_REDIS_SERVER");
     let port = free_port();
     let server = servers::redis(&binary, port);
     let mut config = RedisConfig::new(format!("redis://127.0.0.1:{port}"));
@@ -130,10 +124,9 @@ async fn killed_server_turns_into_misses_dropped_writes_and_then_recovers() {
 /// dropped), and once a server answers on that address the tier is used, without rebuilding
 /// anything. Before, `build_pool` failed and so did the engine's start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn a_server_down_at_start_up_is_a_miss_and_is_used_once_it_answers() {
-    let Some(binary) = server_url("KVPOOL_TEST_REDIS_SERVER") else {
-        return;
-    };
+    let binary = server_url("KVPOOL_TEST_REDIS_SERVER");
     let port = free_port();
     let mut config = kvpool_core::PoolConfig::default();
     config.local_cpu.enabled = false;
@@ -162,10 +155,9 @@ async fn a_server_down_at_start_up_is_a_miss_and_is_used_once_it_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_URL");
     let at = url.rfind('@').unwrap();
     let wrong_password = format!("redis://:nope@{}", &url[at + 1..]);
     assert_pool_opens_tier_and_rejects_a_bad_url(
@@ -178,13 +170,12 @@ async fn pool_config_selects_redis_by_url_and_fails_fast_on_a_bad_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
-    let (Some(binary), Some(cli)) = (
+    let (binary, cli) = (
         server_url("KVPOOL_TEST_REDIS_SERVER"),
         server_url("KVPOOL_TEST_REDIS_CLI"),
-    ) else {
-        return;
-    };
+    );
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = servers::RedisCluster::start(&binary, &cli, dir.path()).unwrap();
     let layout = small_layout();
@@ -228,10 +219,9 @@ async fn killed_cluster_node_turns_into_misses_and_then_recovers() {
 /// A value larger than any chunk is never transferred: its length is asked in the same
 /// pipeline, and only then at most the bound is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs its server: `cargo xtask matrix` starts it and runs this test"]
 async fn an_oversized_value_is_not_read_and_is_a_miss() {
-    let Some(url) = server_url("KVPOOL_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = server_url("KVPOOL_TEST_REDIS_URL");
     let raw = RedisConnector::connect(&RedisConfig::new(&url))
         .await
         .unwrap();

@@ -5,6 +5,11 @@ Each configuration runs in a fresh process.
 
     python bench_vllm.py --out results.json [--prefix 8192 --repeats 5]
 
+With ``--hybrid`` it measures a Gemma-3-shaped model (sliding-window and full-attention
+layers, window 1024) under vLLM's hybrid KV cache manager against the same with the manager
+forced off (``disable_hybrid_kv_cache_manager``): KV bytes kvpool stores per 1K tokens, and the
+TTFT of the repeated prefix served from disk in a fresh process, interleaved pairs.
+
 With ``--daemon`` it measures the node's pool daemon (``kvpool serve``, the command named by
 KVPOOL_BIN) instead: TTFT on the 8K prefix through the daemon against the in-process pool, and
 the combined hit rate of two engine processes sharing one daemon against two private pools.
@@ -47,6 +52,8 @@ def engine_main(spec_path, out_path):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
+    if spec.get("disable_hma"):
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
               dtype="float32", block_size=32, max_model_len=spec["max_model_len"],
               # One-step prefills for every configuration (ExampleConnector saves a partial
@@ -86,6 +93,10 @@ def engine_main(spec_path, out_path):
     if spec["connector"] == "kvpool":
         from kvpool import vllm as kv
 
+        if kv.WORKERS and kv.WORKERS[0]._work is not None:
+            work = kv.WORKERS[0]._work
+            out["stats"] = work.native_stats() if hasattr(work, "native_stats") \
+                else dict(work.native.stats())
         for w in list(kv.WORKERS):
             w.shutdown()
     with open(out_path, "w") as f:
@@ -316,6 +327,43 @@ def daemon_bench(a, base, scratch, r, prefix, warm, unrelated):
         daemon.stop()
 
 
+def hybrid_bench(a, scratch, r):
+    """``--hybrid``: see the module docs."""
+    from make_hybrid_model import make_gemma3_model
+
+    model = make_gemma3_model(os.path.join(scratch, "gemma3-w1024"), sliding_window=1024)
+    prefix = [r.randrange(3, 999) for _ in range(a.prefix)]
+    prompt = prefix + [r.randrange(3, 999) for _ in range(64)]
+    unrelated = [r.randrange(3, 999) for _ in range(512)]
+    base = {"model": model, "max_model_len": a.prefix + 256}
+    modes = {"HMA on": {}, "HMA off": {"disable_hma": True}}
+    rows = {name: {"ttft_s": [], "cached": [], "bytes_per_1k": []} for name in modes}
+    rows["recompute (HMA on, no connector)"] = {"ttft_s": [], "cached": []}
+    for i in range(a.repeats):
+        for name, extra in modes.items():
+            disk = {"local_cpu": {"max_size": "512MiB"},
+                    "tier": [{"url": f"file://{scratch}/disk-{i}-{len(extra)}"}]}
+            spec = {**base, **extra, "connector": "kvpool", "kvpool": disk}
+            stored = run_engine({**spec, "measure": [prompt]}, scratch, f"store-{i}-{len(extra)}")
+            stats = stored["stats"]
+            total = sum(v for k, v in stats.items() if k.endswith("stored_bytes"))
+            rows[name]["bytes_per_1k"].append(total * 1000 / len(prompt))
+            fresh = run_engine({**spec, "warm": [unrelated], "measure": [prompt]}, scratch,
+                               f"fresh-{i}-{len(extra)}")
+            rows[name]["ttft_s"].append(fresh["ttft_s"][0])
+            rows[name]["cached"].append(fresh["cached"][0])
+        rec = run_engine({**base, "connector": None, "warm": [unrelated], "measure": [prompt]},
+                         scratch, f"recompute-{i}")
+        rows["recompute (HMA on, no connector)"]["ttft_s"].append(rec["ttft_s"][0])
+        rows["recompute (HMA on, no connector)"]["cached"].append(rec["cached"][0])
+    summary = print_rows(rows, "HMA off")
+    for name in modes:
+        b = rows[name]["bytes_per_1k"]
+        summary[name]["bytes_per_1k_tokens"] = b
+        print(f"{name}: {statistics.median(b) / 2**20:.2f} MiB stored per 1K tokens")
+    return {"prefix_tokens": a.prefix, "sliding_window": 1024, "rows": summary}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -326,12 +374,19 @@ def main():
                     help="measure the pool daemon (kvpool serve) instead")
     ap.add_argument("--pairs", type=int, default=10,
                     help="with --daemon: requests per side in the side-by-side target")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="a Gemma-3-shaped model, hybrid KV cache manager on against off")
     ap.add_argument("--paired-only", action="store_true",
                     help="with --daemon: only the side-by-side target")
     a = ap.parse_args()
     from make_model import make_model
 
     scratch = a.scratch or tempfile.mkdtemp(prefix="kvpool-bench-vllm-")
+    if a.hybrid:
+        result = hybrid_bench(a, scratch, random.Random(0))
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
                        kv_heads=4, intermediate=1408, seed=0)
     r = random.Random(0)

@@ -692,6 +692,11 @@ impl PyWorker {
         d.set_item("node_memory_saved_tokens", w.node_memory_saved_tokens)?;
         d.set_item("saved_tokens", w.saved_tokens)?;
         d.set_item("stored_tokens", w.stored_tokens)?;
+        // The KV bytes of those tokens in this worker's layout (chunk headers aside).
+        d.set_item(
+            "stored_bytes",
+            w.stored_tokens * engine.layout().bytes_per_token() as u64,
+        )?;
         d.set_item("save_errors", w.save_errors)?;
         d.set_item("saves_discarded", w.saves_discarded)?;
         d.set_item("heap_buffers", w.heap_buffers)?;

@@ -49,6 +49,8 @@ fn run_suites(cargo: &str, env: &[(String, String)]) -> Result<(Vec<TestRow>, bo
             "--test",
             suite,
             "--",
+            // The tests that need a server are ignored outside the matrix.
+            "--include-ignored",
             "--test-threads",
             "1",
         ];

@@ -1,5 +1,5 @@
-//! Test-side helpers over the one server harness (`kvpool-testservers`): skip-or-fail rules
-//! for missing servers, and panicking shorthands for tests.
+//! Test-side helpers over the one server harness (`kvpool-testservers`): the servers' addresses
+//! `cargo xtask matrix` passes, and panicking shorthands for tests.
 #![allow(dead_code, unused_imports)]
 
 use std::process::Command;
@@ -7,21 +7,16 @@ use std::time::Duration;
 
 pub use kvpool_testservers::{MooncakeCluster, RedisCluster, Server, TmpfsMount};
 
-/// The value of `var`, or `None` after printing why the test is skipped. Under
-/// `cargo xtask matrix` (`KVPOOL_MATRIX=1`) a missing server is a failure, not a skip.
-pub fn server_url(var: &str) -> Option<String> {
+/// The value of `var` (a server's address or a server binary), set by `cargo xtask matrix`.
+/// The tests that need one are `#[ignore]`d, so a plain `cargo test` reports them ignored
+/// instead of passing them untested; run without their server, they fail.
+pub fn server_url(var: &str) -> String {
     match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("KVPOOL_MATRIX").is_err(),
-                "{var} must be set under `cargo xtask matrix`"
-            );
-            println!(
-                "SKIP: {var} is not set; run `cargo xtask matrix` to test against a real server"
-            );
-            None
-        }
+        Ok(v) if !v.is_empty() => v,
+        _ => panic!(
+            "{var} is not set: this test needs its server; `cargo xtask matrix` starts the \
+             servers and runs the tests that need one (they are ignored otherwise)"
+        ),
     }
 }
 

@@ -99,6 +99,8 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     #: A hybrid model's requests finished in the last step whose blocks parts hold for their
     #: saves, and how many parts.
     holds: dict[str, int] = field(default_factory=dict)
+    #: A hybrid model's requests given an asynchronous load since the last step.
+    loads: list[str] = field(default_factory=list)
 
 
 class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -223,8 +225,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None:
             return KvpoolConnectorMetadata()
         if isinstance(self._sched, HybridSchedulerSide):
-            parts, preempted, holds = self._sched.build_connector_meta(scheduler_output)
-            return KvpoolConnectorMetadata(preempted=preempted, parts=parts, holds=holds)
+            parts, preempted, holds, loads = self._sched.build_connector_meta(scheduler_output)
+            return KvpoolConnectorMetadata(preempted=preempted, parts=parts, holds=holds,
+                                           loads=loads)
         data, preempted = self._sched.build_connector_meta(scheduler_output)
         return KvpoolConnectorMetadata(data=data, preempted=preempted)
 
@@ -296,7 +299,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._work is not None and isinstance(connector_metadata, KvpoolConnectorMetadata):
             if isinstance(self._work, HybridWorkerSide):
-                self._work.bind(connector_metadata.parts, connector_metadata.holds)
+                self._work.bind(connector_metadata.parts, connector_metadata.holds,
+                                connector_metadata.loads)
             else:
                 self._work.bind(connector_metadata.data)
 
@@ -328,7 +332,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._work is None:
             return None, None
         if isinstance(self._work, HybridWorkerSide):
+            # vLLM 0.32 asks get_transfer_results; an engine asking this instead could not be
+            # told of failed loads, so it is refused one rather than handed their blocks.
             results = self.get_transfer_results(finished_req_ids)
+            if results.failed_recving:
+                raise RuntimeError(
+                    f"kvpool: loads of {sorted(results.failed_recving)} failed, and this "
+                    "engine takes a hybrid model's results through get_finished, which cannot "
+                    "report failures")
             return results.finished_sending or None, results.finished_recving or None
         return self._work.finished(finished_req_ids)
 

@@ -104,6 +104,8 @@ class HybridSchedulerSide:
         #: Requests whose blocks parts hold for their saves, and how many parts, for the
         #: next step's metadata.
         self.holds: dict[str, int] = {}
+        #: Requests given an asynchronous load since the last step, for its metadata.
+        self.loads: list[str] = []
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -117,15 +119,21 @@ class HybridSchedulerSide:
                                  ) -> None:
         for group in blocks.get_block_ids():
             self.allocated_since_step.update(group)
+        if num_external_tokens > 0:
+            self.loads.append(request.request_id)
         for p in self.parts:
             p.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, so: Any) -> tuple[list[bytes], list[str], dict[str, int]]:
+    def build_connector_meta(self, so: Any
+                             ) -> tuple[list[bytes], list[str], dict[str, int], list[str]]:
+        """Every part's encoded metadata, the requests preempted in the step, the finished
+        requests parts hold (``holds``) and the requests given a load (``loads``)."""
         allocated = allocated_in_step(so, self.allocated_since_step)
         self.allocated_since_step = set()
         built = [p.build_connector_meta(so, allocated) for p in self.parts]
         holds, self.holds = self.holds, {}
-        return [data for data, _ in built], built[0][1], holds
+        loads, self.loads = self.loads, []
+        return [data for data, _ in built], built[0][1], holds, loads
 
     def update_connector_output(self, out: Any) -> None:
         meta = getattr(out, "kv_connector_worker_meta", None)
@@ -171,7 +179,7 @@ def _split_events(events: KvpoolKVEvents) -> dict[int, KvpoolKVEvents]:
     part names a chunk by the same hash: the tier carries the part)."""
     parts: dict[int, list] = {}
     # With each event as often as ranks reported it (``aggregate`` keeps what all did).
-    for (tier, stored, hashes), n in events._counts.items():
+    for (tier, stored, hashes), n in events.counted_events().items():
         part, _, name = tier.partition(":")
         parts.setdefault(int(part), []).extend([(name, stored, hashes)] * n)
     workers = events.get_number_of_workers()
@@ -195,8 +203,9 @@ class HybridWorkerSide:
         self.expected_sending: dict[str, int] = {}
         self.sending: Counter = Counter()
 
-    def bind(self, datas: list[bytes], holds: dict[str, int]) -> None:
+    def bind(self, datas: list[bytes], holds: dict[str, int], loads: list[str]) -> None:
         self.expected_sending.update(holds)
+        self.loading.update(loads)
         for p, data in zip(self.parts, datas):
             p.bind(data)
 
@@ -224,7 +233,6 @@ class HybridWorkerSide:
             sending, recving = p.finished(finished_req_ids)
             self.sending.update(sending or ())
             self.recving.update(recving or ())
-            self.loading.update(recving or ())
             p.native.failed_blocks()  # drained: vLLM takes a hybrid's failures per request
             failed, unattributed = p.native.failed_load_requests()
             self.failed.update(failed)
@@ -265,7 +273,8 @@ class HybridWorkerSide:
         return KvpoolKVEvents(events) if events else None
 
     def stats(self) -> KvpoolConnectorStats:
-        """The first part's counters as they are, every other part's under ``g<index>_``."""
+        """The first part's counters as they are, every other part's under ``g<part>_`` (its
+        position among the parts; the first is a full-attention group's)."""
         data: dict[str, Any] = {}
         for i, p in enumerate(self.parts):
             for k, v in p.stats().data.items():

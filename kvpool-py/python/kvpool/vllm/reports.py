@@ -132,6 +132,10 @@ class KvpoolKVEvents(KVConnectorKVEvents):
     def get_all_events(self) -> list[TierEvent]:  # type: ignore[override]
         return list(self._counts)
 
+    def counted_events(self) -> Counter:
+        """Each event with how many workers reported it so far."""
+        return Counter(self._counts)
+
     def get_number_of_workers(self) -> int:
         return self._workers
 
