@@ -186,6 +186,16 @@ def _split_events(events: KvpoolKVEvents) -> dict[int, KvpoolKVEvents]:
     return {i: KvpoolKVEvents(evs, num_workers=workers) for i, evs in parts.items()}
 
 
+def _part_counters(per_part) -> dict[str, Any]:
+    """The first part's counters as they are, every other part's under ``g<part>_`` (its
+    position among the parts; the first is a full-attention group's)."""
+    data: dict[str, Any] = {}
+    for i, counters in enumerate(per_part):
+        for k, v in counters.items():
+            data[k if i == 0 else f"g{i}_{k}"] = v
+    return data
+
+
 def _of_part(counts: Counter, part: int) -> Counter:
     return Counter({step: n for (p, step), n in counts.items() if p == part})
 
@@ -273,21 +283,12 @@ class HybridWorkerSide:
         return KvpoolKVEvents(events) if events else None
 
     def stats(self) -> KvpoolConnectorStats:
-        """The first part's counters as they are, every other part's under ``g<part>_`` (its
-        position among the parts; the first is a full-attention group's)."""
-        data: dict[str, Any] = {}
-        for i, p in enumerate(self.parts):
-            for k, v in p.stats().data.items():
-                data[k if i == 0 else f"g{i}_{k}"] = v
-        return KvpoolConnectorStats(data=data)
+        """Every part's counters for the interval, named as ``_part_counters`` names them."""
+        return KvpoolConnectorStats(data=_part_counters(p.stats().data for p in self.parts))
 
     def native_stats(self) -> dict[str, int]:
-        """Every part's counters since it started, named as ``stats`` names them."""
-        data: dict[str, int] = {}
-        for i, p in enumerate(self.parts):
-            for k, v in p.native.stats().items():
-                data[k if i == 0 else f"g{i}_{k}"] = v
-        return data
+        """Every part's counters since it started, named as ``_part_counters`` names them."""
+        return _part_counters(p.native.stats() for p in self.parts)
 
     def shutdown(self) -> None:
         # The pool's owner (the first part) closes it, after the others stopped.

@@ -264,7 +264,8 @@ class SlidingWindowBlocks:
         if not allocated:
             return
         for req_id, ids in self.blocks.items():
-            if req_id in fresh:
+            # Most lists share no id with the step's (a set test, not a Python loop).
+            if req_id in fresh or allocated.isdisjoint(ids):
                 continue
             stale = False
             for j, b in enumerate(ids):
