@@ -26,12 +26,15 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
    registration is done, and one after), the blocks filled from it, read back into B's buffer
    and checked; B's blocks equal A's, byte for byte; and a byte flipped in the daemon's memory
    before a third load is reported as failed blocks when vLLM would ask, in that step;
-6. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
+6. a hybrid model's groups (``hybrid_groups``): a full-attention and a sliding-window group,
+   one kvpool part each over one pool, the window's loads starting past vLLM's null blocks;
+   both groups' blocks byte for byte, the null block never written;
+7. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
    ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer), at
    256- and 1,024-token chunks, each transfer path in turn within each round.
 
-Checks 1-5 run once per transfer path (``KVPOOL_CHECK_TRANSFERS``, default ``torch,native``):
+Checks 1-6 run once per transfer path (``KVPOOL_CHECK_TRANSFERS``, default ``torch,native``):
 ``torch`` is ``kvpool.transfer.BlockMover``; ``native`` is kvpool-cuda's executor
 (``kvpool._native.CopyEngine``: memcpy on CPU, batched CUDA copies on kvpool's stream on a
 GPU, page-locking by guards the memory owns), driven as the connector drives it
@@ -113,10 +116,17 @@ class Engine:
     """A scheduler and a worker of kvpool around one set of KV caches."""
 
     def __init__(self, caches, tmp, use_mla=False, load_timing="auto", l1="2GiB", pool=None,
-                 transfer="torch", chunk=None):
+                 transfer="torch", chunk=None, share_pool_with=None, parts=1, null_block=None,
+                 group_format=""):
+        """``share_pool_with``, ``parts``, ``null_block`` and ``group_format``: one KV cache
+        group of a hybrid model, as ``kvpool.vllm.hybrid`` builds it (the engine whose pool
+        this one shares, the number of groups, vLLM's null block, the group's key suffix)."""
         self.caches = caches
         layout = detect(caches, BLOCK, use_mla=use_mla, backend="FLASH_ATTN" if not use_mla
                         else "FLASHMLA", layout_name="LBNHC")
+        if group_format:
+            layout.kv_format += "|" + group_format
+        owns_pool = share_pool_with is None
         self.layout = layout
         self.transfer = transfer
         self.cuda = DEVICE == "cuda"
@@ -137,8 +147,14 @@ class Engine:
             pp_rank=0, block_size=BLOCK, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
             dtype=str(layout.dtype), kv_format=layout.kv_format, kind=layout.kind,
-            socket_path=sock)
-        if self.copies is not None:
+            socket_path=sock,
+            share_pool_with=None if owns_pool else share_pool_with.worker, parts=parts,
+            null_block=null_block)
+        if not owns_pool:
+            # The pool's memory was page-locked by the engine that built it (as in vLLM).
+            self.pin = None
+            self.pinned = share_pool_with.pinned
+        elif self.copies is not None:
             # Page-locked by a guard L1's arena owns (GPU); nothing to release from here.
             self.pin = None
             self.pinned = self.worker.pin_host_memory(self.copies)
@@ -347,6 +363,79 @@ def correctness(report, caches, tmp, use_mla=False, transfer="torch"):
     if e.copies is not None:
         report["kernel_jobs"] = list(e.copies.kernel_jobs)
     e.shutdown()
+
+
+def hybrid_groups(report, tmp, transfer="torch"):
+    """A hybrid model's two KV cache groups (full attention and a sliding window), one kvpool
+    part each over one shared pool, as ``kvpool.vllm.hybrid`` runs them: vLLM's hybrid
+    allocator lays a layer of each group over the same memory and hands both groups block ids
+    from one pool, block 0 being its null block. A request saves both groups; another loads
+    them asynchronously (as hybrid loads always are), the sliding-window group into a block
+    list that starts with null blocks (outside its window): the full group's blocks hold the
+    saved bytes, the window's blocks too, and the null block is never written."""
+    layers, nblocks_all = 2, 512
+    phys = [torch.randn(nblocks_all, BLOCK, 8, 2 * 128, device=DEVICE).to(torch.bfloat16)
+            for _ in range(layers)]
+    full = {f"model.layers.{2 * i}.self_attn.attn": t.permute(0, 2, 1, 3)
+            for i, t in enumerate(phys)}
+    window = {f"model.layers.{2 * i + 1}.self_attn.attn": t.permute(0, 2, 1, 3)
+              for i, t in enumerate(phys)}
+    null = 0
+    owner = Engine(full, tmp, transfer=transfer, load_timing="always", parts=2,
+                   null_block=null, group_format="group=0/2:full")
+    part = Engine(window, tmp, transfer=transfer, load_timing="always", share_pool_with=owner,
+                  parts=2, null_block=null,
+                  group_format="group=1/2:sliding(window=128,retained=9)")
+    report["pinned"] = owner.pinned and part.pinned
+    n = 4 * 256 + 1
+    prompt = list(range(300, 300 + n))
+    nb = (n + BLOCK - 1) // BLOCK
+    # Request a: each group its own blocks from the shared pool (none of them the null block).
+    a_full = list(range(1, 1 + nb))
+    a_window = list(range(1 + nb, 1 + 2 * nb))
+    for e, blocks in ((owner, a_full), (part, a_window)):
+        assert e.sched.get_num_new_matched_tokens("a", prompt, b"", 0) == (0, False)
+        e.sched.update_state_after_alloc("a", blocks, 0)
+        e.step([("a", n, [], 2, blocks, n)])
+    sync()
+    hits = [e.sched.get_num_new_matched_tokens("b", prompt, b"", 0) for e in (owner, part)]
+    report["hits"] = [list(h) for h in hits]
+    hit = min(h[0] for h in hits)
+    # Request b: the window's first blocks are outside it (null); its last nine are real.
+    leading_null = hit // BLOCK - 8
+    b_full = list(range(2 * nb + 1, 3 * nb + 1))[::-1]
+    b_window = [null] * leading_null + list(range(3 * nb + 1, 4 * nb + 1 - leading_null))
+    null_before = {k: t[null].clone() for k, t in window.items()}
+    done = {}
+    for e, blocks in ((owner, b_full), (part, b_window)):
+        e.sched.update_state_after_alloc("b", blocks, hit)
+        e.worker.bind(e.sched.build_connector_meta([], []))
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        for i, e in enumerate((owner, part)):
+            if i in done:
+                continue
+            e.load()
+            e.poll()
+            if "b" in e.worker.transfer_results([])[1]:
+                done[i] = True
+        time.sleep(0.001)
+    for e in (owner, part):
+        e.worker.clear()
+    sync()
+    loaded = hit // BLOCK
+    report["hit"] = hit
+    report["both_finished"] = len(done) == 2
+    report["full_group_exact"] = loaded > 0 and all(
+        blocks_equal(full, a_full[i], b_full[i]) for i in range(loaded))
+    report["window_exact"] = leading_null < loaded and all(
+        blocks_equal(window, a_window[i], b_window[i]) for i in range(leading_null, loaded))
+    report["null_block_untouched"] = all(torch.equal(window[k][null], v)
+                                         for k, v in null_before.items())
+    report["in_flight_after"] = [a + b for a, b in zip(owner.worker.in_flight(),
+                                                        part.worker.in_flight())]
+    part.shutdown()
+    owner.shutdown()
 
 
 def staged_load(report, transfer="torch"):
@@ -738,6 +827,10 @@ def main():
                           ("pinned_first", "pinned_two_at_once", "same_range_after_drop",
                            "pinned_after_drop", "double_pin_refused",
                            "torch_runs_after_refusal"), tmp, transfer=transfer)
+            run_check(report, failures, "hybrid_groups" + sfx, hybrid_groups,
+                      ("both_finished", "full_group_exact", "window_exact",
+                       "null_block_untouched") + (("pinned",) if cuda else ()),
+                      tmp, transfer=transfer)
             run_check(report, failures, "staged_load" + sfx, staged_load,
                       ("job_done", "buffers_hold_the_chunks", "blocks_hold_the_chunks"),
                       transfer=transfer)
