@@ -310,15 +310,25 @@ def test_corrupt_chunks_are_recomputed(runner, model_dir, redis_server, fraction
 
 def test_redis_killed_mid_run(runner, model_dir, redis_server):
     """Done-when 5: Redis dies between two batches; the second batch's lookups miss and vLLM
-    recomputes: identical output, no crash, no hang."""
+    recomputes: identical output, no crash, no hang. A first engine stores prompts 0 and 2 in
+    Redis; the second, with an empty L1, serves prompt 0 from Redis, then Redis is killed and
+    prompt 2, stored there too, is recomputed."""
     cfg = l1(tier=[{"url": redis_server.url, "timeout_ms": 500}])
     prompts = shared_prefix_prompts(2, seed=8) + shared_prefix_prompts(2, seed=9)
     base = runner.baseline(model_dir, prompts)
-    runner.run({"model": model_dir, "prompts": [prompts[2]], "kvpool": cfg})
+    runner.run({"model": model_dir, "prompts": [prompts[0], prompts[2]], "kvpool": cfg})
+    assert redis_server.keys()
     got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
                       "batches": [[0, 1], [2, 3]],
                       "kill_after_batch": {"0": redis_server.proc.pid}})
     assert_same_outputs(base, got)
+    cached = [r["num_cached_tokens"] for r in got["results"]]
+    # Before the kill: prompt 0's 1,024-token prefix came from Redis (vLLM's own prefix cache
+    # was empty, and so was kvpool's L1).
+    assert cached[0] >= 1024, cached
+    assert got["stats"]["loaded_tokens"] >= 1024, got["stats"]
+    # After it: prompt 2, stored in Redis, was not served from it (else the kill came late).
+    assert cached[2] == 0, cached
 
 
 def test_preemption_with_32_concurrent_requests(runner, model_dir):
