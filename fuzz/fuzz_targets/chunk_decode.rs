@@ -3,7 +3,9 @@
 //! and a real encoding with any one byte changed is always rejected.
 #![no_main]
 
-use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_copied, decode_to_vec};
+use kvpool_core::format::chunk_format::{
+    DecodeExpectation, KeyBinding, decode_copied, decode_to_vec,
+};
 use kvpool_core::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression, Dtype};
 use libfuzzer_sys::fuzz_target;
 

@@ -4,7 +4,9 @@
 //! real encoding it accepts, and rejects the copy once any one byte of it changes.
 #![no_main]
 
-use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, check_before_copy, decode_copied};
+use kvpool_core::format::chunk_format::{
+    DecodeExpectation, KeyBinding, check_before_copy, decode_copied,
+};
 use kvpool_core::{ChecksumAlgorithm, ChunkCodec, ChunkMeta, Compression, Dtype, FormatError};
 use libfuzzer_sys::fuzz_target;
 

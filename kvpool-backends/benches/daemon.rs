@@ -17,7 +17,7 @@ use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::daemon::{
     DEFAULT_LEASE_TTL, DaemonConnector, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess,
 };
-use kvpool_core::chunk_format::{
+use kvpool_core::format::chunk_format::{
     DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
 };
 use kvpool_core::memory::SharedMapping;

@@ -13,7 +13,7 @@ pub struct TierRequest<'a> {
     /// The tier's `[[tier]]` table.
     pub tier: &'a TierConfig,
     /// The largest decoded chunk the pool stores; a backend may refuse to read a value much
-    /// larger than this (see `kvpool_core::chunk_format::max_stored_len`).
+    /// larger than this (see `kvpool_core::format::chunk_format::max_stored_len`).
     pub max_chunk_bytes: u64,
 }
 

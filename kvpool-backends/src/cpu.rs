@@ -8,9 +8,9 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use tracing::debug;
 
-use kvpool_core::backend::BackendCounters;
+use kvpool_core::storage::backend::BackendCounters;
+use kvpool_core::storage::tier_events::{TierEventKind, TierEventLog};
 use kvpool_core::telemetry;
-use kvpool_core::tier_events::{TierEventKind, TierEventLog};
 use kvpool_core::{
     BackendError, BackendStats, CacheKey, Chunk, ChunkAllocator, EvictionKind, EvictionPolicy,
     HostAllocator, MemoryObjMut, MemoryPool, PoolError, PutOutcome, StorageBackend,

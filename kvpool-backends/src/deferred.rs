@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 
-use kvpool_core::tier_events::TierEventLog;
+use kvpool_core::storage::tier_events::TierEventLog;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector, TierConfig, redact_url};
 
 use crate::backend_factory::{BackendFactory, TierRequest};

@@ -70,7 +70,10 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         // Through `batch_put`, which corrupts.
         self.batch_put(vec![(key.to_string(), value)]).await
     }
-    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+    fn set_event_log(
+        &self,
+        events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
+    ) {
         self.inner.set_event_log(events);
     }
     fn reads_node_memory(&self) -> bool {
@@ -276,7 +279,10 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     ) -> Result<usize, BackendError> {
         self.inner.batch_commit_lent(entries).await
     }
-    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+    fn set_event_log(
+        &self,
+        events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
+    ) {
         self.inner.set_event_log(events);
     }
     fn reads_node_memory(&self) -> bool {

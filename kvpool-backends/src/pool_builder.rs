@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::storage::manager::StorageManagerConfig;
 use kvpool_core::{
     CacheEngine, ChunkedTokenDatabase, ConfigError, HeapAllocator, HostAllocator, PoolConfig,
     StorageManager,

@@ -13,7 +13,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisError};
 use tracing::warn;
 
-use kvpool_core::chunk_format::max_stored_len;
+use kvpool_core::format::chunk_format::max_stored_len;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
 
 use crate::backend_factory::{BackendFactory, TierRequest};

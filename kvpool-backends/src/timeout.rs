@@ -77,7 +77,10 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    fn set_event_log(&self, events: std::sync::Arc<kvpool_core::tier_events::TierEventLog>) {
+    fn set_event_log(
+        &self,
+        events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
+    ) {
         self.inner.set_event_log(events);
     }
     fn reads_node_memory(&self) -> bool {

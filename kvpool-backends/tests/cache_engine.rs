@@ -4,7 +4,7 @@ mod common;
 
 use common::tiered::*;
 use common::{assert_rows_equal, filled_cache, row_is_zero};
-use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::storage::manager::StorageManagerConfig;
 use kvpool_core::{HostPagedKvCache, KvTransfer, StorageBackend};
 
 #[tokio::test]

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use common::tiered::*;
 use common::{filled_cache, row_is_zero};
-use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::storage::manager::StorageManagerConfig;
 use kvpool_core::{ChunkCodec, Dtype, HostPagedKvCache, KvKind, KvLayout, StorageBackend};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,7 +203,7 @@ async fn well_formed_chunks_of_the_wrong_shape_are_rejected_by_the_engine() {
             dtype,
             token_count,
         };
-        let binding = kvpool_core::chunk_format::KeyBinding::of(&key);
+        let binding = kvpool_core::format::chunk_format::KeyBinding::of(&key);
         let value = ChunkCodec::default().encode(&meta, &binding, &vec![7u8; len]);
         s.remote
             .inner()

@@ -77,7 +77,7 @@ async fn the_kit_fails_a_backend_that_hands_out_corrupt_bytes() {
                     dtype: kvpool_core::Dtype::Bf16,
                     token_count: 1,
                 };
-                let binding = kvpool_core::chunk_format::KeyBinding::of(&key);
+                let binding = kvpool_core::format::chunk_format::KeyBinding::of(&key);
                 let forged = ChunkCodec::default().encode(&meta, &binding, &[1, 2, 3]);
                 store.overwrite_raw(&key.to_string(), Bytes::from(forged));
             })

@@ -1,7 +1,7 @@
 //! The CPU (L1) backend: capacity bounds, eviction order, pinning, exact bytes.
 
 use kvpool_backends::LocalCpuBackend;
-use kvpool_core::memory_pool::REGION_ALIGN;
+use kvpool_core::memory::pool::REGION_ALIGN;
 use kvpool_core::{
     CacheKey, Chunk, ChunkAllocator, ChunkHash, ChunkMeta, Dtype, EvictionKind, KeyScope,
     MemoryObj, StorageBackend,

@@ -11,7 +11,7 @@ use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::conformance::{self, Outcome, Subject};
 use kvpool_backends::disk::{DiskConfig, DiskConnector};
 use kvpool_core::RemoteConnector;
-use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::storage::manager::StorageManagerConfig;
 use kvpool_core::{
     CacheEngine, CacheKey, Chunk, ChunkCodec, ChunkHash, ChunkMeta, ChunkedTokenDatabase,
     ChunkingConfig, Dtype, EvictionKind, HostPagedKvCache, KeyScope, KvKind, KvLayout, MemoryObj,
@@ -307,7 +307,7 @@ async fn rocksdb_out_of_space_heals_when_space_returns() {
 /// through the vLLM connector), with the evicted chunks' hashes.
 #[tokio::test]
 async fn capacity_evictions_are_announced_as_tier_events() {
-    use kvpool_core::tier_events::TierEventKind;
+    use kvpool_core::storage::tier_events::TierEventKind;
 
     let dir = tempfile::tempdir().unwrap();
     let layout = common::small_layout();

@@ -96,7 +96,7 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
 /// from each; nothing is recorded before the log is enabled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
-    use kvpool_core::tier_events::TierEventKind::{Removed, Stored};
+    use kvpool_core::storage::tier_events::TierEventKind::{Removed, Stored};
 
     let layout = small_layout();
     let chunk_bytes = layout.chunk_bytes(16);

@@ -10,7 +10,7 @@ use kvpool_backends::daemon::{
     DEFAULT_TENANT, DaemonOptions, DaemonServer, NamespacedConnector, PoolDaemon, SocketAccess,
 };
 use kvpool_backends::registry::open_connectors;
-use kvpool_core::remote::RemoteConnector;
+use kvpool_core::storage::remote::RemoteConnector;
 use kvpool_core::{ByteSize, EvictionKind, PoolConfig};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};

@@ -2,7 +2,7 @@
 //! and chunk encode/decode with each checksum.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvpool_core::chunk_format::{ChunkCodec, DecodeExpectation, KeyBinding, decode_to_vec};
+use kvpool_core::format::chunk_format::{ChunkCodec, DecodeExpectation, KeyBinding, decode_to_vec};
 use kvpool_core::{
     ChecksumAlgorithm, ChunkMeta, ChunkedTokenDatabase, ChunkingConfig, Dtype, HashAlgorithm,
     KeyScope,

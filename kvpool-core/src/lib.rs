@@ -15,9 +15,6 @@
 //! - [`telemetry`]: every Prometheus metric kvpool records, and the counters behind `stats()`;
 //! - [`config`]: the TOML configuration, sizes such as `"2GiB"`, a tier's backend-owned options;
 //! - [`error`]: the error types.
-//!
-//! The flat paths of earlier releases (`kvpool_core::storage_manager`, `kvpool_core::key`, …)
-//! are kept as re-exports of the modules that now live in these folders.
 
 #![warn(missing_docs)]
 
@@ -33,23 +30,10 @@ pub mod storage;
 pub mod telemetry;
 pub mod transfer;
 
-// The flat module paths of earlier releases, kept so downstream crates build unchanged.
-#[doc(no_inline)]
-pub use config::{byte_size, tier_options};
-#[doc(no_inline)]
-pub use format::chunk_format;
-#[doc(no_inline)]
-pub use keys::{cache_key as key, chunk_hash, token_database};
-#[doc(no_inline)]
-pub use memory::{eviction, pool as memory_pool};
-#[doc(no_inline)]
-pub use storage::{backend, manager as storage_manager, remote, tier_events};
-#[doc(no_inline)]
-pub use telemetry::counter;
-
 pub use cache_engine::{
     CacheEngine, EngineStats, FetchedChunks, LayerwiseRetrieve, LayerwiseStore, StoreReport,
 };
+pub use config::tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 pub use config::{
     AllocatorConfig, ByteSize, MetricsConfig, PoolConfig, TenantConfig, TierConfig, redact_url,
 };
@@ -74,5 +58,4 @@ pub use storage::{
     TierStats,
 };
 pub use telemetry::StatCounter;
-pub use tier_options::{TierOptionValue, TierOptions, TierOptionsReader};
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

@@ -657,7 +657,7 @@ impl PyWorker {
             .map(|e| {
                 (
                     e.tier,
-                    e.kind == kvpool_core::tier_events::TierEventKind::Stored,
+                    e.kind == kvpool_core::storage::tier_events::TierEventKind::Stored,
                     e.chunk_hashes
                         .iter()
                         .map(|h| PyBytes::new(py, &h.0))

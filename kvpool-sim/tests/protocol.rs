@@ -246,7 +246,7 @@ fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
     s.seed_pool(&p[..n / 2]);
     let blocks: Vec<u32> = (0..(n + 1).div_ceil(BLOCK) as u32).collect();
     s.w.kv = HostPagedKvCache::new(*s.engine.layout(), blocks.len());
-    let before = kvpool_core::chunk_hash::tokens_hashed_on_this_thread();
+    let before = kvpool_core::keys::chunk_hash::tokens_hashed_on_this_thread();
     assert_eq!(
         s.sched.get_num_new_matched_tokens(&request("long", &p), 0),
         (n / 2, false)
@@ -256,7 +256,7 @@ fn a_long_prompt_is_hashed_once_between_scheduler_and_worker() {
         .sched
         .build_connector_meta(&[scheduled("long", BlockUpdate::Unchanged, n + 1)]);
     let failed = s.worker_step(&meta, &[]);
-    let hashed = kvpool_core::chunk_hash::tokens_hashed_on_this_thread() - before;
+    let hashed = kvpool_core::keys::chunk_hash::tokens_hashed_on_this_thread() - before;
     assert_eq!(
         hashed,
         (n + CHUNK - BLOCK) as u64,

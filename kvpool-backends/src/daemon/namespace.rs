@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use kvpool_core::BackendError;
-use kvpool_core::remote::RemoteConnector;
-use kvpool_core::tier_events::TierEventLog;
+use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::tier_events::TierEventLog;
 use sha2::Sha256;
 use tracing::warn;
 

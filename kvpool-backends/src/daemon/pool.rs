@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpool_core::memory::{EvictionKind, MemoryObj};
-use kvpool_core::remote::RemoteConnector;
+use kvpool_core::storage::remote::RemoteConnector;
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
@@ -580,7 +580,7 @@ fn is_kvpool_key(key: &str) -> bool {
 /// reach a lower tier: [`is_kvpool_key`]) must be a whole chunk in the chunk format, its
 /// checksum right, bound to that key and its layout.
 fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
-    use kvpool_core::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
+    use kvpool_core::format::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
     let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {
         return Ok(());
     };

@@ -19,8 +19,8 @@ use parking_lot::{Mutex, RwLock};
 use rocksdb::{DB, ErrorKind, IteratorMode, ReadOptions, WriteBatch};
 use tracing::{debug, info, warn};
 
-use kvpool_core::eviction::OrderedPolicy;
-use kvpool_core::tier_events::{TierEventKind, TierEventLog};
+use kvpool_core::memory::eviction::OrderedPolicy;
+use kvpool_core::storage::tier_events::{TierEventKind, TierEventLog};
 use kvpool_core::{BackendError, CacheKey, EvictionPolicy, RemoteConnector};
 
 use database::{

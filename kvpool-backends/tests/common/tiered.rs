@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{MapConnector, filled_cache};
 use kvpool_backends::LocalCpuBackend;
-use kvpool_core::storage_manager::StorageManagerConfig;
+use kvpool_core::storage::manager::StorageManagerConfig;
 use kvpool_core::{
     CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, Compression, Dtype,
     EvictionKind, HostPagedKvCache, KeyScope, KvKind, KvLayout, RemoteBackend, StorageManager,

@@ -8,7 +8,7 @@ use kvpool_core::telemetry;
 use kvpool_core::{Chunk, ChunkMeta, SaveSlot};
 use tracing::warn;
 
-use super::copy_checker::{CheckVerdict, CheckingLoad};
+use super::copy_check_thread::{CheckVerdict, CheckingLoad};
 use super::copy_job::{JobMemory, SaveDestination};
 use super::planning::SAVE_SLOT_BUDGET;
 use super::staged::{StagedChunk, StagedValue};
@@ -104,7 +104,7 @@ impl ConnectorWorker {
 
     /// A load job's copy ended. Chunks copied straight from node memory are checked (in the
     /// engine's blocks, or in the engine side's staged copies) on the worker's
-    /// [`super::copy_checker::CopyChecker`] thread, while the engine runs the step's forward
+    /// [`super::copy_check_thread::CopyChecker`] thread, while the engine runs the step's forward
     /// pass; the job ends once [`ConnectorWorker::settle_checks`] has their outcome. Every
     /// other load ends now.
     fn load_copied(&mut self, mut f: InFlight, ok: bool) {

@@ -11,7 +11,7 @@
 
 use kvpool_core::{MemoryObjMut, SaveSlot};
 
-use super::copy_check::LoadSource;
+use super::node_copies::LoadSource;
 
 /// Which way a job copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use kvpool_core::{CacheEngine, ChunkSpan};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use super::copy_check::{LoadSources, fetch_load};
+use super::node_copies::{LoadSources, fetch_load};
 use crate::leases::LeasedChunk;
 
 /// Limits on asynchronous loads in flight.

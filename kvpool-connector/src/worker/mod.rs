@@ -7,10 +7,10 @@
 //! done with [`ConnectorWorker::copy_done`]. Until then the job's host memory stays owned here.
 
 mod completion;
-mod copy_check;
-mod copy_checker;
+mod copy_check_thread;
 mod copy_job;
 mod loads;
+mod node_copies;
 mod planning;
 mod staged;
 
@@ -22,16 +22,16 @@ use kvpool_core::{CacheEngine, ChunkSpan, KvLayout};
 use tokio::runtime::Runtime;
 use tracing::warn;
 
-pub use copy_check::HostPlanes;
 pub use copy_job::{CopyDirection, CopyJob};
 pub use loads::LoadLimits;
+pub use node_copies::HostPlanes;
 pub use staged::STAGED_STEP_TTL;
 
 use crate::ConnectorError;
 use crate::leases::LeaseTable;
 use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
 use crate::request_trace::{RequestTrace, RequestTraces};
-use copy_checker::CheckingLoad;
+use copy_check_thread::CheckingLoad;
 use copy_job::JobMemory;
 use loads::AsyncLoads;
 use staged::StagedSaves;
@@ -177,7 +177,7 @@ pub struct ConnectorWorker {
     /// [`WorkerStats::heap_buffers`]); counted where the worker is only borrowed.
     heap_buffers: std::sync::atomic::AtomicU64,
     /// The thread that checks loads copied from node memory.
-    copy_checker: Option<copy_checker::CopyChecker>,
+    copy_checker: Option<copy_check_thread::CopyChecker>,
     /// Load jobs whose copies from node memory are being checked behind the forward pass
     /// (settled by [`ConnectorWorker::settle_checks`]).
     checking: Vec<CheckingLoad>,

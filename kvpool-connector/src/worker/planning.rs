@@ -9,9 +9,9 @@ use kvpool_core::{
 };
 use tracing::warn;
 
-use super::copy_check::{LoadSource, LoadSources, fetch_load};
 use super::copy_job::{JobMemory, SaveDestination};
 use super::loads::PlannedLoad;
+use super::node_copies::{LoadSource, LoadSources, fetch_load};
 use super::{CheckSite, ConnectorWorker, CopyDirection, CopyJob, InFlight, LentChunkCheck};
 use crate::leases::LeasedChunk;
 use crate::metadata::ReqMeta;

@@ -76,14 +76,14 @@ pub struct SharedChunk {
 
 impl SharedChunk {
     /// A chunk over `bytes` (the whole stored value), whose header passed
-    /// [`crate::chunk_format::check_before_copy`] as `meta` and `check`.
+    /// [`crate::format::chunk_format::check_before_copy`] as `meta` and `check`.
     pub fn new(meta: ChunkMeta, bytes: PinnedBytes, check: CopyCheck) -> Self {
         SharedChunk { meta, bytes, check }
     }
 
     /// Address of the payload (the chunk's KV bytes), to copy from while this lives.
     pub fn payload_ptr(&self) -> usize {
-        self.bytes.ptr + crate::chunk_format::HEADER_LEN
+        self.bytes.ptr + crate::format::chunk_format::HEADER_LEN
     }
 
     /// Length of the payload.
@@ -109,7 +109,7 @@ impl SharedChunk {
     /// Copies the payload into `dst` (exactly its length) and verifies the copy: for a
     /// reader that needs the chunk in its own buffer.
     pub fn copy_into(&self, dst: &mut [u8]) -> Result<(), FormatError> {
-        let payload = &self.bytes.bytes()[crate::chunk_format::HEADER_LEN..];
+        let payload = &self.bytes.bytes()[crate::format::chunk_format::HEADER_LEN..];
         if dst.len() != payload.len() {
             return Err(FormatError::Destination {
                 expected: payload.len(),
@@ -124,16 +124,16 @@ impl SharedChunk {
 /// Reads the header of a value lent where it lies (`bytes`) as `check_before_copy` does.
 pub(crate) fn shared_chunk(
     bytes: PinnedBytes,
-    expect: &crate::chunk_format::DecodeExpectation,
+    expect: &crate::format::chunk_format::DecodeExpectation,
 ) -> Result<SharedChunk, FormatError> {
-    let (header, check) = crate::chunk_format::check_before_copy(bytes.bytes(), expect)?;
+    let (header, check) = crate::format::chunk_format::check_before_copy(bytes.bytes(), expect)?;
     Ok(SharedChunk::new(header.meta, bytes, check))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chunk_format::{ChunkCodec, DecodeExpectation, KeyBinding};
+    use crate::format::chunk_format::{ChunkCodec, DecodeExpectation, KeyBinding};
     use crate::layout::Dtype;
 
     fn stored(payload: &[u8]) -> (Vec<u8>, DecodeExpectation) {

@@ -166,7 +166,7 @@ impl SaveSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chunk_format::{DecodeExpectation, decode_to_vec};
+    use crate::format::chunk_format::{DecodeExpectation, decode_to_vec};
     use crate::keys::cache_key::KeyScope;
     use crate::layout::Dtype;
 

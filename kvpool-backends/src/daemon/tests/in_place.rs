@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvpool_core::remote::{RemoteBackend, RemoteConnector};
+use kvpool_core::storage::remote::{RemoteBackend, RemoteConnector};
 use kvpool_core::{ChunkCodec, CopyOut, StorageBackend};
 
 use super::*;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvpool_core::frame::{read_frame, write_frame};
 use kvpool_core::memory::EvictionKind;
-use kvpool_core::remote::{RemoteBackend, RemoteConnector};
+use kvpool_core::storage::remote::{RemoteBackend, RemoteConnector};
 use kvpool_core::{ChunkCodec, StorageBackend};
 
 use super::*;
@@ -541,7 +541,7 @@ async fn a_request_with_too_many_items_is_refused_and_the_session_goes_on() {
 
 /// A chunk-format value under a real chunk key (scope `m`, layout fingerprint 7).
 fn chunk_value(hash: u8, payload: &[u8]) -> (String, Bytes) {
-    use kvpool_core::chunk_format::KeyBinding;
+    use kvpool_core::format::chunk_format::KeyBinding;
     let scope = Arc::new(kvpool_core::KeyScope::new("m", 1, 0, 0, 7).unwrap());
     let key = kvpool_core::CacheKey::new(scope, kvpool_core::ChunkHash([hash; 16]));
     let meta = kvpool_core::ChunkMeta {

@@ -304,7 +304,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     }
 
     /// Pins the values node memory holds and checks each one's header where it lies
-    /// ([`crate::chunk_format::check_before_copy`]); the payload's checksum is the reader's to
+    /// ([`crate::format::chunk_format::check_before_copy`]); the payload's checksum is the reader's to
     /// check on its copy. A value whose header fails is a miss and is deleted, as in `get`.
     async fn pin_node_memory(
         &self,

@@ -7,8 +7,8 @@
 
 use std::sync::{Arc, mpsc};
 
-use super::copy_check::{HostPlanes, LoadSource};
 use super::copy_job::JobMemory;
+use super::node_copies::{HostPlanes, LoadSource};
 use super::{CheckSite, ConnectorWorker, InFlight, LentChunkCheck};
 use crate::ConnectorError;
 use tracing::warn;
