@@ -136,6 +136,9 @@ pub struct ConnectorConfig {
     pub async_scheduling: bool,
     /// Worker ranks (tensor-parallel size): a step is committed once all of them reported it.
     pub num_ranks: u32,
+    /// Whether the engine loads from the pool: false for a prefill instance that only hands
+    /// KV on (vLLM's `kv_producer` role), which then never looks a prompt up.
+    pub loads: bool,
 }
 
 impl ConnectorConfig {
@@ -147,6 +150,7 @@ impl ConnectorConfig {
             load_timing: LoadTiming::Auto,
             async_scheduling: false,
             num_ranks: 1,
+            loads: true,
         }
     }
 }

@@ -87,9 +87,10 @@ impl PyScheduler {
     /// counts as a miss past it. `load_timing`: `"auto"` (synchronous only for chunks leased
     /// in memory), `"always"` (every load asynchronous: when vLLM schedules asynchronously)
     /// or `"never"` (every load before the forward pass); `async_scheduling`: vLLM schedules
-    /// asynchronously (a step's saves then always wait for the scheduler's commit).
+    /// asynchronously (a step's saves then always wait for the scheduler's commit); `loads`:
+    /// false for an engine that never loads (vLLM's `kv_producer` role: no lookup is made).
     #[new]
-    #[pyo3(signature = (*, socket_paths, block_size, save_decode_tokens=false, load_timing="auto", async_scheduling=false, timeout_ms=5000, connect_timeout_ms=120000))]
+    #[pyo3(signature = (*, socket_paths, block_size, save_decode_tokens=false, load_timing="auto", async_scheduling=false, timeout_ms=5000, connect_timeout_ms=120000, loads=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -100,6 +101,7 @@ impl PyScheduler {
         async_scheduling: bool,
         timeout_ms: u64,
         connect_timeout_ms: u64,
+        loads: bool,
     ) -> PyResult<Self> {
         let paths: Vec<PathBuf> = socket_paths.into_iter().map(PathBuf::from).collect();
         let load_timing = match load_timing {
@@ -116,6 +118,7 @@ impl PyScheduler {
             save_decode_tokens,
             load_timing,
             async_scheduling,
+            loads,
             ..ConnectorConfig::new(block_size)
         };
         let sched = py

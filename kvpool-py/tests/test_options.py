@@ -3,7 +3,7 @@ kvpool takes (before this, ``extra.get`` ignored a misspelt key silently)."""
 
 import pytest
 
-from kvpool.vllm.options import OPTIONS, check_options
+from kvpool.vllm.options import OPTIONS, check_options, role_actions
 
 
 def test_a_misspelt_option_is_refused_naming_the_closest_and_every_known_option():
@@ -24,6 +24,7 @@ def test_a_misspelt_option_is_refused_naming_the_closest_and_every_known_option(
     ({"stage_node_memory_copies": 2}, "true or false"),
     ({"transfer": "fast"}, "auto, native, torch"),
     ({"socket_dir": 3}, "a path"),
+    ({"consumer_saves": "maybe"}, "true or false"),
 ])
 def test_a_bad_value_is_refused(extra, needle):
     with pytest.raises(ValueError, match="kvpool: option") as e:
@@ -50,3 +51,25 @@ def test_every_option_is_in_the_configuration_reference():
     section = doc[doc.index("## The vLLM connector's options"):]
     for key in OPTIONS:
         assert f"| `{key}` |" in section, key
+
+
+@pytest.mark.parametrize("role,extra,actions", [
+    (None, {}, (True, True)),
+    ("kv_both", {}, (True, True)),
+    ("kv_producer", {}, (False, True)),
+    ("kv_consumer", {}, (True, False)),
+    ("kv_consumer", {"consumer_saves": True}, (True, True)),
+])
+def test_kv_role_decides_loads_and_saves(role, extra, actions):
+    assert role_actions(role, check_options(extra)) == actions
+
+
+@pytest.mark.parametrize("role,extra,needle", [
+    ("kv_producer", {"consumer_saves": True}, "'consumer_saves' is for kv_role"),
+    ("kv_both", {"consumer_saves": True}, "'consumer_saves' is for kv_role"),
+    ("kv_prefill", {}, "kv_role 'kv_prefill' is not one of"),
+])
+def test_a_role_that_makes_no_sense_is_refused(role, extra, needle):
+    with pytest.raises(ValueError) as e:
+        role_actions(role, check_options(extra))
+    assert needle in str(e.value)

@@ -216,6 +216,40 @@ def test_fresh_process_is_served_from_disk(runner, model_dir, scratch):
     assert second["stats"]["loaded_tokens"] >= PREFIX
 
 
+def test_producer_and_consumer_roles_share_a_disk_tier(runner, model_dir, scratch):
+    """Disaggregated prefill's roles (vLLM's ``kv_role``): a ``kv_producer`` instance saves
+    what it computes and never looks a prompt up, even one the pool holds; a ``kv_consumer``
+    instance loads what others stored and saves nothing, not even a prompt it computed whole.
+    Outputs identical to no connector throughout."""
+    disk = os.path.join(scratch, "disk-roles")
+    cfg = l1(tier=[{"url": f"file://{disk}"}])
+    a = shared_prefix_prompts(2, seed=12)
+    b = shared_prefix_prompts(2, seed=13)
+    c = shared_prefix_prompts(1, seed=14)
+    prompts = a + b + c
+    base = runner.baseline(model_dir, prompts)
+
+    def only(result, indexes):
+        return {"results": [result["results"][i] for i in indexes]}
+
+    runner.run({"model": model_dir, "prompts": [a[0]], "kvpool": cfg})  # kv_both stores A
+    roles = {"prefix_caching": False, "kvpool": cfg, "model": model_dir}
+    producer = runner.run({"prompts": [a[0], b[0]], "kv_role": "kv_producer",
+                           "batches": [[0], [1]], **roles})
+    assert_same_outputs(only(base, [0, 2]), producer, "producer")
+    assert [r["num_cached_tokens"] for r in producer["results"]] == [0, 0], \
+        "the producer loaded A's prefix"
+    assert producer["stats"]["loaded_tokens"] == 0, producer["stats"]
+    assert producer["stats"]["stored_tokens"] >= PREFIX, producer["stats"]  # B's prefix
+    consumer = runner.run({"prompts": [a[1], b[1], c[0]], "kv_role": "kv_consumer",
+                           "batches": [[0, 1], [2]], **roles})
+    assert_same_outputs(only(base, [1, 3, 4]), consumer, "consumer")
+    cached = [r["num_cached_tokens"] for r in consumer["results"]]
+    # A's prefix as kv_both stored it, B's as the producer did; C is computed whole.
+    assert cached[0] >= PREFIX and cached[1] >= PREFIX and cached[2] == 0, cached
+    assert consumer["stats"]["stored_tokens"] == 0, consumer["stats"]
+
+
 def test_two_processes_share_a_redis_tier(runner, model_dir, redis_server):
     """Done-when 4: what one vLLM process stored in Redis serves another."""
     cfg = l1(tier=[{"url": redis_server.url}])

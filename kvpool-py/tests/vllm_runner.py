@@ -15,7 +15,8 @@ back after the platform's config check), tensor_parallel_size (ranks as worker p
 this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank),
 hold_after_batch ({batch index: {"ready": path, "go": path}}: after that batch, create
 ``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile),
-dtype (default float32), disable_hybrid_kv_cache_manager (vLLM's flag; unset: vLLM decides).
+dtype (default float32), disable_hybrid_kv_cache_manager (vLLM's flag; unset: vLLM decides),
+kv_role (vLLM's, default kv_both).
 """
 
 import json
@@ -41,7 +42,7 @@ def main(spec_path, out_path):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector",
             kv_connector_module_path="kvpool.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvpool"],
         )

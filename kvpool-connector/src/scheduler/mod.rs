@@ -283,7 +283,7 @@ impl ConnectorScheduler {
                 },
             );
         }
-        let (hit, leased, load_tail) = if n > 1 {
+        let (hit, leased, load_tail) = if n > 1 && self.config.loads {
             self.lookup_prompt(&req.req_id, n - 1)
         } else {
             (0, 0, Vec::new())

@@ -26,7 +26,7 @@ from kvpool.vllm.hybrid import (NULL_BLOCK, AttentionGroup, HybridSchedulerSide,
                                 HybridWorkerSide, attention_groups)
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.layouts import hybrid_groups
-from kvpool.vllm.options import check_options
+from kvpool.vllm.options import ROLES, check_options, role_actions
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
 from kvpool.vllm.scheduler_side import SchedulerSide
 from kvpool.vllm.worker_side import WorkerSide
@@ -168,7 +168,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                     "sets it to \"recompute\"", self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             timing = load_timing(extra, vllm_config)
+            kv_role = self._kv_transfer_config.kv_role
+            loads, saves = role_actions(kv_role, options)
+            if kv_role and kv_role != "kv_both":
+                logger.info("kvpool: kv_role %s: this instance %s", kv_role, ROLES[kv_role])
             side = dict(
+                loads=loads,
+                saves=saves,
                 block_size=self._block_size,
                 save_decode_tokens=self._save_decode_tokens,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),

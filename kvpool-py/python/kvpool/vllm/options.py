@@ -28,6 +28,8 @@ OPTIONS: dict[str, str] = {
                                 "false)",
     "transfer": "\"auto\" (default: native), \"native\" (kvpool-cuda's copies) or \"torch\" "
                 "(torch's copy ops)",
+    "consumer_saves": "true or false: with kv_role \"kv_consumer\", also store what this "
+                      "instance computes itself (default false: a consumer only loads)",
 }
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class ConnectorOptions:
     async_loads: Any = True
     stage_node_memory_copies: bool = False
     transfer: str = "auto"
+    consumer_saves: bool = False
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -87,4 +90,26 @@ def check_options(extra: dict[str, Any]) -> ConnectorOptions:
         stage_node_memory_copies=_bool("stage_node_memory_copies",
                                        extra.get("stage_node_memory_copies", False)),
         transfer=transfer,
+        consumer_saves=_bool("consumer_saves", extra.get("consumer_saves", False)),
     )
+
+
+#: vLLM's ``kv_role`` values and what kvpool does in each.
+ROLES = {
+    "kv_both": "loads and saves",
+    "kv_producer": "saves what it computes, never looks a prompt up (a prefill instance)",
+    "kv_consumer": "loads, saves nothing (a decode instance; consumer_saves: true saves "
+                   "what it computes)",
+}
+
+
+def role_actions(kv_role: str | None, options: ConnectorOptions) -> tuple[bool, bool]:
+    """(loads, saves) for vLLM's ``kv_role`` (``None``: ``kv_both``). Refuses a role kvpool
+    does not know and ``consumer_saves`` outside the consumer role."""
+    role = kv_role or "kv_both"
+    if role not in ROLES:
+        raise ValueError(f"kvpool: kv_role {role!r} is not one of {', '.join(ROLES)}")
+    if options.consumer_saves and role != "kv_consumer":
+        raise ValueError(f"kvpool: option 'consumer_saves' is for kv_role \"kv_consumer\"; "
+                         f"this instance's role is {role!r}")
+    return role != "kv_producer", role != "kv_consumer" or options.consumer_saves

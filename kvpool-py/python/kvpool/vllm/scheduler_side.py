@@ -38,8 +38,12 @@ class SchedulerSide:
                  load_timing: str, async_scheduling: bool, timeout_ms: int, kv_events: bool,
                  group: int = 0, sliding_window: bool = False,
                  event_fields: dict[str, Any] | None = None,
-                 chunk_blocks_of: "SchedulerSide | None" = None):
+                 chunk_blocks_of: "SchedulerSide | None" = None, loads: bool = True,
+                 saves: bool = True):
         self.block_size = block_size
+        #: Whether this side saves (false for a ``kv_consumer``): every request is then
+        #: ``skip_save``. ``loads`` false (a ``kv_producer``): no prompt is looked up.
+        self.saves = saves
         #: The KV cache group whose blocks this side follows (a hybrid model has several).
         self.group = group
         #: The group's blocks outside a sliding window are freed while the request runs: see
@@ -58,6 +62,7 @@ class SchedulerSide:
             load_timing=load_timing,
             async_scheduling=async_scheduling,
             timeout_ms=timeout_ms,
+            loads=loads,
         )
         self.kv_events = kv_events
         self.requests: dict[str, "Request"] = {}
@@ -76,7 +81,8 @@ class SchedulerSide:
             return 0, False
         self.requests[request.request_id] = request
         return self.native.get_num_new_matched_tokens(
-            request.request_id, prompt, extra_keys_of(request), num_computed_tokens)
+            request.request_id, prompt, extra_keys_of(request), num_computed_tokens,
+            skip_save=not self.saves)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:

@@ -1,0 +1,79 @@
+//! Disaggregated prefill's roles: a prefill instance (vLLM's `kv_producer`) saves what it
+//! computes and never looks a prompt up, even one the pool holds; a decode instance
+//! (`kv_consumer`) loads and saves nothing (every request `skip_save`).
+
+mod protocol_fixture;
+
+use kvpool_connector::{BlockUpdate, ConnectorConfig};
+use protocol_fixture::*;
+
+#[test]
+fn a_producer_never_loads_and_still_saves_what_it_computes() {
+    let mut s = setup_with(
+        1,
+        ConnectorConfig {
+            loads: false,
+            ..ConnectorConfig::new(BLOCK)
+        },
+    );
+    let stored = prompt(2 * CHUNK + 3, 31);
+    s.seed_pool(&stored);
+    assert_eq!(s.pool_hit(&stored), 2 * CHUNK);
+    assert_eq!(
+        s.sched
+            .get_num_new_matched_tokens(&request("a", &stored), 0),
+        (0, false),
+        "a producer looked the prompt up"
+    );
+    // A new prompt is computed and saved as with any role.
+    let p = prompt(2 * CHUNK + 3, 32);
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("b", &p), 0),
+        (0, false)
+    );
+    let blocks: Vec<u32> = (0..p.len().div_ceil(BLOCK) as u32).collect();
+    s.sched.update_state_after_alloc("b", &blocks, 0);
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "b",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    assert!(
+        s.worker_step(&meta, &[(&p, &blocks, 0..p.len())])
+            .is_empty()
+    );
+    s.settle();
+    assert_eq!(s.pool_hit(&p), 2 * CHUNK, "the producer's prompt was saved");
+    assert!(s.wrong_chunks(&p).is_empty());
+}
+
+#[test]
+fn a_consumer_loads_and_saves_nothing() {
+    let mut s = setup();
+    let stored = prompt(CHUNK + 3, 33);
+    s.seed_pool(&stored);
+    // A longer prompt than the pool holds: its second chunk is computed, not saved.
+    let mut p = stored[..CHUNK].to_vec();
+    p.extend(prompt(CHUNK + 3, 34));
+    let mut req = request("c", &p);
+    req.skip_save = true;
+    let (hit, _) = s.sched.get_num_new_matched_tokens(&req, 0);
+    assert_eq!(hit, CHUNK, "the consumer loads what the pool holds");
+    let blocks: Vec<u32> = (0..p.len().div_ceil(BLOCK) as u32).collect();
+    s.sched.update_state_after_alloc("c", &blocks, hit);
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "c",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    assert!(
+        s.worker_step(&meta, &[(&p, &blocks, CHUNK..p.len())])
+            .is_empty()
+    );
+    s.settle();
+    assert_eq!(
+        s.pool_hit(&p),
+        CHUNK,
+        "the consumer saved its computed chunk"
+    );
+}
