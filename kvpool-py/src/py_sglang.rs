@@ -15,6 +15,9 @@ type Sample = (usize, u64, f64);
 pub struct PyHiCacheStore {
     store: HiCacheStore,
     tier_names: Vec<String>,
+    /// The fitted pool config (a hybrid model's other host pools take their key scopes
+    /// from it).
+    config: kvpool_core::PoolConfig,
 }
 
 /// [`kvpool_connector::sglang_storage::page_spans`], refusals as Python's `ValueError`.
@@ -32,10 +35,12 @@ fn samples(calls: Vec<CallSample>) -> Vec<Sample> {
 
 #[pymethods]
 impl PyHiCacheStore {
-    /// Builds the pool from the user's config fitted to pages of `page_bytes`, under the key
-    /// scope `model_scope` / `world_size` / `rank` / `pp_rank`. `writer` is false on ranks whose
-    /// pages another rank writes (MLA).
+    /// Builds the pool from the user's config fitted to pages of `page_bytes` (or of
+    /// `max_page_bytes`, the largest page of any of SGLang's host pools, when larger), under
+    /// the key scope `model_scope` / `world_size` / `rank` / `pp_rank`. `writer` is false on
+    /// ranks whose pages another rank writes (MLA).
     #[new]
+    #[pyo3(signature = (config_text, config_format, model_scope, world_size, rank, pp_rank, page_bytes, tokens_per_page, writer, max_page_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -48,6 +53,7 @@ impl PyHiCacheStore {
         page_bytes: usize,
         tokens_per_page: u32,
         writer: bool,
+        max_page_bytes: usize,
     ) -> PyResult<Self> {
         py.detach(|| {
             let built = crate::ValuePool::build(
@@ -59,7 +65,12 @@ impl PyHiCacheStore {
                     rank,
                     pp_rank,
                 },
-                page_bytes,
+                if max_page_bytes > page_bytes {
+                    // The pool's values are even-sized (two-byte elements).
+                    max_page_bytes.next_multiple_of(2)
+                } else {
+                    page_bytes
+                },
                 "SGLang's pages",
                 "kvpool-sglang",
             )?;
@@ -76,8 +87,46 @@ impl PyHiCacheStore {
                     writer,
                 ),
                 tier_names,
+                config: built.config,
             })
         })
+    }
+
+    /// A store for another of SGLang's host pools (SGLang's `*_v2` calls: a hybrid model's
+    /// Mamba states, sliding-window KV) over this store's tiers: pages of `page_bytes` holding
+    /// `tokens_per_page` tokens under the key scope `model_scope` (this store's rank), written
+    /// by every rank. Refused: pages larger than the pool was fitted to.
+    fn sharing(
+        &self,
+        model_scope: &str,
+        page_bytes: usize,
+        tokens_per_page: u32,
+    ) -> PyResult<Self> {
+        let fitted = self
+            .config
+            .chunk_bytes()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if page_bytes == 0 || page_bytes > fitted {
+            return Err(PyValueError::new_err(format!(
+                "kvpool: a page of {page_bytes} bytes does not fit the pool (fitted to pages of \
+                 at most {fitted} bytes)"
+            )));
+        }
+        let mut config = self.config.clone();
+        config.model.name = model_scope.to_string();
+        let scope = config
+            .key_scope()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyHiCacheStore {
+            store: self.store.sharing(scope, page_bytes, tokens_per_page),
+            tier_names: self.tier_names.clone(),
+            config,
+        })
+    }
+
+    /// Which of `keys` some tier holds, each on its own.
+    fn presence(&self, py: Python<'_>, keys: Vec<String>) -> Vec<bool> {
+        py.detach(|| self.store.presence(&keys))
     }
 
     /// How many leading pages of `keys` some tier holds.
@@ -152,6 +201,15 @@ impl PyHiCacheStore {
     #[getter]
     fn page_bytes(&self) -> usize {
         self.store.page_bytes()
+    }
+
+    /// The largest page the pool was fitted to (a [`PyHiCacheStore::sharing`] store's pages
+    /// may be up to this size).
+    #[getter]
+    fn fitted_page_bytes(&self) -> PyResult<usize> {
+        self.config
+            .chunk_bytes()
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     /// Whether this rank writes.

@@ -277,13 +277,12 @@ def test_refusals_are_clear(weights):
     backend = KvpoolStorage(storage_config("mha", "page_first", kvpool_extra({}, weights)), {})
     with pytest.raises(RuntimeError, match="no host pool registered"):
         backend.batch_exists(page_keys(1))
-    # SGLang registers every pool of its group: the KV pool is taken, a hybrid model's extra
-    # state is refused at attach.
+    # A hybrid model's other pools come after the KV pool.
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
+    early = KvpoolStorage(storage_config("mha", "page_first", kvpool_extra({}, weights)), {})
+    with pytest.raises(RuntimeError, match="`mamba` host pool was registered before"):
+        early.register_mem_host_pool_v2(host, PoolName.MAMBA)
     backend = attach(host, "mha", "page_first", kvpool_extra({}, weights))
-    backend.register_mem_host_pool_v2(host, PoolName.KV)
-    with pytest.raises(ValueError, match="`mamba` host pool"):
-        backend.register_mem_host_pool_v2(host, PoolName.MAMBA)
     backend.close()
     assert backend.batch_exists(page_keys(1)) == 0, "a closed backend misses"

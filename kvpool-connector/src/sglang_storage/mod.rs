@@ -158,6 +158,9 @@ pub struct HiCacheStore {
     hasher: HashAlgorithm,
     page_bytes: usize,
     writer: bool,
+    /// Whether this store built `storage` and closes it (a hybrid model's other host pools'
+    /// stores share the KV store's tiers: [`HiCacheStore::sharing`]).
+    owns_storage: bool,
     /// What every key's hash chains from: the fixed root, or a random one after `clear`.
     root: Mutex<ChunkHash>,
     closed: AtomicBool,
@@ -203,11 +206,31 @@ impl HiCacheStore {
             hasher,
             page_bytes,
             writer,
+            owns_storage: true,
             root: Mutex::new(hasher.root()),
             closed: AtomicBool::new(false),
             totals: Totals::default(),
             calls: Mutex::new((VecDeque::new(), VecDeque::new())),
         }
+    }
+
+    /// A store for another of SGLang's host pools (a hybrid model's Mamba states or
+    /// sliding-window KV: SGLang's `*_v2` calls) over this store's tiers and runtime: pages of
+    /// `page_bytes` holding `tokens_per_page` tokens under `scope`, written by every rank
+    /// (each holds its own shard). Closing it refuses its later calls; the tiers close with
+    /// this store.
+    pub fn sharing(&self, scope: KeyScope, page_bytes: usize, tokens_per_page: u32) -> Self {
+        let mut store = Self::new(
+            self.storage.clone(),
+            self.runtime.clone(),
+            scope,
+            page_bytes,
+            tokens_per_page,
+            self.hasher,
+            true,
+        );
+        store.owns_storage = false;
+        store
     }
 
     /// Bytes per page.
@@ -240,6 +263,23 @@ impl HiCacheStore {
         }
         let keys = self.keys_of(page_keys);
         self.runtime.block_on(self.storage.lookup(&keys)).len()
+    }
+
+    /// Which of `page_keys` some tier holds, each on its own (SGLang's `*_v2` hit policies
+    /// ask about pages past a missing one: a Mamba state is stored at some pages only).
+    pub fn presence(&self, page_keys: &[String]) -> Vec<bool> {
+        if self.closed.load(Ordering::Acquire) || page_keys.is_empty() {
+            return vec![false; page_keys.len()];
+        }
+        let keys = self.keys_of(page_keys);
+        let lookups = keys
+            .iter()
+            .map(|key| self.storage.lookup(std::slice::from_ref(key)));
+        self.runtime
+            .block_on(futures::future::join_all(lookups))
+            .into_iter()
+            .map(|found| found.len() == 1)
+            .collect()
     }
 
     /// Checks that `pages[i]` add up to one page ([`pages_fit`]); logs a refusal.
@@ -444,9 +484,10 @@ impl HiCacheStore {
         *self.root.lock() = self.hasher.chain_extra(&self.hasher.root(), &salt);
     }
 
-    /// Refuses later calls, then flushes write-behind and closes the tiers.
+    /// Refuses later calls, then flushes write-behind and closes the tiers (the store that
+    /// built them; a [`HiCacheStore::sharing`] store only refuses its later calls).
     pub fn close(&self) -> Result<(), BackendError> {
-        if self.closed.swap(true, Ordering::AcqRel) {
+        if self.closed.swap(true, Ordering::AcqRel) || !self.owns_storage {
             return Ok(());
         }
         self.runtime.block_on(async {

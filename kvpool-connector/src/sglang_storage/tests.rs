@@ -332,3 +332,41 @@ fn flat_segment_lists_split_into_pages_in_order_and_bad_ones_are_refused() {
     let err = page_spans(1, &[usize::MAX - 4], &[16]).unwrap_err();
     assert!(err.contains("past the end of the address space"), "{err}");
 }
+
+#[test]
+fn a_sharing_store_keeps_its_pages_apart_answers_per_page_and_leaves_the_tiers_open() {
+    let mut f = fixture("m@w=1", 0, Some(SLOTS), Lower::default(), true);
+    // A second host pool's store (a Mamba state per page: smaller pages, another scope).
+    let side = f.store.sharing(scope("m@w=1|pool=mamba", 0), SEG, 1);
+    let ks = keys(0..4);
+    // The side store holds states at pages 1 and 3 only, one segment of slot 0 each.
+    let state = HostSpan {
+        addr: f.host.as_mut_ptr() as usize,
+        len: SEG,
+    };
+    let two = [ks[1].clone(), ks[3].clone()];
+    // SAFETY: the span lies in the fixture's host buffer, which outlives the call.
+    let wrote = unsafe { side.write_pages(&two, &[vec![state], vec![state]]) };
+    assert_eq!(wrote, vec![true; 2]);
+    assert_eq!(side.presence(&ks), vec![false, true, false, true]);
+    assert_eq!(side.existing_prefix(&ks), 0, "page 0 holds no state");
+    // The same page hashes under the KV store's scope are other keys.
+    assert_eq!(f.store.presence(&ks), vec![false; 4]);
+    assert_eq!(write(&mut f, &ks[..2], &[0, 1]), vec![true; 2]);
+    assert_eq!(f.store.presence(&ks), vec![true, true, false, false]);
+    assert_eq!(side.presence(&ks), vec![false, true, false, true]);
+    // A state read back equals the bytes written.
+    let mut back = vec![0u8; SEG];
+    let into = HostSpan {
+        addr: back.as_mut_ptr() as usize,
+        len: SEG,
+    };
+    // SAFETY: `back` outlives the call and nothing else touches it.
+    let read = unsafe { side.read_pages(&ks[1..2], &[vec![into]]) };
+    assert_eq!(read, vec![true]);
+    assert_eq!(back, f.host[..SEG]);
+    // Closing the side store leaves the KV store's tiers open.
+    side.close().unwrap();
+    assert_eq!(side.presence(&ks[1..2]), vec![false]);
+    assert_eq!(f.store.existing_prefix(&ks), 2);
+}

@@ -15,6 +15,8 @@ else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier) and ``model_
 the weights are, when the server's ``--model-path`` cannot be read). ``interface_v1: 1`` is
 SGLang's switch to the zero-copy calls (``batch_get_v1`` / ``batch_set_v1``); without it
 SGLang uses the older whole-page calls, which kvpool also serves, under another key scope.
+A hybrid model's other host pools (Mamba states, sliding-window KV: SGLang's ``*_v2`` calls)
+are stored beside the KV pages, each pool under a scope of its own.
 
 Importing ``kvpool.sglang`` does not import SGLang; ``KvpoolStorage`` does, and refuses an
 SGLang version whose storage interface kvpool does not know.

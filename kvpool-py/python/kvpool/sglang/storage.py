@@ -34,6 +34,10 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402 - after the ver
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +100,35 @@ def _page_layout(pool: "HostKVCache", config: HiCacheStorageConfig, zero_copy: b
     }
 
 
+def _side_pool_layout(pool: "HostKVCache", name: str, config: HiCacheStorageConfig,
+                      page_bytes: int, version: str) -> dict[str, Any]:
+    """Everything that decides a page's bytes in one of a hybrid model's other host pools (a
+    Mamba state, sliding-window KV), for its key scope. Every TP rank holds its own shard, so
+    the rank is in the scope whatever the model's attention."""
+    attrs = ("layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim",
+             "start_layer", "end_layer", "size_per_token")
+    return {
+        "kind": "sglang-hicache-pool-page",
+        "pool_name": str(name),
+        "interface": "flat",
+        "pool": type(pool).__name__,
+        "dtype": str(getattr(pool, "dtype", None)),
+        **{a: _plain(getattr(pool, a, None)) for a in attrs},
+        "page_bytes": page_bytes,
+        "parallel": {"tp": [config.tp_rank, config.tp_size], "pp": [config.pp_rank, config.pp_size],
+                     "attn_cp": [config.attn_cp_rank, config.attn_cp_size],
+                     "dcp": [config.dcp_rank, config.dcp_size]},
+        "sglang": version,
+        "machine": platform.machine(),
+    }
+
+
+def _flat_page_bytes(pool: "HostKVCache") -> int:
+    """Bytes of one flat page of ``pool`` (``get_dummy_flat_data_page``)."""
+    page = pool.get_dummy_flat_data_page()
+    return int(page.numel() * page.element_size())
+
+
 def _plain(value: Any) -> Any:
     return value if isinstance(value, (type(None), bool, int, float, str)) else str(value)
 
@@ -129,6 +162,13 @@ class KvpoolStorage(HiCacheStorage):
         self._native: Any = None
         self._closed = False
         self._page_size = 0
+        #: The KV pool's native store's arguments, to rebuild it fitted to a larger page.
+        self._build_args: tuple | None = None
+        #: A hybrid model's other host pools (SGLang's ``*_v2`` calls): name -> (host pool,
+        #: flat page bytes), and their native stores over the KV store's tiers.
+        self._side_pools: dict[str, tuple[Any, int]] = {}
+        self._side: dict[str, Any] = {}
+        self._unsupported_policies: set[str] = set()
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -159,10 +199,11 @@ class KvpoolStorage(HiCacheStorage):
             world, rank = max(1, config.dcp_size), config.dcp_rank
         else:
             world, rank = max(1, config.tp_size), config.tp_rank
-        self._native = _native.HiCacheStore(
-            self._config_text, self._config_format, scope, world, rank, config.pp_rank,
-            page_bytes, page_size, bool(config.is_storage_writer),
-        )
+        self._scope = scope
+        self._build_args = (self._config_text, self._config_format, scope, world, rank,
+                            config.pp_rank, page_bytes, page_size,
+                            bool(config.is_storage_writer))
+        self._native = _native.HiCacheStore(*self._build_args)
         self._page_size = page_size
         logger.info(
             "kvpool.sglang: %s pages of %d bytes (%d segments), tiers %s, scope %s, %s",
@@ -172,15 +213,41 @@ class KvpoolStorage(HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: "HostKVCache", host_pool_name) -> None:
-        """SGLang registers every pool of its host pool group; kvpool stores the KV pool's pages
-        only, so a hybrid model's extra pools (Mamba, SWA, indexer: SGLang's ``*_v2`` calls)
-        are refused here, at attach, rather than failing a prefetch later."""
-        if str(host_pool_name) != "kv":
-            raise ValueError(
-                f"kvpool.sglang: SGLang's `{host_pool_name}` host pool (a hybrid model's extra "
-                "state) is not supported: kvpool stores the KV pool's pages only"
-            )
+        """SGLang registers every pool of its host pool group after the KV pool: a hybrid
+        model's other pools (Mamba states, sliding-window KV, ...) get a store each over the
+        KV store's tiers, under a key scope of their own (the pool's name and page layout).
+        The pool is refitted when such a pool's page is larger than the KV pool's."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == "kv" or self._closed:
+            return
+        if self._native is None:
+            raise RuntimeError(
+                f"kvpool.sglang: SGLang's `{name}` host pool was registered before the KV pool "
+                "(register_mem_pool_host)"
+            )
+        page_bytes = _flat_page_bytes(host_pool)
+        self._side_pools[name] = (host_pool, page_bytes)
+        largest = max(b for _, b in self._side_pools.values())
+        if largest > self._native.fitted_page_bytes:
+            # At attach nothing is stored yet; a pool registered later (a dynamic sidecar)
+            # finds L1 emptied (what it held was flushed to the lower tiers first).
+            logger.info("kvpool.sglang: refitting the pool to pages of %d bytes (SGLang's `%s` "
+                        "pool)", largest, name)
+            self._close_stores()
+            self._native = _native.HiCacheStore(*self._build_args, max_page_bytes=largest)
+        for pool_name, (pool, nbytes) in self._side_pools.items():
+            if pool_name not in self._side:
+                self._side[pool_name] = self._side_store(pool_name, pool, nbytes)
+
+    def _side_store(self, name: str, pool: "HostKVCache", page_bytes: int):
+        layout = _side_pool_layout(pool, name, self._config, page_bytes, self._version)
+        digest = _native.digest_text(json.dumps(layout, sort_keys=True))
+        scope = f"{self._scope}|pool={name}:{digest[:16]}"
+        store = self._native.sharing(scope, page_bytes, int(getattr(pool, "page_size", 1) or 1))
+        logger.info("kvpool.sglang: SGLang's `%s` host pool: flat pages of %d bytes, scope %s",
+                    name, page_bytes, scope)
+        return store
 
     def _store(self):
         """The native store; ``None`` once closed (every call is then a miss)."""
@@ -226,6 +293,108 @@ class KvpoolStorage(HiCacheStorage):
         if store is None or not keys:
             return 0
         return store.existing_prefix(list(keys))
+
+    # -- a hybrid model's other host pools (SGLang's ``*_v2`` calls) ------------------------
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None
+                        ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages and every other pool's pages its hit
+        policy needs are stored (``ALL_PAGES``: each page of the prefix; ``TRAILING_PAGES``:
+        the last ``len(transfer.keys)`` pages), with every such prefix length, as SGLang's
+        ``HiCacheFile`` answers. A pool kvpool does not hold, or a policy it does not know,
+        makes every prefix a miss."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(transfer.name)
+            store = self._side.get(name)
+            if store is None or self._closed:
+                restorable = set()
+                break
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = store.existing_prefix(list(keys[:kv_pages]))
+                pool_restorable = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                present = store.presence(list(keys[:kv_pages]))
+                pool_restorable = {length for length in range(1, kv_pages + 1)
+                                   if all(present[max(0, length - trailing):length])}
+                boundary = max(pool_restorable, default=0)
+            else:
+                policy = str(transfer.hit_policy)
+                if policy not in self._unsupported_policies:
+                    self._unsupported_policies.add(policy)
+                    logger.warning("kvpool.sglang: hit policy %s (pool `%s`) is not supported: "
+                                   "such prefixes miss", policy, name)
+                restorable = set()
+                break
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable &= pool_restorable
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+
+    def _side_pages(self, transfer: PoolTransfer):
+        """(store, host pool, the host slot of each key) of one transfer, or None when it
+        cannot move (a pool kvpool does not hold, or host indices that do not fit the keys)."""
+        name = str(transfer.name)
+        store = None if self._closed else self._side.get(name)
+        keys = transfer.keys or []
+        if store is None:
+            return None
+        pool = self._side_pools[name][0]
+        page_size = int(getattr(pool, "page_size", 1) or 1)
+        indices = transfer.host_indices
+        if indices is None or indices.numel() != len(keys) * page_size:
+            logger.warning("kvpool.sglang: pool `%s`: %d pages need %d host indices, not %s",
+                           name, len(keys), len(keys) * page_size,
+                           None if indices is None else indices.numel())
+            return None
+        return store, pool, [int(indices[i * page_size]) for i in range(len(keys))]
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, List[bool]]:
+        """Reads each transfer's pages into its host pool's slots (the longest stored prefix
+        of its keys); per pool, which pages were read."""
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            moved = self._side_pages(transfer)
+            if moved is None or not keys:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            store, pool, slots = moved
+            pages = [pool.get_dummy_flat_data_page() for _ in keys]
+            ptrs, sizes = self._tensor_spans(pages)
+            done = store.read_pages(keys, ptrs, sizes)
+            for slot, page, ok in zip(slots, pages, done):
+                if ok:
+                    pool.set_from_flat_data_page(slot, page)
+            results[transfer.name] = done
+        return results
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, List[bool]]:
+        """Stores each transfer's pages from its host pool's slots; per pool, which pages
+        were stored."""
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            moved = self._side_pages(transfer)
+            if moved is None or not keys:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            store, pool, slots = moved
+            pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
+            ptrs, sizes = self._tensor_spans(pages)
+            results[transfer.name] = store.write_pages(keys, ptrs, sizes)
+        return results
 
     # -- the older interface: whole flat page tensors ---------------------------------------
 
@@ -287,6 +456,8 @@ class KvpoolStorage(HiCacheStorage):
         tiers by their own eviction."""
         if self._native is not None and not self._closed:
             self._native.clear()
+            for store in self._side.values():
+                store.clear()
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` for the calls since the last one (pages per call and
@@ -319,6 +490,15 @@ class KvpoolStorage(HiCacheStorage):
         """Flushes write-behind, closes the tiers and lets them go (a disk tier's files are
         free for the backend SGLang may attach next); later calls miss."""
         self._closed = True
+        self._close_stores()
+
+    def _close_stores(self) -> None:
+        """Closes the other pools' stores, then the KV store and its tiers, and lets every
+        one go (a disk tier's files are free once the last reference is gone)."""
+        side, self._side = self._side, {}
+        for store in side.values():
+            store.close()
+        side.clear()
         native, self._native = self._native, None
         if native is not None:
             native.close()
