@@ -256,6 +256,12 @@ impl PyScheduler {
         Ok(guard(self)?.has_pending_work())
     }
 
+    /// Tokens of the request's prompt its saves so far cover (see
+    /// `ConnectorScheduler::saved_prompt_tokens`); asked before `request_finished`.
+    fn saved_prompt_tokens(&self, req_id: &str) -> PyResult<usize> {
+        Ok(guard(self)?.saved_prompt_tokens(req_id))
+    }
+
     /// vLLM `request_finished`: drops the request; returns whether the engine must hold its
     /// blocks until the workers report it in `finished_sending` (a save may still be copying).
     fn request_finished(&self, req_id: &str) -> PyResult<bool> {

@@ -77,3 +77,35 @@ fn a_consumer_loads_and_saves_nothing() {
         "the consumer saved its computed chunk"
     );
 }
+
+#[test]
+fn a_finished_prompt_names_the_tokens_its_saves_cover() {
+    let mut s = setup();
+    // Two whole chunks and two whole blocks past them, then 3 tokens of a third block.
+    let p = prompt(2 * CHUNK + 2 * BLOCK + 3, 35);
+    assert_eq!(s.sched.saved_prompt_tokens("p"), 0, "no state yet");
+    assert_eq!(
+        s.sched.get_num_new_matched_tokens(&request("p", &p), 0),
+        (0, false)
+    );
+    let blocks: Vec<u32> = (0..p.len().div_ceil(BLOCK) as u32).collect();
+    s.sched.update_state_after_alloc("p", &blocks, 0);
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "p",
+        BlockUpdate::Replace(blocks.clone()),
+        p.len(),
+    )]);
+    assert!(
+        s.worker_step(&meta, &[(&p, &blocks, 0..p.len())])
+            .is_empty()
+    );
+    s.settle();
+    let named = s.sched.saved_prompt_tokens("p");
+    assert_eq!(
+        named,
+        2 * CHUNK + 2 * BLOCK,
+        "whole chunks and whole tail blocks"
+    );
+    // Another engine's lookup of the same prompt finds exactly that many.
+    assert_eq!(s.pool_hit(&p), named);
+}

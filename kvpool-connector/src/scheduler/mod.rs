@@ -550,6 +550,22 @@ impl ConnectorScheduler {
         hold
     }
 
+    /// Tokens of the request's prompt its saves so far cover (whole chunks, then its tail
+    /// blocks when those were saved): what another engine can load of that prompt once the
+    /// saves are stored. 0 for a request without state. (A `kv_producer` names this in the
+    /// hand-off it returns when the request finishes.)
+    pub fn saved_prompt_tokens(&self, req_id: &str) -> usize {
+        self.trackers.get(req_id).map_or(0, |t| {
+            let chunks = t.saved_tokens.min(t.prompt_len);
+            if t.tail_saved {
+                let block = self.config.block_size.max(1);
+                (t.prompt_len / block * block).max(chunks)
+            } else {
+                chunks
+            }
+        })
+    }
+
     /// vLLM preemption (`scheduler_output.preempted_req_ids`): the request's blocks are
     /// gone; forget loads and save progress (the pool keeps what was saved, and the next
     /// lookup finds it).

@@ -5,6 +5,7 @@ side (``worker_side``, in each Worker), which drive kvpool's Rust halves."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from kvpool.vllm.hybrid import (NULL_BLOCK, AttentionGroup, HybridSchedulerSide,
                                 HybridWorkerSide, attention_groups)
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.layouts import hybrid_groups
+from kvpool.vllm.handoff import Handoffs, handoff_params
 from kvpool.vllm.options import ROLES, check_options, role_actions
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolPromMetrics
 from kvpool.vllm.scheduler_side import SchedulerSide
@@ -142,6 +144,11 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self._sched: SchedulerSide | HybridSchedulerSide | None = None
+        self._hands_off = False
+        #: A consumer's waits for handed-off prompts (None: this instance never loads).
+        self._handoffs: Handoffs | None = None
+        #: The producer's hand-off counters (a consumer's are in ``_handoffs``).
+        self._handoff_counts: Counter[str] = Counter()
         self._work: WorkerSide | HybridWorkerSide | None = None
         #: A hybrid model's KV cache groups, one kvpool part each (None: one group).
         self._groups: list[AttentionGroup] | None = None
@@ -172,6 +179,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             loads, saves = role_actions(kv_role, options)
             if kv_role and kv_role != "kv_both":
                 logger.info("kvpool: kv_role %s: this instance %s", kv_role, ROLES[kv_role])
+            #: A producer names what it saved in each finished request's kv_transfer_params.
+            self._hands_off = kv_role == "kv_producer"
+            self._handoffs = Handoffs(options.handoff_timeout_ms / 1000, self._block_size) \
+                if loads else None
             side = dict(
                 loads=loads,
                 saves=saves,
@@ -220,7 +231,16 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._sched is None:  # kvpool stands aside (stand_aside_reason)
             return 0, False
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        want = self._handoffs.expected(request) if self._handoffs is not None else None
+        if want is None or want <= num_computed_tokens:
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        # A prompt a producer handed off: wait (bounded) for its saves to be found.
+        if not self._handoffs.may_look_up(request.request_id):
+            return None, False
+        hit, asynchronous = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if not self._handoffs.settle(request.request_id, want, num_computed_tokens + hit):
+            return None, False
+        return hit, asynchronous
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
@@ -249,7 +269,14 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is None:
             return False, None
-        return self._sched.request_finished(request), None
+        if self._handoffs is not None:
+            self._handoffs.forget(request.request_id)
+        tokens = self._sched.saved_prompt_tokens(request) if self._hands_off else 0
+        held = self._sched.request_finished(request)
+        if not tokens:
+            return held, None
+        self._handoff_counts["handoffs_sent"] += 1
+        return held, handoff_params(tokens, self._engine_id)
 
     def request_finished_all_groups(
             self, request: "Request",
@@ -370,7 +397,13 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return None if self._work is None else self._work.kv_cache_events()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return None if self._work is None else self._work.stats()
+        if self._work is not None:
+            return self._work.stats()
+        # The scheduler side's counters: hand-offs sent (producer) and received (consumer).
+        counts, self._handoff_counts = self._handoff_counts, Counter()
+        if self._handoffs is not None:
+            counts.update(self._handoffs.take_counts())
+        return KvpoolConnectorStats(data=dict(counts)) if counts else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -30,6 +30,8 @@ OPTIONS: dict[str, str] = {
                 "(torch's copy ops)",
     "consumer_saves": "true or false: with kv_role \"kv_consumer\", also store what this "
                       "instance computes itself (default false: a consumer only loads)",
+    "handoff_timeout_ms": "a positive integer: how long a request a producer handed off waits "
+                          "for the producer's saves to be found (default 2000)",
 }
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ConnectorOptions:
     stage_node_memory_copies: bool = False
     transfer: str = "auto"
     consumer_saves: bool = False
+    handoff_timeout_ms: int = 2000
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -52,6 +55,14 @@ def _bool(name: str, value: Any) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise ValueError(f"kvpool: option {name!r} must be true or false, not {value!r}")
+
+
+def _milliseconds(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) \
+            or not str(value).isdigit() or int(value) <= 0:
+        raise ValueError(f"kvpool: option {name!r} must be a positive integer (milliseconds), "
+                         f"not {value!r}")
+    return int(value)
 
 
 def check_options(extra: dict[str, Any]) -> ConnectorOptions:
@@ -66,11 +77,8 @@ def check_options(extra: dict[str, Any]) -> ConnectorOptions:
         known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
         raise ValueError(f"kvpool: unknown option(s) {', '.join(hints)} in "
                          f"kv_connector_extra_config. kvpool's options: {known}")
-    timeout = extra.get("lookup_timeout_ms", 5000)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, str)) \
-            or not str(timeout).isdigit() or int(timeout) <= 0:
-        raise ValueError(f"kvpool: option 'lookup_timeout_ms' must be a positive integer "
-                         f"(milliseconds), not {timeout!r}")
+    timeout = _milliseconds("lookup_timeout_ms", extra.get("lookup_timeout_ms", 5000))
+    handoff_timeout = _milliseconds("handoff_timeout_ms", extra.get("handoff_timeout_ms", 2000))
     async_loads = extra.get("async_loads", True)
     if async_loads not in (True, False, "true", "false", "always", "auto"):
         raise ValueError(f"kvpool: option 'async_loads' must be true, false or \"always\", "
@@ -85,12 +93,13 @@ def check_options(extra: dict[str, Any]) -> ConnectorOptions:
     return ConnectorOptions(
         save_decode_tokens=_bool("save_decode_tokens", extra.get("save_decode_tokens", False)),
         socket_dir=socket_dir,
-        lookup_timeout_ms=int(timeout),
+        lookup_timeout_ms=timeout,
         async_loads=async_loads,
         stage_node_memory_copies=_bool("stage_node_memory_copies",
                                        extra.get("stage_node_memory_copies", False)),
         transfer=transfer,
         consumer_saves=_bool("consumer_saves", extra.get("consumer_saves", False)),
+        handoff_timeout_ms=handoff_timeout,
     )
 
 

@@ -53,7 +53,7 @@ class KvpoolConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-#: kvpool's worker counters in vLLM's own Prometheus metrics (``/metrics`` of ``vllm serve``):
+#: kvpool's worker (and scheduler: hand-offs) counters in vLLM's own Prometheus metrics (``/metrics`` of ``vllm serve``):
 #: (stats key, metric name, help). prometheus_client adds ``_total`` to each name.
 PROM_COUNTERS = (
     ("load_requested_tokens", "vllm:kvpool_load_requested_tokens",
@@ -79,6 +79,18 @@ PROM_COUNTERS = (
      "Saves that failed (the KV was not stored; nothing else is affected)."),
     ("saves_discarded", "vllm:kvpool_saves_discarded",
      "Saved chunks dropped before commit: computed on a failed load on some rank."),
+    ("handoffs_sent", "vllm:kvpool_handoffs_sent",
+     "Finished requests whose saved prompt a kv_producer handed off (kv_transfer_params)."),
+    ("handoffs_received", "vllm:kvpool_handoffs_received",
+     "Requests a kv_consumer was handed off by a producer."),
+    ("handoffs_complete", "vllm:kvpool_handoffs_complete",
+     "Of those, requests whose whole hand-off was found in the pool."),
+    ("handoffs_waited", "vllm:kvpool_handoffs_waited",
+     "Of those, requests that waited for the producer's saves to be found."),
+    ("handoffs_timed_out", "vllm:kvpool_handoffs_timed_out",
+     "Of those, requests that stopped waiting (handoff_timeout_ms) and computed the rest."),
+    ("handoff_wait_ms", "vllm:kvpool_handoff_wait_ms",
+     "Milliseconds requests waited for handed-off saves, summed."),
     ("heap_buffers", "vllm:kvpool_heap_buffers",
      "Worker buffers taken from the heap because L1 had no room (a GPU copies into them "
      "synchronously)."),

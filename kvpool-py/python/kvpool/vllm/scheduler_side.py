@@ -221,6 +221,10 @@ class SchedulerSide:
                 else:
                     yield BlockRemoved(block_hashes=blocks, medium=medium, **removed_group)
 
+    def saved_prompt_tokens(self, request: "Request") -> int:
+        """Tokens of the request's prompt its saves cover (asked before ``request_finished``)."""
+        return self.native.saved_prompt_tokens(request.request_id)
+
     def request_finished(self, request: "Request") -> bool:
         """Whether vLLM must hold the request's blocks until the workers report it."""
         self.requests.pop(request.request_id, None)

@@ -1,0 +1,89 @@
+"""Disaggregated prefill's hand-off through the pool: a ``kv_producer``'s finished request names
+what its saves cover in its ``kv_transfer_params``; a ``kv_consumer`` given those params on a
+request waits, bounded, for that much of the prompt to be found in the pool before it answers
+vLLM's lookup (vLLM asks again while kvpool answers ``None``). Past the bound it takes what is
+there and computes the rest: a late hand-off is a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger("kvpool.vllm")
+
+#: The key of kvpool's hand-off in a request's ``kv_transfer_params``.
+HANDOFF_KEY = "kvpool_handoff"
+#: A waiting request is looked up again at most this often (vLLM asks every step).
+POLL_INTERVAL_S = 0.005
+
+
+def handoff_params(tokens: int, producer: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a producer returns for a finished request whose saves cover
+    ``tokens`` tokens of its prompt."""
+    return {HANDOFF_KEY: {"tokens": int(tokens), "producer": producer}}
+
+
+class Handoffs:
+    """A consumer's waits for handed-off prompts, and the hand-off counters of both roles."""
+
+    def __init__(self, timeout_s: float, block_size: int, clock=time.monotonic):
+        self.timeout_s = timeout_s
+        self.block_size = max(1, block_size)
+        self.clock = clock
+        #: Waiting requests: request id -> (first lookup, last lookup), clock seconds.
+        self.waiting: dict[str, tuple[float, float]] = {}
+        self.counts: Counter[str] = Counter()
+
+    def expected(self, request: Any) -> int | None:
+        """The tokens of ``request``'s prompt a producer handed off that a lookup can load
+        (whole blocks, the last prompt token never), or ``None`` without a hand-off."""
+        params = getattr(request, "kv_transfer_params", None)
+        handoff = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
+        if handoff is None:
+            return None
+        tokens = handoff.get("tokens") if isinstance(handoff, dict) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            logger.warning("kvpool: request %s: malformed hand-off %r ignored",
+                           request.request_id, handoff)
+            return None
+        prompt = len(request.prompt_token_ids or ())
+        return min(tokens, max(0, prompt - 1) // self.block_size * self.block_size)
+
+    def may_look_up(self, req_id: str) -> bool:
+        """Whether a waiting request may be looked up again now (else vLLM is told to ask
+        later without a lookup)."""
+        since = self.waiting.get(req_id)
+        return since is None or self.clock() - since[1] >= POLL_INTERVAL_S
+
+    def settle(self, req_id: str, want: int, have: int) -> bool:
+        """After a lookup found ``have`` of the ``want`` handed-off tokens: ``True`` to answer
+        vLLM now (all there, or waited long enough), ``False`` to have it ask again."""
+        now = self.clock()
+        first, _ = self.waiting.get(req_id, (now, now))
+        if have >= want or now - first >= self.timeout_s:
+            if req_id in self.waiting:
+                del self.waiting[req_id]
+                self.counts["handoffs_waited"] += 1
+                self.counts["handoff_wait_ms"] += int((now - first) * 1000)
+            self.counts["handoffs_received"] += 1
+            if have >= want:
+                self.counts["handoffs_complete"] += 1
+            else:
+                self.counts["handoffs_timed_out"] += 1
+                logger.warning("kvpool: request %s: %d of %d handed-off tokens found after %.1f "
+                               "s; the rest is computed here", req_id, have, want, now - first)
+            return True
+        self.waiting[req_id] = (first, now)
+        return False
+
+    def forget(self, req_id: str) -> None:
+        """The request ended (or was aborted) while waiting."""
+        self.waiting.pop(req_id, None)
+
+    def take_counts(self) -> dict[str, int]:
+        """The counters since the last call."""
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
