@@ -1,9 +1,10 @@
 """Disaggregated prefill through the pool, as an operator runs it: a prefill `vllm serve`
-(`kv_role` `kv_producer`) and a decode `vllm serve` (`kv_consumer`) sharing the node's pool
-daemon, driven over HTTP through `python -m kvpool.disagg_proxy`. Each request reaches the
-decode instance the moment the prefill instance answers (the hand-off must be waited for, not
-missed); the decode instance loads the prompt and computes at most its last block; outputs
-equal an engine doing both; with the daemon killed, requests complete by recomputation."""
+(`kv_role` `kv_producer`) and a decode `vllm serve` (`kv_consumer`) sharing a tier (the node's
+pool daemon; Redis, the cross-node case, behind each instance's own L1), driven over HTTP
+through `python -m kvpool.disagg_proxy`. Each request reaches the decode instance the moment
+the prefill instance answers (the hand-off must be waited for, not missed); the decode instance
+loads the prompt and computes at most its last block; outputs equal an engine doing both; with
+the shared tier killed, requests complete by recomputation."""
 
 import json
 import os
@@ -31,14 +32,13 @@ MAX_TOKENS = 6
 class Serve:
     """`vllm serve` on loopback with kvpool in `role`, pinned to one core, stopped by PID."""
 
-    def __init__(self, model, role, pool, scratch, core):
+    def __init__(self, model, role, shared, scratch, core):
         self.port = free_port()
         self.log = open(os.path.join(scratch, f"serve-{role}.log"), "w")
         transfer = {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.vllm",
                     "kv_role": role, "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {
-                        "pool": pool, "config": {"local_cpu": {"max_size": "256MiB"}},
-                        "lookup_timeout_ms": 2000, "handoff_timeout_ms": 5000}}
+                        **shared, "lookup_timeout_ms": 2000, "handoff_timeout_ms": 5000}}
         args = [*bench_serve.VLLM_CLI, "serve", model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK),
                 "--enforce-eager", "--seed", "0", "--max-model-len", "2048",
@@ -135,16 +135,31 @@ def pd_model(model_dir, scratch):
     return path
 
 
-def test_prefill_and_decode_instances_hand_off_through_the_pool_daemon(runner, pd_model, scratch):
+@pytest.fixture(params=["pool daemon", "redis"])
+def shared_tier(request, scratch):
+    """(the instances' shared kvpool options, the PID that kills the shared tier)."""
+    l1 = {"local_cpu": {"max_size": "256MiB"}}
+    if request.param == "pool daemon":
+        daemon = PoolDaemon(scratch, "pd-daemon")
+        yield {"pool": daemon.url, "config": l1}, daemon.pid
+        daemon.stop()
+    else:
+        redis = request.getfixturevalue("redis_server")
+        yield {"config": {**l1, "tier": [{"url": redis.url, "timeout_ms": 500}]}}, \
+            redis.proc.pid
+
+
+def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
+        runner, pd_model, scratch, shared_tier):
     prompts = [p for seed in (41, 42, 43) for p in shared_prefix_prompts(1, prefix_len=400,
                                                                           suffix_len=29, seed=seed)]
     late = shared_prefix_prompts(1, prefix_len=300, suffix_len=17, seed=44)[0]
     base = runner.baseline(pd_model, prompts + [late], max_tokens=MAX_TOKENS,
                            batches=[[0], [1], [2], [3]])
-    daemon = PoolDaemon(scratch, "pd-daemon")
+    shared, tier_pid = shared_tier
     # One core each, as two hosts would have their own.
-    prefill = Serve(pd_model, "kv_producer", daemon.url, scratch, core=0)
-    decode = Serve(pd_model, "kv_consumer", daemon.url, scratch, core=1)
+    prefill = Serve(pd_model, "kv_producer", shared, scratch, core=0)
+    decode = Serve(pd_model, "kv_consumer", shared, scratch, core=1)
     proxy = None
     try:
         prefill.wait_ready()
@@ -160,10 +175,9 @@ def test_prefill_and_decode_instances_hand_off_through_the_pool_daemon(runner, p
         loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
         assert decode.counter("vllm:kvpool_loaded_tokens_total") == loadable
         assert decode.counter("vllm:kvpool_stored_tokens_total") == 0, "the consumer saved"
-        # The daemon dies: the producer's saves and the consumer's lookups fail; a hand-off is
-        # waited for until handoff_timeout_ms, then the decode instance computes it all.
-        os.kill(daemon.pid, signal.SIGKILL)
-        daemon.proc.wait()
+        # The shared tier dies: the producer's saves and the consumer's lookups fail; a hand-off
+        # is waited for until handoff_timeout_ms, then the decode instance computes it all.
+        os.kill(tier_pid, signal.SIGKILL)
         assert proxy.complete(pd_model, late) == base["results"][3]["tokens"]
         assert decode.counter("vllm:kvpool_handoffs_complete_total") == len(prompts)
         assert decode.counter("vllm:kvpool_loaded_tokens_total") == loadable
@@ -175,4 +189,3 @@ def test_prefill_and_decode_instances_hand_off_through_the_pool_daemon(runner, p
             proxy.stop()
         prefill.stop()
         decode.stop()
-        daemon.stop()
