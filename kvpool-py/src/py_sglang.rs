@@ -6,6 +6,23 @@ use kvpool_connector::sglang_storage::{CallSample, HiCacheStore, PageSpans};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+/// The key scope of pages of `page_bytes` under `model_scope` in a pool fitted by `config`:
+/// the scope `pool_config_for_values` gives values of exactly that size, whatever larger page
+/// the pool was sized for (so a hybrid model's other host pools never change the KV pages'
+/// keys).
+fn page_scope(
+    config: &kvpool_core::PoolConfig,
+    model_scope: &str,
+    page_bytes: usize,
+) -> PyResult<kvpool_core::KeyScope> {
+    let mut config = config.clone();
+    config.model.name = model_scope.to_string();
+    config.layout.head_size = page_bytes.div_ceil(2);
+    config
+        .key_scope()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// One call's sample: (pages, bytes, seconds).
 type Sample = (usize, u64, f64);
 
@@ -75,12 +92,13 @@ impl PyHiCacheStore {
                 "kvpool-sglang",
             )?;
             let tier_names = built.storage.tier_names();
+            let scope = page_scope(&built.config, model_scope, page_bytes)?;
             tracing::info!(scope = %built.config.model.name, tiers = ?tier_names, page_bytes, writer, "kvpool SGLang storage ready");
             Ok(PyHiCacheStore {
                 store: HiCacheStore::new(
                     built.storage,
                     built.runtime,
-                    built.scope,
+                    scope,
                     page_bytes,
                     tokens_per_page,
                     built.config.chunking.hash_algorithm,
@@ -112,15 +130,11 @@ impl PyHiCacheStore {
                  at most {fitted} bytes)"
             )));
         }
-        let mut config = self.config.clone();
-        config.model.name = model_scope.to_string();
-        let scope = config
-            .key_scope()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let scope = page_scope(&self.config, model_scope, page_bytes)?;
         Ok(PyHiCacheStore {
             store: self.store.sharing(scope, page_bytes, tokens_per_page),
             tier_names: self.tier_names.clone(),
-            config,
+            config: self.config.clone(),
         })
     }
 

@@ -179,7 +179,7 @@ def test_missing_states_other_ranks_and_unknown_pools_are_misses_never_data(weig
                                              keys=keys[:1], hit_policy=TRAILING)])
     assert got == {PoolName.MAMBA: [False]}
     assert torch.equal(state_bytes(mamba, int(dst[0])), before), "a missed slot was written"
-    # Another TP rank's states are its own shard (in every model, MLA too): a miss there.
+    # Another TP rank's states are its own shard: a miss there.
     other, kv1, _, _ = attach_hybrid({"local_cpu": {"max_size": "64MiB"}}, weights,
                                      tp_rank=1, tp_size=2)
     assert Controller(other, kv1).backup(keys, kv1.alloc(2 * kv1.page_size))
@@ -213,4 +213,20 @@ def test_clear_forgets_every_pools_pages(weights):
     # KV pages stored again after the clear: the states from before it are gone.
     assert Controller(backend, kv).backup(keys, kv.alloc(kv.page_size))
     assert backend.batch_exists_v2(keys, transfers).kv_hit_pages == 0
+    backend.close()
+
+
+def test_a_refit_for_a_larger_pool_keeps_the_kv_pages_keys(scratch, weights):
+    """A pool registered after KV pages were stored (a dynamic sidecar) whose pages are larger
+    refits the pool: the KV pages stored before are still found in the lower tier."""
+    config = {"local_cpu": {"max_size": "64MiB"},
+              "tier": [{"url": f"file://{os.path.join(scratch, 'refit-disk')}"}]}
+    kv = host_pool("mha", "page_first")
+    backend = attach(kv, "mha", "page_first", kvpool_extra(config, weights))
+    keys = page_keys(3, salt="refit")
+    assert Controller(backend, kv).backup(keys, kv.alloc(3 * kv.page_size))
+    backend.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+    assert Controller(backend, kv).exists(keys) == 3
+    slots = kv.alloc(3 * kv.page_size)
+    assert Controller(backend, kv).prefetch(keys, slots) == 3
     backend.close()

@@ -78,34 +78,44 @@ fn a_consumer_loads_and_saves_nothing() {
     );
 }
 
-#[test]
-fn a_finished_prompt_names_the_tokens_its_saves_cover() {
-    let mut s = setup();
-    // Two whole chunks and two whole blocks past them, then 3 tokens of a third block.
-    let p = prompt(2 * CHUNK + 2 * BLOCK + 3, 35);
-    assert_eq!(s.sched.saved_prompt_tokens("p"), 0, "no state yet");
+/// Saves `p` as request `id` would, then returns what it names for a hand-off and what a
+/// later request of the same prompt (another engine's lookup) finds.
+fn named_and_found(s: &mut Setup, id: &str, p: &[u32], first_block: u32) -> (usize, usize) {
+    assert_eq!(s.sched.saved_prompt_tokens(id), 0, "no state yet");
     assert_eq!(
-        s.sched.get_num_new_matched_tokens(&request("p", &p), 0),
+        s.sched.get_num_new_matched_tokens(&request(id, p), 0),
         (0, false)
     );
-    let blocks: Vec<u32> = (0..p.len().div_ceil(BLOCK) as u32).collect();
-    s.sched.update_state_after_alloc("p", &blocks, 0);
+    let blocks: Vec<u32> = (first_block..first_block + p.len().div_ceil(BLOCK) as u32).collect();
+    s.sched.update_state_after_alloc(id, &blocks, 0);
     let meta = s.sched.build_connector_meta(&[scheduled(
-        "p",
+        id,
         BlockUpdate::Replace(blocks.clone()),
         p.len(),
     )]);
-    assert!(
-        s.worker_step(&meta, &[(&p, &blocks, 0..p.len())])
-            .is_empty()
-    );
+    assert!(s.worker_step(&meta, &[(p, &blocks, 0..p.len())]).is_empty());
     s.settle();
-    let named = s.sched.saved_prompt_tokens("p");
+    let named = s.sched.saved_prompt_tokens(id);
+    let later = format!("{id}-again");
+    let (found, _) = s.sched.get_num_new_matched_tokens(&request(&later, p), 0);
+    (named, found)
+}
+
+#[test]
+fn a_finished_prompt_names_what_a_later_lookup_of_it_finds() {
+    let mut s = setup();
+    // Two whole chunks and two whole blocks past them, then 3 tokens of a third block: the
+    // tail blocks count.
+    let p = prompt(2 * CHUNK + 2 * BLOCK + 3, 35);
     assert_eq!(
-        named,
-        2 * CHUNK + 2 * BLOCK,
-        "whole chunks and whole tail blocks"
+        named_and_found(&mut s, "p", &p, 0),
+        (2 * CHUNK + 2 * BLOCK, 2 * CHUNK + 2 * BLOCK)
     );
-    // Another engine's lookup of the same prompt finds exactly that many.
-    assert_eq!(s.pool_hit(&p), named);
+    // A prompt ending on a chunk boundary: a lookup stops before its last token, so it finds
+    // the chunks before the last one, and that is what is named.
+    let q = prompt(3 * CHUNK, 36);
+    assert_eq!(named_and_found(&mut s, "q", &q, 20), (2 * CHUNK, 2 * CHUNK));
+    // Ending on a block boundary inside a chunk: to the block before the last.
+    let r = prompt(CHUNK + BLOCK, 37);
+    assert_eq!(named_and_found(&mut s, "r", &r, 40), (CHUNK, CHUNK));
 }

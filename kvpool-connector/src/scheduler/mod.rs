@@ -550,16 +550,22 @@ impl ConnectorScheduler {
         hold
     }
 
-    /// Tokens of the request's prompt its saves so far cover (whole chunks, then its tail
-    /// blocks when those were saved): what another engine can load of that prompt once the
-    /// saves are stored. 0 for a request without state. (A `kv_producer` names this in the
+    /// Tokens of the request's prompt that another engine's lookup of the same prompt can
+    /// find once this request's saves so far are stored: the saved whole chunks, then the
+    /// saved tail blocks, up to the last whole block before the prompt's last token (a lookup
+    /// never covers that token, so a prompt that ends on a chunk boundary is found to the
+    /// chunk before). 0 for a request without state. (A `kv_producer` names this in the
     /// hand-off it returns when the request finishes.)
     pub fn saved_prompt_tokens(&self, req_id: &str) -> usize {
         self.trackers.get(req_id).map_or(0, |t| {
-            let chunks = t.saved_tokens.min(t.prompt_len);
-            if t.tail_saved {
-                let block = self.config.block_size.max(1);
-                (t.prompt_len / block * block).max(chunks)
+            let (chunk, block) = (self.chunk_size.max(1), self.config.block_size.max(1));
+            let limit = t.prompt_len.saturating_sub(1);
+            let whole_chunks = limit / chunk * chunk;
+            let chunks = t.saved_tokens.min(whole_chunks);
+            // The tail blocks were keyed in the chunk the prompt ends inside: the one a lookup
+            // limited to `limit` reaches only when the prompt does not end on its boundary.
+            if t.tail_saved && chunks == whole_chunks && t.prompt_len % chunk != 0 {
+                (limit / block * block).max(chunks)
             } else {
                 chunks
             }

@@ -6,8 +6,10 @@ prefill instance (vLLM with ``kv_role`` ``kv_producer``), asking for one token, 
 then to the decode instance (``kv_consumer``) with the ``kv_transfer_params`` the prefill
 instance answered (kvpool's hand-off: how much of the prompt its saves cover), and the decode
 instance's answer goes back to the client as it comes (streamed when the client asked). Any
-other request goes to the decode instance. If the prefill instance fails, the request still
-goes to the decode instance, without a hand-off: it computes the prompt itself.
+other request goes to the decode instance, and so does a completion of several prompts at once
+(vLLM answers one ``kv_transfer_params`` for a batch), without a hand-off. If the prefill
+instance fails, the request still goes to the decode instance, without a hand-off: it computes
+the prompt itself. The client's ``Authorization`` header goes to both instances.
 
 Standard library only, one thread per connection, a timeout on every upstream call. It is a
 tool for trying the roles and for tests, not a production router (no load balancing over
@@ -17,6 +19,7 @@ several instances, no retries).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import urllib.error
@@ -38,7 +41,15 @@ def prefill_body(body: dict) -> dict:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # vLLM refuses min_tokens above max_tokens
     return out
+
+
+def is_batch(body: dict) -> bool:
+    """Whether a completion request carries several prompts (a list of strings or of token
+    id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 def make_handler(prefill: str, decode: str, timeout_s: float):
@@ -51,14 +62,20 @@ def make_handler(prefill: str, decode: str, timeout_s: float):
         def log_message(self, fmt, *args):  # through logging, not stderr
             logger.debug("%s " + fmt, self.address_string(), *args)
 
+        def _headers(self) -> dict[str, str]:
+            headers = {"Content-Type": "application/json"}
+            if self.headers.get("Authorization"):
+                headers["Authorization"] = self.headers["Authorization"]
+            return headers
+
         def _relay(self, url: str, data: bytes | None, method: str) -> None:
             request = urllib.request.Request(url, data=data, method=method,
-                                             headers={"Content-Type": "application/json"})
+                                             headers=self._headers())
             try:
                 upstream = urllib.request.urlopen(request, timeout=timeout_s)
             except urllib.error.HTTPError as e:
                 upstream = e
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:
                 self.send_error(502, f"upstream {url}: {e}")
                 return
             with upstream:
@@ -82,9 +99,11 @@ def make_handler(prefill: str, decode: str, timeout_s: float):
             try:
                 body = json.loads(raw)
             except ValueError:
-                self.send_error(400, "the request body is not JSON")
+                body = None
+            if not isinstance(body, dict):
+                self.send_error(400, "the request body is not a JSON object")
                 return
-            params = self._prefill(body)
+            params = None if is_batch(body) else self._prefill(body)
             if params is not None:
                 body["kv_transfer_params"] = params
             self._relay(decode + self.path, json.dumps(body).encode(), "POST")
@@ -93,11 +112,12 @@ def make_handler(prefill: str, decode: str, timeout_s: float):
             """The prefill instance's ``kv_transfer_params`` for ``body``, or ``None``."""
             request = urllib.request.Request(
                 prefill + self.path, data=json.dumps(prefill_body(body)).encode(),
-                method="POST", headers={"Content-Type": "application/json"})
+                method="POST", headers=self._headers())
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                    params = json.loads(answer.read()).get("kv_transfer_params")
-            except (OSError, ValueError) as e:
+                    reply = json.loads(answer.read())
+                params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+            except (OSError, ValueError, http.client.HTTPException) as e:
                 logger.warning("prefill at %s failed (%s); the decode instance computes the "
                                "prompt", prefill, e)
                 return None

@@ -103,8 +103,11 @@ def _page_layout(pool: "HostKVCache", config: HiCacheStorageConfig, zero_copy: b
 def _side_pool_layout(pool: "HostKVCache", name: str, config: HiCacheStorageConfig,
                       page_bytes: int, version: str) -> dict[str, Any]:
     """Everything that decides a page's bytes in one of a hybrid model's other host pools (a
-    Mamba state, sliding-window KV), for its key scope. Every TP rank holds its own shard, so
-    the rank is in the scope whatever the model's attention."""
+    Mamba state, sliding-window KV), for its key scope (besides the KV pages' scope, which it
+    extends). Mamba states are each TP rank's own shard, whatever the model's attention; other
+    pools are sharded as the KV pages are (per TP rank, except with MLA, where SGLang's
+    storage writer writes them once for every rank)."""
+    per_rank = str(name) == str(PoolName.MAMBA) or not config.is_mla_model
     attrs = ("layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim",
              "start_layer", "end_layer", "size_per_token")
     return {
@@ -115,7 +118,8 @@ def _side_pool_layout(pool: "HostKVCache", name: str, config: HiCacheStorageConf
         "dtype": str(getattr(pool, "dtype", None)),
         **{a: _plain(getattr(pool, a, None)) for a in attrs},
         "page_bytes": page_bytes,
-        "parallel": {"tp": [config.tp_rank, config.tp_size], "pp": [config.pp_rank, config.pp_size],
+        "parallel": {"tp": [config.tp_rank, config.tp_size] if per_rank else None,
+                     "pp": [config.pp_rank, config.pp_size],
                      "attn_cp": [config.attn_cp_rank, config.attn_cp_size],
                      "dcp": [config.dcp_rank, config.dcp_size]},
         "sglang": version,
@@ -169,6 +173,10 @@ class KvpoolStorage(HiCacheStorage):
         self._side_pools: dict[str, tuple[Any, int]] = {}
         self._side: dict[str, Any] = {}
         self._unsupported_policies: set[str] = set()
+        #: While the pool is refitted (closed, then built again): every call misses.
+        self._refitting = False
+        #: Whether ``clear`` was called: a refitted pool's keys chain from a fresh root too.
+        self._cleared = False
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -230,15 +238,28 @@ class KvpoolStorage(HiCacheStorage):
         self._side_pools[name] = (host_pool, page_bytes)
         largest = max(b for _, b in self._side_pools.values())
         if largest > self._native.fitted_page_bytes:
-            # At attach nothing is stored yet; a pool registered later (a dynamic sidecar)
-            # finds L1 emptied (what it held was flushed to the lower tiers first).
+            # At attach nothing is stored yet. A pool registered later (a dynamic sidecar)
+            # finds L1 emptied (what it held is written to the lower tiers first, where the
+            # pages keep their keys: a page's scope depends on its own size only).
             logger.info("kvpool.sglang: refitting the pool to pages of %d bytes (SGLang's `%s` "
                         "pool)", largest, name)
-            self._close_stores()
-            self._native = _native.HiCacheStore(*self._build_args, max_page_bytes=largest)
+            self._refitting = True
+            try:
+                self._close_stores()
+                self._native = _native.HiCacheStore(*self._build_args, max_page_bytes=largest)
+                if self._cleared:
+                    self._native.clear()
+            except Exception:
+                self._closed = True  # every later call misses
+                raise
+            finally:
+                self._refitting = False
         for pool_name, (pool, nbytes) in self._side_pools.items():
             if pool_name not in self._side:
-                self._side[pool_name] = self._side_store(pool_name, pool, nbytes)
+                store = self._side_store(pool_name, pool, nbytes)
+                if self._cleared:
+                    store.clear()
+                self._side[pool_name] = store
 
     def _side_store(self, name: str, pool: "HostKVCache", page_bytes: int):
         layout = _side_pool_layout(pool, name, self._config, page_bytes, self._version)
@@ -250,8 +271,8 @@ class KvpoolStorage(HiCacheStorage):
         return store
 
     def _store(self):
-        """The native store; ``None`` once closed (every call is then a miss)."""
-        if self._closed:
+        """The native store; ``None`` once closed or while refitted (every call misses)."""
+        if self._closed or self._refitting:
             return None
         if self._native is None:
             raise RuntimeError(
@@ -312,7 +333,7 @@ class KvpoolStorage(HiCacheStorage):
                 break
             name = str(transfer.name)
             store = self._side.get(name)
-            if store is None or self._closed:
+            if store is None or self._closed or self._refitting:
                 restorable = set()
                 break
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
@@ -342,7 +363,7 @@ class KvpoolStorage(HiCacheStorage):
         """(store, host pool, the host slot of each key) of one transfer, or None when it
         cannot move (a pool kvpool does not hold, or host indices that do not fit the keys)."""
         name = str(transfer.name)
-        store = None if self._closed else self._side.get(name)
+        store = None if self._closed or self._refitting else self._side.get(name)
         keys = transfer.keys or []
         if store is None:
             return None
@@ -454,6 +475,7 @@ class KvpoolStorage(HiCacheStorage):
         """Nothing stored before is found again by this engine (later keys chain from a fresh
         root); other engines sharing the tiers keep their pages, and the old values leave the
         tiers by their own eviction."""
+        self._cleared = True
         if self._native is not None and not self._closed:
             self._native.clear()
             for store in self._side.values():

@@ -16,8 +16,10 @@ logger = logging.getLogger("kvpool.vllm")
 
 #: The key of kvpool's hand-off in a request's ``kv_transfer_params``.
 HANDOFF_KEY = "kvpool_handoff"
-#: A waiting request is looked up again at most this often (vLLM asks every step).
+#: A waiting request's lookups are spaced this far apart at first, then twice as far each
+#: time up to ``MAX_POLL_INTERVAL_S`` (vLLM asks every step; each lookup blocks its scheduler).
 POLL_INTERVAL_S = 0.005
+MAX_POLL_INTERVAL_S = 0.1
 
 
 def handoff_params(tokens: int, producer: str) -> dict[str, Any]:
@@ -33,8 +35,11 @@ class Handoffs:
         self.timeout_s = timeout_s
         self.block_size = max(1, block_size)
         self.clock = clock
-        #: Waiting requests: request id -> (first lookup, last lookup), clock seconds.
-        self.waiting: dict[str, tuple[float, float]] = {}
+        #: Waiting requests: request id -> (first lookup, last lookup, lookups), clock seconds.
+        self.waiting: dict[str, tuple[float, float, int]] = {}
+        #: Requests whose hand-off was settled: asked again (vLLM could not allocate their
+        #: blocks, or preempted them), they are looked up as any request, not waited for.
+        self.settled: set[str] = set()
         self.counts: Counter[str] = Counter()
 
     def expected(self, request: Any) -> int | None:
@@ -42,7 +47,7 @@ class Handoffs:
         (whole blocks, the last prompt token never), or ``None`` without a hand-off."""
         params = getattr(request, "kv_transfer_params", None)
         handoff = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
-        if handoff is None:
+        if handoff is None or request.request_id in self.settled:
             return None
         tokens = handoff.get("tokens") if isinstance(handoff, dict) else None
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -56,18 +61,22 @@ class Handoffs:
         """Whether a waiting request may be looked up again now (else vLLM is told to ask
         later without a lookup)."""
         since = self.waiting.get(req_id)
-        return since is None or self.clock() - since[1] >= POLL_INTERVAL_S
+        if since is None:
+            return True
+        interval = min(MAX_POLL_INTERVAL_S, POLL_INTERVAL_S * 2 ** (since[2] - 1))
+        return self.clock() - since[1] >= interval
 
     def settle(self, req_id: str, want: int, have: int) -> bool:
         """After a lookup found ``have`` of the ``want`` handed-off tokens: ``True`` to answer
         vLLM now (all there, or waited long enough), ``False`` to have it ask again."""
         now = self.clock()
-        first, _ = self.waiting.get(req_id, (now, now))
+        first, _, lookups = self.waiting.get(req_id, (now, now, 0))
         if have >= want or now - first >= self.timeout_s:
             if req_id in self.waiting:
                 del self.waiting[req_id]
                 self.counts["handoffs_waited"] += 1
                 self.counts["handoff_wait_ms"] += int((now - first) * 1000)
+            self.settled.add(req_id)
             self.counts["handoffs_received"] += 1
             if have >= want:
                 self.counts["handoffs_complete"] += 1
@@ -76,12 +85,13 @@ class Handoffs:
                 logger.warning("kvpool: request %s: %d of %d handed-off tokens found after %.1f "
                                "s; the rest is computed here", req_id, have, want, now - first)
             return True
-        self.waiting[req_id] = (first, now)
+        self.waiting[req_id] = (first, now, lookups + 1)
         return False
 
     def forget(self, req_id: str) -> None:
-        """The request ended (or was aborted) while waiting."""
+        """The request ended (finished, or aborted while waiting)."""
         self.waiting.pop(req_id, None)
+        self.settled.discard(req_id)
 
     def take_counts(self) -> dict[str, int]:
         """The counters since the last call."""

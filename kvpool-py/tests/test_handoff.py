@@ -1,0 +1,75 @@
+"""A consumer's wait for a handed-off prompt (``kvpool.vllm.handoff``), on a fake clock: what
+is expected of a hand-off, how often a waiting request is looked up, when the wait ends, and
+that a request asked again after it settled is not waited for nor counted twice."""
+
+from types import SimpleNamespace
+
+from kvpool.vllm.handoff import HANDOFF_KEY, Handoffs, handoff_params
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def request(req_id, prompt_len, params):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(prompt_len)),
+                           kv_transfer_params=params)
+
+
+def test_expected_is_the_handed_off_tokens_a_lookup_can_load():
+    h = Handoffs(2.0, 16, clock=Clock())
+    assert h.expected(request("a", 100, None)) is None
+    assert h.expected(request("a", 100, {"do_remote_decode": True})) is None
+    assert h.expected(request("a", 100, handoff_params(64, "p"))) == 64
+    # Never past the last whole block before the last prompt token.
+    assert h.expected(request("a", 100, handoff_params(96, "p"))) == 96
+    assert h.expected(request("a", 97, handoff_params(96, "p"))) == 96
+    assert h.expected(request("a", 96, handoff_params(96, "p"))) == 80
+    for bad in ({HANDOFF_KEY: {"tokens": -1}}, {HANDOFF_KEY: {"tokens": "9"}},
+                {HANDOFF_KEY: {"tokens": True}}, {HANDOFF_KEY: 5}):
+        assert h.expected(request("a", 100, bad)) is None, bad
+
+
+def test_a_wait_ends_when_the_tokens_are_found_or_at_the_timeout_with_lookups_spaced_out():
+    clock = Clock()
+    h = Handoffs(2.0, 16, clock=clock)
+    assert h.may_look_up("a")
+    assert not h.settle("a", 64, 0)
+    assert not h.may_look_up("a"), "looked up again at once"
+    step = 1 / 128  # past the first interval (5 ms), short of the second (10 ms)
+    clock.now += step
+    assert h.may_look_up("a")
+    assert not h.settle("a", 64, 32)
+    clock.now += step
+    assert not h.may_look_up("a"), "the second interval is longer"
+    clock.now += step
+    assert h.may_look_up("a")
+    clock.now += 0.5
+    assert h.settle("a", 64, 64)
+    assert h.take_counts() == {"handoffs_waited": 1, "handoff_wait_ms": 523,
+                               "handoffs_received": 1, "handoffs_complete": 1}
+    # Settled: asked again (blocks not allocated, preempted), it is not waited for again.
+    assert h.expected(request("a", 100, handoff_params(64, "p"))) is None
+    h.forget("a")
+    assert h.expected(request("a", 100, handoff_params(64, "p"))) == 64
+    # A hand-off never found: the wait ends at the timeout, with what is there.
+    assert not h.settle("b", 64, 0)
+    clock.now += 1.5
+    assert not h.settle("b", 64, 16)
+    clock.now += 0.5
+    assert h.settle("b", 64, 16)
+    assert h.take_counts() == {"handoffs_waited": 1, "handoff_wait_ms": 2000,
+                               "handoffs_received": 1, "handoffs_timed_out": 1}
+    assert h.take_counts() == {}
+
+
+def test_a_request_found_whole_at_once_is_not_counted_as_waiting():
+    h = Handoffs(2.0, 16, clock=Clock())
+    assert h.settle("a", 64, 96)
+    assert h.take_counts() == {"handoffs_received": 1, "handoffs_complete": 1}
+    h.forget("a")
+    assert not h.waiting and not h.settled
