@@ -99,7 +99,9 @@ def scale_trace(src, dst, requests, scale, max_tokens):
 class Server:
     """`vllm serve` on loopback in its own process group, stopped by PID."""
 
-    def __init__(self, model, port, log_path, extra_args, env):
+    def __init__(self, model, port, log_path, extra_args, env, env_overrides=None):
+        """``env["MAX_LEN"]``: the model length and batch tokens; ``env_overrides``: environment
+        variables set over the defaults (cores, KV space)."""
         self.port = port
         self.log = open(log_path, "w")
         args = [*VLLM_CLI, "serve", model,
@@ -112,7 +114,7 @@ class Server:
         # cores than without one (2 vs 1 on this 2-core VM): every server gets the same.
         environ = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
                    "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get(
-                       "VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU", "1"), **(env_overrides or {})}
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=environ, start_new_session=True)
 
@@ -154,12 +156,13 @@ class Server:
         self.log.close()
 
 
-def run_client(model, port, dataset_args, result_dir, name):
-    """`vllm bench serve` against the server; returns its saved result."""
+def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,itl"):
+    """`vllm bench serve` against the server, reporting p50 and p99 of `percentiles`;
+    returns its saved result."""
     args = [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url",
             f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
             "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
-            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+            "--percentile-metrics", percentiles, "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", result_dir, "--result-filename", f"{name}.json",
             *dataset_args]
     # Python's str hash seeds the trace's token blocks: the same prompts for every server.

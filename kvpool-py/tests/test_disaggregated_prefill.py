@@ -70,12 +70,14 @@ class Serve:
         with open(self.log.name) as f:
             return f.read()[-6000:]
 
-    def counter(self, name):
-        """A Prometheus counter of this server, summed over its label sets."""
+    def counter(self, name, le=None):
+        """A Prometheus counter of this server, summed over its label sets (a histogram's
+        bucket: those with ``le``)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             lines = r.read().decode().splitlines()
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+                   if (line.startswith(name + "{") or line.startswith(name + " "))
+                   and (le is None or f'le="{le}"' in line))
 
     def stop(self):
         if self.proc.poll() is None:
@@ -188,6 +190,12 @@ def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
         assert prefill.counter("vllm:kvpool_handoffs_sent_total") == len(prompts) + 1
         assert decode.counter("vllm:kvpool_handoffs_timed_out_total") == 1
         assert decode.counter("vllm:kvpool_handoff_wait_ms_total") >= 5000
+        # Each wait is one observation of the histogram; the timed-out one past 5 s.
+        waited = decode.counter("vllm:kvpool_handoffs_waited_total")
+        assert waited >= 1
+        assert decode.counter("vllm:kvpool_handoff_wait_seconds_count") == waited
+        assert decode.counter("vllm:kvpool_handoff_wait_seconds_sum") >= 5
+        assert decode.counter("vllm:kvpool_handoff_wait_seconds_bucket", le="2.0") == waited - 1
         assert decode.counter("vllm:kvpool_handoffs_complete_total") == len(prompts)
         assert decode.counter("vllm:kvpool_loaded_tokens_total") == loadable
     except AssertionError:

@@ -4,7 +4,9 @@ that a request asked again after it settled is not waited for nor counted twice.
 
 from types import SimpleNamespace
 
-from kvpool.vllm.handoff import HANDOFF_KEY, Handoffs, handoff_params
+import pytest
+
+from kvpool.vllm.handoff import HANDOFF_KEY, WAITS_KEY, Handoffs, handoff_params
 
 
 class Clock:
@@ -51,7 +53,8 @@ def test_a_wait_ends_when_the_tokens_are_found_or_at_the_timeout_with_lookups_sp
     clock.now += 0.5
     assert h.settle("a", 64, 64)
     assert h.take_counts() == {"handoffs_waited": 1, "handoff_wait_ms": 523,
-                               "handoffs_received": 1, "handoffs_complete": 1}
+                               "handoffs_received": 1, "handoffs_complete": 1,
+                               WAITS_KEY: [pytest.approx(0.5 + 3 * step)]}
     # Settled: asked again (blocks not allocated, preempted), it is not waited for again.
     assert h.expected(request("a", 100, handoff_params(64, "p"))) is None
     h.forget("a")
@@ -63,7 +66,8 @@ def test_a_wait_ends_when_the_tokens_are_found_or_at_the_timeout_with_lookups_sp
     clock.now += 0.5
     assert h.settle("b", 64, 16)
     assert h.take_counts() == {"handoffs_waited": 1, "handoff_wait_ms": 2000,
-                               "handoffs_received": 1, "handoffs_timed_out": 1}
+                               "handoffs_received": 1, "handoffs_timed_out": 1,
+                               WAITS_KEY: [pytest.approx(2.0)]}
     assert h.take_counts() == {}
 
 
@@ -73,3 +77,31 @@ def test_a_request_found_whole_at_once_is_not_counted_as_waiting():
     assert h.take_counts() == {"handoffs_received": 1, "handoffs_complete": 1}
     h.forget("a")
     assert not h.waiting and not h.settled
+
+
+def test_waits_reach_vllms_prometheus_as_a_histogram_summed_over_intervals():
+    """The waits travel in the connector's stats as a list, joined when vLLM aggregates
+    intervals, and become observations of ``vllm:kvpool_handoff_wait_seconds``."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolPromMetrics
+
+    registry = CollectorRegistry()
+    types = {cls: type(cls.__name__, (cls,), {"__init__": (
+        lambda self, *a, _base=cls, **k: _base.__init__(self, *a, registry=registry, **k))})
+        for cls in (Gauge, Counter, Histogram)}
+    a = KvpoolConnectorStats(data={"handoffs_waited": 1, WAITS_KEY: [0.003]})
+    b = KvpoolConnectorStats(data={"handoffs_waited": 2, WAITS_KEY: [0.2, 1.5]})
+    total = a.aggregate(b)
+    assert total.data == {"handoffs_waited": 3, WAITS_KEY: [0.003, 0.2, 1.5]}
+    assert total.reduce() == {"handoffs_waited": 3, WAITS_KEY: 3}
+    metrics = KvpoolPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+                                {0: ["m", "0"]})
+    metrics.observe(total.data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    sample = registry.get_sample_value
+    assert sample("vllm:kvpool_handoff_wait_seconds_count", labels) == 3
+    assert sample("vllm:kvpool_handoff_wait_seconds_sum", labels) == pytest.approx(1.703)
+    assert sample("vllm:kvpool_handoff_wait_seconds_bucket", {**labels, "le": "0.005"}) == 1
+    assert sample("vllm:kvpool_handoff_wait_seconds_bucket", {**labels, "le": "0.25"}) == 2
+    assert sample("vllm:kvpool_handoffs_waited_total", labels) == 3

@@ -30,6 +30,9 @@
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
 //! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
 //!   TTFT from L1, disk and Redis, and a decoding request's token gaps while another loads.
+//! - `cargo xtask bench-disagg`: a `kv_producer` and a `kv_consumer` `vllm serve` (one core
+//!   each) over the node's pool daemon behind kvpool's proxy, against one `vllm serve` on both
+//!   cores: TTFT and ITL from `vllm bench serve`, rounds interleaved (docs/benchmarks.md).
 //! - `cargo xtask bench-serve`: `vllm serve` driven by `vllm bench serve`, a fresh server per
 //!   configuration (no connector, kvpool L1 / disk / Redis, vLLM's prefix cache), on no reuse,
 //!   shared prefixes and a Mooncake-format trace; a table and a chart (docs/benchmarks.md).
@@ -593,12 +596,13 @@ fn main() -> ExitCode {
         Some("bench-sglang") => sglang::bench_sglang(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-disagg") => vllm::bench_disagg(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-serve") => vllm::bench_serve(&env::args().skip(2).collect::<Vec<_>>()),
         Some("wheel") => wheel::wheel(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-serve | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | wheel | fmt>"
+                "usage: cargo xtask <ci | module-cycles | diagrams | matrix | soak | fuzz | sanitize | vllm | sglang | bench | bench-vllm | bench-async | bench-disagg | bench-serve | bench-sglang | bench-backends | bench-mooncake | gpu-bundle | wheel | fmt>"
             );
             return ExitCode::from(2);
         }

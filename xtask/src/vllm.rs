@@ -437,6 +437,33 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// `cargo xtask bench-disagg`: disaggregated prefill through the pool (a `kv_producer` and a
+/// `kv_consumer` `vllm serve`, one core each, over the node's pool daemon, behind
+/// `kvpool.disagg_proxy`) against one `vllm serve` on both cores, TTFT and ITL from
+/// `vllm bench serve`, rounds interleaved (release wheel; its `kvpool` command as the daemon).
+pub(crate) fn bench_disagg(args: &[String]) -> Result<(), String> {
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python, "release")?;
+    let kvpool = venv_python.with_file_name("kvpool");
+    let out = target_dir().join("bench-disagg.json");
+    let mut cmd = vec![
+        "kvpool-py/bench/bench_disagg.py".to_string(),
+        "--out".into(),
+        path_str(&out)?.to_string(),
+    ];
+    cmd.extend(args.iter().cloned());
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    run_with_env(
+        path_str(&venv_python)?,
+        &cmd,
+        &[("HF_HUB_OFFLINE", "1"), ("KVPOOL_BIN", path_str(&kvpool)?)],
+    )?;
+    eprintln!("results in {}", out.display());
+    Ok(())
+}
+
 /// A Redis on a free loopback port for a benchmark, stopped by PID when the returned server
 /// is dropped.
 fn loopback_redis() -> Result<(u16, kvpool_testservers::Server), String> {

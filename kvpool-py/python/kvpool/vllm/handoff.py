@@ -16,6 +16,8 @@ logger = logging.getLogger("kvpool.vllm")
 
 #: The key of kvpool's hand-off in a request's ``kv_transfer_params``.
 HANDOFF_KEY = "kvpool_handoff"
+#: The connector stats key of the hand-off waits (a list of seconds, not a counter).
+WAITS_KEY = "handoff_wait_seconds"
 #: A waiting request's lookups are spaced this far apart at first, then twice as far each
 #: time up to ``MAX_POLL_INTERVAL_S`` (vLLM asks every step; each lookup blocks its scheduler).
 POLL_INTERVAL_S = 0.005
@@ -41,6 +43,9 @@ class Handoffs:
         #: blocks, or preempted them), they are looked up as any request, not waited for.
         self.settled: set[str] = set()
         self.counts: Counter[str] = Counter()
+        #: How long each request that waited for its hand-off waited, seconds, since the
+        #: last ``take_counts`` (vLLM's ``vllm:kvpool_handoff_wait_seconds`` histogram).
+        self.waits: list[float] = []
 
     def expected(self, request: Any) -> int | None:
         """The tokens of ``request``'s prompt a producer handed off that a lookup can load
@@ -76,6 +81,7 @@ class Handoffs:
                 del self.waiting[req_id]
                 self.counts["handoffs_waited"] += 1
                 self.counts["handoff_wait_ms"] += int((now - first) * 1000)
+                self.waits.append(now - first)
             self.settled.add(req_id)
             self.counts["handoffs_received"] += 1
             if have >= want:
@@ -93,7 +99,10 @@ class Handoffs:
         self.waiting.pop(req_id, None)
         self.settled.discard(req_id)
 
-    def take_counts(self) -> dict[str, int]:
-        """The counters since the last call."""
+    def take_counts(self) -> dict[str, Any]:
+        """The counters since the last call, and under ``WAITS_KEY`` the waits (seconds, a
+        list) of the requests that waited."""
         counts, self.counts = dict(self.counts), Counter()
+        if self.waits:
+            counts[WAITS_KEY], self.waits = self.waits, []
         return counts

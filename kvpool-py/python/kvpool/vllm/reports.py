@@ -34,7 +34,8 @@ class KvpoolWorkerMeta(KVConnectorWorkerMetadata):
 
 @dataclass
 class KvpoolConnectorStats(KVConnectorStats):
-    """kvpool's counters for one logging interval, summed over worker ranks."""
+    """kvpool's counters for one logging interval, summed over worker ranks; a histogram's
+    samples (``PROM_HISTOGRAMS``) travel as a list, joined."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -43,11 +44,15 @@ class KvpoolConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):
+                self.data[k] = [*self.data.get(k, ()), *v]
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        # vLLM's log line: a histogram's samples as their count.
+        return {k: len(v) if isinstance(v, list) else v for k, v in self.data.items()}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -97,6 +102,16 @@ PROM_COUNTERS = (
 )
 
 
+#: kvpool's histograms in vLLM's Prometheus metrics: (stats key, metric name, help, buckets);
+#: the stats key holds a list of samples.
+PROM_HISTOGRAMS = (
+    ("handoff_wait_seconds", "vllm:kvpool_handoff_wait_seconds",
+     "Seconds each request a kv_consumer was handed off waited for the producer's saves "
+     "to be found (requests that found them at once are not counted).",
+     (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)),
+)
+
+
 class KvpoolPromMetrics(KVConnectorPromMetrics):
     """Counts kvpool's per-interval worker stats into vLLM's Prometheus registry, one series
     per engine, next to vLLM's own prefix-cache metrics."""
@@ -110,12 +125,23 @@ class KvpoolPromMetrics(KVConnectorPromMetrics):
             )
             for key, name, doc in PROM_COUNTERS
         }
+        self._histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(name=name, documentation=doc, labelnames=labelnames,
+                                    buckets=list(buckets)),
+                per_engine_labelvalues,
+            )
+            for key, name, doc, buckets in PROM_HISTOGRAMS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, per_engine in self._counters.items():
             value = transfer_stats_data.get(key, 0)
             if value > 0:
                 per_engine[engine_idx].inc(value)
+        for key, per_engine in self._histograms.items():
+            for sample in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].observe(sample)
 
 
 #: A tier event from a worker: (tier name, stored (else removed), chunk hashes).
