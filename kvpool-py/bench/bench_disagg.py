@@ -10,7 +10,8 @@ the order swapped each round, each round's prompts new to both):
 
 Per run: TTFT, ITL and end-to-end latency percentiles, output tokens/s, and where TTFT goes
 (the client's mean TTFT next to each server's own, from vLLM's TTFT histogram: for 1P1D the
-prefill instance's one-token request and the decode instance's request); per set-up the
+prefill instance's one-token request, the decode instance's request, and the remainder, per
+round); the decode instance's prompt tokens and those it loaded; per set-up the
 median over rounds and the range; the per-round ratio 1P1D / one server and its median; and the
 consumer's hand-off counters (every request should be handed off and found whole).
 
@@ -110,7 +111,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=1024)
+    # Not a multiple of kvpool's 256-token chunk: a prompt ending on a chunk boundary is
+    # handed off to the chunk before its last, and the decode instance computes that chunk.
+    ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
     ap.add_argument("--scratch", default=None)
@@ -155,6 +158,9 @@ def main():
                 for name in order:
                     before = {c: decode.metric(f"vllm:kvpool_handoffs_{c}_total")
                               for c in HANDOFF_COUNTERS}
+                    before["loaded"] = decode.metric("vllm:kvpool_loaded_tokens_total")
+                    before["prompt"] = decode.metric("vllm:prompt_tokens_total")
+                    before["cached"] = one.metric("vllm:prefix_cache_hits_total")
                     ttfts = {s: server_ttft(s) for s in started}
                     r = run_client(model, targets[name], dataset, results_dir,
                                    f"{name.replace(' ', '-')}-{rnd}", "ttft,itl,e2el")
@@ -173,7 +179,19 @@ def main():
                         row["handoffs"] = {
                             c: int(decode.metric(f"vllm:kvpool_handoffs_{c}_total") - before[c])
                             for c in HANDOFF_COUNTERS}
+                        # Of the decode instance's prompt tokens, those loaded from the pool.
+                        row["handoffs"]["prompt_tokens"] = int(
+                            decode.metric("vllm:prompt_tokens_total") - before["prompt"])
+                        row["handoffs"]["loaded_tokens"] = int(
+                            decode.metric("vllm:kvpool_loaded_tokens_total") - before["loaded"])
                         handoffs.append(row["handoffs"])
+                        # What neither instance's own TTFT holds: the proxy's hops, HTTP.
+                        row["remainder_ttft_mean_ms"] = row["client_ttft_mean_ms"] - \
+                            row["prefill_ttft_mean_ms"] - row["decode_ttft_mean_ms"]
+                    else:
+                        # Prompts new to the server: its own prefix cache should find nothing.
+                        row["prefix_cache_hit_tokens"] = int(
+                            one.metric("vllm:prefix_cache_hits_total") - before["cached"])
                     runs[name].append(row)
                     print(f"round {rnd} {name}: {json.dumps(row)}", flush=True)
         finally:
@@ -198,9 +216,12 @@ def main():
             f"{c['median']:>9.2f} ({c['min']:.2f}-{c['max']:.2f})".rjust(24) for c in cells))
     for name, rows in runs.items():
         parts = {k: spread([r[k] for r in rows]) for k in rows[0]
-                 if k.endswith("_ttft_mean_ms") or k == "client_ttft_mean_ms"}
+                 if k.endswith("_ttft_mean_ms")}
         print(f"{name}: mean TTFT, median over rounds: " + ", ".join(
-            f"{k.removesuffix('_ttft_mean_ms')} {v['median']:.0f} ms" for k, v in parts.items()))
+            f"{k.removesuffix('_ttft_mean_ms')} {v['median']:.0f} ms ({v['min']:.0f}-{v['max']:.0f})"
+            for k, v in parts.items()))
+    print("one server's own prefix cache hits per round (tokens):",
+          [r["prefix_cache_hit_tokens"] for r in runs["one server"]])
     print("consumer hand-offs per round:", handoffs)
 
 

@@ -87,3 +87,17 @@ def test_weights_in_the_engines_download_dir_are_the_ones_digested(identity, tmp
     assert from_downloads == identity.directory_digest(
         str(next((download_dir / "models--org--model" / "snapshots").iterdir())))
     assert from_downloads != from_default
+
+
+def test_named_weights_are_the_name_never_a_digest_and_never_empty(identity, tmp_path):
+    """``weights_id`` names the weights instead of their files: the same name whatever the
+    files (an operator vouches for it), in a form no digest of files takes."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 100)
+    hashed = identity.weights_digest(str(tmp_path))
+    named = identity.weights_digest(str(tmp_path), weights_id="llama-3-8b@rev7")
+    assert named == identity.weights_digest("elsewhere", weights_id="llama-3-8b@rev7")
+    assert named == "named:llama-3-8b@rev7" and named != hashed
+    assert identity.weights_digest(str(tmp_path)) == hashed, "no name: the files are hashed"
+    for bad in ("", "  ", 3):
+        with pytest.raises(ValueError, match="weights_id"):
+            identity.weights_digest(str(tmp_path), weights_id=bad)

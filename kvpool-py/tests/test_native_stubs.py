@@ -1,6 +1,7 @@
 """``kvpool/_native.pyi`` against the built ``kvpool._native``: the same classes, functions and
-members, each callable with the same parameter names in the same order and the same
-keyword-only marker as the Rust signature PyO3 publishes (``__text_signature__``). A method
+members, each callable with the same parameter names in the same order, the same
+keyword-only marker and the same defaults as the Rust signature PyO3 publishes
+(``__text_signature__``), and a constructor stubbed exactly where Rust has one. A method
 added, removed or renamed in Rust without its stub fails here."""
 
 import ast
@@ -18,20 +19,51 @@ def stub_tree():
         return ast.parse(f.read())
 
 
+#: A default PyO3 does not spell out in ``__text_signature__`` (``Vec::new()``, …).
+UNSPELT = object()
+
+
 def params_of(fn: ast.FunctionDef):
-    """(name, kind) of a stubbed callable's parameters, ``self`` / ``cls`` left out."""
+    """(name, kind, default) of a stubbed callable's parameters, ``self`` / ``cls`` left out;
+    the default is ``inspect.Parameter.empty`` when there is none, ``UNSPELT`` for ``...``."""
     args = fn.args
-    out = [(a.arg, "positional") for a in [*args.posonlyargs, *args.args]]
-    out += [(a.arg, "keyword") for a in args.kwonlyargs]
-    return [p for p in out if p[0] not in ("self", "cls")]
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [inspect.Parameter.empty] * (len(positional) - len(args.defaults)) \
+        + list(args.defaults)
+    out = [(a.arg, "positional", d) for a, d in zip(positional, defaults)]
+    out += [(a.arg, "keyword", inspect.Parameter.empty if d is None else d)
+            for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    return [(name, kind, stub_default(d)) for name, kind, d in out
+            if name not in ("self", "cls")]
+
+
+def stub_default(node):
+    if node is inspect.Parameter.empty:
+        return node
+    if isinstance(node, ast.Constant) and node.value is Ellipsis:
+        return UNSPELT
+    return ast.literal_eval(node)
 
 
 def params_at_run_time(obj):
     """The same for the module's callable, from the signature PyO3 publishes."""
     sig = inspect.signature(obj)
     kinds = {inspect.Parameter.KEYWORD_ONLY: "keyword"}
-    return [(name, kinds.get(p.kind, "positional")) for name, p in sig.parameters.items()
+    return [(name, kinds.get(p.kind, "positional"), p.default)
+            for name, p in sig.parameters.items()
             if name not in ("self", "cls", "$self", "$cls")]
+
+
+def assert_same_params(stub_fn, runtime_obj, what):
+    """Names, order, kinds; a default on one side only, or two spelt defaults that differ,
+    fail (a stub may write ``...`` for a default PyO3 does not spell out)."""
+    stubbed, actual = params_of(stub_fn), params_at_run_time(runtime_obj)
+    assert [p[:2] for p in stubbed] == [p[:2] for p in actual], what
+    for (name, _, mine), (_, _, theirs) in zip(stubbed, actual):
+        empty = inspect.Parameter.empty
+        assert (mine is empty) == (theirs is empty), f"{what}: default of {name}"
+        if mine is not empty and mine is not UNSPELT and theirs is not Ellipsis:
+            assert mine == theirs, f"{what}: default of {name}: {mine!r} vs {theirs!r}"
 
 
 def public(names):
@@ -46,7 +78,7 @@ def test_the_stub_names_what_the_module_exports():
 
 def test_every_function_has_the_modules_parameters():
     for fn in (n for n in stub_tree().body if isinstance(n, ast.FunctionDef)):
-        assert params_of(fn) == params_at_run_time(getattr(native, fn.name)), fn.name
+        assert_same_params(fn, getattr(native, fn.name), fn.name)
 
 
 def test_every_class_has_the_modules_members_and_parameters():
@@ -54,6 +86,9 @@ def test_every_class_has_the_modules_members_and_parameters():
         runtime = getattr(native, cls.name)
         members = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
         assert public(members) == public(dir(runtime)), cls.name
+        if "__new__" not in members:
+            assert getattr(runtime, "__text_signature__", None) is None, \
+                f"{cls.name} has a constructor in Rust the stub lacks"
         for name, fn in members.items():
             is_property = any(isinstance(d, ast.Name) and d.id == "property"
                               for d in fn.decorator_list)
@@ -65,8 +100,7 @@ def test_every_class_has_the_modules_members_and_parameters():
                 if getattr(runtime, "__text_signature__", None) is None:
                     # No constructor in Rust: Python refuses to make one.
                     raise AssertionError(f"{cls.name}.__new__ is stubbed but not exported")
-                assert params_of(fn) == params_at_run_time(runtime), f"{cls.name}()"
+                assert_same_params(fn, runtime, f"{cls.name}()")
                 continue
             assert callable(attr), f"{cls.name}.{name}"
-            assert params_of(fn) == params_at_run_time(getattr(runtime, name)), \
-                f"{cls.name}.{name}"
+            assert_same_params(fn, getattr(runtime, name), f"{cls.name}.{name}")

@@ -124,10 +124,11 @@ def _payloads(keys, seed=1):
     return {k: rng.integers(0, 256, ROW, dtype=np.uint8) for k in keys}
 
 
-def _tier(url, l1=True):
+def _tier(url, l1=True, weights_id=None):
     l1_config = '[local_cpu]\nmax_size = "1MiB"\n' if l1 else "[local_cpu]\nenabled = false\n"
-    return {"type": "KvpoolTier", "module_path": "kvpool.vllm.tier",
+    tier = {"type": "KvpoolTier", "module_path": "kvpool.vllm.tier",
             "config": f'{l1_config}[[tier]]\nurl = "{url}"\ntimeout_ms = 1000\n'}
+    return tier if weights_id is None else {**tier, "weights_id": weights_id}
 
 
 def _assert_promoted_byte_exact(engine, keys, payloads):
@@ -212,19 +213,20 @@ def test_a_partial_promotion_names_the_keys_that_loaded(tmp_path):
         engine.close()
 
 
-def test_other_weights_and_corrupt_or_misplaced_values_are_misses(redis_server, monkeypatch):
+def test_other_weights_and_corrupt_or_misplaced_values_are_misses(redis_server):
+    """Weights named by the tier's ``weights_id`` option: the same name shares chunks (two
+    tiers in one process would otherwise each have a process-own digest: no weight files
+    here), another name shares nothing."""
     keys = _keys(3, salt=7)
-    monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", "weights-a")
     payloads = _payloads(keys)
-    writer = Engine(_tier(redis_server.url))
+    writer = Engine(_tier(redis_server.url, weights_id="weights-a"))
     writer.store(keys, payloads)
     writer.close()
     stored = redis_server.keys()
     assert len(stored) == 3
 
     def lookups(weights, check_bytes=False):
-        monkeypatch.setenv("KVPOOL_TEST_WEIGHTS_DIGEST", weights)
-        engine = Engine(_tier(redis_server.url))
+        engine = Engine(_tier(redis_server.url, weights_id=weights))
         try:
             answers = [engine.lookup(k) for k in keys]
             if check_bytes:  # whatever is found is the key's own bytes, never another's
@@ -237,6 +239,8 @@ def test_other_weights_and_corrupt_or_misplaced_values_are_misses(redis_server, 
 
     assert lookups("weights-b") == [LookupResult.MISS] * 3, "other weights share nothing"
     assert lookups("weights-a") == [LookupResult.HIT] * 3, "the same weights find them all"
+    with pytest.raises(ValueError, match="weights_id"):
+        Engine(_tier(redis_server.url, weights_id=""))
     # One value corrupted, and another's bytes copied over the third.
     redis_server.cli("SETRANGE", stored[0], "100", "garbage")
     redis_server.cli("COPY", stored[1], stored[2], "REPLACE")

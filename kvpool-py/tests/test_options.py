@@ -25,6 +25,8 @@ def test_a_misspelt_option_is_refused_naming_the_closest_and_every_known_option(
     ({"transfer": "fast"}, "auto, native, torch"),
     ({"socket_dir": 3}, "a path"),
     ({"consumer_saves": "maybe"}, "true or false"),
+    ({"weights_id": ""}, "non-empty string"),
+    ({"weights_id": 7}, "non-empty string"),
 ])
 def test_a_bad_value_is_refused(extra, needle):
     with pytest.raises(ValueError, match="kvpool: option") as e:
@@ -41,6 +43,8 @@ def test_defaults_and_values_as_given():
                        "config": {"local_cpu": {"max_size": "1GiB"}}, "pool": "unix:///s"})
     assert (o.save_decode_tokens, o.lookup_timeout_ms, o.async_loads, o.transfer,
             o.socket_dir) == (True, 250, "always", "torch", "/run/x")
+    assert o.weights_id is None
+    assert check_options({"weights_id": " llama-3-8b@rev7 "}).weights_id == "llama-3-8b@rev7"
 
 
 def test_every_option_is_in_the_configuration_reference():

@@ -132,16 +132,16 @@ def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
 
 def test_kv_from_another_model_changes_the_output(runner, model_dir, other_model_dir, scratch):
     """Control: the output comparison above detects wrong KV. Another model's KV, made to
-    share keys with this one (its weights digest pinned to the same value, a test-only
-    setting), is served to this one and its tokens or logprobs change."""
+    share keys with this one (both engines given the same ``weights_id``: what an operator
+    who names two different checkpoints alike gets), is served to this one and its tokens or
+    logprobs change."""
     disk = os.path.join(scratch, "disk-control")
-    cfg = l1(tier=[{"url": f"file://{disk}"}])
-    pinned = {"KVPOOL_TEST_WEIGHTS_DIGEST": "same-weights"}
+    cfg = {**l1(tier=[{"url": f"file://{disk}"}]), "weights_id": "same-weights"}
     prompts = shared_prefix_prompts(2, seed=3)
-    runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg, "env": pinned,
+    runner.run({"model": other_model_dir, "prompts": prompts, "kvpool": cfg,
                 "served_model_name": "m"})
     base = runner.baseline(model_dir, prompts)
-    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg, "env": pinned,
+    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
                       "served_model_name": "m"})
     assert got["results"][0]["num_cached_tokens"] >= PREFIX
     with pytest.raises(AssertionError):

@@ -181,6 +181,28 @@ def test_other_weights_another_interface_or_another_layout_share_nothing(scratch
     reader.close()
 
 
+def test_weights_named_by_weights_id_share_pages_whatever_the_files(scratch, weights):
+    """``weights_id`` names the weights instead of their files: the same name finds the pages
+    written over other weight files, another name finds none, an empty name is refused."""
+    disk = tier_config(scratch, "disk", name="named")
+    keys = page_keys(2, salt="named")
+    host = host_pool("mha", "page_first")
+    writer = attach(host, "mha", "page_first", kvpool_extra(disk, weights, weights_id="m@r1"))
+    idx, _ = stored_pages(host, 2)
+    assert Controller(writer, host).backup(keys, idx) is True
+    writer.close()
+    other_files = make_weights(os.path.join(scratch, "weights-named"), b"other files")
+    for name, found in [("m@r1", 2), ("m@r2", 0)]:
+        host = host_pool("mha", "page_first")
+        reader = attach(host, "mha", "page_first",
+                        kvpool_extra(disk, other_files, weights_id=name))
+        assert Controller(reader, host).exists(keys) == found, name
+        reader.close()
+    with pytest.raises(ValueError, match="weights_id"):
+        attach(host_pool("mha", "page_first"), "mha", "page_first",
+               kvpool_extra(disk, weights, weights_id=""))
+
+
 def namespaced_page_keys(tokens, page_size, extra_key=None, cache_salt=None):
     """A request's page keys as SGLang 0.5.23 derives them: a chain seeded by SGLang's own
     ``storage_namespace_seed(extra_key, cache_salt)`` (the LoRA adapter and the cache salt),

@@ -117,21 +117,30 @@ def _local_checkpoint(model: str, revision: str | None, download_dir: str | None
 _PROCESS_NONCE = uuid.uuid4().hex
 
 
-#: Pins the weights digest instead of reading the checkpoint: for tests that must make two
-#: checkpoints share keys on purpose (to show wrong KV is caught). Never set it in production.
-WEIGHTS_DIGEST_ENV = "KVPOOL_TEST_WEIGHTS_DIGEST"
+#: The option that names the weights instead of hashing their files (``weights_id``).
+WEIGHTS_ID_OPTION = "weights_id"
+
+
+def named_weights(weights_id: Any) -> str:
+    """The weights scope of an operator's ``weights_id``: never equal to a digest of files."""
+    if not isinstance(weights_id, str) or not weights_id.strip():
+        raise ValueError(f"kvpool: option {WEIGHTS_ID_OPTION!r} must be a non-empty string "
+                         f"naming the weights, not {weights_id!r}")
+    return f"named:{weights_id.strip()}"
 
 
 def weights_digest(model: str, revision: str | None = None, load_format: str = "auto",
-                   download_dir: str | None = None) -> str:
+                   download_dir: str | None = None, weights_id: str | None = None) -> str:
     """The digest of the weights a model path or Hugging Face id loads from its local files
     (in ``download_dir`` when the engine downloads there), or a digest unique to this
-    process when there are none (random weights, nothing local)."""
-    pinned = os.environ.get(WEIGHTS_DIGEST_ENV)
-    if pinned:
-        logger.warning("kvpool: %s=%s pins the weights digest: checkpoints that differ share "
-                       "keys (a test setting)", WEIGHTS_DIGEST_ENV, pinned)
-        return pinned
+    process when there are none (random weights, nothing local). ``weights_id`` (the
+    operator's ``weights_id`` option) names the weights instead: engines given the same one
+    share chunks whatever they loaded, so it must change whenever the weights do."""
+    if weights_id is not None:
+        named = named_weights(weights_id)
+        logger.info("kvpool: weights named %r by the %s option (not hashed from files)",
+                    named, WEIGHTS_ID_OPTION)
+        return named
     if "dummy" in load_format:
         logger.warning("kvpool: load_format=%s gives random weights; this engine shares no "
                        "chunk with any other process", load_format)

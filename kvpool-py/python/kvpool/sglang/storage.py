@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 from kvpool import _native
-from kvpool.identity import resolve_config, weights_digest
+from kvpool.identity import WEIGHTS_ID_OPTION, named_weights, resolve_config, weights_digest
 from kvpool.sglang import check_sglang_version
 
 # Refuse an SGLang whose storage interface this backend does not know, before importing it.
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpool.sglang")
 
 #: Options of ours in ``--hicache-storage-backend-extra-config``, besides SGLang's own.
-OPTIONS = ("config", "model_path", "pool")
+OPTIONS = ("config", "model_path", "pool", "weights_id")
 
 #: Keys SGLang itself reads from the extra config (the dynamic backend's and the
 #: controller's); passed through unchecked.
@@ -152,6 +152,8 @@ class KvpoolStorage(HiCacheStorage):
                 f"kvpool.sglang: unknown option(s) {unknown} in the storage extra config; kvpool "
                 f"takes {list(OPTIONS)} besides SGLang's own {list(SGLANG_OPTIONS)}"
             )
+        if extra.get(WEIGHTS_ID_OPTION) is not None:
+            named_weights(extra[WEIGHTS_ID_OPTION])  # refuses an empty or non-string name
         if storage_config.should_split_heads:
             raise ValueError(
                 "kvpool.sglang: heterogeneous TP (`tp_lcm_size` with split heads) is not "
@@ -200,7 +202,8 @@ class KvpoolStorage(HiCacheStorage):
                               self._version)
         digest = _native.digest_text(json.dumps(layout, sort_keys=True))
         name = str(config.model_name or "unnamed-model")
-        weights = weights_digest(_weights_path(config, self._extra))
+        weights = weights_digest(_weights_path(config, self._extra),
+                                 weights_id=self._extra.get(WEIGHTS_ID_OPTION))
         scope = f"{name}@w={weights}|sglang={digest[:16]}"
         if config.is_mla_model:
             # Every rank of a DCP shard holds the same latent: one scope, one writer.

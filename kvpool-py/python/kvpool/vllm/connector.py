@@ -306,7 +306,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size=self._tp_size, block_size=self._block_size,
             kv_cache_config=self._kv_cache_config,
             stage_node_memory_copies=self._stage_node_memory_copies,
-            transfer=self._transfer)
+            transfer=self._transfer, weights_id=self._options.weights_id)
         if self._groups is None:
             self._work = WorkerSide(self._vllm_config, kv_caches,
                                     socket_path_of=self._socket_path_of,
@@ -400,9 +400,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._work is not None:
             return self._work.stats()
         # The scheduler side's counters: hand-offs sent (producer) and received (consumer).
-        counts, self._handoff_counts = self._handoff_counts, Counter()
+        counts: dict[str, Any] = dict(self._handoff_counts)
+        self._handoff_counts = Counter()
         if self._handoffs is not None:
-            counts.update(self._handoffs.take_counts())
+            counts.update(self._handoffs.take_counts())  # replaces: the roles count apart
         return KvpoolConnectorStats(data=dict(counts)) if counts else None
 
     @classmethod

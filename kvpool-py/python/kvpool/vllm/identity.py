@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from kvpool import _native
 from kvpool.identity import (  # noqa: F401 - re-exported for the connector's modules
     _PROCESS_NONCE,
-    WEIGHTS_DIGEST_ENV,
     directory_digest,
     file_digest,
     resolve_config,
@@ -23,8 +22,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
-    """(served name, digest of the weights loaded): what a key's model scope holds."""
+def model_identity(vllm_config: "VllmConfig", weights_id: str | None = None) -> tuple[str, str]:
+    """(served name, digest of the weights loaded, or the operator's ``weights_id``): what a
+    key's model scope holds."""
     mc = vllm_config.model_config
     name = mc.served_model_name or mc.model
     if isinstance(name, (list, tuple)):
@@ -32,7 +32,7 @@ def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
     load_config = vllm_config.load_config
     load_format = str(getattr(load_config, "load_format", "auto"))
     return str(name), weights_digest(str(mc.model), getattr(mc, "revision", None), load_format,
-                                     getattr(load_config, "download_dir", None))
+                                     getattr(load_config, "download_dir", None), weights_id)
 
 
 def _lora_identity(lora: Any) -> str:

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.identity import WEIGHTS_ID_OPTION, named_weights
 from kvpool.transfer import TRANSFERS
 
 #: Every option, with what it takes and its default (docs/configuration.md lists the same).
@@ -32,6 +33,9 @@ OPTIONS: dict[str, str] = {
                       "instance computes itself (default false: a consumer only loads)",
     "handoff_timeout_ms": "a positive integer: how long a request a producer handed off waits "
                           "for the producer's saves to be found (default 2000)",
+    "weights_id": "a string naming the weights, used in keys instead of a digest of the "
+                  "weight files (for weights kvpool cannot hash: streamed, custom loaders); "
+                  "change it whenever the weights change (default: hash the files)",
 }
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class ConnectorOptions:
     transfer: str = "auto"
     consumer_saves: bool = False
     handoff_timeout_ms: int = 2000
+    #: The operator's name for the weights (``None``: hash the weight files).
+    weights_id: str | None = None
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -100,7 +106,15 @@ def check_options(extra: dict[str, Any]) -> ConnectorOptions:
         transfer=transfer,
         consumer_saves=_bool("consumer_saves", extra.get("consumer_saves", False)),
         handoff_timeout_ms=handoff_timeout,
+        weights_id=_weights_id(extra.get(WEIGHTS_ID_OPTION)),
     )
+
+
+def _weights_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    named_weights(value)  # refuses an empty or non-string name
+    return value.strip()
 
 
 #: vLLM's ``kv_role`` values and what kvpool does in each.

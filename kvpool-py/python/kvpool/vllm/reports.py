@@ -51,8 +51,8 @@ class KvpoolConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        # vLLM's log line: a histogram's samples as their count.
-        return {k: len(v) if isinstance(v, list) else v for k, v in self.data.items()}
+        # vLLM's log line: the counters (a histogram's samples are counted by one of them).
+        return {k: v for k, v in self.data.items() if not isinstance(v, list)}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

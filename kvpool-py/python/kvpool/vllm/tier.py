@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvpool import _native
 from kvpool.vllm.compat import check_vllm
+from kvpool.identity import named_weights
 from kvpool.vllm.identity import model_identity, resolve_config, weights_digest
 
 if TYPE_CHECKING:
@@ -73,15 +74,18 @@ BYTES_METRIC = "vllm:kvpool_tier_bytes"
 MAX_PENDING_EVENTS = 65_536
 
 
-def _scope_of(spec: "OffloadingSpec", row_bytes: int) -> tuple[str, int, int]:
-    """(model scope, world size, tokens per row): the served model bound to its weights and to
-    everything that decides a row's bytes (vLLM's offloading layout, dtype, parallelism)."""
+def _scope_of(spec: "OffloadingSpec", row_bytes: int,
+              weights_id: str | None = None) -> tuple[str, int, int]:
+    """(model scope, world size, tokens per row): the served model bound to its weights (or
+    the operator's ``weights_id``) and to everything that decides a row's bytes (vLLM's
+    offloading layout, dtype, parallelism)."""
     config = spec.config
     vllm_config = _current_vllm_config()
     if vllm_config is not None:
-        name, weights = model_identity(vllm_config)
+        name, weights = model_identity(vllm_config, weights_id)
     else:
-        name, weights = config.model.name, weights_digest(config.model.name)
+        name, weights = config.model.name, weights_digest(config.model.name,
+                                                          weights_id=weights_id)
     parallel = config.parallel
     layout = {
         "kind": "vllm-offload-row",
@@ -135,14 +139,18 @@ class KvpoolTier(SecondaryTierManager):
         backpressure_detector: "BackpressureDetector | None" = None,
         config: Any = None,
         locality: Any = None,
+        weights_id: Any = None,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise ValueError(
                 f"kvpool tier: unknown option(s) {sorted(unknown)}; it takes `config` (a path, "
-                "TOML text or a dict) besides vLLM's own `type`, `module_path`, `locality` and "
-                "`backpressure`"
+                "TOML text or a dict) and `weights_id` (a name for the weights, instead of a "
+                "digest of their files) besides vLLM's own `type`, `module_path`, `locality` "
+                "and `backpressure`"
             )
+        if weights_id is not None:
+            named_weights(weights_id)  # refuses an empty or non-string name
         check_vllm(vllm.__version__, KvpoolTier, (SecondaryTierManager,))
         super().__init__(
             offloading_spec=offloading_spec,
@@ -161,7 +169,7 @@ class KvpoolTier(SecondaryTierManager):
         self._rows = rows
         row_bytes = int(rows.shape[1]) * rows.itemsize
         text, fmt = resolve_config({} if config is None else {"config": config})
-        scope, world, tokens = _scope_of(offloading_spec, row_bytes)
+        scope, world, tokens = _scope_of(offloading_spec, row_bytes, weights_id)
         self._native = _native.OffloadTier(
             text, fmt, scope, world, int(rows.ctypes.data), int(rows.shape[0]), row_bytes, tokens
         )

@@ -32,11 +32,13 @@ class WorkerSide:
                  socket_path_of, kv_events: bool, kv_cache_config=None,
                  stage_node_memory_copies: bool = False, transfer: str = "auto",
                  group_format: str = "", share_pool_with: "WorkerSide | None" = None,
-                 parts: int = 1, null_block: int | None = None):
+                 parts: int = 1, null_block: int | None = None,
+                 weights_id: str | None = None):
         """For one KV cache group of a hybrid model (``kvpool.vllm.hybrid``): ``kv_caches``
         holds the group's layers, ``group_format`` names the group in every key,
         ``share_pool_with`` is the worker side whose pool it shares (``None`` builds the pool),
-        one of ``parts``, and ``null_block`` is vLLM's null block id."""
+        one of ``parts``, and ``null_block`` is vLLM's null block id. ``weights_id`` is the
+        operator's name for the weights (``None``: their files are hashed)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         layout = detect_for(vllm_config, kv_caches, block_size, kv_cache_config)
@@ -55,7 +57,7 @@ class WorkerSide:
         # Exactly one of the two runs the copies.
         self.mover = BlockMover(planes) if self.transfer == "torch" else None
         self.copies = native_copy_engine(planes) if self.transfer == "native" else None
-        self.model, self.weights = model_identity(vllm_config)
+        self.model, self.weights = model_identity(vllm_config, weights_id)
         self.native = _native.Worker(
             config_text=config_text,
             config_format=config_format,
