@@ -41,7 +41,7 @@ def engine_main(spec_path, out_path):
 
     kwargs = {}
     if spec["connector"] == "kvpool":
-        extra = {"config": spec["kvpool"]}
+        extra = {"config": spec["kvpool"], **spec.get("kvpool_options", {})}
         if spec.get("pool"):
             extra["pool"] = spec["pool"]
         kwargs["kv_transfer_config"] = KVTransferConfig(

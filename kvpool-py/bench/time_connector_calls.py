@@ -1,5 +1,6 @@
-"""Where a daemon hit's TTFT goes: the connector's calls timed inside vLLM (CPU build), an
-in-process L1 hit against a hit from the pool daemon, in one run.
+"""Where a hit's TTFT goes: the connector's calls timed inside vLLM (CPU build), an in-process
+L1 hit against a hit from the pool daemon and from the disk tier in a fresh process, in one
+run.
 
     cargo xtask bench-vllm --daemon   # once: installs the release wheel, builds `kvpool serve`
     KVPOOL_BIN=target/release/kvpool HF_HUB_OFFLINE=1 \\
@@ -11,6 +12,7 @@ and prints, per connector call, its slowest twelve durations in milliseconds (th
 requests and the warm-up; the other calls of a process take well under a millisecond).
 """
 
+import functools
 import json
 import os
 import random
@@ -32,6 +34,19 @@ CALLS = {
 }
 
 
+def timing(f, label, times):
+    """``f`` with each call's duration appended to ``times[label]``; its signature is
+    ``f``'s (kvpool checks the connector's signatures against vLLM's at start-up)."""
+    @functools.wraps(f)
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            times.setdefault(label, []).append(time.perf_counter() - t)
+    return timed
+
+
 def engine(spec_path, out_path):
     """One engine process (bench_vllm's), its connector calls timed."""
     import atexit
@@ -46,13 +61,7 @@ def engine(spec_path, out_path):
     for module, names in CALLS.items():
         cls = classes[module]
         for name in names:
-            def timed(*a, _f=getattr(cls, name), _n=f"{module}.{name}", **k):
-                t = time.perf_counter()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    times.setdefault(_n, []).append(time.perf_counter() - t)
-            setattr(cls, name, timed)
+            setattr(cls, name, timing(getattr(cls, name), f"{module}.{name}", times))
 
     class TimedNative:
         """The native worker, its ``copy_done`` and ``save_jobs`` timed (a load's check of
@@ -83,6 +92,10 @@ def engine(spec_path, out_path):
     worker_side.WorkerSide.__init__ = timed_init
     atexit.register(lambda: print("TIMES " + json.dumps(
         {k: [round(x * 1e3, 2) for x in sorted(v)[-12:]] for k, v in times.items()})))
+    # The loads' calls in the order they ran (the measured requests' are the last ones).
+    atexit.register(lambda: print("ORDER " + json.dumps(
+        {k: [round(x * 1e3, 1) for x in v if x > 1e-3][-12:] for k, v in times.items()
+         if k in ("worker_side.bind", "worker_side.start_load")})))
     bench_vllm.engine_main(spec_path, out_path)
 
 
@@ -101,6 +114,9 @@ def run(spec, scratch, name):
         if line.startswith("TIMES "):
             for call, ms in json.loads(line[6:]).items():
                 print(f"  {call:45} {ms}")
+        if line.startswith("ORDER "):
+            for call, ms in json.loads(line[6:]).items():
+                print(f"  {call + ', in order, over 1 ms':45} {ms}")
 
 
 def main():
@@ -115,17 +131,29 @@ def main():
     base = {"model": model, "max_model_len": 8192 + 256}
     l1 = {"local_cpu": {"max_size": "4GiB"}}
     unrelated = [r.randrange(3, 999) for _ in range(512)]
-    prompts = [[r.randrange(3, 999) for _ in range(8192 + 64)] for _ in range(6)]
+    prompts = [[r.randrange(3, 999) for _ in range(8192 + 64)] for _ in range(11)]
     run({**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, prompts[0]],
          "measure": [prompts[0]] * 5}, scratch, "in-process L1, same prompt")
     daemon = PoolDaemon(scratch, "daemon", size="8GiB")
     try:
         via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
-        bench_vllm.run_engine({**via, "measure": prompts}, scratch, "store")
-        run({**via, "warm": [unrelated, prompts[0]], "measure": prompts[1:]}, scratch,
+        bench_vllm.run_engine({**via, "measure": prompts[:6]}, scratch, "store")
+        run({**via, "warm": [unrelated, prompts[0]], "measure": prompts[1:6]}, scratch,
             "daemon, warm process, computed by another")
     finally:
         daemon.stop()
+    # The disk tier read by a fresh process (its L1 empty), as bench_vllm's disk row: loads in
+    # the background (the default) and before the forward pass (the whole fetch inside
+    # worker_side.start_load, so timed there); ten prompts, to see the first ones' cost.
+    disk = {"local_cpu": {"max_size": "512MiB"},
+            "tier": [{"url": f"file://{os.path.join(scratch, 'disk')}"}]}
+    bench_vllm.run_engine({**base, "connector": "kvpool", "kvpool": disk, "measure": prompts},
+                          scratch, "disk-store")
+    for options, label in (({}, "background loads"),
+                           ({"async_loads": False}, "loads before the forward pass")):
+        run({**base, "connector": "kvpool", "kvpool": disk, "kvpool_options": options,
+             "warm": [unrelated], "measure": prompts[1:]}, scratch,
+            f"disk, fresh process, {label}")
 
 
 if __name__ == "__main__":
