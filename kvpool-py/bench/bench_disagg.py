@@ -15,7 +15,7 @@ round); the decode instance's prompt tokens and those it loaded; per set-up the
 median over rounds and the range; the per-round ratio 1P1D / one server and its median; and the
 consumer's hand-off counters (every request should be handed off and found whole).
 
-    python bench_disagg.py --out results.json [--rounds 5] [--prompts 16] [--input-len 1024]
+    python bench_disagg.py --out results.json [--rounds 5] [--prompts 16] [--input-len 1000]
 
 Run through `cargo xtask bench-disagg` (release wheel; `KVPOOL_BIN` names `kvpool`).
 """
@@ -161,6 +161,7 @@ def main():
                     before["loaded"] = decode.metric("vllm:kvpool_loaded_tokens_total")
                     before["prompt"] = decode.metric("vllm:prompt_tokens_total")
                     before["cached"] = one.metric("vllm:prefix_cache_hits_total")
+                    before["queried"] = one.metric("vllm:prefix_cache_queries_total")
                     ttfts = {s: server_ttft(s) for s in started}
                     r = run_client(model, targets[name], dataset, results_dir,
                                    f"{name.replace(' ', '-')}-{rnd}", "ttft,itl,e2el")
@@ -189,9 +190,12 @@ def main():
                         row["remainder_ttft_mean_ms"] = row["client_ttft_mean_ms"] - \
                             row["prefill_ttft_mean_ms"] - row["decode_ttft_mean_ms"]
                     else:
-                        # Prompts new to the server: its own prefix cache should find nothing.
+                        # Prompts new to the server: its own prefix cache should find nothing
+                        # of what it was asked (the queries show the counters are read).
                         row["prefix_cache_hit_tokens"] = int(
                             one.metric("vllm:prefix_cache_hits_total") - before["cached"])
+                        row["prefix_cache_queried_tokens"] = int(
+                            one.metric("vllm:prefix_cache_queries_total") - before["queried"])
                     runs[name].append(row)
                     print(f"round {rnd} {name}: {json.dumps(row)}", flush=True)
         finally:
@@ -220,8 +224,9 @@ def main():
         print(f"{name}: mean TTFT, median over rounds: " + ", ".join(
             f"{k.removesuffix('_ttft_mean_ms')} {v['median']:.0f} ms ({v['min']:.0f}-{v['max']:.0f})"
             for k, v in parts.items()))
-    print("one server's own prefix cache hits per round (tokens):",
-          [r["prefix_cache_hit_tokens"] for r in runs["one server"]])
+    print("one server's own prefix cache per round (hit / queried tokens):",
+          [(r["prefix_cache_hit_tokens"], r["prefix_cache_queried_tokens"])
+           for r in runs["one server"]])
     print("consumer hand-offs per round:", handoffs)
 
 

@@ -144,7 +144,7 @@ def main():
         daemon.stop()
     # The disk tier read by a fresh process (its L1 empty), as bench_vllm's disk row: loads in
     # the background (the default) and before the forward pass (the whole fetch inside
-    # worker_side.start_load, so timed there); ten prompts, to see the first ones' cost.
+    # worker_side.bind, so timed there); ten prompts, to see the first ones' cost.
     disk = {"local_cpu": {"max_size": "512MiB"},
             "tier": [{"url": f"file://{os.path.join(scratch, 'disk')}"}]}
     bench_vllm.run_engine({**base, "connector": "kvpool", "kvpool": disk, "measure": prompts},

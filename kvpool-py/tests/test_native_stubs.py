@@ -56,13 +56,15 @@ def params_at_run_time(obj):
 
 def assert_same_params(stub_fn, runtime_obj, what):
     """Names, order, kinds; a default on one side only, or two spelt defaults that differ,
-    fail (a stub may write ``...`` for a default PyO3 does not spell out)."""
+    fail; a stub writes ``...`` exactly where PyO3 does not spell the default out."""
     stubbed, actual = params_of(stub_fn), params_at_run_time(runtime_obj)
     assert [p[:2] for p in stubbed] == [p[:2] for p in actual], what
     for (name, _, mine), (_, _, theirs) in zip(stubbed, actual):
         empty = inspect.Parameter.empty
         assert (mine is empty) == (theirs is empty), f"{what}: default of {name}"
-        if mine is not empty and mine is not UNSPELT and theirs is not Ellipsis:
+        if mine is UNSPELT:
+            assert theirs is Ellipsis, f"{what}: default of {name}: ... vs {theirs!r}"
+        elif mine is not empty and theirs is not Ellipsis:
             assert mine == theirs, f"{what}: default of {name}: {mine!r} vs {theirs!r}"
 
 

@@ -134,10 +134,16 @@ def weights_digest(model: str, revision: str | None = None, load_format: str = "
     """The digest of the weights a model path or Hugging Face id loads from its local files
     (in ``download_dir`` when the engine downloads there), or a digest unique to this
     process when there are none (random weights, nothing local). ``weights_id`` (the
-    operator's ``weights_id`` option) names the weights instead: engines given the same one
-    share chunks whatever they loaded, so it must change whenever the weights do."""
+    operator's ``weights_id`` option) names the weights instead: engines with the same served
+    name and the same ``weights_id`` share chunks whatever they loaded, so it must change
+    whenever the weights do."""
     if weights_id is not None:
         named = named_weights(weights_id)
+        if "dummy" in load_format:
+            logger.warning("kvpool: load_format=%s gives random weights, yet %s=%r makes this "
+                           "engine share chunks with every engine so named: only correct if "
+                           "their random weights are identical", load_format,
+                           WEIGHTS_ID_OPTION, weights_id)
         logger.info("kvpool: weights named %r by the %s option (not hashed from files)",
                     named, WEIGHTS_ID_OPTION)
         return named

@@ -11,8 +11,9 @@
 | ``storage.py`` | the backend: SGLang's calls to kvpool's pages by address, keys and their scope |
 
 Options of ours in the extra config: ``config`` (a path to a TOML file, TOML text, or a dict;
-else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier) and ``model_path`` (where
-the weights are, when the server's ``--model-path`` cannot be read). ``interface_v1: 1`` is
+else ``KVPOOL_CONFIG``; else 2 GiB of CPU memory and no lower tier), ``model_path`` (where
+the weights are, when the server's ``--model-path`` cannot be read), ``pool`` (the node's pool
+daemon) and ``weights_id`` (a name for the weights instead of a digest of their files). ``interface_v1: 1`` is
 SGLang's switch to the zero-copy calls (``batch_get_v1`` / ``batch_set_v1``); without it
 SGLang uses the older whole-page calls, which kvpool also serves, under another key scope.
 A hybrid model's other host pools (Mamba states, sliding-window KV: SGLang's ``*_v2`` calls)
