@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Encoding version, the first byte of every encoded metadata.
-pub const METADATA_VERSION: u8 = 4;
+pub const METADATA_VERSION: u8 = 5;
 
 /// Tokens to load into the engine's blocks for one request: `[gpu_cached_tokens, load_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,14 +50,19 @@ pub struct ReqMeta {
     /// Save, if any.
     pub save: Option<SaveSpec>,
     /// Tail-block keys of the load: one per block from the chunk boundary at or below
-    /// `load_until` up to `load_until` (a prompt's tokens past its last whole chunk are keyed
-    /// per block, see [`kvpool_core::HashAlgorithm::chain_tail_blocks`]); empty when the load
-    /// ends on a chunk boundary.
+    /// `load_until` up to `load_until` (a prompt's whole blocks in the chunk its last token
+    /// falls in are keyed per block, see [`kvpool_core::HashAlgorithm::chain_tail_blocks`]);
+    /// empty when the load ends on a chunk boundary.
     pub load_tail: Vec<[u8; 16]>,
-    /// Tail-block keys to save after the save's whole chunks: one per block from
-    /// `save_until` on (the prompt's whole blocks past its last whole chunk, saved once the
-    /// prompt is computed).
+    /// Tail-block keys to save besides the save's whole chunks: one per block from
+    /// `save_tail_start` on (the prompt's whole blocks in the chunk its last token falls in,
+    /// saved once the prompt is computed).
     pub save_tail: Vec<[u8; 16]>,
+    /// Where `save_tail`'s blocks begin: a chunk boundary at or below `save_until`. Below it
+    /// when that chunk is saved whole as well (a prompt that ends on a chunk boundary: its
+    /// last chunk's blocks but the last, keyed one by one, so a repeat of the prompt, which
+    /// never loads its last token, is served to its last whole block).
+    pub save_tail_start: u32,
 }
 
 /// Part of a step's staged saves that must never become visible: chunks of `req_id` saved
@@ -228,8 +233,20 @@ impl ConnectorMetadata {
                         s.save_from, s.save_until
                     )));
                 }
-                let tail_end = s.save_until as usize + r.save_tail.len() * self.block_size as usize;
-                needed = needed.max(tail_end);
+                if !r.save_tail.is_empty() {
+                    if r.save_tail_start > s.save_until
+                        || !r.save_tail_start.is_multiple_of(self.block_size)
+                    {
+                        return Err(bad(format!(
+                            "tail blocks from {} past save end {} or off a block boundary",
+                            r.save_tail_start, s.save_until
+                        )));
+                    }
+                    let tail_end =
+                        r.save_tail_start as usize + r.save_tail.len() * self.block_size as usize;
+                    needed = needed.max(tail_end);
+                }
+                needed = needed.max(s.save_until as usize);
                 needed_chunks = needed_chunks.max(s.save_until as usize);
             } else if !r.save_tail.is_empty() {
                 return Err(bad("tail blocks to save without a save".into()));
@@ -276,6 +293,7 @@ mod tests {
                 }),
                 load_tail: vec![],
                 save_tail: vec![[9; 16]],
+                save_tail_start: 4,
             }],
             unloadable_blocks: vec![7],
             discards: vec![SaveDiscard {
@@ -309,7 +327,29 @@ mod tests {
             save_until: 0,
         });
         r.save_tail = vec![[9; 16], [8; 16]];
+        r.save_tail_start = 0;
         assert_eq!(ConnectorMetadata::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn a_tail_may_repeat_the_blocks_of_a_chunk_saved_whole() {
+        let mut m = sample();
+        let r = &mut m.requests[0];
+        r.block_ids = vec![4, 5, 6, 7];
+        r.save = Some(SaveSpec {
+            save_from: 0,
+            save_until: 8,
+        });
+        r.save_tail = vec![[9; 16]];
+        r.save_tail_start = 0;
+        assert_eq!(ConnectorMetadata::decode(&m.encode()).unwrap(), m);
+        // Never past the save's end, nor off a block boundary.
+        let mut past = m.clone();
+        past.requests[0].save_tail_start = 12;
+        assert!(ConnectorMetadata::decode(&past.encode()).is_err());
+        let mut off = m.clone();
+        off.requests[0].save_tail_start = 2;
+        assert!(ConnectorMetadata::decode(&off.encode()).is_err());
     }
 
     #[test]

@@ -111,8 +111,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=16)
-    # Not a multiple of kvpool's 256-token chunk: a prompt ending on a chunk boundary is
-    # handed off to the chunk before its last, and the decode instance computes that chunk.
+    # Not a multiple of kvpool's 256-token chunk (before 2026-11-28's tail for such prompts, a
+    # prompt ending on a chunk boundary was handed off to the chunk before its last).
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")

@@ -141,6 +141,12 @@ impl PyScheduler {
         Ok(guard(self)?.chunk_size())
     }
 
+    /// How this engine derives keys (`ConnectorScheduler::scope_digest`): engines whose
+    /// digests differ never share a key (a hand-off names it).
+    fn scope_digest(&self) -> PyResult<String> {
+        Ok(guard(self)?.scope_digest())
+    }
+
     /// vLLM `get_num_new_matched_tokens`: tokens beyond `num_computed_tokens` to load, and
     /// whether the load is asynchronous.
     #[pyo3(signature = (req_id, prompt_token_ids, extra_keys, num_computed_tokens, skip_save=false))]
@@ -211,8 +217,8 @@ impl PyScheduler {
             .unwrap_or_default())
     }
 
-    /// The keys of the request's prompt blocks past its last whole chunk (the chunk tail),
-    /// one 16-byte string per whole block; empty for an unknown request or no such block.
+    /// The keys of the request's prompt tail blocks (`ConnectorScheduler::prompt_tail_hashes`),
+    /// one 16-byte string per block; empty for an unknown request or no such block.
     fn tail_block_hashes<'py>(
         &self,
         py: Python<'py>,

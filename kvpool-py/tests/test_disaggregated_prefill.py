@@ -155,10 +155,11 @@ def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
         runner, pd_model, scratch, shared_tier):
     prompts = [p for seed in (41, 42) for p in shared_prefix_prompts(1, prefix_len=400,
                                                                       suffix_len=29, seed=seed)]
-    # Ending on a chunk boundary (256 tokens): a lookup stops before the last token, so the
-    # hand-off names (and waits for) the chunks before the last one only.
+    # Ending on a chunk boundary (512 tokens): a lookup stops before the last token; the
+    # producer keys the last chunk's blocks one by one too, so it is still served to its last
+    # whole block.
     prompts += shared_prefix_prompts(1, prefix_len=500, suffix_len=12, seed=43)
-    chunk = 256
+    assert len(prompts[-1]) % 256 == 0
     late = shared_prefix_prompts(1, prefix_len=300, suffix_len=17, seed=44)[0]
     base = runner.baseline(pd_model, prompts + [late], max_tokens=MAX_TOKENS,
                            batches=[[0], [1], [2], [3]])
@@ -178,11 +179,11 @@ def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
         assert prefill.counter("vllm:kvpool_handoffs_sent_total") == len(prompts)
         assert decode.counter("vllm:kvpool_handoffs_received_total") == len(prompts)
         assert decode.counter("vllm:kvpool_handoffs_complete_total") == len(prompts)
-        loadable = sum((len(p) - 1) // (chunk if len(p) % chunk == 0 else BLOCK)
-                       * (chunk if len(p) % chunk == 0 else BLOCK) for p in prompts)
+        loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
         assert decode.counter("vllm:kvpool_loaded_tokens_total") == loadable
         assert decode.counter("vllm:kvpool_stored_tokens_total") == 0, "the consumer saved"
         assert decode.counter("vllm:kvpool_handoffs_timed_out_total") == 0
+        assert decode.counter("vllm:kvpool_handoffs_mismatched_total") == 0, "scopes differ"
         # The shared tier dies: the producer's saves and the consumer's lookups fail; a hand-off
         # is waited for until handoff_timeout_ms, then the decode instance computes it all.
         os.kill(tier_pid, signal.SIGKILL)

@@ -71,6 +71,23 @@ def test_a_wait_ends_when_the_tokens_are_found_or_at_the_timeout_with_lookups_sp
     assert h.take_counts() == {}
 
 
+def test_a_hand_off_keyed_in_another_scope_is_not_waited_for():
+    """A producer whose keys differ (one-sided ``weights_id``, another TP size or layout)
+    could never be found: the consumer looks the request up as any other at once."""
+    h = Handoffs(2.0, 16, clock=Clock(), scope="aa" * 16)
+    assert h.expected(request("a", 100, handoff_params(64, "p", "aa" * 16))) == 64
+    assert h.expected(request("b", 100, handoff_params(64, "p", "bb" * 16))) is None
+    assert h.expected(request("b2", 100, handoff_params(64, "p", "bb" * 16))) is None
+    assert h.take_counts() == {"handoffs_received": 2, "handoffs_mismatched": 2}
+    assert h.foreign_scopes == {"bb" * 16}, "one warning per producer scope"
+    # Asked again (blocks not allocated): neither waited for nor counted twice.
+    assert h.expected(request("b", 100, handoff_params(64, "p", "bb" * 16))) is None
+    assert h.take_counts() == {}
+    # A hand-off without a scope (an older producer) is waited for as before.
+    assert h.expected(request("c", 100, handoff_params(64, "p"))) == 64
+    assert handoff_params(64, "p", "cc")["kvpool_handoff"]["scope"] == "cc"
+
+
 def test_a_request_found_whole_at_once_is_not_counted_as_waiting():
     h = Handoffs(2.0, 16, clock=Clock())
     assert h.settle("a", 64, 96)

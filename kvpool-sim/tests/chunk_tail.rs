@@ -1,5 +1,5 @@
-//! A prompt's tokens past its last whole chunk (the chunk tail): its whole blocks are keyed
-//! block by block, so a repeated prompt is served to its last whole block, as vLLM's own prefix
+//! A prompt's tail (its whole blocks in the chunk its last token falls in, that chunk's last
+//! block never) is keyed block by block, so a repeated prompt is served to its last whole block, as vLLM's own prefix
 //! cache would serve it, and a longer prompt over an earlier, shorter one finds the earlier
 //! one's tail. Each test compares the loaded blocks byte for byte with the model.
 
@@ -156,4 +156,69 @@ fn a_prompt_shorter_than_a_chunk_is_served_from_its_tail() {
     let b_blocks: Vec<u32> = (50..50 + a_blocks.len() as u32).collect();
     assert_eq!(load(&mut s, "b", &p, &b_blocks), BLOCK);
     assert_eq!(model_mismatches(&s.w.kv, &p[..BLOCK], &b_blocks), 0);
+}
+
+#[test]
+fn a_prompt_ending_on_a_chunk_boundary_is_served_to_its_last_whole_block() {
+    let mut s = setup();
+    let n = 3 * CHUNK;
+    let p = prompt(n, 16);
+    let a_blocks: Vec<u32> = (0..n.div_ceil(BLOCK) as u32).collect();
+    // The last chunk is saved whole, and its blocks but the last one by one.
+    assert_eq!(
+        compute_and_save(&mut s, "a", &p, &a_blocks),
+        CHUNK / BLOCK - 1
+    );
+    let b_blocks: Vec<u32> = (10..10 + a_blocks.len() as u32).collect();
+    let served = n - BLOCK;
+    assert_eq!(load(&mut s, "b", &p, &b_blocks), served);
+    assert_eq!(
+        model_mismatches(&s.w.kv, &p[..served], &b_blocks),
+        0,
+        "two whole chunks and the last chunk's tail blocks, byte for byte"
+    );
+    // A longer prompt over it finds the last chunk whole.
+    let long: Vec<u32> = p.iter().copied().chain(prompt(BLOCK + 5, 17)).collect();
+    let c_blocks: Vec<u32> = (20..20 + long.len().div_ceil(BLOCK) as u32).collect();
+    assert_eq!(load(&mut s, "c", &long, &c_blocks), n);
+    assert_eq!(model_mismatches(&s.w.kv, &long[..n], &c_blocks), 0);
+}
+
+#[test]
+fn a_chunk_aligned_prompt_computed_in_two_steps_saves_its_tail_before_its_last_chunk() {
+    let mut s = setup();
+    let n = 2 * CHUNK;
+    let p = prompt(n, 18);
+    let blocks: Vec<u32> = (0..n.div_ceil(BLOCK) as u32).collect();
+    s.sched.get_num_new_matched_tokens(&request("a", &p), 0);
+    s.sched.update_state_after_alloc("a", &blocks, 0);
+    // A chunked prefill that stops one block short: the first chunk, and the tail blocks of
+    // the last (all of them are computed), but not the last chunk.
+    let meta = s.sched.build_connector_meta(&[scheduled(
+        "a",
+        BlockUpdate::Replace(blocks.clone()),
+        n - BLOCK,
+    )]);
+    let r = &meta.requests[0];
+    assert_eq!(r.save.map(|sv| sv.save_until), Some(CHUNK as u32));
+    assert_eq!(
+        (r.save_tail_start, r.save_tail.len()),
+        (CHUNK as u32, CHUNK / BLOCK - 1)
+    );
+    let owned = p.clone();
+    s.worker_step(&meta, &[(&owned, &blocks, 0..n - BLOCK)]);
+    let meta = s
+        .sched
+        .build_connector_meta(&[scheduled("a", BlockUpdate::Unchanged, n)]);
+    let r = &meta.requests[0];
+    assert_eq!(
+        r.save.map(|sv| (sv.save_from, sv.save_until)),
+        Some((CHUNK as u32, n as u32))
+    );
+    assert!(r.save_tail.is_empty(), "the tail is saved once");
+    s.worker_step(&meta, &[(&owned, &blocks, n - BLOCK..n)]);
+    s.settle();
+    let b_blocks: Vec<u32> = (20..20 + blocks.len() as u32).collect();
+    assert_eq!(load(&mut s, "b", &p, &b_blocks), n - BLOCK);
+    assert_eq!(model_mismatches(&s.w.kv, &p[..n - BLOCK], &b_blocks), 0);
 }

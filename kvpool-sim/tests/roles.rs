@@ -111,10 +111,13 @@ fn a_finished_prompt_names_what_a_later_lookup_of_it_finds() {
         named_and_found(&mut s, "p", &p, 0),
         (2 * CHUNK + 2 * BLOCK, 2 * CHUNK + 2 * BLOCK)
     );
-    // A prompt ending on a chunk boundary: a lookup stops before its last token, so it finds
-    // the chunks before the last one, and that is what is named.
+    // A prompt ending on a chunk boundary: a lookup stops before its last token, and finds
+    // the last chunk's blocks but the last through their tail keys; that is what is named.
     let q = prompt(3 * CHUNK, 36);
-    assert_eq!(named_and_found(&mut s, "q", &q, 20), (2 * CHUNK, 2 * CHUNK));
+    assert_eq!(
+        named_and_found(&mut s, "q", &q, 20),
+        (3 * CHUNK - BLOCK, 3 * CHUNK - BLOCK)
+    );
     // Ending on a block boundary inside a chunk: to the block before the last.
     let r = prompt(CHUNK + BLOCK, 37);
     assert_eq!(named_and_found(&mut s, "r", &r, 40), (CHUNK, CHUNK));

@@ -61,6 +61,7 @@ impl ConnectorScheduler {
                 save: None,
                 load_tail: std::mem::take(&mut t.load_tail),
                 save_tail: Vec::new(),
+                save_tail_start: 0,
                 req_id: id,
             });
         }

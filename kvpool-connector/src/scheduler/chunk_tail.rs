@@ -1,6 +1,7 @@
-//! The chunk tail: a prompt's whole blocks past its last whole chunk, keyed one block at a time
-//! (`HashAlgorithm::chain_tail_blocks`, chained on the chunk before them), so an exact repeat
-//! is served to its last whole block as vLLM's own prefix cache would (docs/keys.md).
+//! The chunk tail: a prompt's whole blocks in the chunk its last token falls in, keyed one block
+//! at a time (`HashAlgorithm::chain_tail_blocks`, chained on the chunk before them), so an
+//! exact repeat is served to its last whole block as vLLM's own prefix cache would
+//! (docs/keys.md).
 
 use kvpool_core::{ChunkHash, HashAlgorithm};
 
@@ -9,7 +10,7 @@ use super::{ConnectorScheduler, RequestTracker};
 impl ConnectorScheduler {
     /// What the pool holds of a request's first `limit` tokens, in tokens: the leading whole
     /// chunks, then, past the last one found, the tail blocks of the next chunk (blocks keyed
-    /// one by one, stored for prompts that ended inside that chunk). Returns the hit, how much
+    /// one by one, stored for prompts whose last token fell in that chunk). Returns the hit, how much
     /// of it is leased in memory, and the tail-block keys the hit includes. A second lookup
     /// runs only when a whole chunk before the last is missing (a longer prompt over an
     /// earlier, shorter one).
@@ -76,8 +77,9 @@ impl RequestTracker {
     }
 
     /// The prompt's tail-block keys to save in this step, or none: once the prompt is computed
-    /// up to its last whole block (`computed`), every whole chunk before the tail is saved by
-    /// the end of this step (`saved_after`), and the tail was not saved before.
+    /// up to its last tail block (`computed`), every whole chunk before the tail is saved by
+    /// the end of this step (`saved_after`), and the tail was not saved before. The keys'
+    /// blocks start at [`prompt_tail_range`]'s start.
     pub(super) fn tail_to_save(
         &self,
         hash_algorithm: &HashAlgorithm,
@@ -86,12 +88,11 @@ impl RequestTracker {
         saved_after: usize,
         computed: usize,
     ) -> Vec<[u8; 16]> {
-        let tail_start = self.prompt_len / chunk_size * chunk_size;
-        let tail_end = self.prompt_len / block_size * block_size;
+        let (tail_start, tail_end) = prompt_tail_range(self.prompt_len, chunk_size, block_size);
         if self.skip_save
             || self.tail_saved
             || tail_end <= tail_start
-            || saved_after != tail_start
+            || saved_after < tail_start
             || computed < tail_end
         {
             return Vec::new();
@@ -102,17 +103,16 @@ impl RequestTracker {
             .collect()
     }
 
-    /// The keys of the prompt's whole blocks past its last whole chunk, one per block, in
-    /// order; empty when the prompt ends on a chunk boundary or inside its chunk's first block.
+    /// The keys of the prompt's tail blocks ([`prompt_tail_range`]), one per block, in order;
+    /// empty when the range holds no whole block.
     pub(crate) fn prompt_tail_hashes(
         &self,
         hash_algorithm: &HashAlgorithm,
         chunk_size: usize,
         block_size: usize,
     ) -> Vec<ChunkHash> {
-        let tail_start = self.prompt_len / chunk_size * chunk_size;
-        let tail_end = self.prompt_len / block_size * block_size;
-        if tail_end <= tail_start || chunk_size <= block_size {
+        let (tail_start, tail_end) = prompt_tail_range(self.prompt_len, chunk_size, block_size);
+        if tail_end <= tail_start {
             return Vec::new();
         }
         hash_algorithm.chain_tail_blocks(
@@ -120,5 +120,48 @@ impl RequestTracker {
             &self.token_ids[tail_start..tail_end],
             block_size,
         )
+    }
+}
+
+/// The tokens of a `prompt_len`-token prompt keyed block by block (its tail): the whole
+/// blocks of the chunk its last token falls in, but never that chunk's last block (a chunk
+/// that whole is stored as a chunk). For a prompt that ends inside a chunk, its whole blocks
+/// past its last whole chunk; for one that ends on a chunk boundary, its last chunk's blocks
+/// but the last: a repeat of the prompt never loads its last token, so its lookup stops
+/// before that chunk and finds these blocks instead (vLLM's own prefix cache serves such a
+/// repeat to the block before the last, and so does the pool). Returns `(start, end)`; empty
+/// (`end <= start`) for an empty prompt or when a chunk is one block.
+pub(crate) fn prompt_tail_range(
+    prompt_len: usize,
+    chunk_size: usize,
+    block_size: usize,
+) -> (usize, usize) {
+    if prompt_len == 0 || chunk_size <= block_size {
+        return (0, 0);
+    }
+    let start = (prompt_len - 1) / chunk_size * chunk_size;
+    let end = (prompt_len / block_size * block_size).min(start + chunk_size - block_size);
+    (start, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prompt_tail_range;
+
+    #[test]
+    fn the_tail_is_the_whole_blocks_of_the_chunk_the_last_token_falls_in() {
+        // Chunks of 16 tokens, blocks of 4.
+        assert_eq!(prompt_tail_range(0, 16, 4), (0, 0));
+        assert_eq!(prompt_tail_range(3, 16, 4), (0, 0));
+        assert_eq!(prompt_tail_range(9, 16, 4), (0, 8));
+        assert_eq!(prompt_tail_range(15, 16, 4), (0, 12));
+        // Ending on a chunk boundary: that chunk's blocks but its last.
+        assert_eq!(prompt_tail_range(16, 16, 4), (0, 12));
+        assert_eq!(prompt_tail_range(48, 16, 4), (32, 44));
+        // Past a boundary: the blocks after it.
+        assert_eq!(prompt_tail_range(17, 16, 4), (16, 16));
+        assert_eq!(prompt_tail_range(40, 16, 4), (32, 40));
+        // One block per chunk: no tail.
+        assert_eq!(prompt_tail_range(40, 4, 4), (0, 0));
     }
 }

@@ -46,8 +46,8 @@ pub struct RequestTracker {
     pub load_awaits_blocks: bool,
     /// The pending load's tail-block keys (see [`ReqMeta::load_tail`]).
     pub load_tail: Vec<[u8; 16]>,
-    /// The prompt's tail blocks (its whole blocks past its last whole chunk) were handed to a
-    /// save.
+    /// The prompt's tail blocks (its whole blocks in the chunk its last token falls in, see
+    /// `chunk_tail::prompt_tail_range`) were handed to a save.
     pub tail_saved: bool,
     /// An asynchronous load was issued and its end not yet reported.
     pub load_in_flight: bool,
@@ -187,6 +187,15 @@ impl ConnectorScheduler {
         self.chunk_size
     }
 
+    /// How this engine derives keys, as text: the pool's [`crate::probe_hash`] (model,
+    /// weights, TP size, layout, chunk size, hash algorithm) in hex, then the block size (tail
+    /// keys are per block). Two engines whose digests differ never share a key; equal digests
+    /// share keys unless a request's own salt differs (a `reset_cache`, a cache salt).
+    pub fn scope_digest(&self) -> String {
+        let hex: String = self.probe_hash.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{hex}/b{}", self.config.block_size)
+    }
+
     fn make_room(&mut self) {
         while self.trackers.len() >= self.max_tracked {
             let victim = self
@@ -208,8 +217,9 @@ impl ConnectorScheduler {
         self.trackers.get(req_id)
     }
 
-    /// The keys of a request's prompt blocks past its last whole chunk (the chunk tail), one
-    /// per whole block in order; empty for an unknown request or a prompt with no such block.
+    /// The keys of a request's prompt tail blocks (the whole blocks of the chunk its last token
+    /// falls in, that chunk's last block never), one per block in order; empty for an unknown
+    /// request or a prompt with no such block.
     pub fn prompt_tail_hashes(&self, req_id: &str) -> Vec<ChunkHash> {
         self.trackers
             .get(req_id)
@@ -435,14 +445,20 @@ impl ConnectorScheduler {
                 saved_after,
                 computed,
             );
+            let tail_start = chunk_tail::prompt_tail_range(t.prompt_len, chunk, block_size).0;
             if !save_tail.is_empty() {
-                let tail_start = t.prompt_len / chunk * chunk;
+                // The tail alone: an empty chunk range where the saved chunks end.
                 save.get_or_insert(SaveSpec {
-                    save_from: tail_start as u32,
-                    save_until: tail_start as u32,
+                    save_from: saved_after as u32,
+                    save_until: saved_after as u32,
                 });
             }
-            let save_end = save.map_or(0, |s| s.save_until as usize) + save_tail.len() * block_size;
+            let save_end = save.map_or(0, |s| s.save_until as usize);
+            let save_end = if save_tail.is_empty() {
+                save_end
+            } else {
+                save_end.max(tail_start + save_tail.len() * block_size)
+            };
             let needed = load.map_or(0, |l| l.load_until as usize).max(save_end);
             if needed == 0 {
                 continue;
@@ -457,9 +473,14 @@ impl ConnectorScheduler {
                 t.saved_tokens = sv.save_until as usize;
                 t.tail_saved |= !save_tail.is_empty();
                 t.save_steps.push(step);
+                let from = if save_tail.is_empty() {
+                    sv.save_from as usize
+                } else {
+                    (sv.save_from as usize).min(tail_start)
+                };
                 saves.push(IssuedSave {
                     req_id: s.req_id.clone(),
-                    from: sv.save_from as usize,
+                    from,
                     until: save_end,
                     blocks: blocks.clone(),
                 });
@@ -471,6 +492,11 @@ impl ConnectorScheduler {
                 load,
                 save,
                 load_tail,
+                save_tail_start: if save_tail.is_empty() {
+                    save.map_or(0, |s| s.save_until)
+                } else {
+                    tail_start as u32
+                },
                 save_tail,
             });
         }
@@ -553,18 +579,18 @@ impl ConnectorScheduler {
     /// Tokens of the request's prompt that another engine's lookup of the same prompt can
     /// find once this request's saves so far are stored: the saved whole chunks, then the
     /// saved tail blocks, up to the last whole block before the prompt's last token (a lookup
-    /// never covers that token, so a prompt that ends on a chunk boundary is found to the
-    /// chunk before). 0 for a request without state. (A `kv_producer` names this in the
-    /// hand-off it returns when the request finishes.)
+    /// never covers that token; a prompt that ends on a chunk boundary is found through the
+    /// tail blocks of its last chunk). 0 for a request without state. (A `kv_producer` names
+    /// this in the hand-off it returns when the request finishes.)
     pub fn saved_prompt_tokens(&self, req_id: &str) -> usize {
         self.trackers.get(req_id).map_or(0, |t| {
             let (chunk, block) = (self.chunk_size.max(1), self.config.block_size.max(1));
             let limit = t.prompt_len.saturating_sub(1);
             let whole_chunks = limit / chunk * chunk;
             let chunks = t.saved_tokens.min(whole_chunks);
-            // The tail blocks were keyed in the chunk the prompt ends inside: the one a lookup
-            // limited to `limit` reaches only when the prompt does not end on its boundary.
-            if t.tail_saved && chunks == whole_chunks && t.prompt_len % chunk != 0 {
+            // The tail blocks are keyed in the chunk the prompt's last token falls in: the one
+            // a lookup limited to `limit` reaches.
+            if t.tail_saved && chunks == whole_chunks {
                 (limit / block * block).max(chunks)
             } else {
                 chunks

@@ -33,7 +33,8 @@ pub struct CopyJob {
     /// The request it serves.
     pub req_id: String,
     /// Engine block ids, one per chunk block from `skip_blocks` on, in chunk order (the
-    /// blocks of chunk 0 from `skip_blocks`, then all of chunk 1's, and so on).
+    /// blocks of chunk 0 from `skip_blocks`, then all of chunk 1's, and so on). A save may
+    /// name a block twice (a tail block repeating a chunk's block); a load never does.
     pub block_ids: Vec<u32>,
     /// Leading blocks of the first chunk the job does not copy.
     pub skip_blocks: usize,

@@ -578,10 +578,15 @@ impl ConnectorWorker {
         let (bs, cs) = (self.block_size, self.chunk_size());
         for r in requests {
             let Some(save) = r.save else { continue };
-            let until = save.save_until as usize + r.save_tail.len() * bs;
+            let (mut from, mut until) = (save.save_from as usize, save.save_until as usize);
+            if !r.save_tail.is_empty() {
+                let tail_start = r.save_tail_start as usize;
+                from = from.min(tail_start);
+                until = until.max(tail_start + r.save_tail.len() * bs);
+            }
             let held = r.block_ids.iter().take(until.div_ceil(bs));
             if let Some(first) = held.clone().position(|b| self.step_failed.contains(b)) {
-                let keep = (first * bs / cs * cs).max(save.save_from as usize);
+                let keep = (first * bs / cs * cs).max(from);
                 if keep < until {
                     self.staged.cut(step, &r.req_id, keep as u32);
                 }

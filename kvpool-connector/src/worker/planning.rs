@@ -59,22 +59,28 @@ impl ConnectorWorker {
         if spans.iter().any(|s| s.len() != cs) {
             return Err(bad());
         }
-        for (j, h) in tail.iter().enumerate() {
-            let start = tail_start + j * bs;
-            if start + bs > from {
-                spans.push(ChunkSpan {
-                    start,
-                    end: start + bs,
-                    key: kvpool_core::CacheKey::new(db.scope().clone(), ChunkHash(*h)),
-                });
-            }
-        }
+        spans.extend(self.tail_spans(tail_start, tail).filter(|s| s.end > from));
         let contiguous = spans.windows(2).all(|w| w[0].end == w[1].start);
         let covered = spans.last().map_or(from, |s| s.end);
         if !contiguous || covered != until || spans.first().is_some_and(|s| s.start > from) {
             return Err(bad());
         }
         Ok(spans)
+    }
+
+    /// One span per tail-block key, the first starting at token `start`.
+    fn tail_spans<'a>(
+        &self,
+        start: usize,
+        tail: &'a [[u8; 16]],
+    ) -> impl Iterator<Item = ChunkSpan> + 'a {
+        let bs = self.block_size;
+        let scope = self.engine.token_database().scope().clone();
+        tail.iter().enumerate().map(move |(j, h)| ChunkSpan {
+            start: start + j * bs,
+            end: start + (j + 1) * bs,
+            key: CacheKey::new(scope.clone(), ChunkHash(*h)),
+        })
     }
 
     /// Bytes of one block of a chunk (every plane).
@@ -318,19 +324,36 @@ impl ConnectorWorker {
         ))
     }
 
+    /// Plans a save of `r`'s whole chunks over tokens `from..until` (chunk boundaries), then
+    /// of its tail blocks from `r.save_tail_start`, all of them (they may repeat the blocks of
+    /// a chunk saved whole; see [`ReqMeta::save_tail_start`]).
     pub(super) fn plan_save(&mut self, r: &ReqMeta, step: u64, from: usize, until: usize) {
         let (cs, bs) = (self.chunk_size(), self.block_size);
-        let until = until / cs * cs + r.save_tail.len() * bs;
-        if until <= from {
-            return;
-        }
-        let mut spans = match self.spans(r, from, until, &r.save_tail) {
-            Ok(spans) => spans,
-            Err(e) => {
-                self.save_failed(&r.req_id, &e);
+        let tail_start = r.save_tail_start as usize;
+        let mut spans = if from < until {
+            match self.spans(r, from, until, &[]) {
+                Ok(spans) => spans,
+                Err(e) => {
+                    self.save_failed(&r.req_id, &e);
+                    return;
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        if !r.save_tail.is_empty() {
+            if !tail_start.is_multiple_of(cs) || tail_start > until {
+                self.save_failed(
+                    &r.req_id,
+                    &format!("tail blocks from token {tail_start} are not in the saved chunks' last chunk"),
+                );
                 return;
             }
-        };
+            spans.extend(self.tail_spans(tail_start, &r.save_tail));
+        }
+        if spans.is_empty() {
+            return;
+        }
         // A chunk with a null block (outside a sliding window) holds bytes that are not the
         // request's: the save stops before it.
         if let Some(first_null) = spans.iter().position(|s| {

@@ -57,7 +57,8 @@ const DOMAIN_TOKENS: u8 = 0x01;
 const DOMAIN_BLOCKS: u8 = 0x02;
 /// Domain tag for a request's extra keys chained onto the root.
 const DOMAIN_EXTRA: u8 = 0x03;
-/// Domain tag for the block-granular keys of a prompt's tokens past its last whole chunk.
+/// Domain tag for the block-granular keys of a prompt's tail (its whole blocks in the chunk its
+/// last token falls in).
 const DOMAIN_TAIL_BLOCK: u8 = 0x04;
 /// Bytes hashed to form the fixed root of every chain.
 const ROOT_SEED: &[u8] = b"kvpool.chunk-hash.root.v1";
@@ -123,7 +124,7 @@ impl HashAlgorithm {
 
     /// Block-granular keys for the tokens after a whole chunk (or the request's root): one hash
     /// per whole block of `block_size` tokens in `tokens`, each chained on the one before,
-    /// the first on `prev` (the last whole chunk's hash): tail_j = H(tail_{j-1} || 0x04 ||
+    /// the first on `prev` (the hash of the chunk before them, or the root): tail_j = H(tail_{j-1} || 0x04 ||
     /// block j's tokens as little-endian u32). Their own domain keeps them apart from chunk
     /// hashes, so a tail block is never taken for a chunk. A trailing partial block is not
     /// hashed.

@@ -218,6 +218,9 @@ class Scheduler:
     def chunk_size(self) -> int:
         """Tokens per chunk (from the workers)."""
         ...
+    def scope_digest(self) -> str:
+        """How this engine derives keys: engines whose digests differ never share a key."""
+        ...
     def get_num_new_matched_tokens(
         self,
         req_id: str,
@@ -244,7 +247,7 @@ class Scheduler:
         """The chained hashes of the request's full chunks so far, 16 bytes each."""
         ...
     def tail_block_hashes(self, req_id: str) -> list[bytes]:
-        """The keys of the request's prompt blocks past its last whole chunk, 16 bytes each."""
+        """The keys of the request's prompt tail blocks, 16 bytes each."""
         ...
     def update_connector_output(
         self,

@@ -149,6 +149,8 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._handoffs: Handoffs | None = None
         #: The producer's hand-off counters (a consumer's are in ``_handoffs``).
         self._handoff_counts: Counter[str] = Counter()
+        #: How this engine derives keys (``SchedulerSide.scope_digest``), named in hand-offs.
+        self._scope_digest: str | None = None
         self._work: WorkerSide | HybridWorkerSide | None = None
         #: A hybrid model's KV cache groups, one kvpool part each (None: one group).
         self._groups: list[AttentionGroup] | None = None
@@ -214,6 +216,9 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched = HybridSchedulerSide(parts)
                 logger.info("kvpool serves this hybrid model's %d KV cache groups: %s",
                             len(self._groups), ", ".join(g.key_format for g in self._groups))
+            self._scope_digest = self._sched.scope_digest()
+            if self._handoffs is not None:
+                self._handoffs.scope = self._scope_digest
 
     def _part_socket(self, group: AttentionGroup, rank: int) -> str:
         """The lookup socket of a hybrid model's part for ``group`` on ``rank``."""
@@ -276,7 +281,7 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not tokens:
             return held, None
         self._handoff_counts["handoffs_sent"] += 1
-        return held, handoff_params(tokens, self._engine_id)
+        return held, handoff_params(tokens, self._engine_id, self._scope_digest)
 
     def request_finished_all_groups(
             self, request: "Request",

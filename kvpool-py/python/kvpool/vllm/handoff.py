@@ -2,7 +2,9 @@
 what its saves cover in its ``kv_transfer_params``; a ``kv_consumer`` given those params on a
 request waits, bounded, for that much of the prompt to be found in the pool before it answers
 vLLM's lookup (vLLM asks again while kvpool answers ``None``). Past the bound it takes what is
-there and computes the rest: a late hand-off is a miss, never wrong KV.
+there and computes the rest: a late hand-off is a miss, never wrong KV. A hand-off carries the
+producer's scope digest: a consumer that derives other keys (another model, ``weights_id``, TP
+size, layout, chunk or block size) could never find it, so it does not wait for it.
 """
 
 from __future__ import annotations
@@ -24,19 +26,26 @@ POLL_INTERVAL_S = 0.005
 MAX_POLL_INTERVAL_S = 0.1
 
 
-def handoff_params(tokens: int, producer: str) -> dict[str, Any]:
+def handoff_params(tokens: int, producer: str, scope: str | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` a producer returns for a finished request whose saves cover
-    ``tokens`` tokens of its prompt."""
-    return {HANDOFF_KEY: {"tokens": int(tokens), "producer": producer}}
+    ``tokens`` tokens of its prompt, keyed in the scope whose digest is ``scope``."""
+    handoff: dict[str, Any] = {"tokens": int(tokens), "producer": producer}
+    if scope is not None:
+        handoff["scope"] = scope
+    return {HANDOFF_KEY: handoff}
 
 
 class Handoffs:
     """A consumer's waits for handed-off prompts, and the hand-off counters of both roles."""
 
-    def __init__(self, timeout_s: float, block_size: int, clock=time.monotonic):
+    def __init__(self, timeout_s: float, block_size: int, clock=time.monotonic,
+                 scope: str | None = None):
         self.timeout_s = timeout_s
         self.block_size = max(1, block_size)
         self.clock = clock
+        #: This engine's scope digest (``SchedulerSide.scope_digest``); a hand-off naming
+        #: another is not waited for. None: not compared.
+        self.scope = scope
         #: Waiting requests: request id -> (first lookup, last lookup, lookups), clock seconds.
         self.waiting: dict[str, tuple[float, float, int]] = {}
         #: Requests whose hand-off was settled: asked again (vLLM could not allocate their
@@ -46,6 +55,8 @@ class Handoffs:
         #: How long each request that waited for its hand-off waited, seconds, since the
         #: last ``take_counts`` (vLLM's ``vllm:kvpool_handoff_wait_seconds`` histogram).
         self.waits: list[float] = []
+        #: Producer scopes already warned about (one warning each, not one per request).
+        self.foreign_scopes: set[str] = set()
 
     def expected(self, request: Any) -> int | None:
         """The tokens of ``request``'s prompt a producer handed off that a lookup can load
@@ -58,6 +69,20 @@ class Handoffs:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             logger.warning("kvpool: request %s: malformed hand-off %r ignored",
                            request.request_id, handoff)
+            return None
+        scope = handoff.get("scope")
+        if scope is not None and self.scope is not None and scope != self.scope:
+            # Its keys are not this engine's: waiting could only time out.
+            self.settled.add(request.request_id)
+            self.counts["handoffs_received"] += 1
+            self.counts["handoffs_mismatched"] += 1
+            if len(self.foreign_scopes) < 64 and str(scope) not in self.foreign_scopes:
+                self.foreign_scopes.add(str(scope))
+                logger.warning("kvpool: request %s: handed off by %s, whose keys differ from "
+                               "this instance's (scope %s, here %s: another model, weights_id, "
+                               "TP size, layout, chunk or block size); its hand-offs are not "
+                               "waited for (vllm:kvpool_handoffs_mismatched_total counts them)",
+                               request.request_id, handoff.get("producer"), scope, self.scope)
             return None
         prompt = len(request.prompt_token_ids or ())
         return min(tokens, max(0, prompt - 1) // self.block_size * self.block_size)

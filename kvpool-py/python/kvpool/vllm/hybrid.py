@@ -142,6 +142,10 @@ class HybridSchedulerSide:
         for i, p in enumerate(self.parts):
             p.update_connector_output(_PartOutput(out, meta, i, by_part.get(i)))
 
+    def scope_digest(self) -> str:
+        """Every part's scope digest, in the parts' order."""
+        return "+".join(p.scope_digest() for p in self.parts)
+
     def saved_prompt_tokens(self, request: Any) -> int:
         """What every part's saves cover of the prompt (a hit needs every group)."""
         return min(p.saved_prompt_tokens(request) for p in self.parts)

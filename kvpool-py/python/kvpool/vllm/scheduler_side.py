@@ -112,9 +112,12 @@ class SchedulerSide:
         hashes = self.native.chunk_hashes(request.request_id)
         # (key, first block, blocks): whole chunks, then the tail's blocks one by one.
         spans = [(h, i * per_chunk, per_chunk) for i, h in enumerate(hashes)]
-        tail_start = len(prompt) // chunk * per_chunk
-        spans += [(h, tail_start + j, 1)
-                  for j, h in enumerate(self.native.tail_block_hashes(request.request_id))]
+        # A prompt ending on a chunk boundary keys its last chunk's blocks again one by one
+        # (for a repeat that stops before its last token): the chunk's events speak for them.
+        if len(prompt) % chunk:
+            tail_start = len(prompt) // chunk * per_chunk
+            spans += [(h, tail_start + j, 1)
+                      for j, h in enumerate(self.native.tail_block_hashes(request.request_id))]
         for h, first, count in spans:
             blocks = block_hashes[first:first + count]
             if len(blocks) < count:
@@ -220,6 +223,11 @@ class SchedulerSide:
                                       **group)
                 else:
                     yield BlockRemoved(block_hashes=blocks, medium=medium, **removed_group)
+
+    def scope_digest(self) -> str:
+        """How this engine derives keys, as a digest: engines whose digests differ never share
+        a key (a hand-off carries it)."""
+        return self.native.scope_digest()
 
     def saved_prompt_tokens(self, request: "Request") -> int:
         """Tokens of the request's prompt its saves cover (asked before ``request_finished``)."""
