@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kvpool_core::keys::{EngineInterface, engine_scope_model};
 use kvpool_core::{ConfigError, Dtype, KvKind, PoolConfig};
 
 /// What the Python connector learns from vLLM about the engine it runs in.
@@ -58,8 +59,12 @@ pub fn pool_config_for_vllm(
     } else {
         base.model.name.clone()
     };
-    let digest = xxhash_rust::xxh3::xxh3_64(facts.kv_format.as_bytes());
-    config.model.name = format!("{name}@w={}|kv={digest:016x}", facts.weights);
+    config.model.name = engine_scope_model(
+        EngineInterface::VllmConnector,
+        &name,
+        &facts.weights,
+        &facts.kv_format,
+    );
     (config.model.world_size, config.model.rank) = if facts.replicated {
         (1, 0)
     } else {

@@ -216,6 +216,25 @@ fn digest_file(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
     })
 }
 
+/// The model text of a key scope for an engine's KV (`kvpool_core::keys::engine_scope`):
+/// `interface` is `vllm-connector`, `vllm-offload` or `sglang`; `layout` describes every fact
+/// that decides the stored bytes.
+#[pyfunction]
+fn engine_scope(interface: &str, name: &str, weights: &str, layout: &str) -> PyResult<String> {
+    let interface: kvpool_core::keys::EngineInterface =
+        interface.parse().map_err(PyValueError::new_err)?;
+    Ok(kvpool_core::keys::engine_scope_model(
+        interface, name, weights, layout,
+    ))
+}
+
+/// The model text of a part of an engine's KV kept apart from the rest (one of SGLang's side
+/// host pools), below the engine's scope `scope`.
+#[pyfunction]
+fn part_scope(scope: &str, part: &str, layout: &str) -> String {
+    kvpool_core::keys::part_scope_model(scope, part, layout)
+}
+
 /// The xxh3-128 digest (hex) of a text.
 #[pyfunction]
 fn digest_text(text: &str) -> String {
@@ -260,6 +279,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config_with_pool, m)?)?;
     m.add_function(wrap_pyfunction!(digest_file, m)?)?;
     m.add_function(wrap_pyfunction!(digest_text, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_scope, m)?)?;
+    m.add_function(wrap_pyfunction!(part_scope, m)?)?;
     m.add_function(wrap_pyfunction!(run_command_line, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -418,6 +418,15 @@ def digest_text(text: str) -> str:
     """The xxh3-128 digest (hex) of a text."""
     ...
 
+def engine_scope(interface: str, name: str, weights: str, layout: str) -> str:
+    """The model text of a key scope for an engine's KV (``vllm-connector``, ``vllm-offload``,
+    ``sglang``)."""
+    ...
+
+def part_scope(scope: str, part: str, layout: str) -> str:
+    """The model text of a part of an engine's KV kept apart from the rest."""
+    ...
+
 def encode_extra_keys(
     lora_name: str | None = None,
     cache_salt: str | None = None,

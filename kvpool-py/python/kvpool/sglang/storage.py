@@ -200,11 +200,10 @@ class KvpoolStorage(HiCacheStorage):
         config = self._config
         layout = _page_layout(pool, config, self._zero_copy, segment_sizes, page_bytes,
                               self._version)
-        digest = _native.digest_text(json.dumps(layout, sort_keys=True))
         name = str(config.model_name or "unnamed-model")
         weights = weights_digest(_weights_path(config, self._extra),
                                  weights_id=self._extra.get(WEIGHTS_ID_OPTION))
-        scope = f"{name}@w={weights}|sglang={digest[:16]}"
+        scope = _native.engine_scope("sglang", name, weights, json.dumps(layout, sort_keys=True))
         if config.is_mla_model:
             # Every rank of a DCP shard holds the same latent: one scope, one writer.
             world, rank = max(1, config.dcp_size), config.dcp_rank
@@ -266,8 +265,7 @@ class KvpoolStorage(HiCacheStorage):
 
     def _side_store(self, name: str, pool: "HostKVCache", page_bytes: int):
         layout = _side_pool_layout(pool, name, self._config, page_bytes, self._version)
-        digest = _native.digest_text(json.dumps(layout, sort_keys=True))
-        scope = f"{self._scope}|pool={name}:{digest[:16]}"
+        scope = _native.part_scope(self._scope, name, json.dumps(layout, sort_keys=True))
         store = self._native.sharing(scope, page_bytes, int(getattr(pool, "page_size", 1) or 1))
         logger.info("kvpool.sglang: SGLang's `%s` host pool: flat pages of %d bytes, scope %s",
                     name, page_bytes, scope)

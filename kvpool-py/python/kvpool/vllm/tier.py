@@ -102,9 +102,9 @@ def _scope_of(spec: "OffloadingSpec", row_bytes: int,
         "vllm": _vllm_version(),
         "machine": platform.machine(),
     }
-    digest = _native.digest_text(json.dumps(layout, sort_keys=True))
+    scope = _native.engine_scope("vllm-offload", name, weights, json.dumps(layout, sort_keys=True))
     tokens = max((g.tokens_per_block for g in config.groups), default=1) * config.cache.blocks_per_chunk
-    return f"{name}@w={weights}|offload={digest[:16]}", max(1, parallel.world_size), tokens
+    return scope, max(1, parallel.world_size), tokens
 
 
 def _current_vllm_config():
