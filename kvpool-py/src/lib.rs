@@ -221,8 +221,9 @@ fn digest_file(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
 /// that decides the stored bytes.
 #[pyfunction]
 fn engine_scope(interface: &str, name: &str, weights: &str, layout: &str) -> PyResult<String> {
-    let interface: kvpool_core::keys::EngineInterface =
-        interface.parse().map_err(PyValueError::new_err)?;
+    let interface: kvpool_core::keys::EngineInterface = interface
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
     Ok(kvpool_core::keys::engine_scope_model(
         interface, name, weights, layout,
     ))

@@ -101,3 +101,26 @@ def test_named_weights_are_the_name_never_a_digest_and_never_empty(identity, tmp
     for bad in ("", "  ", 3):
         with pytest.raises(ValueError, match="weights_id"):
             identity.weights_digest(str(tmp_path), weights_id=bad)
+
+
+def test_every_integration_names_its_scope_with_the_one_scope_function():
+    """``_native.engine_scope`` (Rust's ``engine_scope_model``): the interface's tag, the
+    weights and a digest of the layout description; a part of a scope below it; an unknown
+    interface name is refused, not guessed."""
+    from kvpool import _native
+
+    tags = {"vllm-connector": "kv", "vllm-offload": "offload", "sglang": "sglang"}
+    scopes = set()
+    for interface, tag in tags.items():
+        scope = _native.engine_scope(interface, "m", "named:v1", "layout")
+        assert scope.startswith(f"m@w=named:v1|{tag}="), scope
+        assert len(scope.rsplit("=", 1)[1]) == 16
+        scopes.add(scope)
+        assert _native.engine_scope(interface, "m", "named:v1", "layout2") != scope
+        assert _native.engine_scope(interface, "m", "named:v2", "layout") != scope
+    assert len(scopes) == 3, "interfaces never share a scope"
+    part = _native.part_scope(scope, "mamba", "pool layout")
+    assert part.startswith(scope + "|pool=mamba:") and part != _native.part_scope(
+        scope, "mamba", "other layout")
+    with pytest.raises(ValueError, match="unknown engine interface"):
+        _native.engine_scope("kv", "m", "w", "layout")
