@@ -26,7 +26,6 @@ pub mod allocator_trim;
 pub mod backend_factory;
 #[cfg(feature = "testkit")]
 pub mod conformance;
-#[cfg(feature = "cpu")]
 pub mod cpu;
 pub mod daemon;
 pub mod deferred;
@@ -48,7 +47,6 @@ pub mod timeout;
 #[cfg(any(feature = "redis", feature = "s3"))]
 mod tls;
 
-#[cfg(feature = "cpu")]
 pub use cpu::LocalCpuBackend;
 pub use faults::{ControlledFaults, FaultInjector, FaultSwitches};
 pub use memory::InMemoryConnector;

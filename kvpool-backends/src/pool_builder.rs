@@ -9,7 +9,6 @@ use kvpool_core::{
     StorageManager,
 };
 
-#[cfg(feature = "cpu")]
 use crate::cpu::LocalCpuBackend;
 
 /// A built pool: the engine and direct handles to its tiers.
@@ -18,7 +17,6 @@ pub struct Pool {
     /// The cache engine.
     pub engine: Arc<CacheEngine>,
     /// The L1 tier, when enabled.
-    #[cfg(feature = "cpu")]
     pub l1: Option<Arc<LocalCpuBackend>>,
 }
 
@@ -71,7 +69,6 @@ pub async fn build_pool_with_allocator(
         write_behind_quota_bytes: config.write_behind.quota.as_usize(),
         promote_on_hit: config.write_behind.promote_on_hit,
     });
-    #[cfg(feature = "cpu")]
     let l1 = if config.local_cpu.enabled {
         let cpu = LocalCpuBackend::with_allocator(
             config.local_cpu.max_size.as_usize(),
@@ -88,22 +85,11 @@ pub async fn build_pool_with_allocator(
     } else {
         None
     };
-    #[cfg(not(feature = "cpu"))]
-    if config.local_cpu.enabled {
-        let _ = allocator;
-        return Err(ConfigError::Invalid {
-            field: "local_cpu.enabled",
-            reason: "this build of kvpool-backends lacks the `cpu` feature".into(),
-        });
-    }
     let max_chunk_bytes = layout.chunk_bytes(config.chunking.chunk_size) as u64;
     // Lower tiers decode loaded chunks straight into L1 memory.
-    #[cfg(feature = "cpu")]
     let allocator = l1
         .clone()
         .map(|cpu| cpu as Arc<dyn kvpool_core::ChunkAllocator>);
-    #[cfg(not(feature = "cpu"))]
-    let allocator = None;
     for tier in &config.tiers {
         builder = builder.lower(
             crate::registry::open_tier_with_allocator(
@@ -117,9 +103,5 @@ pub async fn build_pool_with_allocator(
     }
     let manager = Arc::new(builder.build()?);
     let engine = Arc::new(CacheEngine::new(layout, db, manager)?);
-    Ok(Pool {
-        engine,
-        #[cfg(feature = "cpu")]
-        l1,
-    })
+    Ok(Pool { engine, l1 })
 }

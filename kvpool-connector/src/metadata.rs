@@ -316,6 +316,26 @@ mod tests {
         assert_eq!(ConnectorMetadata::decode(&m.encode()).unwrap(), m);
     }
 
+    /// The fuzzer's seed (`fuzz/seeds/connector_metadata/one-request`) is [`sample`] in this
+    /// build's version, so the fuzzer starts inside the decoder rather than at its version check.
+    /// After a version change, `KVPOOL_BLESS=1 cargo test -p kvpool-connector fuzz_seed` rewrites it.
+    #[test]
+    fn the_fuzz_seed_is_the_sample_in_this_version() {
+        let seed = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/seeds/connector_metadata/one-request");
+        let expected = sample().encode();
+        if std::env::var_os("KVPOOL_BLESS").is_some() {
+            std::fs::write(&seed, &expected).unwrap();
+        }
+        let found = std::fs::read(&seed).unwrap();
+        assert_eq!(
+            ConnectorMetadata::decode(&found).map(|m| m == sample()),
+            Ok(true),
+            "{} is not this version's sample: rerun with KVPOOL_BLESS=1",
+            seed.display()
+        );
+    }
+
     #[test]
     fn a_prompt_shorter_than_a_chunk_moves_tail_blocks_without_chunk_hashes() {
         let mut m = sample();

@@ -96,7 +96,7 @@ PROM_COUNTERS = (
      "Of those, requests that stopped waiting (handoff_timeout_ms) and computed the rest."),
     ("handoffs_mismatched", "vllm:kvpool_handoffs_mismatched",
      "Of those, hand-offs from a producer whose keys differ from this instance's (another "
-     "model, weights_id, TP size or layout): not waited for."),
+     "model, weights_id, TP size, layout, chunk or block size): not waited for."),
     ("handoff_wait_ms", "vllm:kvpool_handoff_wait_ms",
      "Milliseconds requests waited for handed-off saves, summed."),
     ("heap_buffers", "vllm:kvpool_heap_buffers",
