@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use super::{ConnectorScheduler, RequestTracker, chunk_hashes_until};
+use super::{ConnectorScheduler, RequestTracker};
 use crate::metadata::{LoadSpec, ReqMeta};
 
 impl ConnectorScheduler {
@@ -55,7 +55,7 @@ impl ConnectorScheduler {
             t.load_in_flight = true;
             let needed = l.load_until as usize;
             requests.push(ReqMeta {
-                chunk_hashes: chunk_hashes_until(t, needed, chunk),
+                chunk_hashes: t.chunk_hashes_until(needed, chunk),
                 block_ids: t.block_ids[..needed.div_ceil(block_size)].to_vec(),
                 load: Some(l),
                 save: None,

@@ -6,6 +6,7 @@ mod chunk_tail;
 mod engine_io;
 mod pool_lookup;
 mod step_ledger;
+mod step_plan;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -16,11 +17,12 @@ use tracing::debug;
 
 use crate::ConnectorConfig;
 use crate::leases::LeaseTable;
-use crate::metadata::{ConnectorMetadata, LoadSpec, ReqMeta, SaveSpec, SchedulerCounters};
+use crate::metadata::{ConnectorMetadata, LoadSpec, SchedulerCounters};
 pub use engine_io::{BlockUpdate, ConnectorOutput, EngineRequest, ScheduledRequest};
 pub use pool_lookup::{EngineLookup, PoolLookup};
 pub use step_ledger::STEP_REPORT_TIMEOUT;
-use step_ledger::{IssuedSave, StepLedger};
+use step_ledger::StepLedger;
+use step_plan::StepPlanner;
 
 /// Per-request state kept by the scheduler.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,7 +46,7 @@ pub struct RequestTracker {
     /// `update_state_after_alloc` and asks again in a later step. Such a load promised
     /// nothing and is dropped at the step's end.
     pub load_awaits_blocks: bool,
-    /// The pending load's tail-block keys (see [`ReqMeta::load_tail`]).
+    /// The pending load's tail-block keys (see [`crate::metadata::ReqMeta::load_tail`]).
     pub load_tail: Vec<[u8; 16]>,
     /// The prompt's tail blocks (its whole blocks in the chunk its last token falls in, see
     /// `chunk_tail::prompt_tail_range`) were handed to a save.
@@ -377,8 +379,14 @@ impl ConnectorScheduler {
         let step = self.next_step;
         self.next_step += 1;
         self.ledger.expire(STEP_REPORT_TIMEOUT);
-        let chunk = self.chunk_size;
         let block_size = self.config.block_size;
+        let planner = StepPlanner {
+            step,
+            chunk_size: self.chunk_size,
+            block_size,
+            save_decode_tokens: self.config.save_decode_tokens,
+            hash_algorithm: &self.hash_algorithm,
+        };
         let mut requests = Vec::new();
         let mut unloadable_blocks = Vec::new();
         let mut saves = Vec::new();
@@ -388,117 +396,13 @@ impl ConnectorScheduler {
                 continue;
             };
             listed.insert(&s.req_id);
-            if !s.new_token_ids.is_empty() && !t.token_stream_broken {
-                if s.new_tokens_start == t.token_ids.len() {
-                    t.token_ids.extend_from_slice(&s.new_token_ids);
-                    t.hasher.extend(&s.new_token_ids);
-                } else {
-                    tracing::warn!(req = %s.req_id, ours = t.token_ids.len(), engine = s.new_tokens_start, "the engine's token sequence and ours diverged; no more decode tokens of this request are saved");
-                    t.token_stream_broken = true;
-                }
-            }
-            match &s.blocks {
-                BlockUpdate::Unchanged => {}
-                BlockUpdate::Append(b) => t.block_ids.extend_from_slice(b),
-                BlockUpdate::Replace(b) => t.block_ids = b.clone(),
-            }
-            let mut load = t.load.take();
-            if let Some(l) = load
-                && !t.blocks_cover(&l, block_size)
+            t.take_scheduled(s);
+            if let Some(planned) =
+                planner.plan(s, t, &mut unloadable_blocks, &mut self.broken_promises)
             {
-                t.fail_uncovered_load(&s.req_id, &l, block_size, &mut unloadable_blocks);
-                self.broken_promises += 1;
-                t.saved_tokens = t
-                    .saved_tokens
-                    .min(l.gpu_cached_tokens as usize / chunk * chunk);
-                t.tail_saved = false;
-                load = None;
+                saves.extend(planned.issued_save);
+                requests.push(planned.meta);
             }
-            let load_tail = if load.is_some() {
-                std::mem::take(&mut t.load_tail)
-            } else {
-                Vec::new()
-            };
-            if let Some(l) = &mut load
-                && l.asynchronous
-            {
-                // vLLM schedules a request only once its asynchronous load ended.
-                tracing::warn!(req = %s.req_id, "a request with an asynchronous load was scheduled; loading it before the forward pass");
-                l.asynchronous = false;
-            }
-            let computed = s.num_computed_tokens_after_step.min(t.token_ids.len());
-            let savable = if self.config.save_decode_tokens && !t.token_stream_broken {
-                computed
-            } else {
-                computed.min(t.prompt_len)
-            };
-            let save_until = savable / chunk * chunk;
-            let mut save = (!t.skip_save && save_until > t.saved_tokens).then_some(SaveSpec {
-                save_from: t.saved_tokens as u32,
-                save_until: save_until as u32,
-            });
-            let saved_after = save.map_or(t.saved_tokens, |s| s.save_until as usize);
-            let save_tail = t.tail_to_save(
-                &self.hash_algorithm,
-                chunk,
-                block_size,
-                saved_after,
-                computed,
-            );
-            let tail_start = chunk_tail::prompt_tail_range(t.prompt_len, chunk, block_size).0;
-            if !save_tail.is_empty() {
-                // The tail alone: an empty chunk range where the saved chunks end.
-                save.get_or_insert(SaveSpec {
-                    save_from: saved_after as u32,
-                    save_until: saved_after as u32,
-                });
-            }
-            let save_end = save.map_or(0, |s| s.save_until as usize);
-            let save_end = if save_tail.is_empty() {
-                save_end
-            } else {
-                save_end.max(tail_start + save_tail.len() * block_size)
-            };
-            let needed = load.map_or(0, |l| l.load_until as usize).max(save_end);
-            if needed == 0 {
-                continue;
-            }
-            if t.block_ids.len() * block_size < needed {
-                // Only a save can get here (loads were checked above): skipping it is a miss.
-                tracing::warn!(req = %s.req_id, needed, blocks = t.block_ids.len(), "not enough blocks for the connector's save; skipping it");
-                continue;
-            }
-            let blocks: Vec<u32> = t.block_ids[..needed.div_ceil(block_size)].to_vec();
-            if let Some(sv) = save {
-                t.saved_tokens = sv.save_until as usize;
-                t.tail_saved |= !save_tail.is_empty();
-                t.save_steps.push(step);
-                let from = if save_tail.is_empty() {
-                    sv.save_from as usize
-                } else {
-                    (sv.save_from as usize).min(tail_start)
-                };
-                saves.push(IssuedSave {
-                    req_id: s.req_id.clone(),
-                    from,
-                    until: save_end,
-                    blocks: blocks.clone(),
-                });
-            }
-            requests.push(ReqMeta {
-                req_id: s.req_id.clone(),
-                chunk_hashes: chunk_hashes_until(t, needed, chunk),
-                block_ids: blocks,
-                load,
-                save,
-                load_tail,
-                save_tail_start: if save_tail.is_empty() {
-                    save.map_or(0, |s| s.save_until)
-                } else {
-                    tail_start as u32
-                },
-                save_tail,
-            });
         }
         self.drop_hits_without_blocks(&listed);
         requests.extend(self.waiting_async_loads(&listed, &mut unloadable_blocks));
@@ -634,11 +538,4 @@ impl ConnectorScheduler {
         seed.extend_from_slice(&self.reset_salt.unwrap_or_default());
         self.reset_salt = Some(xxhash_rust::xxh3::xxh3_128(&seed).to_le_bytes());
     }
-}
-
-/// The hashes of the whole chunks covering a tracker's tokens `0..until` (rounded up to a
-/// whole chunk when the tracker has its hash).
-fn chunk_hashes_until(t: &RequestTracker, until: usize, chunk_size: usize) -> Vec<[u8; 16]> {
-    let n = until.div_ceil(chunk_size).min(t.hasher.hashes().len());
-    t.hasher.hashes()[..n].iter().map(|h| h.0).collect()
 }
