@@ -31,7 +31,8 @@
 //!   so blocks the engine already holds (possibly shared with other requests) are never
 //!   overwritten.
 //! - A load is asynchronous unless every rank holds every promised chunk in memory under the
-//!   request's lookup lease (and the engine does not schedule asynchronously): the request
+//!   request's lookup lease, or no other request is running (and the engine does not
+//!   schedule asynchronously): the request
 //!   waits (vLLM's `WAITING_FOR_REMOTE_KVS`) while the worker fetches on kvpool's runtime and
 //!   other requests run; `get_finished` reports it in `finished_recving`. Leases keep promised
 //!   chunks in memory from lookup to load, bounded in bytes and time ([`leases`]).
@@ -108,10 +109,21 @@ pub use worker::{
 /// before the step's forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoadTiming {
-    /// Synchronous only when every rank holds every promised chunk in memory under the
-    /// request's lease (a copy, no I/O); asynchronous otherwise.
+    /// Synchronous when every rank holds every promised chunk in memory under the request's
+    /// lease (a copy, no I/O), or when no other request ran in the engine's last step (the
+    /// fetch before the forward pass stalls nobody, and the request does not wait a step for
+    /// its load to be reported; one such load per step, so a burst arriving at an idle engine
+    /// does not wait for all its fetches in one step); asynchronous otherwise, so a running
+    /// request's next token is not held up by another's fetch. Never synchronous for an
+    /// engine that schedules asynchronously ([`ConnectorConfig::async_scheduling`]) unless
+    /// leased.
     #[default]
     Auto,
+    /// Synchronous only when every rank holds every promised chunk in memory under the
+    /// request's lease: [`LoadTiming::Auto`] without its idle rule, for an engine whose idle
+    /// step is not idle (vLLM's data-parallel ranks step in lockstep, so one rank's fetch
+    /// would stall the others' decodes).
+    Leased,
     /// Always asynchronous. Needed when the engine schedules a step before it knows the last
     /// one's outcome (vLLM's `async_scheduling`): a synchronous load that fails would already
     /// have the next step computed on top of it.

@@ -122,10 +122,12 @@ fn the_final_token_is_never_loaded_and_gpu_tokens_are_not_reloaded() {
 }
 
 #[test]
-fn loads_are_asynchronous_unless_every_promised_chunk_is_leased_in_memory() {
+fn loads_are_asynchronous_unless_leased_in_memory_or_nothing_else_runs() {
     let s = setup();
     store(&s, 64);
     let mut sched = scheduler(&s, false);
+    // Another request runs: a load leased in memory whole is still synchronous.
+    sched.build_connector_meta(&[step("running", 8, vec![])]);
     assert_eq!(
         sched.get_num_new_matched_tokens(&request("a", 64, false), 0),
         (48, false)
@@ -138,8 +140,67 @@ fn loads_are_asynchronous_unless_every_promised_chunk_is_leased_in_memory() {
         leases: Arc::new(LeaseTable::new(1, std::time::Duration::from_secs(60))),
     };
     let mut tight = scheduler(&small, false);
+    // With no other request running, a fetch before the forward pass stalls nobody.
     assert_eq!(
         tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, false)
+    );
+    // One such load per step: a second request looked up in the same step loads in the
+    // background, so the first's step does not wait for both fetches.
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("c", 64, false), 0),
+        (48, true)
+    );
+    // Asked again (vLLM could not allocate its blocks), the first keeps its promise.
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, false)
+    );
+    // With another request running, the load goes to the background so its steps go on.
+    tight.build_connector_meta(&[step("running", 8, vec![])]);
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, true)
+    );
+    // Preempted or finished, it no longer runs.
+    tight.request_preempted("running");
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, false)
+    );
+    tight.build_connector_meta(&[step("running", 8, vec![])]);
+    tight.request_finished("running", &[]);
+    assert_eq!(
+        tight.get_num_new_matched_tokens(&request("b", 64, false), 0),
+        (48, false)
+    );
+    // An engine that schedules asynchronously never loads a lower tier synchronously, idle
+    // or not (a failed load would have the next step computed on it).
+    let mut ahead = ConnectorScheduler::new(
+        small.engine.clone(),
+        small.runtime.clone(),
+        small.leases.clone(),
+        ConnectorConfig {
+            async_scheduling: true,
+            ..ConnectorConfig::new(16)
+        },
+    );
+    assert_eq!(
+        ahead.get_num_new_matched_tokens(&request("d", 64, false), 0),
+        (48, true)
+    );
+    // `Leased` has no idle rule (vLLM's data-parallel ranks step in lockstep).
+    let mut lockstep = ConnectorScheduler::new(
+        small.engine.clone(),
+        small.runtime.clone(),
+        small.leases.clone(),
+        ConnectorConfig {
+            load_timing: kvpool_connector::LoadTiming::Leased,
+            ..ConnectorConfig::new(16)
+        },
+    );
+    assert_eq!(
+        lockstep.get_num_new_matched_tokens(&request("e", 64, false), 0),
         (48, true)
     );
     // With asynchronous scheduling every load is asynchronous.
@@ -358,6 +419,8 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
         // Another engine, its L1 empty, finds it in the shared tier.
         let reader = setup_with_tier(Some(&url));
         let mut sched = scheduler(&reader, false);
+        // Another request runs (else any load would be synchronous).
+        sched.build_connector_meta(&[step("running", 8, vec![])]);
         let answer = sched.get_num_new_matched_tokens(&request("a", 64, false), 0);
         let hits = reader.engine.storage().stats().tiers[1].hit_chunks;
         if node_memory {
@@ -388,6 +451,7 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
                 ..setup_with_tier(Some(&url))
             };
             let mut sched = scheduler(&tight, false);
+            sched.build_connector_meta(&[step("running", 8, vec![])]);
             let answer = sched.get_num_new_matched_tokens(&request("b", 64, false), 0);
             assert_eq!(answer, (48, true));
             assert_eq!(tight.engine.storage().stats().tiers[1].hit_chunks, 0);

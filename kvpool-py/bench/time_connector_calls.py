@@ -4,7 +4,7 @@ run.
 
     cargo xtask bench-vllm --daemon   # once: installs the release wheel, builds `kvpool serve`
     KVPOOL_BIN=target/release/kvpool HF_HUB_OFFLINE=1 \\
-        target/vllm-venv/bin/python kvpool-py/bench/time_connector_calls.py
+        target/vllm-venv/bin/python kvpool-py/bench/time_connector_calls.py [--disk-only] [--rounds N]
 
 Same model and engine settings as bench_vllm.py. Each engine process serves five 8K-token
 prefixes (an L1 hit: the same prompt again; the daemon: prefixes another process computed)
@@ -117,13 +117,30 @@ def run(spec, scratch, name):
         if line.startswith("ORDER "):
             for call, ms in json.loads(line[6:]).items():
                 print(f"  {call + ', in order, over 1 ms':45} {ms}")
+    return out
+
+
+#: The disk rows: when a load from a lower tier runs (``async_loads``), one fresh process each.
+DISK_ROWS = (
+    ({"async_loads": "always"}, "every load in the background (the default until 2026-11-28)"),
+    ({}, "the default (before the forward pass while nothing else runs)"),
+    ({"async_loads": False}, "every load before the forward pass"),
+)
 
 
 def main():
+    import argparse
+
     import bench_vllm
     from make_model import make_model
     from pool_daemon import PoolDaemon
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--disk-only", action="store_true",
+                        help="only the disk rows (no L1 or daemon rows; no KVPOOL_BIN needed)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the disk rows this many times, their order reversed each round")
+    args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="kvpool-time-calls-")
     model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
                        kv_heads=4, intermediate=1408, seed=0)
@@ -132,28 +149,37 @@ def main():
     l1 = {"local_cpu": {"max_size": "4GiB"}}
     unrelated = [r.randrange(3, 999) for _ in range(512)]
     prompts = [[r.randrange(3, 999) for _ in range(8192 + 64)] for _ in range(11)]
-    run({**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, prompts[0]],
-         "measure": [prompts[0]] * 5}, scratch, "in-process L1, same prompt")
-    daemon = PoolDaemon(scratch, "daemon", size="8GiB")
-    try:
-        via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
-        bench_vllm.run_engine({**via, "measure": prompts[:6]}, scratch, "store")
-        run({**via, "warm": [unrelated, prompts[0]], "measure": prompts[1:6]}, scratch,
-            "daemon, warm process, computed by another")
-    finally:
-        daemon.stop()
-    # The disk tier read by a fresh process (its L1 empty), as bench_vllm's disk row: loads in
-    # the background (the default) and before the forward pass (the whole fetch inside
-    # worker_side.bind, so timed there); ten prompts, to see the first ones' cost.
+    if not args.disk_only:
+        run({**base, "connector": "kvpool", "kvpool": l1, "warm": [unrelated, prompts[0]],
+             "measure": [prompts[0]] * 5}, scratch, "in-process L1, same prompt")
+        daemon = PoolDaemon(scratch, "daemon", size="8GiB")
+        try:
+            via = {**base, "connector": "kvpool", "kvpool": l1, "pool": daemon.url}
+            bench_vllm.run_engine({**via, "measure": prompts[:6]}, scratch, "store")
+            run({**via, "warm": [unrelated, prompts[0]], "measure": prompts[1:6]}, scratch,
+                "daemon, warm process, computed by another")
+        finally:
+            daemon.stop()
+    # The disk tier read by a fresh process (its L1 empty), as bench_vllm's disk row, one
+    # request at a time (so nothing else runs while a request loads); ten prompts, to see the
+    # first ones' cost. A load before the forward pass has its whole fetch inside
+    # worker_side.bind, so timed there.
     disk = {"local_cpu": {"max_size": "512MiB"},
             "tier": [{"url": f"file://{os.path.join(scratch, 'disk')}"}]}
     bench_vllm.run_engine({**base, "connector": "kvpool", "kvpool": disk, "measure": prompts},
                           scratch, "disk-store")
-    for options, label in (({}, "background loads"),
-                           ({"async_loads": False}, "loads before the forward pass")):
-        run({**base, "connector": "kvpool", "kvpool": disk, "kvpool_options": options,
-             "warm": [unrelated], "measure": prompts[1:]}, scratch,
-            f"disk, fresh process, {label}")
+    medians = {}
+    for round_ in range(args.rounds):
+        rows = DISK_ROWS if round_ % 2 == 0 else DISK_ROWS[::-1]
+        for options, label in rows:
+            out = run({**base, "connector": "kvpool", "kvpool": disk, "kvpool_options": options,
+                       "warm": [unrelated], "measure": prompts[1:]}, scratch,
+                      f"disk, fresh process, {label}")
+            medians.setdefault(label, []).append(statistics.median(out["ttft_s"]))
+    if args.rounds > 1:
+        print("medians of each process's TTFT median, over the rounds (range):")
+        for label, m in medians.items():
+            print(f"  {label:65} {statistics.median(m):.3f} s ({min(m):.3f}-{max(m):.3f})")
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ fn guard(s: &PyScheduler) -> PyResult<std::sync::MutexGuard<'_, ConnectorSchedul
 impl PyScheduler {
     /// Connects to every worker rank's lookup socket (waiting up to `connect_timeout_ms` for
     /// them to listen); a lookup then takes at most `timeout_ms`, all ranks together, and
-    /// counts as a miss past it. `load_timing`: `"auto"` (synchronous only for chunks leased
-    /// in memory), `"always"` (every load asynchronous: when vLLM schedules asynchronously)
+    /// counts as a miss past it. `load_timing`: `"auto"` (synchronous for chunks leased in
+    /// memory and when no other request runs), `"leased"` (only for chunks leased in memory),
+    /// `"always"` (every load asynchronous: when vLLM schedules asynchronously)
     /// or `"never"` (every load before the forward pass); `async_scheduling`: vLLM schedules
     /// asynchronously (a step's saves then always wait for the scheduler's commit); `loads`:
     /// false for an engine that never loads (vLLM's `kv_producer` role: no lookup is made).
@@ -106,11 +107,12 @@ impl PyScheduler {
         let paths: Vec<PathBuf> = socket_paths.into_iter().map(PathBuf::from).collect();
         let load_timing = match load_timing {
             "auto" => kvpool_connector::LoadTiming::Auto,
+            "leased" => kvpool_connector::LoadTiming::Leased,
             "always" => kvpool_connector::LoadTiming::Always,
             "never" => kvpool_connector::LoadTiming::Never,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "unknown load timing `{other}` (expected auto, always or never)"
+                    "unknown load timing `{other}` (expected auto, leased, always or never)"
                 )));
             }
         };

@@ -77,3 +77,21 @@ def test_a_role_that_makes_no_sense_is_refused(role, extra, needle):
     with pytest.raises(ValueError) as e:
         role_actions(role, check_options(extra))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("value, async_scheduling, data_parallel, expected", [
+    (True, False, 1, "auto"),
+    (True, False, 2, "leased"),  # an idle rank steps with the others: no idle rule
+    (True, True, 1, "always"),
+    ("always", False, 1, "always"),
+    (False, False, 2, "never"),
+])
+def test_when_loads_are_asynchronous(value, async_scheduling, data_parallel, expected):
+    from types import SimpleNamespace
+
+    from kvpool.vllm.connector import load_timing
+
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        parallel_config=SimpleNamespace(data_parallel_size=data_parallel))
+    assert load_timing({"async_loads": value}, config) == expected

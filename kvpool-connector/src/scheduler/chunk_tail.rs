@@ -25,7 +25,10 @@ impl ConnectorScheduler {
         let chunk_hashes: Vec<ChunkHash> = t.hasher.hashes()[..full].to_vec();
         // Loading the daemon's chunks at lookup pays only where leasing them makes the load
         // synchronous.
-        let load_node_memory = self.config.load_timing == crate::LoadTiming::Auto;
+        let load_node_memory = matches!(
+            self.config.load_timing,
+            crate::LoadTiming::Auto | crate::LoadTiming::Leased
+        );
         let mut run = |chunks: usize| -> (crate::leases::LookupAnswer, Vec<ChunkHash>) {
             let tail = self.tail_hashes(req_id, chunks, limit);
             let mut hashes = chunk_hashes[..chunks].to_vec();

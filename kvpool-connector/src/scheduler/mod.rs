@@ -77,6 +77,12 @@ pub struct ConnectorScheduler {
     held: Vec<String>,
     ended: Vec<String>,
     preempted: Vec<String>,
+    /// The requests the engine scheduled in its last step, less those finished or preempted
+    /// since: what a synchronous load would stall (see [`crate::LoadTiming::Auto`]).
+    running: HashSet<String>,
+    /// The request promised a synchronous load because nothing else ran, since the last
+    /// step's metadata (one per step).
+    idle_load: Option<String>,
     /// Set by [`ConnectorScheduler::reset`]: a random salt chained into every request's root,
     /// so nothing stored before the reset is ever found again.
     reset_salt: Option<[u8; 16]>,
@@ -134,6 +140,8 @@ impl ConnectorScheduler {
             held: Vec::new(),
             ended: Vec::new(),
             preempted: Vec::new(),
+            running: HashSet::new(),
+            idle_load: None,
             reset_salt: None,
         }
     }
@@ -241,15 +249,26 @@ impl ConnectorScheduler {
         self.trackers.get(req_id).map(|t| t.token_ids.len())
     }
 
+    /// Whether `req_id` may load synchronously for want of anything to stall: no other request
+    /// ran in the engine's last step (or has since finished or been preempted), no other
+    /// request was promised such a load in this step, and the engine does not schedule
+    /// asynchronously (a failed synchronous load would have the next step computed on it).
+    fn may_load_while_idle(&self, req_id: &str) -> bool {
+        !self.config.async_scheduling
+            && self.idle_load.as_deref().is_none_or(|r| r == req_id)
+            && self.running.iter().all(|r| r == req_id)
+    }
+
     /// Requests with state.
     pub fn tracked_requests(&self) -> usize {
         self.trackers.len()
     }
 
     /// vLLM `get_num_new_matched_tokens`: tokens beyond the engine's `num_computed_tokens`
-    /// that the pool can load, and whether the load is asynchronous. It is synchronous only
-    /// when every rank holds every promised chunk in memory under the request's lease and the
-    /// engine does not schedule asynchronously (see [`crate::LoadTiming`]). The
+    /// that the pool can load, and whether the load is asynchronous. By default
+    /// ([`crate::LoadTiming::Auto`]) it is synchronous when every rank holds every promised
+    /// chunk in memory under the request's lease, or when no other request is running (a
+    /// fetch before the forward pass then stalls nobody). The
     /// final prompt token is never loaded, as the engine must compute at least one.
     ///
     /// Creates the request's tracker, or replaces it when the id is reused for another prompt
@@ -300,6 +319,7 @@ impl ConnectorScheduler {
         } else {
             (0, 0, Vec::new())
         };
+        let may_load_while_idle = self.may_load_while_idle(&req.req_id);
         let tracker = self
             .trackers
             .get_mut(&req.req_id)
@@ -311,7 +331,14 @@ impl ConnectorScheduler {
         }
         tracker.load_tail = load_tail;
         let asynchronous = match self.config.load_timing {
-            crate::LoadTiming::Auto => leased < hit,
+            crate::LoadTiming::Auto => {
+                let idle = leased < hit && may_load_while_idle;
+                if idle {
+                    self.idle_load = Some(req.req_id.clone());
+                }
+                leased < hit && !idle
+            }
+            crate::LoadTiming::Leased => leased < hit,
             crate::LoadTiming::Always => true,
             crate::LoadTiming::Never => false,
         };
@@ -404,6 +431,10 @@ impl ConnectorScheduler {
                 requests.push(planned.meta);
             }
         }
+        self.running.clear();
+        self.running
+            .extend(scheduled.iter().map(|s| s.req_id.clone()));
+        self.idle_load = None;
         self.drop_hits_without_blocks(&listed);
         requests.extend(self.waiting_async_loads(&listed, &mut unloadable_blocks));
         self.ledger.issued(step, saves);
@@ -469,6 +500,7 @@ impl ConnectorScheduler {
     /// asynchronous load is still in flight is never held this way (the engine already holds
     /// its blocks until the load ends).
     pub fn request_finished(&mut self, req_id: &str, _block_ids: &[u32]) -> bool {
+        self.running.remove(req_id);
         let Some(t) = self.trackers.remove(req_id) else {
             return false;
         };
@@ -506,6 +538,7 @@ impl ConnectorScheduler {
     /// gone; forget loads and save progress (the pool keeps what was saved, and the next
     /// lookup finds it).
     pub fn request_preempted(&mut self, req_id: &str) {
+        self.running.remove(req_id);
         if let Some(t) = self.trackers.get_mut(req_id) {
             if t.load.is_some() && !t.load_awaits_blocks {
                 // Admitted again (with blocks and a load) after its preemption: that is the
@@ -526,6 +559,7 @@ impl ConnectorScheduler {
     /// random value, so nothing stored before the reset (in any tier, by any process) is
     /// ever loaded by this engine again. Old chunks age out of the tiers by eviction.
     pub fn reset(&mut self) {
+        // `running` stays: vLLM resets the connector with requests still running too.
         self.ended.extend(self.trackers.drain().map(|(id, _)| id));
         self.ledger.discard_all();
         // Unique, not secret: the clock, the process, and the previous salt.

@@ -16,8 +16,8 @@ use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
 pub trait PoolLookup: Send {
     /// What the pool holds of `chunk_hashes` (nothing on any failure). With
     /// `load_node_memory`, a hit the pool daemon completes is loaded and leased at once (see
-    /// [`crate::leases::lookup_and_lease`]); the scheduler asks it only when a fully leased
-    /// hit makes the load synchronous.
+    /// [`crate::leases::lookup_and_lease`]); the scheduler asks it only where a fully leased
+    /// hit makes the load synchronous (not when every load is asynchronous or none is).
     fn lookup(
         &mut self,
         req_id: &str,

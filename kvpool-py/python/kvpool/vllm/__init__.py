@@ -30,9 +30,10 @@ faster on CPU and on an H200 (docs/benchmarks.md); ``native``: kvpool-cuda's exe
 memcpy on CPU; on a GPU one ``cuMemcpyBatchAsync`` per job phase, or kvpool's copy kernel for
 small scattered pages, on kvpool's own stream; ``torch``: torch's copy ops, the fallback).
 
-Loads from memory leased at lookup run before the forward pass; any other load (disk, Redis,
-S3, Mooncake, or every load when vLLM schedules asynchronously) runs in the background while
-other requests run (the request waits in ``WAITING_FOR_REMOTE_KVS``). Saves are copied out of
+Loads from memory leased at lookup run before the forward pass, and so does one load from
+disk, Redis, S3 or Mooncake per step when no other request is running; any other load (or
+every load when vLLM schedules asynchronously) runs in the background while other requests
+run (the request waits in ``WAITING_FOR_REMOTE_KVS``). Saves are copied out of
 the blocks in the step that computed them and become visible once every rank ran the step
 with no failed load touching them. A chunk that cannot be loaded is reported through
 ``get_block_ids_with_load_errors`` and recomputed (kvpool sets ``kv_load_failure_policy`` to

@@ -50,10 +50,12 @@ WORKERS: list["KvpoolConnector"] = []
 
 def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     """When loads are asynchronous (``async_loads`` in ``kv_connector_extra_config``):
-    ``true`` (the default: synchronous only for chunks leased in memory, asynchronous for
-    anything from a lower tier), ``"always"``, or ``false`` (every load before the forward
+    ``true`` (the default: synchronous for chunks leased in memory and when no other request
+    runs, else asynchronous), ``"always"``, or ``false`` (every load before the forward
     pass). Under vLLM's asynchronous scheduling every load is asynchronous (a failed
-    synchronous load would already have the next step computed on it)."""
+    synchronous load would already have the next step computed on it). With data parallelism
+    an idle rank still steps in lockstep with the others, so only leased chunks load
+    synchronously there (``"leased"``)."""
     async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
     value = extra.get("async_loads", True)  # checked by check_options
     if value in (False, "false", 0):
@@ -64,7 +66,8 @@ def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     if value == "always" or async_scheduling:
         return "always"
     if value in (True, "true", 1, "auto"):
-        return "auto"
+        data_parallel = getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1
+        return "leased" if data_parallel > 1 else "auto"
     raise ValueError(f"kvpool: async_loads must be true, false or \"always\", not {value!r}")
 
 

@@ -22,8 +22,9 @@ OPTIONS: dict[str, str] = {
                           "(default false)",
     "socket_dir": "where the lookup sockets go (default: the temp dir)",
     "lookup_timeout_ms": "a positive integer: one lookup, all ranks together (default 5000)",
-    "async_loads": "true (default: lower tiers load in the background), \"always\" "
-                   "(every load does) or false (every load before the forward pass)",
+    "async_loads": "true (default: lower tiers load in the background while other requests "
+                   "run), \"always\" (every load does) or false (every load before the "
+                   "forward pass)",
     "stage_node_memory_copies": "true or false: a CPU worker loads and saves the pool "
                                 "daemon's chunks the way a GPU worker does (tests; default "
                                 "false)",

@@ -1,6 +1,6 @@
 """The connector's scheduler side, in vLLM's EngineCore process: it asks every worker rank's
 pool over its Unix socket how much of a prompt it holds (loads are asynchronous unless every
-rank leased every promised chunk in memory), builds each step's metadata (encoded bytes),
+rank leased every promised chunk in memory or no other request runs), builds each step's metadata (encoded bytes),
 applies what the workers reported (failed blocks, ended loads, steps run), and turns the
 workers' tier events into vLLM KV events."""
 
