@@ -50,8 +50,7 @@ def main():
     from vllm.config import KVTransferConfig
 
     scratch = tempfile.mkdtemp(prefix="kvpool-count-calls-")
-    model = make_model(os.path.join(scratch, "model"), hidden=64, layers=2, heads=4,
-                       kv_heads=2, intermediate=128, seed=0)
+    model = make_model(os.path.join(scratch, "model"), seed=0)
     llm = LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         block_size=32, max_model_len=8192, seed=0, enable_prefix_caching=False,
