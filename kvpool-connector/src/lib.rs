@@ -84,6 +84,7 @@ pub mod opaque_values;
 pub mod request_trace;
 pub mod scheduler;
 pub mod sglang_storage;
+pub mod state_values;
 pub mod vllm;
 pub mod worker;
 

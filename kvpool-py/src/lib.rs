@@ -119,6 +119,17 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> PyResult<std::sync::MutexGuard
     })
 }
 
+/// A 16-byte chunk hash from Python bytes (a key the scheduler or a tracker handed out).
+pub(crate) fn chunk_hash_of(bytes: &[u8]) -> PyResult<kvpool_core::ChunkHash> {
+    let raw: [u8; 16] = bytes.try_into().map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "a chunk hash has 16 bytes, not {}",
+            bytes.len()
+        ))
+    })?;
+    Ok(kvpool_core::ChunkHash(raw))
+}
+
 /// Logs from Rust go to stderr through `tracing`, filtered by `KVPOOL_LOG` (default `warn`;
 /// e.g. `KVPOOL_LOG=kvpool_connector=debug`, or `KVPOOL_LOG=kvpool::request=debug` for one
 /// line per finished request), colored only on a terminal.
@@ -242,11 +253,12 @@ fn digest_text(text: &str) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(text.as_bytes()))
 }
 
-/// Checks a config without building anything (for a clear error at engine start).
+/// Checks a config without building anything (for a clear error at engine start); returns
+/// its chunk size in tokens.
 #[pyfunction]
-fn check_config(text: &str, format: &str) -> PyResult<()> {
+fn check_config(text: &str, format: &str) -> PyResult<usize> {
     parse_pool_config(text, format)
-        .map(|_| ())
+        .map(|config| config.chunking.chunk_size)
         .map_err(PyValueError::new_err)
 }
 
@@ -270,6 +282,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
+    m.add_class::<py_worker::PyStateValues>()?;
     m.add_class::<PyCopyEngine>()?;
     m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;

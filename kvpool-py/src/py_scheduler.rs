@@ -219,6 +219,17 @@ impl PyScheduler {
             .unwrap_or_default())
     }
 
+    /// Whether every worker rank's pool holds each of `chunk_hashes` (16-byte strings), each
+    /// on its own: a hybrid model's recurrent states, one value per boundary. Nothing is
+    /// leased; a rank past the lookup timeout counts as not holding it.
+    fn chunks_present(&self, py: Python<'_>, chunk_hashes: Vec<Vec<u8>>) -> PyResult<Vec<bool>> {
+        let hashes = chunk_hashes
+            .iter()
+            .map(|h| crate::chunk_hash_of(h))
+            .collect::<PyResult<Vec<_>>>()?;
+        py.detach(|| Ok(guard(self)?.chunks_present(&hashes)))
+    }
+
     /// The keys of the request's prompt tail blocks (`ConnectorScheduler::prompt_tail_hashes`),
     /// one 16-byte string per block; empty for an unknown request or no such block.
     fn tail_block_hashes<'py>(

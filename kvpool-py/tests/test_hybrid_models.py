@@ -3,15 +3,17 @@ cache manager (HMA) on, because the connector declares ``SupportsHMA``. Without 
 linear-attention hybrid (Qwen3-Next) refused to start ("Failed to promote local KV cache specs
 to one unified type") and a sliding-window model ran with every layer holding the whole context.
 
-kvpool serves a model of full-attention and sliding-window groups (Gemma 3 shape), one part
-per group; for a model with Mamba / linear-attention state groups (Qwen3-Next shape) it stands
-aside (one warning; no lookup, load or save) and vLLM's own prefix cache serves. Outputs are
-compared with the same engine without kvpool: greedy tokens identical, logprobs within 1e-4
-(fp32) or identical (bf16, same batches).
+kvpool serves a model of full-attention and sliding-window groups (Gemma 3 shape) and a model
+of linear-attention state and full-attention groups (Qwen3-Next shape, its chunk set to vLLM's
+block), one part per group. Outputs are compared with the same engine without kvpool: greedy
+tokens identical, logprobs within 1e-4 (fp32); for bf16, against the run that makes the same
+computation (vLLM's own prefix cache resuming from the same boundary, or computing the prompt
+whole), same batches.
 """
 
 import os
 import random
+import re
 
 from conftest import free_port, shared_prefix_prompts
 from make_hybrid_model import make_gemma3_model, make_qwen3_next_model
@@ -26,24 +28,92 @@ def log_of(run):
         return f.read()
 
 
-def test_a_linear_attention_hybrid_starts_with_hma_on_and_kvpool_standing_aside(runner,
-                                                                                 scratch):
-    """Qwen3-Next shape (Gated DeltaNet + full attention, bf16): starts and serves with kvpool
-    configured, outputs identical to no connector, vLLM's prefix cache serving the repeat."""
-    model = make_qwen3_next_model(os.path.join(scratch, "tiny-qwen3-next"))
-    prompts = shared_prefix_prompts(2, seed=61)
-    batches = [[0], [1]]
+BLOCK_SIZE_SET = re.compile(r"Setting attention block size to (\d+) tokens")
+
+
+def hybrid_block_size(run):
+    """The block size vLLM chose for a hybrid model (attention pages as large as a state)."""
+    found = BLOCK_SIZE_SET.findall(log_of(run))
+    assert found, "vLLM did not log the block size it chose for the hybrid model"
+    return int(found[-1])
+
+
+def qwen3_next(scratch):
+    """The Qwen3-Next shape, and three prompts sharing a 1K prefix."""
+    return (make_qwen3_next_model(os.path.join(scratch, "tiny-qwen3-next")),
+            shared_prefix_prompts(3, seed=61))
+
+
+def counter(stats, name):
+    """A counter summed over a hybrid model's parts (``g<i>_<name>``)."""
+    return sum(v for k, v in stats.items() if k == name or k.endswith("_" + name))
+
+
+def test_a_linear_attention_hybrid_is_served_by_kvpool_with_hma_on(runner, scratch):
+    """Qwen3-Next shape (3 Gated DeltaNet layers + 1 full attention, bf16) with HMA on and
+    kvpool's chunk = vLLM's block: the first engine saves the prompt's attention KV and its
+    recurrent states (at the boundaries vLLM keeps) to disk; a fresh engine is served the
+    shared prefix from there, every group (the attention KV up to the boundary, each state
+    group's state at exactly that boundary), as far as vLLM's own prefix cache serves it
+    within one engine, outputs identical to that own-cache run (same computation from the
+    same KV and state). With the default chunk size kvpool stands aside and says what to set."""
+    model, prompts = qwen3_next(scratch)
+    batches = [[0], [1], [2]]
     base = runner.baseline(model, prompts, dtype="bfloat16", batches=batches)
-    got = runner.run({"model": model, "prompts": prompts, "kvpool": l1(), "dtype": "bfloat16",
-                      "batches": batches})
-    assert_same_outputs(base, got, "Qwen3-Next shape")
-    log = log_of(got)
+    bs = hybrid_block_size(base)
+    own_hit = base["results"][1]["num_cached_tokens"]
+    # vLLM's own prefix cache (mamba cache mode "align") resumed prompt 1 from prompt 0's
+    # state at a block boundary inside the shared prefix.
+    assert base["results"][0]["num_cached_tokens"] == 0
+    assert 0 < own_hit <= PREFIX and own_hit % bs == 0, (own_hit, bs)
+
+    aside = runner.run({"model": model, "prompts": prompts[:1], "kvpool": l1(),
+                        "dtype": "bfloat16"})
+    assert_same_outputs({"results": base["results"][:1]}, aside, "standing aside")
+    log = log_of(aside)
     assert HMA_OFF not in log, "vLLM turned its hybrid KV cache manager off"
-    assert STANDS_ASIDE in log and "MambaSpec" in log, log[-3000:]
-    # The shared prefix of the second prompt came from vLLM's own prefix cache (mamba
-    # cache mode "align"), not from kvpool.
-    assert got["results"][1]["num_cached_tokens"] > 0, got["results"][1]
-    assert got["stats"].get("loaded_tokens", 0) == 0, got["stats"]
+    assert STANDS_ASIDE in log and f'"chunk_size": {bs}' in log, log[-3000:]
+
+    disk = os.path.join(scratch, "qwen3-next-disk")
+    cfg = l1(tier=[{"url": f"file://{disk}"}], chunking={"chunk_size": bs})
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1],
+                        "dtype": "bfloat16"})
+    # Nothing to load in the first engine: the same computation as without kvpool.
+    assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
+    log = log_of(first)
+    assert HMA_OFF not in log and STANDS_ASIDE not in log, log[-3000:]
+    # Three state groups (one Gated DeltaNet layer each) saved the state vLLM kept.
+    assert counter(first["stats"], "state_saves") >= 3, first["stats"]
+
+    fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[1:],
+                        "batches": [[0], [1]], "dtype": "bfloat16"})
+    assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh engine from disk")
+    assert fresh["results"][0]["num_cached_tokens"] >= own_hit, fresh["results"][0]
+    stats = fresh["stats"]
+    assert stats["loaded_tokens"] >= own_hit, stats
+    assert counter(stats, "state_loads") >= 3, stats
+    assert counter(stats, "state_load_failures") == 0, stats
+
+
+def test_a_linear_attention_hybrids_failed_state_loads_are_recomputed(runner, scratch,
+                                                                     redis_server):
+    """The Qwen3-Next shape's stored values corrupted in Redis (attention KV and recurrent
+    states alike): a state that fails its check is never loaded; the request's load fails
+    (vLLM's ``failed_recving``) and it is recomputed from the start, outputs identical to
+    an engine that computed it without kvpool."""
+    model, prompts = qwen3_next(scratch)
+    base = runner.baseline(model, prompts[1:2], dtype="bfloat16")
+    bs = hybrid_block_size(base)
+    cfg = l1(tier=[{"url": redis_server.url}], chunking={"chunk_size": bs})
+    runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1], "dtype": "bfloat16"})
+    keys = redis_server.keys()
+    assert keys
+    corrupt(redis_server, keys)
+    got = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[1:2],
+                      "dtype": "bfloat16"})
+    assert_same_outputs(base, got, "corrupt values")
+    assert counter(got["stats"], "state_load_failures") > 0, got["stats"]
+    assert counter(got["stats"], "state_loads") == 0, got["stats"]
 
 
 def test_a_sliding_window_model_is_served_by_kvpool_with_hma_on(runner, scratch):
@@ -158,3 +228,26 @@ def test_a_sliding_window_model_is_served_through_the_pool_daemon(runner, scratc
     assert fresh["results"][0]["num_cached_tokens"] >= PREFIX, fresh["results"][0]
     assert fresh["stats"]["loaded_tokens"] >= PREFIX, fresh["stats"]
     daemon.wait(lambda s: s["sessions"] == 0, "every part detached")
+
+
+def test_a_linear_attention_hybrid_under_tp2_multiprocess_is_served_from_disk(runner,
+                                                                              scratch):
+    """The Qwen3-Next shape under TP=2 in vLLM's multi-process mode (each rank holds its shard
+    of every state, keyed by its rank; a state hit needs every rank's): a fresh engine is
+    served the shared prefix from disk, outputs identical to TP=2 without kvpool serving it
+    from its own prefix cache."""
+    model, prompts = qwen3_next(scratch)
+    base = runner.baseline(model, prompts, dtype="bfloat16", batches=[[0], [1], [2]], **TP2)
+    bs = hybrid_block_size(base)
+    own_hit = base["results"][1]["num_cached_tokens"]
+    assert own_hit > 0, base["results"]
+    disk = os.path.join(scratch, "qwen3-next-disk-tp2")
+    cfg = l1(tier=[{"url": f"file://{disk}"}], chunking={"chunk_size": bs})
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1],
+                        "dtype": "bfloat16", **TP2})
+    assert_same_outputs({"results": base["results"][:1]}, first, "first TP=2 engine")
+    assert STANDS_ASIDE not in log_of(first)
+    fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[1:],
+                        "batches": [[0], [1]], "dtype": "bfloat16", **TP2})
+    assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh TP=2 engine from disk")
+    assert fresh["results"][0]["num_cached_tokens"] >= own_hit, fresh["results"][0]

@@ -391,6 +391,21 @@ impl ConnectorScheduler {
         }
     }
 
+    /// Whether every rank's pool holds each of `chunk_hashes`, each on its own (a hybrid
+    /// model's recurrent states: one value per boundary, not a prefix of chunks). Nothing is
+    /// leased; a rank that does not answer in time counts as not holding it.
+    pub fn chunks_present(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool> {
+        chunk_hashes
+            .iter()
+            .map(|h| {
+                self.lookup
+                    .lookup("", std::slice::from_ref(h), false)
+                    .chunks
+                    == 1
+            })
+            .collect()
+    }
+
     /// vLLM `build_connector_meta`: this step's loads and saves, with the decisions taken on
     /// earlier steps (cuts, commits, held blocks, ended and preempted requests).
     ///

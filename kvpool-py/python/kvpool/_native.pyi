@@ -249,6 +249,10 @@ class Scheduler:
     def tail_block_hashes(self, req_id: str) -> list[bytes]:
         """The keys of the request's prompt tail blocks, 16 bytes each."""
         ...
+    def chunks_present(self, chunk_hashes: list[bytes]) -> list[bool]:
+        """Whether every worker rank's pool holds each chunk hash, each on its own (a hybrid
+        model's recurrent states); nothing is leased."""
+        ...
     def update_connector_output(
         self,
         failed_block_ids: list[int],
@@ -278,6 +282,24 @@ class Scheduler:
         ...
 
 @final
+class StateValues:
+    """A hybrid model's recurrent states (one KV cache group's) in a state part's pool, read
+    and written by the chunk hash of the prefix each follows."""
+
+    def __new__(cls, worker: Worker, owner: Worker, value_bytes: int, block_size: int
+                ) -> StateValues:
+        """States of ``value_bytes`` (every layer) in ``worker``'s key scope over the pool
+        ``owner`` built (a state may not be larger than one of its chunks)."""
+        ...
+    def read(self, chunk_hash: bytes, spans: list[tuple[int, int]]) -> bool:
+        """Copies the state after the prefix ``chunk_hash`` names into the engine's
+        ``(address, length)`` spans; False (logged) when no tier holds a value that fits."""
+        ...
+    def write(self, chunk_hashes: list[bytes], spans: list[list[tuple[int, int]]]) -> int:
+        """Stores each block's state under its prefix's chunk hash (those held already are
+        left); returns how many were stored anew."""
+        ...
+
 class Worker:
     """The worker half of the vLLM connector (one per vLLM worker process / TP rank)."""
 
@@ -402,8 +424,9 @@ class Worker:
         """Flushes write-behind to lower tiers and closes them; the worker is unusable afterwards."""
         ...
 
-def check_config(text: str, format: str) -> None:
-    """Checks a config without building anything (raises ValueError)."""
+def check_config(text: str, format: str) -> int:
+    """Checks a config without building anything (raises ValueError); returns its chunk size
+    in tokens."""
     ...
 
 def config_with_pool(text: str, format: str, pool: str) -> str:

@@ -39,10 +39,13 @@ with no failed load touching them. A chunk that cannot be loaded is reported thr
 ``get_block_ids_with_load_errors`` and recomputed (kvpool sets ``kv_load_failure_policy`` to
 ``"recompute"``).
 
-The connector declares vLLM's ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on).
-It stands aside, with one warning and no lookup, load or save, where it cannot serve exactly:
-a hybrid model's several KV cache groups (not stored yet), and MLA on vLLM's CPU build (which
-does not resume MLA from a cached prefix).
+The connector declares vLLM's ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on)
+and serves a hybrid model's KV cache groups, one part each (``kvpool.vllm.hybrid``): full and
+sliding-window attention, and recurrent states (``kvpool.vllm.state_groups``). It stands
+aside, with one warning and no lookup, load or save, where it cannot serve exactly: state
+groups outside vLLM's ``align`` mode, under speculative decoding, off the CPU build, or with a
+chunk size that is not a multiple of the block size; and MLA on vLLM's CPU build (which does
+not resume MLA from a cached prefix).
 """
 
 _EXPORTS = {

@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvpool import _native
 from kvpool.vllm.compat import check_vllm
 from kvpool.vllm.hybrid import (NULL_BLOCK, AttentionGroup, HybridSchedulerSide,
-                                HybridWorkerSide, attention_groups)
+                                HybridWorkerSide, served_groups)
+from kvpool.vllm.state_groups import StateGroup, StateSchedulerSide, StateWorkerSide
 from kvpool.vllm.identity import resolve_config
 from kvpool.vllm.layouts import hybrid_groups
 from kvpool.vllm.handoff import Handoffs, handoff_params
@@ -71,14 +72,21 @@ def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     raise ValueError(f"kvpool: async_loads must be true, false or \"always\", not {value!r}")
 
 
-def stand_aside_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
-                       ) -> str | None:
+def stand_aside_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None",
+                       chunk_size: int = 256) -> str | None:
     """Why kvpool must not serve this engine (it then looks up, loads and saves nothing), as
     the warning it logs once; None when it serves. Serving where vLLM cannot resume from a
-    cached prefix exactly would hand the model KV it does not compute with: a miss instead."""
+    cached prefix exactly would hand the model KV it does not compute with: a miss instead.
+    ``chunk_size``: the pool config's, in tokens."""
     groups = hybrid_groups(kv_cache_config)
     if groups is not None:
-        served = attention_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        served = served_groups_of(vllm_config, kv_cache_config)
+        block_size = vllm_config.cache_config.block_size
+        if not isinstance(served, str) and served[1] and chunk_size % block_size:
+            served = (f"its recurrent states are kept every {block_size} tokens (vLLM's block "
+                      f"size for this model), which kvpool's chunk size {chunk_size} is not a "
+                      f"multiple of: set \"chunking\": {{\"chunk_size\": {block_size}}} in "
+                      "kvpool's config to serve it")
         if isinstance(served, str):
             return (f"this model's KV cache has {groups} (vLLM's hybrid KV cache manager), and "
                     f"{served}; kvpool stands aside for it: no lookups, loads or saves "
@@ -90,6 +98,16 @@ def stand_aside_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
                 "not resume MLA from a cached prefix, so kvpool stands aside (no lookups, loads "
                 "or saves)")
     return None
+
+
+def served_groups_of(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
+                     ) -> tuple[list[AttentionGroup], list[StateGroup]] | str:
+    """``served_groups`` with what vLLM's config says about the engine."""
+    from vllm.platforms import current_platform
+
+    return served_groups(kv_cache_config, vllm_config.cache_config.block_size,
+                         speculative=getattr(vllm_config, "speculative_config", None) is not None,
+                         on_cpu=current_platform.is_cpu())
 
 
 @dataclass
@@ -130,10 +148,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = check_options(extra)
         #: Why kvpool stands aside for this engine (no lookup, load or save), or None.
-        self._stands_aside = stand_aside_reason(vllm_config, kv_cache_config)
-        self._block_size = vllm_config.cache_config.block_size
         self._config_text, self._config_format = resolve_config(extra)
-        _native.check_config(self._config_text, self._config_format)
+        chunk_size = _native.check_config(self._config_text, self._config_format)
+        self._stands_aside = stand_aside_reason(vllm_config, kv_cache_config, chunk_size)
+        self._block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("kvpool: pipeline parallelism is not supported yet")
@@ -155,13 +173,16 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
         #: How this engine derives keys (``SchedulerSide.scope_digest``), named in hand-offs.
         self._scope_digest: str | None = None
         self._work: WorkerSide | HybridWorkerSide | None = None
-        #: A hybrid model's KV cache groups, one kvpool part each (None: one group).
+        #: A hybrid model's attention KV cache groups, one kvpool part each (None: one group).
         self._groups: list[AttentionGroup] | None = None
+        #: A hybrid model's recurrent-state groups, one kvpool part each, after the others.
+        self._state_groups: list[StateGroup] = []
         self._engine_id = engine_id
         self._options = options
         if self._stands_aside is None and hybrid_groups(kv_cache_config) is not None:
-            groups = attention_groups(kv_cache_config, self._block_size)
-            assert not isinstance(groups, str)  # stand_aside_reason said why
+            served = served_groups_of(vllm_config, kv_cache_config)
+            assert not isinstance(served, str)  # stand_aside_reason said why
+            groups, self._state_groups = served
             # The pool is built for the part with the most layers (its chunks are largest);
             # a full-attention part first (its counters are the connector's own).
             self._groups = sorted(groups, key=lambda g: (-len(g.layer_names),
@@ -216,14 +237,21 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                         load_timing="always", kv_events=self._kv_events, group=g.index,
                         sliding_window=g.sliding_window is not None, event_fields=fields,
                         chunk_blocks_of=parts[0] if parts else None, **side))
-                self._sched = HybridSchedulerSide(parts)
+                states = [StateSchedulerSide(
+                    group=g, socket_paths=[self._part_socket(g, r) for r in range(self._tp_size)],
+                    block_size=self._block_size, keys_of=parts[0],
+                    save_decode_tokens=self._save_decode_tokens,
+                    timeout_ms=options.lookup_timeout_ms, loads=loads, saves=saves)
+                    for g in self._state_groups]
+                self._sched = HybridSchedulerSide(parts, states)
+                served = [*self._groups, *self._state_groups]
                 logger.info("kvpool serves this hybrid model's %d KV cache groups: %s",
-                            len(self._groups), ", ".join(g.key_format for g in self._groups))
+                            len(served), ", ".join(g.key_format for g in served))
             self._scope_digest = self._sched.scope_digest()
             if self._handoffs is not None:
                 self._handoffs.scope = self._scope_digest
 
-    def _part_socket(self, group: AttentionGroup, rank: int) -> str:
+    def _part_socket(self, group: AttentionGroup | StateGroup, rank: int) -> str:
         """The lookup socket of a hybrid model's part for ``group`` on ``rank``."""
         return _native.lookup_socket_path(self._options.socket_dir,
                                           f"{self._engine_id}-g{group.index}", rank)
@@ -320,15 +348,25 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                                     socket_path_of=self._socket_path_of,
                                     kv_events=self._kv_events, **common)
         else:
-            parts: list[WorkerSide] = []
+            parts: list[WorkerSide | StateWorkerSide] = []
+            num_parts = len(self._groups) + len(self._state_groups)
             for g in self._groups:
                 caches = {name: kv_caches[name] for name in g.layer_names if name in kv_caches}
                 parts.append(WorkerSide(
                     self._vllm_config, caches,
                     socket_path_of=lambda rank, g=g: self._part_socket(g, rank),
                     kv_events=self._kv_events, group_format=g.key_format,
-                    share_pool_with=parts[0] if parts else None, parts=len(self._groups),
+                    share_pool_with=parts[0] if parts else None, parts=num_parts,
                     null_block=NULL_BLOCK, **common))
+            owner = parts[0]
+            for g in self._state_groups:
+                parts.append(StateWorkerSide(
+                    self._vllm_config, kv_caches, group=g, share_pool_with=owner,
+                    socket_path=self._part_socket(g, owner.tp_rank),
+                    config_text=self._config_text, config_format=self._config_format,
+                    tp_size=self._tp_size, tp_rank=owner.tp_rank, block_size=self._block_size,
+                    parts=num_parts, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+                    weights_id=self._options.weights_id))
             self._work = HybridWorkerSide(parts)
         WORKERS.append(self)
 

@@ -3,13 +3,16 @@ group, each with its own layers, layout and keys (the group is named in every ke
 sharing one pool (one L1, one set of tiers).
 
 What kvpool serves: groups of full attention and sliding-window attention (Gemma 2/3, gpt-oss
-and the like), the groups vLLM's own OffloadingConnector serves. Each part saves its group's
-blocks chunk by chunk and loads them on its own; a prefix hit is the shortest of the parts'
-hits, so every group the model needs is present for it. A sliding-window group loads only the
+and the like), and recurrent-state groups (Mamba, Gated DeltaNet, ...: Qwen3-Next, Granite 4,
+Nemotron-H; ``kvpool.vllm.state_groups``) beside attention. Each attention part saves its
+group's blocks chunk by chunk and loads them on its own; a sliding-window group loads only the
 blocks vLLM keeps inside the window (vLLM puts its null block outside, which is never read or
 written) and stops saving before a chunk whose blocks vLLM freed (``SlidingWindowBlocks``).
-Not served yet (kvpool stands aside, one warning, vLLM's own prefix cache serves): Mamba /
-linear-attention state groups, MLA, groups of another block size.
+A prefix hit is the shortest of the attention parts' hits, so every group the model needs is
+present for it; with state parts, it is further cut to the longest boundary at which every
+state part holds the state (a state is valid at exactly one position). Not served yet (kvpool
+stands aside, one warning, vLLM's own prefix cache serves): MLA, groups of another block size,
+and the state cases ``state_groups`` names.
 
 Loads of a hybrid model are asynchronous: vLLM takes a hybrid model's load failures per
 request (``failed_recving``: the request is recomputed), never per block.
@@ -26,6 +29,7 @@ from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWork
 
 if TYPE_CHECKING:
     from kvpool.vllm.scheduler_side import SchedulerSide
+    from kvpool.vllm.state_groups import StateGroup, StateSchedulerSide, StateWorkerSide
     from kvpool.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger("kvpool.vllm")
@@ -49,13 +53,19 @@ class AttentionGroup:
     spec_kind: str
 
 
-def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGroup] | str:
-    """The groups of a hybrid model as kvpool parts, or why kvpool cannot serve them."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, SlidingWindowSpec,
+def served_groups(kv_cache_config: Any, block_size: int, *, speculative: bool = False,
+                  on_cpu: bool = True
+                  ) -> tuple[list[AttentionGroup], list["StateGroup"]] | str:
+    """The groups of a hybrid model as kvpool parts (attention groups, recurrent-state
+    groups), or why kvpool cannot serve them. ``speculative``: the engine decodes
+    speculatively; ``on_cpu``: its KV caches are in host memory (vLLM's CPU build)."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, SlidingWindowSpec,
                                             get_kv_cache_spec_kind)
 
+    from kvpool.vllm.state_groups import state_group
+
     groups = list(kv_cache_config.kv_cache_groups)
-    parts = []
+    parts, states = [], []
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec)
@@ -65,10 +75,20 @@ def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGro
         elif kind is SlidingWindowSpec:
             window = int(spec.sliding_window)
             name = f"sliding(window={window},retained={int(spec.extra_retained_tokens)})"
+        elif isinstance(spec, MambaSpec):
+            if not on_cpu:
+                return (f"group {i} is a recurrent-state group (Mamba / linear attention): "
+                        "kvpool moves those states on vLLM's CPU build only (the GPU path is "
+                        "not built)")
+            state = state_group(i, len(groups), group.layer_names, spec, block_size,
+                                speculative)
+            if isinstance(state, str):
+                return state
+            states.append(state)
+            continue
         else:
-            return (f"group {i} is {kind.__name__}: kvpool stores full-attention and "
-                    "sliding-window groups only (not Mamba / linear-attention state, MLA or "
-                    "others yet)")
+            return (f"group {i} is {kind.__name__}: kvpool stores full-attention, "
+                    "sliding-window and recurrent-state groups only (not MLA or others yet)")
         if spec.block_size != block_size:
             return (f"group {i} has blocks of {spec.block_size} tokens, not the engine's "
                     f"{block_size}")
@@ -76,7 +96,9 @@ def attention_groups(kv_cache_config: Any, block_size: int) -> list[AttentionGro
                                     sliding_window=window,
                                     key_format=f"group={i}/{len(groups)}:{name}",
                                     spec_kind=str(get_kv_cache_spec_kind(spec).value)))
-    return parts
+    if not parts:
+        return "no group is an attention group (a state alone names no prefix kvpool loads)"
+    return parts, states
 
 
 def allocated_in_step(so: Any, since_last_step: set[int]) -> frozenset[int]:
@@ -96,10 +118,12 @@ def allocated_in_step(so: Any, since_last_step: set[int]) -> frozenset[int]:
 
 
 class HybridSchedulerSide:
-    """The scheduler side of every part."""
+    """The scheduler side of every part: the attention parts, then the state parts."""
 
-    def __init__(self, parts: list["SchedulerSide"]):
+    def __init__(self, parts: list["SchedulerSide"],
+                 state_parts: list["StateSchedulerSide"] | None = None):
         self.parts = parts
+        self.state_parts = list(state_parts or ())
         self.allocated_since_step: set[int] = set()
         #: Requests whose blocks parts hold for their saves, and how many parts, for the
         #: next step's metadata.
@@ -112,8 +136,37 @@ class HybridSchedulerSide:
         answers = [p.get_num_new_matched_tokens(request, num_computed_tokens)
                    for p in self.parts]
         hit = min(n for n, _ in answers)
+        if self.state_parts:
+            hit = self._state_hit(request, num_computed_tokens, hit)
         # Every part's load is asynchronous (see the module docs).
         return hit, hit > 0
+
+    def _state_hit(self, request: Any, num_computed: int, attention_hit: int) -> int:
+        """The longest boundary within the attention parts' hit at which every state part
+        holds the state (a hit of ``boundary - num_computed`` tokens), or 0; each state part
+        remembers it for the allocation."""
+        from kvpool.vllm.state_groups import state_candidates
+
+        first = self.state_parts[0]
+        boundaries = state_candidates(num_computed, num_computed + attention_hit,
+                                      request.num_tokens, first.chunk) \
+            if attention_hit > 0 else []
+        alive = [(p, k) for p, k in zip(boundaries, first.keys_at(request.request_id,
+                                                                  boundaries))
+                 if k is not None]
+        for part in self.state_parts:
+            if not alive:
+                break
+            held = part.present([k for _, k in alive])
+            alive = [c for c, ok in zip(alive, held) if ok]
+        boundary, key = alive[0] if alive else (None, None)
+        for part in self.state_parts:
+            part.promise(request, num_computed, boundary, key)
+        return boundary - num_computed if boundary is not None else 0
+
+    def all_parts(self) -> list[Any]:
+        """Every part, in the order of the metadata (attention parts, then state parts)."""
+        return [*self.parts, *self.state_parts]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -121,7 +174,7 @@ class HybridSchedulerSide:
             self.allocated_since_step.update(group)
         if num_external_tokens > 0:
             self.loads.append(request.request_id)
-        for p in self.parts:
+        for p in self.all_parts():
             p.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, so: Any
@@ -130,7 +183,7 @@ class HybridSchedulerSide:
         requests parts hold (``holds``) and the requests given a load (``loads``)."""
         allocated = allocated_in_step(so, self.allocated_since_step)
         self.allocated_since_step = set()
-        built = [p.build_connector_meta(so, allocated) for p in self.parts]
+        built = [p.build_connector_meta(so, allocated) for p in self.all_parts()]
         holds, self.holds = self.holds, {}
         loads, self.loads = self.loads, []
         return [data for data, _ in built], built[0][1], holds, loads
@@ -144,20 +197,20 @@ class HybridSchedulerSide:
 
     def scope_digest(self) -> str:
         """Every part's scope digest, in the parts' order."""
-        return "+".join(p.scope_digest() for p in self.parts)
+        return "+".join(p.scope_digest() for p in self.all_parts())
 
     def saved_prompt_tokens(self, request: Any) -> int:
         """What every part's saves cover of the prompt (a hit needs every group)."""
-        return min(p.saved_prompt_tokens(request) for p in self.parts)
+        return min(p.saved_prompt_tokens(request) for p in self.all_parts())
 
     def request_finished(self, request: Any) -> bool:
-        held = sum(bool(p.request_finished(request)) for p in self.parts)
+        held = sum(bool(p.request_finished(request)) for p in self.all_parts())
         if held:
             self.holds[request.request_id] = held
         return held > 0
 
     def has_pending_work(self) -> bool:
-        return any(p.has_pending_work() for p in self.parts)
+        return any(p.has_pending_work() for p in self.all_parts())
 
     def take_events(self):
         """Every part's tier events as vLLM KV events, each naming its KV cache group."""
@@ -165,7 +218,7 @@ class HybridSchedulerSide:
             yield from p.take_events()
 
     def reset(self) -> None:
-        for p in self.parts:
+        for p in self.all_parts():
             p.reset()
 
 
@@ -213,7 +266,8 @@ class HybridWorkerSide:
     ended once every part's did (failed if any part's failed), its saves once every part
     that held it reported them."""
 
-    def __init__(self, parts: list["WorkerSide"]):
+    def __init__(self, parts: list["WorkerSide | StateWorkerSide"]):
+        #: The attention parts, then the state parts (the metadata's order).
         self.parts = parts
         self.recving: Counter = Counter()
         self.failed: set[str] = set()
@@ -251,8 +305,7 @@ class HybridWorkerSide:
             sending, recving = p.finished(finished_req_ids)
             self.sending.update(sending or ())
             self.recving.update(recving or ())
-            p.native.failed_blocks()  # drained: vLLM takes a hybrid's failures per request
-            failed, unattributed = p.native.failed_load_requests()
+            failed, unattributed = p.failed_load_requests()
             self.failed.update(failed)
             if unattributed:
                 logger.error("kvpool: blocks failed with no request named; every load in "
@@ -296,7 +349,7 @@ class HybridWorkerSide:
 
     def native_stats(self) -> dict[str, int]:
         """Every part's counters since it started, named as ``_part_counters`` names them."""
-        return _part_counters(p.native.stats() for p in self.parts)
+        return _part_counters(p.native_stats() for p in self.parts)
 
     def shutdown(self) -> None:
         # The pool's owner (the first part) closes it, after the others stopped.

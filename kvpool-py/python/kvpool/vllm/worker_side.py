@@ -194,6 +194,17 @@ class WorkerSide:
         self._settle_read_backs()
         return set(self.native.failed_blocks())
 
+    def failed_load_requests(self) -> tuple[list[str], bool]:
+        """The requests whose loads failed since the last call, and whether blocks failed
+        with no request named (a hybrid model's part: vLLM takes its failures per request,
+        so the failed blocks are drained unreported)."""
+        self.native.failed_blocks()
+        return self.native.failed_load_requests()
+
+    def native_stats(self) -> dict[str, int]:
+        """The worker's counters since it started."""
+        return dict(self.native.stats())
+
     def worker_meta(self) -> KvpoolWorkerMeta:
         self._settle_read_backs()
         executed, copied = self.native.step_report()
