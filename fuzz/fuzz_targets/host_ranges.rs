@@ -7,7 +7,7 @@
 
 use kvpool_connector::HostPlanes;
 use kvpool_connector::offload_tier::PrimaryRegion;
-use kvpool_connector::sglang_storage::{page_spans, pages_fit};
+use kvpool_connector::host_spans::{page_spans, pages_fit};
 use libfuzzer_sys::fuzz_target;
 
 /// The end of `count` items of `len` bytes, `stride` apart from a non-null `base`, if it fits

@@ -76,6 +76,7 @@
 pub mod address_range;
 pub mod extra_keys;
 pub mod host_blocks;
+pub mod host_spans;
 pub mod leases;
 pub mod lookup_service;
 pub mod metadata;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use kvpool_core::{CacheEngine, CacheKey, Chunk, ChunkHash, ChunkMeta, Dtype};
 use tokio::runtime::Runtime;
 
-use crate::sglang_storage::{PageSpans, pages_fit};
+use crate::host_spans::{PageSpans, pages_fit};
 
 /// Why a state could not be read into the engine's blocks (the request is then recomputed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvpool_connector::sglang_storage::HostSpan;
+use kvpool_connector::host_spans::HostSpan;
 use kvpool_connector::state_values::{StateReadError, StateValues};
 use kvpool_connector::{ConnectorConfig, ConnectorScheduler, LeaseTable};
 use kvpool_core::{ByteSize, CacheEngine, ChunkHash, ChunkedTokenDatabase, PoolConfig};

@@ -1,8 +1,9 @@
 //! `kvpool._native.HiCacheStore`: kvpool as an SGLang HiCache L3 storage backend, for
 //! `kvpool.sglang.KvpoolStorage` (the Rust side is `kvpool_connector::sglang_storage`).
 
+use kvpool_connector::host_spans::PageSpans;
 use kvpool_connector::opaque_values::ValueScope;
-use kvpool_connector::sglang_storage::{CallSample, HiCacheStore, PageSpans};
+use kvpool_connector::sglang_storage::{CallSample, HiCacheStore};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -37,9 +38,9 @@ pub struct PyHiCacheStore {
     config: kvpool_core::PoolConfig,
 }
 
-/// [`kvpool_connector::sglang_storage::page_spans`], refusals as Python's `ValueError`.
+/// [`kvpool_connector::host_spans::page_spans`], refusals as Python's `ValueError`.
 fn page_spans(pages: usize, addrs: &[usize], sizes: &[usize]) -> PyResult<Vec<PageSpans>> {
-    kvpool_connector::sglang_storage::page_spans(pages, addrs, sizes)
+    kvpool_connector::host_spans::page_spans(pages, addrs, sizes)
         .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))
 }
 

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvpool_connector::host_spans::{HostSpan, PageSpans};
 use kvpool_connector::leases::DEFAULT_LEASE_TTL;
-use kvpool_connector::sglang_storage::{HostSpan, PageSpans};
 use kvpool_connector::state_values::StateValues;
 use kvpool_connector::vllm::{VllmEngineFacts, pool_config_for_vllm};
 use kvpool_connector::{

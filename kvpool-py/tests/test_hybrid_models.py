@@ -97,23 +97,29 @@ def test_a_linear_attention_hybrid_is_served_by_kvpool_with_hma_on(runner, scrat
 
 def test_a_linear_attention_hybrids_failed_state_loads_are_recomputed(runner, scratch,
                                                                      redis_server):
-    """The Qwen3-Next shape's stored values corrupted in Redis (attention KV and recurrent
-    states alike): a state that fails its check is never loaded; the request's load fails
-    (vLLM's ``failed_recving``) and it is recomputed from the start, outputs identical to
-    an engine that computed it without kvpool."""
+    """The Qwen3-Next shape's recurrent states corrupted in Redis, its attention KV intact: a
+    state that fails its check is never loaded; the request's load fails (vLLM's
+    ``failed_recving``: the attention KV loaded alone is not used) and it is recomputed from
+    the start, outputs identical to an engine that computed it without kvpool."""
     model, prompts = qwen3_next(scratch)
     base = runner.baseline(model, prompts[1:2], dtype="bfloat16")
     bs = hybrid_block_size(base)
     cfg = l1(tier=[{"url": redis_server.url}], chunking={"chunk_size": bs})
     runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1], "dtype": "bfloat16"})
-    keys = redis_server.keys()
-    assert keys
-    corrupt(redis_server, keys)
+    sizes = {k: int(redis_server.cli("STRLEN", k)) for k in redis_server.keys()}
+    # An attention chunk is a block's page; a state is smaller (vLLM pads it to the page).
+    states = [k for k, n in sizes.items() if n < max(sizes.values())]
+    assert states and len(states) < len(sizes), sizes
+    corrupt(redis_server, states)
     got = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[1:2],
                       "dtype": "bfloat16"})
-    assert_same_outputs(base, got, "corrupt values")
-    assert counter(got["stats"], "state_load_failures") > 0, got["stats"]
-    assert counter(got["stats"], "state_loads") == 0, got["stats"]
+    assert_same_outputs(base, got, "corrupt states")
+    stats = got["stats"]
+    assert counter(stats, "state_load_failures") > 0, stats
+    assert counter(stats, "state_loads") == 0, stats
+    # The attention KV was loaded, and not used: the request was recomputed.
+    assert stats["loaded_tokens"] > 0 and got["results"][0]["num_cached_tokens"] == 0, \
+        (stats, got["results"][0])
 
 
 def test_a_sliding_window_model_is_served_by_kvpool_with_hma_on(runner, scratch):

@@ -8,6 +8,7 @@ use kvpool_core::{
 };
 
 use super::*;
+use crate::host_spans::{HostSpan, page_spans};
 use crate::opaque_values::{ValueScope, pool_config_for_values};
 
 /// A host pool in SGLang's `layer_first` layout: `[K|V][layer][slot]`, one segment of `SEG`
