@@ -55,6 +55,12 @@ pub enum LookupRequest {
         /// [`crate::leases::lookup_and_lease`]).
         load_node_memory: bool,
     },
+    /// Which of these chunk hashes the pool holds, each on its own (a hybrid model's
+    /// recurrent states); nothing is leased.
+    Presence {
+        /// Chunk hashes, in any order.
+        chunk_hashes: Vec<[u8; 16]>,
+    },
 }
 
 /// A worker's answer.
@@ -69,6 +75,8 @@ pub enum LookupResponse {
         /// Leading chunks leased in memory to the request.
         leased: u64,
     },
+    /// Answer to [`LookupRequest::Presence`]: one flag per hash asked, in order.
+    Present(Vec<bool>),
     /// The lookup failed (reported as a miss by the client).
     Error(String),
 }
@@ -210,6 +218,15 @@ fn serve(
                     found: answer.chunks as u64,
                     leased: answer.leased as u64,
                 }
+            }
+            LookupRequest::Presence { chunk_hashes } => {
+                let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
+                    .into_iter()
+                    .map(kvpool_core::ChunkHash)
+                    .collect();
+                LookupResponse::Present(
+                    runtime.block_on(crate::scheduler::chunks_present(engine, &hashes)),
+                )
             }
         };
         if write_frame(&mut stream, &response).is_err() {
@@ -427,12 +444,14 @@ impl SocketLookup {
         ))
     }
 
+    /// Asks one rank; its answer, or `None` (a failure, an error reply or another kind of
+    /// reply than `request` calls for, all logged) for a miss.
     fn ask(
         rank: &Rank,
         request: &LookupRequest,
         deadline: Instant,
         expected: &WorkerInfo,
-    ) -> Option<LookupAnswer> {
+    ) -> Option<LookupResponse> {
         let probe = rank.breaker.lock().admits(Instant::now())?;
         // A rank still busy with an earlier lookup (stuck until its deadline) did not answer.
         let Some(mut conn) = rank.conn.try_lock() else {
@@ -445,21 +464,25 @@ impl SocketLookup {
         if probe {
             conn.stream = None;
         }
-        let answer = match conn.call(request, deadline, Some(expected)) {
-            Ok(LookupResponse::Chunks { found, leased }) => Some(LookupAnswer {
-                chunks: found as usize,
-                leased: leased as usize,
-            }),
-            Ok(LookupResponse::Error(e)) => {
+        let answer = match (request, conn.call(request, deadline, Some(expected))) {
+            (LookupRequest::Lookup { .. }, Ok(reply @ LookupResponse::Chunks { .. })) => {
+                Some(reply)
+            }
+            (LookupRequest::Presence { chunk_hashes }, Ok(LookupResponse::Present(flags)))
+                if flags.len() == chunk_hashes.len() =>
+            {
+                Some(LookupResponse::Present(flags))
+            }
+            (_, Ok(LookupResponse::Error(e))) => {
                 warn!(path = %conn.path.display(), error = %e, "lookup failed on a worker; treating as a miss");
                 None
             }
-            Ok(other) => {
+            (_, Ok(other)) => {
                 warn!(path = %conn.path.display(), reply = ?other, "unexpected lookup reply; treating as a miss");
                 conn.stream = None;
                 None
             }
-            Err(e) => {
+            (_, Err(e)) => {
                 warn!(path = %conn.path.display(), error = %e, "worker lookup failed; treating as a miss");
                 None
             }
@@ -470,6 +493,41 @@ impl SocketLookup {
             None => breaker.failed(&conn.path, Instant::now()),
         }
         answer
+    }
+
+    /// Asks every rank at once, one deadline for all (a hung rank costs the timeout once, not
+    /// once per rank; a rank left behind, its thread still blocked, is skipped later, its lock
+    /// held, and counts as a miss, like a rank whose breaker is open): every rank's answer, or
+    /// `None` when any rank did not answer.
+    fn ask_every_rank(&mut self, request: LookupRequest) -> Option<Vec<LookupResponse>> {
+        let deadline = Instant::now() + self.timeout;
+        let expected = self.expected;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for rank in &self.ranks {
+            let (rank, request, sender) = (rank.clone(), request.clone(), tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name("kvpool-lookup-ask".into())
+                .spawn(move || {
+                    let answer = SocketLookup::ask(&rank, &request, deadline, &expected);
+                    let _ = sender.send(answer);
+                });
+            if spawned.is_err() {
+                let _ = tx.send(None);
+            }
+        }
+        drop(tx);
+        let mut answers = Vec::with_capacity(self.ranks.len());
+        while answers.len() < self.ranks.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(Some(a)) => answers.push(a),
+                Ok(None) | Err(_) => {
+                    self.breaker_misses += u64::from(self.open_breakers() > 0);
+                    return None;
+                }
+            }
+        }
+        Some(answers)
     }
 
     /// Ranks whose circuit breaker is open.
@@ -496,48 +554,45 @@ impl PoolLookup for SocketLookup {
             chunk_hashes: chunk_hashes.iter().map(|h| h.0).collect(),
             load_node_memory,
         };
-        let deadline = Instant::now() + self.timeout;
-        let expected = self.expected;
-        // Every rank at once, one deadline for all: a hung rank costs the timeout once, not
-        // once per rank. A rank left behind (its thread still blocked) is skipped later
-        // (its lock is held) and counts as a miss, like a rank whose breaker is open.
-        let (tx, rx) = std::sync::mpsc::channel();
-        for rank in &self.ranks {
-            let (rank, request, sender) = (rank.clone(), request.clone(), tx.clone());
-            let spawned = std::thread::Builder::new()
-                .name("kvpool-lookup-ask".into())
-                .spawn(move || {
-                    let answer = SocketLookup::ask(&rank, &request, deadline, &expected);
-                    let _ = sender.send(answer);
-                });
-            if spawned.is_err() {
-                let _ = tx.send(None);
+        let answers = match self.ask_every_rank(request) {
+            Some(answers) if !answers.is_empty() => answers,
+            _ => return LookupAnswer::default(),
+        };
+        // Every rank must hold a chunk for the engine to skip it: the minimum wins.
+        let (mut chunks, mut leased) = (usize::MAX, usize::MAX);
+        for answer in answers {
+            if let LookupResponse::Chunks { found, leased: l } = answer {
+                chunks = chunks.min(found as usize);
+                leased = leased.min(l as usize);
             }
         }
-        drop(tx);
-        let mut best: Option<LookupAnswer> = None;
-        let mut answered = 0;
-        while answered < self.ranks.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(Some(a)) => {
-                    answered += 1;
-                    best = Some(best.map_or(a, |b| LookupAnswer {
-                        chunks: b.chunks.min(a.chunks),
-                        leased: b.leased.min(a.leased),
-                    }));
-                }
-                Ok(None) | Err(_) => {
-                    self.breaker_misses += u64::from(self.open_breakers() > 0);
-                    return LookupAnswer::default();
-                }
-            }
-        }
-        let best = best.unwrap_or_default();
         LookupAnswer {
-            chunks: best.chunks,
-            leased: best.leased.min(best.chunks),
+            chunks,
+            leased: leased.min(chunks),
         }
+    }
+
+    fn presence(&mut self, chunk_hashes: &[kvpool_core::ChunkHash]) -> Vec<bool> {
+        let mut held = vec![false; chunk_hashes.len()];
+        if chunk_hashes.is_empty() {
+            return held;
+        }
+        let request = LookupRequest::Presence {
+            chunk_hashes: chunk_hashes.iter().map(|h| h.0).collect(),
+        };
+        let answers = match self.ask_every_rank(request) {
+            Some(answers) if !answers.is_empty() => answers,
+            _ => return held,
+        };
+        held.fill(true);
+        for answer in answers {
+            if let LookupResponse::Present(flags) = answer {
+                for (h, f) in held.iter_mut().zip(flags) {
+                    *h &= f;
+                }
+            }
+        }
+        held
     }
 
     fn counters(&self) -> (u64, u32) {

@@ -95,16 +95,8 @@ impl StateValues {
 
     /// Whether some tier holds the state after each prefix of `prefixes`, each on its own.
     pub fn presence(&self, prefixes: &[ChunkHash]) -> Vec<bool> {
-        let storage = self.engine.storage();
-        let keys: Vec<CacheKey> = prefixes.iter().map(|h| self.key(*h)).collect();
-        let lookups = keys
-            .iter()
-            .map(|key| storage.lookup(std::slice::from_ref(key)));
         self.runtime
-            .block_on(futures::future::join_all(lookups))
-            .into_iter()
-            .map(|found| found.len() == 1)
-            .collect()
+            .block_on(crate::scheduler::chunks_present(&self.engine, prefixes))
     }
 
     /// Stores each state (the bytes of its spans, in order) under the prefix it follows: into

@@ -544,6 +544,53 @@ mod tests {
         );
     }
 
+    /// A hybrid model's recurrent states over the sockets: one round trip per rank answers
+    /// each state on its own, and a state is present only where every rank holds it.
+    #[test]
+    fn a_state_is_present_only_where_every_rank_holds_it() {
+        use kvpool_connector::host_spans::HostSpan;
+        use kvpool_connector::state_values::StateValues;
+
+        let dir = tempfile::tempdir().unwrap();
+        let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
+        let workers: Vec<WorkerCore> = (0..2)
+            .map(|rank| WorkerCore::new(&spec(sockets[rank].clone(), 2, rank as u32)).unwrap())
+            .collect();
+        let runtime = std::sync::Arc::new(tokio::runtime::Runtime::new().unwrap());
+        let state = [7u8; 16];
+        let store = |w: &WorkerCore, at: kvpool_core::ChunkHash| {
+            let values =
+                StateValues::new(w.worker.engine().clone(), runtime.clone(), 16, 1 << 20, 4)
+                    .unwrap();
+            let spans = vec![HostSpan {
+                addr: state.as_ptr() as usize,
+                len: 16,
+            }];
+            // SAFETY: the span lies in `state`, alive and unchanged during the call.
+            unsafe { values.write(&[(at, spans)]) }.unwrap()
+        };
+        let (both, one, none) = (
+            kvpool_core::ChunkHash([1; 16]),
+            kvpool_core::ChunkHash([2; 16]),
+            kvpool_core::ChunkHash([3; 16]),
+        );
+        assert_eq!(store(&workers[0], both), 1);
+        assert_eq!(store(&workers[1], both), 1);
+        assert_eq!(store(&workers[0], one), 1);
+        let mut sched = connect_scheduler(
+            &sockets,
+            ConnectorConfig::new(BLOCK),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(
+            sched.chunks_present(&[one, both, none]),
+            vec![false, true, false]
+        );
+        assert!(sched.chunks_present(&[]).is_empty());
+    }
+
     /// A rank that stops answering costs one bounded wait, then its breaker opens and
     /// lookups are misses at once until it answers again.
     #[test]
@@ -573,7 +620,7 @@ mod tests {
                             LookupRequest::Hello => {
                                 write_frame(&mut conn, &LookupResponse::Hello(info)).unwrap()
                             }
-                            LookupRequest::Lookup { .. } => {
+                            LookupRequest::Lookup { .. } | LookupRequest::Presence { .. } => {
                                 std::thread::sleep(Duration::from_secs(3600))
                             }
                         }

@@ -160,3 +160,22 @@ def test_only_this_groups_whole_chunk_prompt_boundaries_are_saved_under_the_pref
     # A consumer (kv_consumer) saves nothing.
     consumer = state_part(Pool(), tracker, saves=False)
     assert meta(consumer, offers)["saves"] == []
+
+
+def test_a_boundary_whose_load_failed_is_not_offered_to_the_request_again():
+    tracker = Tracker(chunks=4, hit=64)
+    part = state_part(Pool({key(1), key(2)}), tracker)
+    hybrid = HybridSchedulerSide([tracker], [part])
+    req = request(70)
+    assert hybrid.get_num_new_matched_tokens(req, 0) == (48, True)
+    hybrid.update_state_after_alloc(req, blocks([1, 2, 3], [0, 0, 9]), 48)
+    meta(part)
+    # The load failed (vLLM's failed_recving): vLLM looks the request up again.
+    part.update_connector_output(SimpleNamespace(finished_recving={"r"},
+                                                 failed_recving={"r"}))
+    assert hybrid.get_num_new_matched_tokens(req, 0) == (32, True)
+    # Another request is offered the boundary still.
+    assert hybrid.get_num_new_matched_tokens(request(70, "s"), 0) == (48, True)
+    # Once the request ends, its failures are forgotten.
+    part.request_finished(req)
+    assert part.excluded("r") == set()

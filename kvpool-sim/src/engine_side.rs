@@ -261,4 +261,20 @@ impl kvpool_connector::PoolLookup for RanksLookup {
         }
         best.unwrap_or_default()
     }
+
+    fn presence(&mut self, chunk_hashes: &[kvpool_core::ChunkHash]) -> Vec<bool> {
+        let mut held = vec![!self.ranks.is_empty(); chunk_hashes.len()];
+        for (engine, _) in &self.ranks {
+            let flags = self
+                .runtime
+                .block_on(kvpool_connector::scheduler::chunks_present(
+                    engine,
+                    chunk_hashes,
+                ));
+            for (h, f) in held.iter_mut().zip(flags) {
+                *h &= f;
+            }
+        }
+        held
+    }
 }

@@ -19,7 +19,7 @@ use crate::ConnectorConfig;
 use crate::leases::LeaseTable;
 use crate::metadata::{ConnectorMetadata, LoadSpec, SchedulerCounters};
 pub use engine_io::{BlockUpdate, ConnectorOutput, EngineRequest, ScheduledRequest};
-pub use pool_lookup::{EngineLookup, PoolLookup};
+pub use pool_lookup::{EngineLookup, PoolLookup, chunks_present};
 pub use step_ledger::STEP_REPORT_TIMEOUT;
 use step_ledger::StepLedger;
 use step_plan::StepPlanner;
@@ -392,18 +392,14 @@ impl ConnectorScheduler {
     }
 
     /// Whether every rank's pool holds each of `chunk_hashes`, each on its own (a hybrid
-    /// model's recurrent states: one value per boundary, not a prefix of chunks). Nothing is
-    /// leased; a rank that does not answer in time counts as not holding it.
+    /// model's recurrent states: one value per boundary, not a prefix of chunks), in one
+    /// round trip to each rank ([`PoolLookup::presence`]). Nothing is leased; a rank that
+    /// does not answer in time counts as holding none of them.
     pub fn chunks_present(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool> {
-        chunk_hashes
-            .iter()
-            .map(|h| {
-                self.lookup
-                    .lookup("", std::slice::from_ref(h), false)
-                    .chunks
-                    == 1
-            })
-            .collect()
+        if chunk_hashes.is_empty() {
+            return Vec::new();
+        }
+        self.lookup.presence(chunk_hashes)
     }
 
     /// vLLM `build_connector_meta`: this step's loads and saves, with the decisions taken on

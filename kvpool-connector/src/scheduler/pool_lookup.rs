@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvpool_core::{CacheEngine, ChunkHash};
+use kvpool_core::{CacheEngine, CacheKey, ChunkHash};
 use tokio::runtime::Runtime;
 
 use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
@@ -25,6 +25,12 @@ pub trait PoolLookup: Send {
         load_node_memory: bool,
     ) -> LookupAnswer;
 
+    /// Whether the pool holds each of `chunk_hashes`, each on its own (a hybrid model's
+    /// recurrent states: one value per boundary, not a prefix of chunks); nothing is leased,
+    /// and every hash is a miss on any failure. Across ranks, a hash is held when every rank
+    /// holds it.
+    fn presence(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool>;
+
     /// The lookup's own counters (breaker misses, ranks whose breaker is open).
     fn counters(&self) -> (u64, u32) {
         (0, 0)
@@ -41,6 +47,25 @@ pub struct EngineLookup {
     pub leases: Arc<LeaseTable>,
 }
 
+/// Whether some tier of `engine`'s pool holds each of `chunk_hashes` in the engine's key
+/// scope, each on its own ([`PoolLookup::presence`]).
+pub async fn chunks_present(engine: &CacheEngine, chunk_hashes: &[ChunkHash]) -> Vec<bool> {
+    let scope = engine.token_database().scope();
+    let keys: Vec<CacheKey> = chunk_hashes
+        .iter()
+        .map(|h| CacheKey::new(scope.clone(), *h))
+        .collect();
+    let storage = engine.storage();
+    let lookups = keys
+        .iter()
+        .map(|key| storage.lookup(std::slice::from_ref(key)));
+    futures::future::join_all(lookups)
+        .await
+        .into_iter()
+        .map(|found| found.len() == 1)
+        .collect()
+}
+
 impl PoolLookup for EngineLookup {
     fn lookup(
         &mut self,
@@ -55,5 +80,10 @@ impl PoolLookup for EngineLookup {
             chunk_hashes,
             load_node_memory,
         ))
+    }
+
+    fn presence(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool> {
+        self.runtime
+            .block_on(chunks_present(&self.engine, chunk_hashes))
     }
 }

@@ -151,6 +151,8 @@ class HybridSchedulerSide:
         boundaries = state_candidates(num_computed, num_computed + attention_hit,
                                       request.num_tokens, first.chunk) \
             if attention_hit > 0 else []
+        failed = set().union(*(p.excluded(request.request_id) for p in self.state_parts))
+        boundaries = [b for b in boundaries if b not in failed]
         alive = [(p, k) for p, k in zip(boundaries, first.keys_at(request.request_id,
                                                                   boundaries))
                  if k is not None]
@@ -194,6 +196,8 @@ class HybridSchedulerSide:
         by_part = _split_events(events) if isinstance(events, KvpoolKVEvents) else {}
         for i, p in enumerate(self.parts):
             p.update_connector_output(_PartOutput(out, meta, i, by_part.get(i)))
+        for p in self.state_parts:
+            p.update_connector_output(out)
 
     def scope_digest(self) -> str:
         """Every part's scope digest, in the parts' order."""

@@ -13,8 +13,10 @@ another position.
 
 A hit is the longest prefix ``P`` that every attention part can load and for which every
 state part (and every tensor-parallel rank) holds the state at exactly ``P``: a state hit is
-not closed downward, so the candidates are tried from the longest down, each a boundary of a
-whole chunk, at most ``MAX_STATE_CANDIDATES`` of them. The state is loaded into the block vLLM
+not closed downward, so every state part is asked about the candidates (each a boundary of a
+whole chunk, at most ``MAX_STATE_CANDIDATES`` of them, longest first) in one round trip to
+each rank, and the longest held by every part wins. A boundary whose load failed for a
+request is not offered to it again. The state is loaded into the block vLLM
 allocated for it (``block_ids[group][P // block_size - 1]``, the slot its worker reads the
 initial state from). When vLLM accepts another hit than the one promised, or the block list
 is not the one expected, the request's load fails and vLLM recomputes it: attention alone is
@@ -29,6 +31,7 @@ build: the GPU path is not built), and a chunk size that is a multiple of the bl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -50,8 +53,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpool.vllm")
 
-#: Most candidate boundaries a lookup asks the state parts about (each a round trip to every
-#: rank's pool): the longest ones, where a repeated prompt's or an earlier turn's state is.
+#: Most candidate boundaries a lookup asks the state parts about: the longest ones, where a
+#: repeated prompt's or an earlier turn's state is.
 MAX_STATE_CANDIDATES = 16
 
 
@@ -82,14 +85,20 @@ def state_group(index: int, num_groups: int, layer_names: Any, spec: Any, block_
     if speculative or getattr(spec, "num_speculative_blocks", 0):
         return (f"group {index} is a recurrent-state group under speculative decoding, whose "
                 "draft states kvpool does not follow")
+    if getattr(spec, "num_heads", 1) != 1 or getattr(spec, "tokens_per_state", -1) > 0:
+        return (f"group {index} keeps its state in {spec.num_heads} heads or several states per "
+                "block, a layout kvpool does not move yet")
     shapes = ";".join("x".join(str(d) for d in s) for s in spec.shapes)
     dtypes = ";".join(str(d).removeprefix("torch.") for d in spec.dtypes)
     mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     content = int(spec.state_content_size_bytes)
+    # The group's layers, by name, in order: a state is loaded only into the layers it was
+    # saved from.
+    layers = hashlib.sha256(",".join(layer_names).encode()).hexdigest()[:16]
     return StateGroup(
         index=index, layer_names=tuple(layer_names), content_bytes=content,
         key_format=(f"group={index}/{num_groups}:state({mamba_type},shapes={shapes},"
-                    f"dtypes={dtypes},bytes={content})"))
+                    f"dtypes={dtypes},bytes={content},layers={layers})"))
 
 
 def state_candidates(num_computed: int, loadable_end: int, num_tokens: int, chunk: int
@@ -137,6 +146,11 @@ class StateSchedulerSide:
         self.loads: list[tuple[str, str, int]] = []
         #: Requests whose load cannot be made as promised: failed, so recomputed.
         self.refused: list[str] = []
+        #: Request -> the boundary of its load in flight (promised to vLLM).
+        self.loading: dict[str, int] = {}
+        #: Request -> boundaries whose load failed: not offered to it again (vLLM looks a
+        #: request up again after a failed load; a state that keeps failing is not retried).
+        self.failed_at: dict[str, set[int]] = {}
 
     def keys_at(self, req_id: str, boundaries: list[int]) -> list[bytes | None]:
         """The state key of each boundary (None past the chunks the tracker hashed)."""
@@ -145,7 +159,7 @@ class StateSchedulerSide:
                 and p // self.chunk <= len(hashes) else None for p in boundaries]
 
     def present(self, keys: list[bytes]) -> list[bool]:
-        """Whether every rank's pool holds each state."""
+        """Whether every rank's pool holds each state (one round trip to each rank)."""
         return self.native.chunks_present(keys)
 
     def promise(self, request: "Request", num_computed: int, boundary: int | None,
@@ -170,6 +184,7 @@ class StateSchedulerSide:
             self.refused.append(req_id)
             return
         computed, boundary, key = promised
+        self.loading[req_id] = boundary
         if computed + num_external_tokens != boundary:
             logger.warning("kvpool: vLLM accepted %d + %d tokens of request %s, not the %d whose "
                            "state kvpool holds; its load fails and it is recomputed", computed,
@@ -214,8 +229,19 @@ class StateSchedulerSide:
         self.loads, self.refused = [], []
         return json.dumps(data).encode(), list(so.preempted_req_ids or ())
 
+    def excluded(self, req_id: str) -> set[int]:
+        """The boundaries whose load failed for the request (not offered again)."""
+        return self.failed_at.get(req_id, set())
+
     def update_connector_output(self, out: Any) -> None:
-        return
+        """Remembers the boundary of each load that failed (in any part: the request's
+        whole load failed)."""
+        for req_id in getattr(out, "failed_recving", None) or ():
+            boundary = self.loading.pop(req_id, None)
+            if boundary is not None:
+                self.failed_at.setdefault(req_id, set()).add(boundary)
+        for req_id in getattr(out, "finished_recving", None) or ():
+            self.loading.pop(req_id, None)
 
     def take_events(self):
         # States are not blocks vLLM's KV events describe: none are announced.
@@ -229,7 +255,8 @@ class StateSchedulerSide:
 
     def request_finished(self, request: "Request") -> bool:
         # Saves are copied in the step that offered them: no block is held after a finish.
-        for table in (self.promised, self.prompt_lens, self.saved):
+        for table in (self.promised, self.prompt_lens, self.saved, self.loading,
+                      self.failed_at):
             table.pop(request.request_id, None)
         return False
 
