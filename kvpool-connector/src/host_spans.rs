@@ -75,3 +75,39 @@ pub fn pages_fit(page_bytes: usize, keys: usize, pages: &[PageSpans]) -> Result<
     }
     Ok(())
 }
+
+/// Copies the bytes of `spans`, in order, into `to` (a value being stored).
+///
+/// # Safety
+///
+/// Every span must be valid for reads of its length and not written until this returns; the
+/// spans' lengths must add up to `to.len()` (checked by [`pages_fit`]; a shortfall panics).
+pub unsafe fn gather(spans: &[HostSpan], mut to: &mut [u8]) {
+    for span in spans {
+        let (head, rest) = to.split_at_mut(span.len);
+        // SAFETY: the caller guarantees the span is valid for reads of its length and
+        // unchanged during the call.
+        head.copy_from_slice(unsafe {
+            std::slice::from_raw_parts(span.addr as *const u8, span.len)
+        });
+        to = rest;
+    }
+}
+
+/// Copies `from` (a value read) into `spans`, in order.
+///
+/// # Safety
+///
+/// Every span must be valid for writes of its length and read or written by nobody else until
+/// this returns; the spans' lengths must add up to `from.len()` (checked by [`pages_fit`]; a
+/// shortfall panics).
+pub unsafe fn scatter(mut from: &[u8], spans: &[HostSpan]) {
+    for span in spans {
+        let (head, rest) = from.split_at(span.len);
+        // SAFETY: the caller guarantees the span is valid for writes of its length and ours
+        // alone during the call.
+        unsafe { std::slice::from_raw_parts_mut(span.addr as *mut u8, span.len) }
+            .copy_from_slice(head);
+        from = rest;
+    }
+}

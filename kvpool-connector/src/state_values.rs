@@ -16,7 +16,7 @@ use std::sync::Arc;
 use kvpool_core::{CacheEngine, CacheKey, Chunk, ChunkHash, ChunkMeta, Dtype};
 use tokio::runtime::Runtime;
 
-use crate::host_spans::{PageSpans, pages_fit};
+use crate::host_spans::{PageSpans, gather, pages_fit, scatter};
 
 /// Why a state could not be read into the engine's blocks (the request is then recomputed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -121,16 +121,9 @@ impl StateValues {
             let mut buf = storage
                 .allocate(self.value_bytes)
                 .map_err(|e| format!("kvpool memory is full: {e}"))?;
-            let mut to = buf.as_mut_slice();
-            for span in spans {
-                let (head, rest) = to.split_at_mut(span.len);
-                // SAFETY: the caller guarantees each span is valid for reads of its length
-                // and unchanged until this returns; `pages_fit` checked the lengths.
-                head.copy_from_slice(unsafe {
-                    std::slice::from_raw_parts(span.addr as *const u8, span.len)
-                });
-                to = rest;
-            }
+            // SAFETY: the caller guarantees each span is valid for reads of its length and
+            // unchanged until this returns; `pages_fit` checked they add up to a state.
+            unsafe { gather(spans, buf.as_mut_slice()) };
             entries.push((
                 self.key(*prefix),
                 Chunk {
@@ -171,15 +164,9 @@ impl StateValues {
                 layout: chunk.meta.layout_fingerprint,
             });
         }
-        let mut from = chunk.data.as_slice();
-        for span in spans {
-            let (head, rest) = from.split_at(span.len);
-            // SAFETY: the caller guarantees each span is valid for writes of its length and
-            // ours alone for this call; `pages_fit` checked the lengths add up to the value's.
-            unsafe { std::slice::from_raw_parts_mut(span.addr as *mut u8, span.len) }
-                .copy_from_slice(head);
-            from = rest;
-        }
+        // SAFETY: the caller guarantees each span is valid for writes of its length and ours
+        // alone for this call; `pages_fit` checked the lengths add up to the value's.
+        unsafe { scatter(chunk.data.as_slice(), spans) };
         Ok(())
     }
 }

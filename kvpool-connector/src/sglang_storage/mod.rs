@@ -27,7 +27,7 @@ use kvpool_core::{
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 
-use crate::host_spans::{PageSpans, pages_fit};
+use crate::host_spans::{PageSpans, gather, pages_fit, scatter};
 
 /// At most this many per-call samples wait for [`HiCacheStore::take_call_stats`]; older ones
 /// are dropped (SGLang drains them every scheduler step when its storage metrics are on).
@@ -259,16 +259,9 @@ impl HiCacheStore {
                 );
                 break;
             }
-            let mut from = chunk.data.as_slice();
-            for span in spans {
-                let (head, rest) = from.split_at(span.len);
-                // SAFETY: the caller guarantees each span is valid for writes of its length
-                // and ours alone for this call; `spans_fit` checked the lengths add up to the
-                // value's.
-                let dst = unsafe { std::slice::from_raw_parts_mut(span.addr as *mut u8, span.len) };
-                dst.copy_from_slice(head);
-                from = rest;
-            }
+            // SAFETY: the caller guarantees each span is valid for writes of its length and
+            // ours alone for this call; `spans_fit` checked the lengths add up to the value's.
+            unsafe { scatter(chunk.data.as_slice(), spans) };
             done[read] = true;
             read += 1;
         }
@@ -312,16 +305,9 @@ impl HiCacheStore {
                 );
                 break;
             };
-            let mut to = buf.as_mut_slice();
-            for span in spans {
-                let (head, rest) = to.split_at_mut(span.len);
-                // SAFETY: the caller guarantees each span is valid for reads of its length and
-                // unchanged until this returns.
-                head.copy_from_slice(unsafe {
-                    std::slice::from_raw_parts(span.addr as *const u8, span.len)
-                });
-                to = rest;
-            }
+            // SAFETY: the caller guarantees each span is valid for reads of its length and
+            // unchanged until this returns; `spans_fit` checked they add up to a page.
+            unsafe { gather(spans, buf.as_mut_slice()) };
             entries.push((
                 key.clone(),
                 Chunk {
