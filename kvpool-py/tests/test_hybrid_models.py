@@ -257,3 +257,27 @@ def test_a_linear_attention_hybrid_under_tp2_multiprocess_is_served_from_disk(ru
                         "batches": [[0], [1]], "dtype": "bfloat16", **TP2})
     assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh TP=2 engine from disk")
     assert fresh["results"][0]["num_cached_tokens"] >= own_hit, fresh["results"][0]
+
+
+def test_a_linear_attention_hybrid_is_served_through_the_pool_daemon(runner, scratch,
+                                                                    pool_daemon):
+    """The Qwen3-Next shape's parts attached to the node's pool daemon: the attention KV and
+    the recurrent states reach it, and a fresh engine (an empty L1 of its own) is served the
+    shared prefix from the daemon, every group, outputs identical to vLLM's own prefix cache
+    resuming from the same boundary."""
+    model, prompts = qwen3_next(scratch)
+    base = runner.baseline(model, prompts, dtype="bfloat16", batches=[[0], [1], [2]])
+    bs = hybrid_block_size(base)
+    own_hit = base["results"][1]["num_cached_tokens"]
+    daemon = pool_daemon("hybrid-states")
+    cfg = {"config": {"local_cpu": {"max_size": "256MiB"}, "chunking": {"chunk_size": bs}},
+           "pool": daemon.url}
+    first = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[:1],
+                        "dtype": "bfloat16"})
+    assert counter(first["stats"], "state_saves") >= 3, first["stats"]
+    fresh = runner.run({"model": model, "kvpool": cfg, "prompts": prompts[1:],
+                        "batches": [[0], [1]], "dtype": "bfloat16"})
+    assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh engine through the daemon")
+    assert fresh["results"][0]["num_cached_tokens"] >= own_hit, fresh["results"][0]
+    assert counter(fresh["stats"], "state_loads") >= 3, fresh["stats"]
+    daemon.wait(lambda s: s["sessions"] == 0, "every part detached")
