@@ -100,6 +100,8 @@ def main(spec_path, out_path):
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq",
             endpoint=f"tcp://127.0.0.1:{spec['kv_events_port']}", topic="kv")
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("vllm_metrics"):
         # vLLM's Prometheus stat logger (in this process) records connector stats too.
         kwargs["disable_log_stats"] = False
