@@ -132,9 +132,10 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
     It declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: hybrid
     models start (SSM / linear-attention hybrids such as Qwen3-Next do not start without it)
     and sliding-window layers hold only their window. kvpool serves a model whose groups are
-    full attention and sliding-window attention, one part per group (``kvpool.vllm.hybrid``);
-    for other groups (Mamba / linear-attention state) it stands aside (no lookup, no load, no
-    save; one warning at start-up), and vLLM serves the model with its own prefix cache.
+    full attention, sliding-window attention and recurrent state (Mamba / linear attention,
+    ``kvpool.vllm.state_groups``), one part per group (``kvpool.vllm.hybrid``); where it
+    cannot serve a group exactly it stands aside (no lookup, no load, no save; one warning at
+    start-up), and vLLM serves the model with its own prefix cache.
 
     It also stands aside for MLA on vLLM's CPU build, which turns its own prefix cache off for
     MLA ("forcing chunked prefill and prefix caching to be disabled"): that build does not
