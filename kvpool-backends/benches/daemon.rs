@@ -23,7 +23,8 @@ use kvpool_core::format::chunk_format::{
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{
     CacheKey, Chunk, ChunkAllocator, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind,
-    KeyScope, MemoryObj, RemoteBackend, RemoteConnector, SaveSlot, StorageBackend,
+    KeyScope, MemoryObj, NodeMemoryBackend, RemoteBackend, RemoteConnector, SaveSlot,
+    StorageBackend,
 };
 
 const CHUNKS: usize = 32;

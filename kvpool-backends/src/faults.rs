@@ -10,7 +10,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector};
+use kvpool_core::storage::remote::node_memory_of;
+use kvpool_core::{
+    BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
+};
 
 /// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
 /// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
@@ -59,8 +62,10 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        self.inner.node_memory_mapping()
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        self.inner
+            .node_memory()
+            .map(|_| self as &dyn NodeMemoryConnector)
     }
     async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
         self.injected_get_failure()?;
@@ -75,35 +80,6 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
     ) {
         self.inner.set_event_log(events);
-    }
-    fn reads_node_memory(&self) -> bool {
-        self.inner.reads_node_memory()
-    }
-    fn lends_node_memory(&self) -> bool {
-        self.inner.lends_node_memory()
-    }
-    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.injected_get_failure()?;
-        self.inner.batch_pin(keys).await
-    }
-    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
-        self.inner.batch_lend(lens).await
-    }
-    /// Corrupts every `corrupt_put_every`-th value where it lies before committing it, as
-    /// `batch_copy_in` does to what it writes.
-    async fn batch_commit_lent(
-        &self,
-        entries: Vec<(String, LentBytes)>,
-    ) -> Result<usize, BackendError> {
-        for (_, bytes) in &entries {
-            if bytes.usable() && Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty()
-            {
-                // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
-                // writable, and no reader sees before the commit below.
-                unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };
-            }
-        }
-        self.inner.batch_commit_lent(entries).await
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.exists(key).await
@@ -121,17 +97,6 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         self.injected_get_failure()?;
         self.inner.batch_get(keys).await
     }
-    async fn batch_copy_out(
-        &self,
-        keys: &[String],
-        resident_only: bool,
-        copy_out: CopyOut,
-    ) -> Result<(), BackendError> {
-        self.injected_get_failure()?;
-        self.inner
-            .batch_copy_out(keys, resident_only, copy_out)
-            .await
-    }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let entries = entries
             .into_iter()
@@ -147,6 +112,56 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
             })
             .collect();
         self.inner.batch_put(entries).await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.inner.batch_delete(keys).await
+    }
+}
+
+// The node-memory side faulted like the rest: pins and copies out fail as gets do, values
+// written in place or lent are corrupted as puts are.
+#[async_trait]
+impl<C: RemoteConnector> NodeMemoryConnector for FaultInjector<C> {
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner
+            .node_memory()
+            .and_then(|tier| tier.node_memory_mapping())
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.injected_get_failure()?;
+        node_memory_of(&self.inner)?.batch_pin(keys).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        node_memory_of(&self.inner)?.batch_lend(lens).await
+    }
+    /// Corrupts every `corrupt_put_every`-th value where it lies before committing it, as
+    /// `batch_copy_in` does to what it writes.
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        for (_, bytes) in &entries {
+            if bytes.usable() && Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty()
+            {
+                // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
+                // writable, and no reader sees before the commit below.
+                unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };
+            }
+        }
+        node_memory_of(&self.inner)?
+            .batch_commit_lent(entries)
+            .await
+    }
+    async fn batch_copy_out(
+        &self,
+        keys: &[String],
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<(), BackendError> {
+        self.injected_get_failure()?;
+        node_memory_of(&self.inner)?
+            .batch_copy_out(keys, resident_only, copy_out)
+            .await
     }
     async fn batch_copy_in(
         &self,
@@ -164,10 +179,9 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
                 dst[mid] ^= 0x5a;
             }
         });
-        self.inner.batch_copy_in(entries, copy_in).await
-    }
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.inner.batch_delete(keys).await
+        node_memory_of(&self.inner)?
+            .batch_copy_in(entries, copy_in)
+            .await
     }
 }
 
@@ -259,34 +273,16 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    fn lends_node_memory(&self) -> bool {
-        self.inner.lends_node_memory()
-    }
-    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        self.inner.node_memory_mapping()
-    }
-    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.ask(keys.len()).await?;
-        self.inner.batch_pin(keys).await
-    }
-    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
-        self.before_put(lens.len()).await?;
-        self.inner.batch_lend(lens).await
-    }
-    async fn batch_commit_lent(
-        &self,
-        entries: Vec<(String, LentBytes)>,
-    ) -> Result<usize, BackendError> {
-        self.inner.batch_commit_lent(entries).await
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        self.inner
+            .node_memory()
+            .map(|_| self as &dyn NodeMemoryConnector)
     }
     fn set_event_log(
         &self,
         events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
     ) {
         self.inner.set_event_log(events);
-    }
-    fn reads_node_memory(&self) -> bool {
-        self.inner.reads_node_memory()
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.ask(1).await?;
@@ -315,28 +311,9 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.ask(keys.len()).await?;
         self.inner.batch_get(keys).await
     }
-    async fn batch_copy_out(
-        &self,
-        keys: &[String],
-        resident_only: bool,
-        copy_out: CopyOut,
-    ) -> Result<(), BackendError> {
-        self.ask(keys.len()).await?;
-        self.inner
-            .batch_copy_out(keys, resident_only, copy_out)
-            .await
-    }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;
         self.inner.batch_put(entries).await
-    }
-    async fn batch_copy_in(
-        &self,
-        entries: Vec<(String, usize)>,
-        copy_in: CopyIn,
-    ) -> Result<(), BackendError> {
-        self.before_put(entries.len()).await?;
-        self.inner.batch_copy_in(entries, copy_in).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
         self.check().await?;
@@ -344,18 +321,68 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     }
 }
 
+// The node-memory side behind the same switches: pins and copies out are asks, loans and
+// writes in place are puts.
+#[async_trait]
+impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner
+            .node_memory()
+            .and_then(|tier| tier.node_memory_mapping())
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.ask(keys.len()).await?;
+        node_memory_of(&self.inner)?.batch_pin(keys).await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        self.before_put(lens.len()).await?;
+        node_memory_of(&self.inner)?.batch_lend(lens).await
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        node_memory_of(&self.inner)?
+            .batch_commit_lent(entries)
+            .await
+    }
+    async fn batch_copy_out(
+        &self,
+        keys: &[String],
+        resident_only: bool,
+        copy_out: CopyOut,
+    ) -> Result<(), BackendError> {
+        self.ask(keys.len()).await?;
+        node_memory_of(&self.inner)?
+            .batch_copy_out(keys, resident_only, copy_out)
+            .await
+    }
+    async fn batch_copy_in(
+        &self,
+        entries: Vec<(String, usize)>,
+        copy_in: CopyIn,
+    ) -> Result<(), BackendError> {
+        self.before_put(entries.len()).await?;
+        node_memory_of(&self.inner)?
+            .batch_copy_in(entries, copy_in)
+            .await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::InMemoryConnector;
+    use crate::memory::{InMemoryConnector, InMemoryNodeMemory};
 
     /// In-place writes are corrupted at the same rate as buffered ones: here every second
     /// value, one byte flipped after it was written.
     #[tokio::test]
     async fn in_place_writes_are_corrupted_like_puts() {
-        let store = FaultInjector::new(InMemoryConnector::new(), 0, 2);
+        let store = FaultInjector::new(InMemoryNodeMemory::default(), 0, 2);
         let entries = (0..4).map(|i| (format!("k{i}"), 64)).collect();
         store
+            .node_memory()
+            .expect("the wrapper offers its tier's node memory")
             .batch_copy_in(entries, Arc::new(|_, dst: &mut [u8]| dst.fill(7)))
             .await
             .unwrap();
@@ -366,5 +393,30 @@ mod tests {
             .map(|v| v.as_deref() == Some(&[7u8; 64][..]))
             .collect();
         assert_eq!(intact, [true, false, true, false]);
+    }
+
+    /// Each wrapper offers its tier's node-memory side exactly when the tier has one: a
+    /// wrapped daemon tier keeps lending, a wrapped store of bytes does not start to.
+    #[test]
+    fn wrappers_offer_node_memory_exactly_when_their_tier_does() {
+        let limit = std::time::Duration::from_secs(1);
+        let bytes_only: [Box<dyn RemoteConnector>; 3] = [
+            Box::new(FaultInjector::new(InMemoryConnector::new(), 0, 0)),
+            Box::new(ControlledFaults::new(InMemoryConnector::new())),
+            Box::new(crate::TimeoutConnector::new(
+                InMemoryConnector::new(),
+                limit,
+            )),
+        ];
+        assert!(bytes_only.iter().all(|c| c.node_memory().is_none()));
+        let node_memory: [Box<dyn RemoteConnector>; 3] = [
+            Box::new(FaultInjector::new(InMemoryNodeMemory::default(), 0, 0)),
+            Box::new(ControlledFaults::new(InMemoryNodeMemory::default())),
+            Box::new(crate::TimeoutConnector::new(
+                InMemoryNodeMemory::default(),
+                limit,
+            )),
+        ];
+        assert!(node_memory.iter().all(|c| c.node_memory().is_some()));
     }
 }

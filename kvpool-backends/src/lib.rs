@@ -49,7 +49,7 @@ mod tls;
 
 pub use cpu::LocalCpuBackend;
 pub use faults::{ControlledFaults, FaultInjector, FaultSwitches};
-pub use memory::InMemoryConnector;
+pub use memory::{InMemoryConnector, InMemoryNodeMemory};
 pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
 pub use registry::{BackendFactory, TierRequest, open_tier, register_scheme};

@@ -6,7 +6,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::{BackendError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector};
+use kvpool_core::storage::remote::node_memory_of;
+use kvpool_core::{
+    BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
+};
 
 /// The slowest write throughput a healthy tier is expected to manage (32 MiB/s).
 pub const SLOWEST_WRITE_BYTES_PER_SEC: f64 = 32.0 * 1024.0 * 1024.0;
@@ -83,28 +86,10 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     ) {
         self.inner.set_event_log(events);
     }
-    fn reads_node_memory(&self) -> bool {
-        self.inner.reads_node_memory()
-    }
-    fn lends_node_memory(&self) -> bool {
-        self.inner.lends_node_memory()
-    }
-    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        self.inner.node_memory_mapping()
-    }
-    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.bounded("batch_pin", self.inner.batch_pin(keys)).await
-    }
-    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
-        self.bounded("batch_lend", self.inner.batch_lend(lens))
-            .await
-    }
-    async fn batch_commit_lent(
-        &self,
-        entries: Vec<(String, LentBytes)>,
-    ) -> Result<usize, BackendError> {
-        self.bounded("batch_commit_lent", self.inner.batch_commit_lent(entries))
-            .await
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        self.inner
+            .node_memory()
+            .map(|_| self as &dyn NodeMemoryConnector)
     }
     async fn exists(&self, key: &str) -> Result<bool, BackendError> {
         self.bounded("exists", self.inner.exists(key)).await
@@ -131,6 +116,43 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.bounded("batch_get", self.inner.batch_get(keys)).await
     }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());
+        self.bounded_by("batch_put", limit, self.inner.batch_put(entries))
+            .await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.bounded("batch_delete", self.inner.batch_delete(keys))
+            .await
+    }
+}
+
+// Every node-memory call bounded too: the trait has no defaults to fall back on.
+#[async_trait]
+impl<C: RemoteConnector> NodeMemoryConnector for TimeoutConnector<C> {
+    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
+        self.inner
+            .node_memory()
+            .and_then(|tier| tier.node_memory_mapping())
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        self.bounded("batch_pin", node_memory_of(&self.inner)?.batch_pin(keys))
+            .await
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        self.bounded("batch_lend", node_memory_of(&self.inner)?.batch_lend(lens))
+            .await
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        self.bounded(
+            "batch_commit_lent",
+            node_memory_of(&self.inner)?.batch_commit_lent(entries),
+        )
+        .await
+    }
     async fn batch_copy_out(
         &self,
         keys: &[String],
@@ -139,14 +161,9 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     ) -> Result<(), BackendError> {
         self.bounded(
             "batch_copy_out",
-            self.inner.batch_copy_out(keys, resident_only, copy_out),
+            node_memory_of(&self.inner)?.batch_copy_out(keys, resident_only, copy_out),
         )
         .await
-    }
-    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());
-        self.bounded_by("batch_put", limit, self.inner.batch_put(entries))
-            .await
     }
     async fn batch_copy_in(
         &self,
@@ -157,13 +174,9 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
         self.bounded_by(
             "batch_copy_in",
             limit,
-            self.inner.batch_copy_in(entries, copy_in),
+            node_memory_of(&self.inner)?.batch_copy_in(entries, copy_in),
         )
         .await
-    }
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.bounded("batch_delete", self.inner.batch_delete(keys))
-            .await
     }
 }
 
@@ -173,11 +186,16 @@ mod tests {
 
     use super::*;
     use crate::faults::ControlledFaults;
-    use crate::memory::InMemoryConnector;
+    use crate::memory::{InMemoryConnector, InMemoryNodeMemory};
 
     /// A connector whose calls never finish.
     fn hangs() -> ControlledFaults<InMemoryConnector> {
-        let store = ControlledFaults::new(InMemoryConnector::new());
+        hanging(InMemoryConnector::new())
+    }
+
+    /// `inner`, its calls never finishing.
+    fn hanging<C: RemoteConnector>(inner: C) -> ControlledFaults<C> {
+        let store = ControlledFaults::new(inner);
         store
             .switches()
             .hang
@@ -236,7 +254,11 @@ mod tests {
     /// Node memory's in-place reads and writes are bounded as gets and puts are.
     #[tokio::test(start_paused = true)]
     async fn hung_in_place_reads_and_writes_time_out() {
-        let slow = TimeoutConnector::new(hangs(), Duration::from_millis(250));
+        let slow = TimeoutConnector::new(
+            hanging(InMemoryNodeMemory::default()),
+            Duration::from_millis(250),
+        );
+        let slow = slow.node_memory().expect("its tier lies in node memory");
         let err = slow
             .batch_copy_out(&["k".to_string()], true, Arc::new(|_, _| {}))
             .await

@@ -104,7 +104,10 @@ pub fn run(args: HostileArgs, rt: &Runtime) -> anyhow::Result<()> {
                 let _ = rt.block_on(connector.batch_put(entries));
             }
             4 => {
-                if let Some(mapping) = connector.node_memory_mapping() {
+                if let Some(mapping) = connector
+                    .node_memory()
+                    .and_then(|tier| tier.node_memory_mapping())
+                {
                     punch_hole(mapping.as_ptr().as_ptr(), mapping.len(), &mut rng);
                 }
             }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpool_backends::daemon::DaemonConnector;
-use kvpool_core::RemoteConnector;
+use kvpool_core::{NodeMemoryConnector, RemoteConnector};
 
 const ARENA: u64 = 256 << 20;
 const LIMIT: u64 = ARENA * 3 / 2;

@@ -3,16 +3,13 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use kvpool_backends::InMemoryConnector;
 use kvpool_backends::registry::{BackendFactory, TierRequest, register_scheme};
+use kvpool_backends::{InMemoryConnector, InMemoryNodeMemory};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest, LeaseTable,
     ScheduledRequest,
 };
-use kvpool_core::{
-    BackendError, ByteSize, ConfigError, HostPagedKvCache, PoolConfig, RemoteConnector,
-};
+use kvpool_core::{ByteSize, ConfigError, HostPagedKvCache, PoolConfig, RemoteConnector};
 
 struct Setup {
     runtime: Arc<tokio::runtime::Runtime>,
@@ -360,40 +357,11 @@ impl BackendFactory for SharedStore {
         String::new()
     }
     async fn open(&self, _: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
-        Ok(Box::new(SharedTier {
-            store: self.store.clone(),
-            node_memory: self.node_memory,
-        }))
-    }
-}
-
-struct SharedTier {
-    store: InMemoryConnector,
-    node_memory: bool,
-}
-
-#[async_trait]
-impl RemoteConnector for SharedTier {
-    fn name(&self) -> &str {
-        "shared"
-    }
-    fn reads_node_memory(&self) -> bool {
-        self.node_memory
-    }
-    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
-        self.store.batch_exists(keys).await
-    }
-    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.store.batch_get(keys).await
-    }
-    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        self.store.batch_put(entries).await
-    }
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.store.batch_delete(keys).await
-    }
-    async fn close(&self) -> Result<(), BackendError> {
-        Ok(())
+        if self.node_memory {
+            Ok(Box::new(InMemoryNodeMemory(self.store.clone())))
+        } else {
+            Ok(Box::new(self.store.clone()))
+        }
     }
 }
 

@@ -53,9 +53,9 @@ pub use memory::{
 };
 pub use storage::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
-    LentBytes, LentSaveSlots, ManagerStats, PinnedBytes, PutOutcome, RemoteBackend,
-    RemoteConnector, SaveSlot, SharedChunk, StorageBackend, StorageManager, StorageManagerConfig,
-    TierStats,
+    LentBytes, LentSaveSlots, ManagerStats, NodeMemoryBackend, NodeMemoryConnector, PinnedBytes,
+    PutOutcome, RemoteBackend, RemoteConnector, SaveSlot, SharedChunk, StorageBackend,
+    StorageManager, StorageManagerConfig, TierStats,
 };
 pub use telemetry::StatCounter;
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

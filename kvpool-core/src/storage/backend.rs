@@ -123,58 +123,11 @@ pub trait StorageBackend: Send + Sync + 'static {
     /// (evictions). The default ignores it: writes and removals the manager makes are recorded
     /// by the manager.
     fn set_event_log(&self, _events: std::sync::Arc<crate::storage::tier_events::TierEventLog>) {}
-    /// Whether a read is a copy out of memory on this node, with no I/O (see
-    /// [`crate::storage::remote::RemoteConnector::reads_node_memory`]). The default is `false`.
-    fn reads_node_memory(&self) -> bool {
-        false
-    }
-    /// For a tier that reads node memory: [`StorageBackend::get`] of what that memory holds,
-    /// reading no slower storage behind it. The default is [`StorageBackend::get`].
-    async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
-        self.get(keys).await
-    }
-    /// Whether the tier lends chunks where they lie in node memory
-    /// ([`StorageBackend::pin_node_memory`]). The default is `false`.
-    fn lends_node_memory(&self) -> bool {
-        false
-    }
-    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): this process's
-    /// mapping of that memory as mapped now (see
-    /// [`RemoteConnector::node_memory_mapping`](crate::RemoteConnector::node_memory_mapping)).
-    /// The default is `None`.
-    fn node_memory_mapping(&self) -> Option<std::sync::Arc<crate::memory::SharedMapping>> {
+    /// The tier's node-memory side, for a tier whose chunks lie in memory on this node (the
+    /// pool daemon; see [`crate::storage::remote::NodeMemoryConnector`]). The default is
+    /// `None`.
+    fn node_memory(&self) -> Option<&dyn crate::storage::node_memory::NodeMemoryBackend> {
         None
-    }
-    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): the chunks of
-    /// `keys` that memory holds, pinned where they lie, headers checked, payloads to be
-    /// checked on the reader's copy ([`SharedChunk`](crate::SharedChunk)). The default lends
-    /// nothing.
-    async fn pin_node_memory(
-        &self,
-        keys: &[CacheKey],
-    ) -> Result<Vec<Option<crate::storage::node_memory::SharedChunk>>, BackendError> {
-        Ok(keys.iter().map(|_| None).collect())
-    }
-    /// For a tier that [lends node memory](StorageBackend::lends_node_memory): a place in it
-    /// for each `(key, payload length)`, for a save to be copied straight into and committed
-    /// with [`StorageBackend::commit_save_slots`] (`None` where the tier had no room). The
-    /// default lends nothing.
-    async fn lend_save_slots(
-        &self,
-        entries: &[(CacheKey, usize)],
-    ) -> Result<Vec<Option<crate::storage::save_slot::SaveSlot>>, BackendError> {
-        Ok(entries.iter().map(|_| None).collect())
-    }
-    /// Stores the [sealed](crate::SaveSlot::seal) slots this tier lent, each under its key;
-    /// any other slot is given back and counted as skipped. The default stores nothing.
-    async fn commit_save_slots(
-        &self,
-        slots: Vec<crate::storage::save_slot::SaveSlot>,
-    ) -> Result<PutOutcome, BackendError> {
-        Ok(PutOutcome {
-            stored: 0,
-            skipped: slots.len(),
-        })
     }
 }
 

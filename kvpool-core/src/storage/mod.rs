@@ -19,6 +19,6 @@ pub use backend::{
     StorageBackend,
 };
 pub use manager::{LentSaveSlots, ManagerStats, StorageManager, StorageManagerConfig, TierStats};
-pub use node_memory::{PinnedBytes, SharedChunk};
-pub use remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};
+pub use node_memory::{NodeMemoryBackend, PinnedBytes, SharedChunk};
+pub use remote::{CopyIn, CopyOut, NodeMemoryConnector, RemoteBackend, RemoteConnector};
 pub use save_slot::{LentBytes, SaveSlot};

@@ -13,9 +13,14 @@ use crate::format::chunk_format::{ChunkCodec, ChunkMeta, Compression};
 use crate::keys::cache_key::{CacheKey, KeyScope};
 use crate::keys::chunk_hash::ChunkHash;
 use crate::layout::Dtype;
+use crate::memory::SharedMapping;
 use crate::memory::pool::MemoryObj;
 use crate::storage::backend::{Chunk, StorageBackend};
-use crate::storage::remote::{CopyIn, CopyOut, RemoteBackend, RemoteConnector};
+use crate::storage::node_memory::PinnedBytes;
+use crate::storage::remote::{
+    CopyIn, CopyOut, NodeMemoryConnector, RemoteBackend, RemoteConnector,
+};
+use crate::storage::save_slot::LentBytes;
 
 /// A store in this process's memory that says (or not) that it reads node memory, and logs
 /// which of its calls were made.
@@ -40,8 +45,8 @@ impl RemoteConnector for Arc<LoggingStore> {
     fn name(&self) -> &str {
         "logging"
     }
-    fn reads_node_memory(&self) -> bool {
-        self.node_memory
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        self.node_memory.then_some(self as &dyn NodeMemoryConnector)
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         let values = self.values.lock();
@@ -69,6 +74,27 @@ impl RemoteConnector for Arc<LoggingStore> {
     }
     async fn close(&self) -> Result<(), BackendError> {
         Ok(())
+    }
+}
+
+/// The tier's node memory is this process's: no pins, no loans.
+#[async_trait]
+impl NodeMemoryConnector for Arc<LoggingStore> {
+    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
+        None
+    }
+    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
+        Ok(keys.iter().map(|_| None).collect())
+    }
+    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
+        Ok(lens.iter().map(|_| None).collect())
+    }
+    async fn batch_commit_lent(
+        &self,
+        entries: Vec<(String, LentBytes)>,
+    ) -> Result<usize, BackendError> {
+        drop(entries);
+        Ok(0)
     }
     /// Reads in place: the copy-out sees the stored bytes themselves.
     async fn batch_copy_out(
@@ -154,7 +180,12 @@ async fn a_node_memory_tier_is_read_and_written_in_place_and_still_checked() {
         assert_eq!(chunk.data.as_slice(), &[byte; 4096][..]);
         assert_eq!(chunk.meta.token_count, 4);
     }
-    let got = backend.get_node_memory(&keys[..1]).await.unwrap();
+    let got = backend
+        .node_memory()
+        .expect("a tier in node memory")
+        .get_node_memory(&keys[..1])
+        .await
+        .unwrap();
     assert_eq!(store.calls(), ["batch_copy_out(resident)"]);
     assert!(got[0].is_some());
 

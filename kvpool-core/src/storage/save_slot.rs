@@ -12,8 +12,8 @@ use crate::format::chunk_format::{ChunkCodec, HEADER_LEN, KeyBinding};
 use crate::keys::cache_key::CacheKey;
 
 /// Memory a tier lends for one value to be written where it will lie
-/// ([`crate::RemoteConnector::batch_lend`]): outside the tier's index, so no reader sees it,
-/// until the tier publishes it ([`crate::RemoteConnector::batch_commit_lent`]). Given back to
+/// ([`crate::NodeMemoryConnector::batch_lend`]): outside the tier's index, so no reader sees it,
+/// until the tier publishes it ([`crate::NodeMemoryConnector::batch_commit_lent`]). Given back to
 /// the tier when dropped uncommitted (the tier's handle does that).
 pub struct LentBytes {
     ptr: usize,
@@ -81,10 +81,10 @@ impl fmt::Debug for LentBytes {
 }
 
 /// A chunk's place in node memory, lent for a save to be copied straight into
-/// ([`crate::StorageBackend::lend_save_slots`]): the engine side copies the chunk's payload to
+/// ([`crate::NodeMemoryBackend::lend_save_slots`]): the engine side copies the chunk's payload to
 /// [`SaveSlot::payload_ptr`], then the worker [seals](SaveSlot::seal) it, writing the header
 /// with a checksum hashed from the blocks the payload came from, and the tier commits it under
-/// its key ([`crate::StorageBackend::commit_save_slots`]). Until then no reader can see it.
+/// its key ([`crate::NodeMemoryBackend::commit_save_slots`]). Until then no reader can see it.
 #[derive(Debug)]
 pub struct SaveSlot {
     bytes: LentBytes,

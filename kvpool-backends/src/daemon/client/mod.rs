@@ -19,7 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use kvpool_core::memory::SharedMapping;
 use kvpool_core::{
-    BackendError, ConfigError, CopyIn, CopyOut, LentBytes, PinnedBytes, RemoteConnector,
+    BackendError, ConfigError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes,
+    RemoteConnector,
 };
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
@@ -443,16 +444,61 @@ impl RemoteConnector for DaemonConnector {
         &self.inner.name
     }
 
-    /// A read copies a value out of the daemon's shared arena.
-    fn reads_node_memory(&self) -> bool {
-        true
+    /// Values lie in the daemon's shared arena, which this process maps: read with one copy,
+    /// lent where they lie, pinned.
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        Some(self)
     }
 
-    /// Values are lent where they lie in the shared arena, pinned.
-    fn lends_node_memory(&self) -> bool {
-        true
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| {
+            inner.with_session(|s| match s.call(&Request::Exists { keys })? {
+                Reply::Exists(found) => Ok(found),
+                other => Err(protocol_error(&other)),
+            })
+        })
+        .await
     }
 
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| {
+            inner.read(keys, false, |_, bytes| Bytes::copy_from_slice(bytes))
+        })
+        .await
+    }
+
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.blocking(move |inner| {
+            let lens = entries.iter().map(|(k, v)| (k.clone(), v.len())).collect();
+            inner.write(lens, |i, dst| dst.copy_from_slice(&entries[i].1))
+        })
+        .await
+    }
+
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        let keys = keys.to_vec();
+        self.blocking(move |inner| {
+            inner.with_session(|s| match s.call(&Request::Delete { keys })? {
+                Reply::Deleted(n) => Ok(n as usize),
+                other => Err(protocol_error(&other)),
+            })
+        })
+        .await
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        for slot in &self.inner.sessions {
+            *slot.lock() = None;
+        }
+        *self.inner.arena.lock() = None;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl NodeMemoryConnector for DaemonConnector {
     /// The arena of the daemon attached last, as mapped here.
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
         self.inner
@@ -479,25 +525,6 @@ impl RemoteConnector for DaemonConnector {
         self.blocking(move |inner| inner.commit_lent(entries)).await
     }
 
-    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
-        let keys = keys.to_vec();
-        self.blocking(move |inner| {
-            inner.with_session(|s| match s.call(&Request::Exists { keys })? {
-                Reply::Exists(found) => Ok(found),
-                other => Err(protocol_error(&other)),
-            })
-        })
-        .await
-    }
-
-    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        let keys = keys.to_vec();
-        self.blocking(move |inner| {
-            inner.read(keys, false, |_, bytes| Bytes::copy_from_slice(bytes))
-        })
-        .await
-    }
-
     /// Hands each value to `copy_out` where it lies in the arena, pinned: one copy, from the
     /// arena into the reader's buffer (L1's pool).
     async fn batch_copy_out(
@@ -515,14 +542,6 @@ impl RemoteConnector for DaemonConnector {
         .await
     }
 
-    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        self.blocking(move |inner| {
-            let lens = entries.iter().map(|(k, v)| (k.clone(), v.len())).collect();
-            inner.write(lens, |i, dst| dst.copy_from_slice(&entries[i].1))
-        })
-        .await
-    }
-
     /// Encodes each value once, from the caller's memory (L1's pool) into the arena.
     async fn batch_copy_in(
         &self,
@@ -531,25 +550,6 @@ impl RemoteConnector for DaemonConnector {
     ) -> Result<(), BackendError> {
         self.blocking(move |inner| inner.write(entries, |i, dst| copy_in(i, dst)))
             .await
-    }
-
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        let keys = keys.to_vec();
-        self.blocking(move |inner| {
-            inner.with_session(|s| match s.call(&Request::Delete { keys })? {
-                Reply::Deleted(n) => Ok(n as usize),
-                other => Err(protocol_error(&other)),
-            })
-        })
-        .await
-    }
-
-    async fn close(&self) -> Result<(), BackendError> {
-        for slot in &self.inner.sessions {
-            *slot.lock() = None;
-        }
-        *self.inner.arena.lock() = None;
-        Ok(())
     }
 }
 

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvpool_core::storage::remote::{RemoteBackend, RemoteConnector};
-use kvpool_core::{ChunkCodec, CopyOut, StorageBackend};
+use kvpool_core::storage::remote::{RemoteBackend, RemoteConnector, node_memory_of};
+use kvpool_core::{ChunkCodec, CopyOut, NodeMemoryConnector, StorageBackend};
 
 use super::*;
 
@@ -15,7 +15,11 @@ async fn read_resident(engine: &DaemonConnector, keys: &[String]) -> Vec<Option<
     let copied = Arc::new(parking_lot::Mutex::new(vec![None; keys.len()]));
     let into = copied.clone();
     let raw: CopyOut = Arc::new(move |i, bytes| into.lock()[i] = Some(bytes.to_vec()));
-    engine.batch_copy_out(keys, true, raw).await.unwrap();
+    node_memory_of(engine)
+        .unwrap()
+        .batch_copy_out(keys, true, raw)
+        .await
+        .unwrap();
     copied.lock().clone()
 }
 
@@ -28,7 +32,7 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
     disk.put(&below, below_value.clone()).await.unwrap();
     let run = start(&path, 16 * MIB, vec![disk]);
     let engine = client(&path);
-    assert!(engine.reads_node_memory());
+    assert!(engine.node_memory().is_some());
     engine
         .batch_put(vec![("resident".into(), value(6, 4096))])
         .await
@@ -59,8 +63,8 @@ impl RemoteConnector for NeverDeletes {
     fn name(&self) -> &str {
         self.0.name()
     }
-    fn reads_node_memory(&self) -> bool {
-        self.0.reads_node_memory()
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        self.0.node_memory()
     }
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, kvpool_core::BackendError> {
         self.0.batch_exists(keys).await
@@ -70,14 +74,6 @@ impl RemoteConnector for NeverDeletes {
         keys: &[String],
     ) -> Result<Vec<Option<Bytes>>, kvpool_core::BackendError> {
         self.0.batch_get(keys).await
-    }
-    async fn batch_copy_out(
-        &self,
-        keys: &[String],
-        resident_only: bool,
-        copy_out: CopyOut,
-    ) -> Result<(), kvpool_core::BackendError> {
-        self.0.batch_copy_out(keys, resident_only, copy_out).await
     }
     async fn batch_put(
         &self,

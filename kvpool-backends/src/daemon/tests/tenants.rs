@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::remote::{NodeMemoryConnector, RemoteConnector};
 
 use super::*;
 use crate::memory::InMemoryConnector;

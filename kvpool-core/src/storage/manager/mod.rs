@@ -553,7 +553,7 @@ impl StorageManager {
     pub async fn remove_from_node_memory(&self, keys: &[CacheKey]) -> usize {
         let mut n = 0;
         for t in 0..self.tiers.len() {
-            if self.tiers[t].backend.lends_node_memory() {
+            if self.tier_lends_node_memory(t) {
                 n += self.remove_from(t, keys).await;
             }
         }

@@ -9,8 +9,8 @@ use tracing::warn;
 use super::StorageManager;
 use crate::error::BackendError;
 use crate::keys::cache_key::CacheKey;
-use crate::storage::backend::{Chunk, PutOutcome};
-use crate::storage::node_memory::SharedChunk;
+use crate::storage::backend::{Chunk, PutOutcome, StorageBackend};
+use crate::storage::node_memory::{NodeMemoryBackend, SharedChunk};
 use crate::storage::save_slot::SaveSlot;
 use crate::storage::tier_events::TierEventKind;
 use crate::storage::tier_stats::TierOp;
@@ -24,14 +24,24 @@ pub struct LentSaveSlots {
     pub slots: Vec<SaveSlot>,
 }
 
+/// The node-memory side of a tier's backend, where it has one (an error otherwise: the
+/// manager asks only tiers it checked, so this is a miss, never a panic).
+fn node_memory_of(backend: &dyn StorageBackend) -> Result<&dyn NodeMemoryBackend, BackendError> {
+    backend
+        .node_memory()
+        .ok_or_else(|| BackendError::Unavailable {
+            backend: backend.name().to_string(),
+            reason: "the tier does not lie in node memory".into(),
+        })
+}
+
 impl StorageManager {
     /// Whether tier `t` (an index in [`StorageManager::tier_names`]) reads from memory on this
-    /// node with no I/O (see
-    /// [`StorageBackend::reads_node_memory`](crate::StorageBackend::reads_node_memory)).
+    /// node with no I/O (it has a [node-memory side](crate::StorageBackend::node_memory)).
     pub fn tier_reads_node_memory(&self, t: usize) -> bool {
         self.tiers
             .get(t)
-            .is_some_and(|tier| tier.backend.reads_node_memory())
+            .is_some_and(|tier| tier.backend.node_memory().is_some())
     }
 
     /// The leading run of `keys` that tier `t`, a tier that [reads node
@@ -41,7 +51,9 @@ impl StorageManager {
     pub async fn get_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<Chunk> {
         let started = Instant::now();
         let loaded: Vec<(usize, Chunk)> = self
-            .leading_run(t, keys, |b| b.get_node_memory(keys))
+            .leading_run(t, keys, |b| async move {
+                node_memory_of(b)?.get_node_memory(keys).await
+            })
             .await
             .into_iter()
             .map(|c| (t, c))
@@ -52,21 +64,22 @@ impl StorageManager {
     }
 
     /// This process's mappings of the node memory its tiers lend chunks from, as mapped now
-    /// (see [`StorageBackend::node_memory_mapping`](crate::StorageBackend::node_memory_mapping)):
-    /// what a GPU engine page-locks for DMA.
+    /// (see [`NodeMemoryBackend::node_memory_mapping`]): what a GPU engine page-locks for DMA.
     pub fn node_memory_mappings(&self) -> Vec<std::sync::Arc<crate::memory::SharedMapping>> {
         self.tiers
             .iter()
-            .filter_map(|tier| tier.backend.node_memory_mapping())
+            .filter_map(|tier| tier.backend.node_memory())
+            .filter_map(|tier| tier.node_memory_mapping())
             .collect()
     }
 
     /// Whether tier `t` lends chunks where they lie in node memory (see
-    /// [`StorageBackend::lends_node_memory`](crate::StorageBackend::lends_node_memory)).
+    /// [`NodeMemoryBackend::lends_node_memory`]).
     pub fn tier_lends_node_memory(&self, t: usize) -> bool {
         self.tiers
             .get(t)
-            .is_some_and(|tier| tier.backend.lends_node_memory())
+            .and_then(|tier| tier.backend.node_memory())
+            .is_some_and(|tier| tier.lends_node_memory())
     }
 
     /// The leading run of `keys` that tier `t`, a tier that [lends node
@@ -75,7 +88,11 @@ impl StorageManager {
     /// checks its copy. Asks no other tier, nor the storage behind it.
     pub async fn pin_node_memory_prefix(&self, t: usize, keys: &[CacheKey]) -> Vec<SharedChunk> {
         let started = Instant::now();
-        let pinned = self.leading_run(t, keys, |b| b.pin_node_memory(keys)).await;
+        let pinned = self
+            .leading_run(t, keys, |b| async move {
+                node_memory_of(b)?.pin_node_memory(keys).await
+            })
+            .await;
         for c in &pinned {
             self.tiers[t]
                 .counters
@@ -128,7 +145,11 @@ impl StorageManager {
                 slots: Vec::new(),
             };
         }
-        match tier.backend.lend_save_slots(rest).await {
+        let lent = match node_memory_of(tier.backend.as_ref()) {
+            Ok(tier) => tier.lend_save_slots(rest).await,
+            Err(e) => Err(e),
+        };
+        match lent {
             Ok(slots) => LentSaveSlots {
                 stored,
                 slots: slots.into_iter().map_while(|s| s).collect(),
@@ -163,7 +184,10 @@ impl StorageManager {
         let keys: Vec<CacheKey> = slots.iter().map(|s| s.key().clone()).collect();
         let bytes: u64 = slots.iter().map(|s| s.payload_len() as u64).sum();
         let started = Instant::now();
-        let result = tier.backend.commit_save_slots(slots).await;
+        let result = match node_memory_of(tier.backend.as_ref()) {
+            Ok(tier) => tier.commit_save_slots(slots).await,
+            Err(e) => Err(e),
+        };
         tier.counters.call(TierOp::Put, started.elapsed());
         metrics::histogram!(crate::telemetry::PUT_SECONDS).record(started.elapsed().as_secs_f64());
         match result {

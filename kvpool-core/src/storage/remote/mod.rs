@@ -1,8 +1,10 @@
 //! `RemoteConnector` (bytes in, bytes out) and the adapter that makes it a `StorageBackend`.
 
 mod connector;
+mod node_memory;
 
-pub use connector::{CopyIn, CopyOut, RemoteConnector};
+pub use connector::RemoteConnector;
+pub use node_memory::{CopyIn, CopyOut, NodeMemoryConnector, node_memory_of};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +25,7 @@ use crate::storage::backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
     StorageBackend,
 };
-use crate::storage::node_memory::{SharedChunk, shared_chunk};
+use crate::storage::node_memory::{NodeMemoryBackend, SharedChunk, shared_chunk};
 use crate::storage::save_slot::{LentBytes, SaveSlot};
 use crate::storage::tier_events::TierEventLog;
 
@@ -83,7 +85,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         })
     }
 
-    /// Reads `keys` from node memory with one copy ([`RemoteConnector::batch_copy_out`]),
+    /// Reads `keys` from node memory with one copy ([`NodeMemoryConnector::batch_copy_out`]),
     /// counting and dropping what fails its checks as [`RemoteBackend::decode_values`] does.
     ///
     /// Each value is decoded by [`decode_copied`] into a buffer from this backend's allocator
@@ -119,7 +121,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
             })
         };
         let names = key_strings(keys);
-        self.connector
+        node_memory_of(&self.connector)?
             .batch_copy_out(&names, resident_only, copy_out)
             .await?;
         let decoded = std::mem::take(&mut *slots.lock());
@@ -141,7 +143,8 @@ impl<C: RemoteConnector> RemoteBackend<C> {
     }
 
     /// Stores `entries` in node memory, each encoded straight into the memory the tier lends
-    /// ([`RemoteConnector::batch_copy_in`]: one copy). Only for a codec that does not compress.
+    /// ([`NodeMemoryConnector::batch_copy_in`]: one copy). Only for a codec that does not
+    /// compress.
     async fn copy_in(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<(), BackendError> {
         let codec = self.codec;
         let mut lens = Vec::with_capacity(entries.len());
@@ -163,7 +166,9 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                 dst.fill(0);
             }
         });
-        self.connector.batch_copy_in(lens, copy_in).await
+        node_memory_of(&self.connector)?
+            .batch_copy_in(lens, copy_in)
+            .await
     }
 
     /// Decodes the values a batch get answered for `keys` (`names`: their strings), counting
@@ -262,8 +267,10 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         self.connector.name()
     }
 
-    fn reads_node_memory(&self) -> bool {
-        self.connector.reads_node_memory()
+    fn node_memory(&self) -> Option<&dyn NodeMemoryBackend> {
+        self.connector
+            .node_memory()
+            .map(|_| self as &dyn NodeMemoryBackend)
     }
 
     async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError> {
@@ -279,7 +286,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        if self.connector.reads_node_memory() {
+        if self.connector.node_memory().is_some() {
             return self.copy_out_values(keys, false).await;
         }
         let names = key_strings(keys);
@@ -287,6 +294,53 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         self.decode_values(keys, &names, values).await
     }
 
+    async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
+        self.ensure_open()?;
+        if entries.is_empty() {
+            return Ok(PutOutcome::default());
+        }
+        let n = entries.len();
+        let bytes_in: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
+        let in_place = self.connector.node_memory().is_some() && !self.codec.compresses();
+        if in_place {
+            self.copy_in(entries).await?;
+        } else {
+            self.encode_and_put(entries).await?;
+        }
+        self.counters.puts.add(n as u64);
+        self.counters.bytes_written.add(bytes_in);
+        Ok(PutOutcome {
+            stored: n,
+            skipped: 0,
+        })
+    }
+
+    async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        self.connector.batch_delete(&key_strings(keys)).await
+    }
+
+    async fn close(&self) -> Result<(), BackendError> {
+        self.closed.store(true, Ordering::Release);
+        self.connector.close().await
+    }
+
+    fn set_event_log(&self, events: Arc<TierEventLog>) {
+        self.connector.set_event_log(events);
+    }
+
+    fn stats(&self) -> BackendStats {
+        self.counters.snapshot(0, 0, None)
+    }
+}
+
+/// A `RemoteBackend` over a tier in node memory: the chunk format applied to reads and writes
+/// in place, and to chunks lent where they lie.
+#[async_trait]
+impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
     async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError> {
         self.ensure_open()?;
         if keys.is_empty() {
@@ -296,11 +350,13 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
     }
 
     fn lends_node_memory(&self) -> bool {
-        self.connector.lends_node_memory() && !self.codec.compresses()
+        self.connector.node_memory().is_some() && !self.codec.compresses()
     }
 
     fn node_memory_mapping(&self) -> Option<Arc<crate::memory::SharedMapping>> {
-        self.connector.node_memory_mapping()
+        self.connector
+            .node_memory()
+            .and_then(|tier| tier.node_memory_mapping())
     }
 
     /// Pins the values node memory holds and checks each one's header where it lies
@@ -315,7 +371,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             return Ok(keys.iter().map(|_| None).collect());
         }
         let names = key_strings(keys);
-        let lent = self.connector.batch_pin(&names).await?;
+        let lent = node_memory_of(&self.connector)?.batch_pin(&names).await?;
         let checked = keys
             .iter()
             .zip(lent)
@@ -339,7 +395,7 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             return Ok(entries.iter().map(|_| None).collect());
         }
         let lens: Vec<usize> = entries.iter().map(|(_, len)| HEADER_LEN + len).collect();
-        let lent = self.connector.batch_lend(&lens).await?;
+        let lent = node_memory_of(&self.connector)?.batch_lend(&lens).await?;
         if lent.len() != entries.len() {
             return Err(BackendError::Unavailable {
                 backend: self.connector.name().to_string(),
@@ -374,53 +430,14 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         let stored = if entries.is_empty() {
             0
         } else {
-            self.connector.batch_commit_lent(entries).await?.min(n)
+            node_memory_of(&self.connector)?
+                .batch_commit_lent(entries)
+                .await?
+                .min(n)
         };
         Ok(PutOutcome {
             stored,
             skipped: n - stored,
         })
-    }
-
-    async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
-        self.ensure_open()?;
-        if entries.is_empty() {
-            return Ok(PutOutcome::default());
-        }
-        let n = entries.len();
-        let bytes_in: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
-        let in_place = self.connector.reads_node_memory() && !self.codec.compresses();
-        if in_place {
-            self.copy_in(entries).await?;
-        } else {
-            self.encode_and_put(entries).await?;
-        }
-        self.counters.puts.add(n as u64);
-        self.counters.bytes_written.add(bytes_in);
-        Ok(PutOutcome {
-            stored: n,
-            skipped: 0,
-        })
-    }
-
-    async fn remove(&self, keys: &[CacheKey]) -> Result<usize, BackendError> {
-        self.ensure_open()?;
-        if keys.is_empty() {
-            return Ok(0);
-        }
-        self.connector.batch_delete(&key_strings(keys)).await
-    }
-
-    async fn close(&self) -> Result<(), BackendError> {
-        self.closed.store(true, Ordering::Release);
-        self.connector.close().await
-    }
-
-    fn set_event_log(&self, events: Arc<TierEventLog>) {
-        self.connector.set_event_log(events);
-    }
-
-    fn stats(&self) -> BackendStats {
-        self.counters.snapshot(0, 0, None)
     }
 }
