@@ -6,7 +6,7 @@
 #![no_main]
 
 use kvpool_connector::HostPlanes;
-use kvpool_connector::offload_tier::PrimaryRegion;
+use kvpool_connector::vllm_tier::PrimaryRegion;
 use kvpool_connector::host_spans::{page_spans, pages_fit};
 use libfuzzer_sys::fuzz_target;
 

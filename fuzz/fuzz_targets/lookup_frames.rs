@@ -4,7 +4,7 @@
 #![no_main]
 
 use kvpool_backends::daemon::Reply;
-use kvpool_connector::lookup_service::{LookupRequest, LookupResponse};
+use kvpool_connector::vllm::lookup_service::{LookupRequest, LookupResponse};
 use libfuzzer_sys::fuzz_target;
 use serde::{Serialize, de::DeserializeOwned};
 

@@ -8,7 +8,7 @@
 
 use kvpool_core::{ChunkWindow, HostPagedKvCache, KvTransfer, TransferError};
 
-use crate::worker::{CopyDirection, CopyJob};
+use crate::vllm::worker::{CopyDirection, CopyJob};
 
 /// Runs `job` against `kv`: a load writes the job's chunks into `kv`'s blocks, a save reads
 /// `kv`'s blocks into the job's chunks.

@@ -50,10 +50,17 @@ fn setup_with_tier(tier: Option<&str>) -> Setup {
 }
 
 fn scheduler(s: &Setup, save_decode_tokens: bool) -> ConnectorScheduler {
-    let config = ConnectorConfig {
-        save_decode_tokens,
-        ..ConnectorConfig::new(16)
-    };
+    scheduler_with(
+        s,
+        ConnectorConfig {
+            save_decode_tokens,
+            ..ConnectorConfig::new(16)
+        },
+    )
+}
+
+/// A scheduler over `s`'s pool with `config`.
+fn scheduler_with(s: &Setup, config: ConnectorConfig) -> ConnectorScheduler {
     ConnectorScheduler::new(
         s.engine.clone(),
         s.runtime.clone(),
@@ -173,10 +180,8 @@ fn loads_are_asynchronous_unless_leased_in_memory_or_nothing_else_runs() {
     );
     // An engine that schedules asynchronously never loads a lower tier synchronously, idle
     // or not (a failed load would have the next step computed on it).
-    let mut ahead = ConnectorScheduler::new(
-        small.engine.clone(),
-        small.runtime.clone(),
-        small.leases.clone(),
+    let mut ahead = scheduler_with(
+        &small,
         ConnectorConfig {
             async_scheduling: true,
             ..ConnectorConfig::new(16)
@@ -187,10 +192,8 @@ fn loads_are_asynchronous_unless_leased_in_memory_or_nothing_else_runs() {
         (48, true)
     );
     // `Leased` has no idle rule (vLLM's data-parallel ranks step in lockstep).
-    let mut lockstep = ConnectorScheduler::new(
-        small.engine.clone(),
-        small.runtime.clone(),
-        small.leases.clone(),
+    let mut lockstep = scheduler_with(
+        &small,
         ConnectorConfig {
             load_timing: kvpool_connector::LoadTiming::Leased,
             ..ConnectorConfig::new(16)
@@ -201,10 +204,8 @@ fn loads_are_asynchronous_unless_leased_in_memory_or_nothing_else_runs() {
         (48, true)
     );
     // With asynchronous scheduling every load is asynchronous.
-    let mut always = ConnectorScheduler::new(
-        s.engine.clone(),
-        s.runtime.clone(),
-        s.leases.clone(),
+    let mut always = scheduler_with(
+        &s,
         ConnectorConfig {
             load_timing: kvpool_connector::LoadTiming::Always,
             ..ConnectorConfig::new(16)
@@ -426,10 +427,8 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
             // With every load asynchronous (vLLM's asynchronous scheduling) the lookup loads
             // nothing: the scheduler's thread would copy for no earlier load.
             let later = setup_with_tier(Some(&url));
-            let mut always = ConnectorScheduler::new(
-                later.engine.clone(),
-                later.runtime.clone(),
-                later.leases.clone(),
+            let mut always = scheduler_with(
+                &later,
                 ConnectorConfig {
                     load_timing: kvpool_connector::LoadTiming::Always,
                     ..ConnectorConfig::new(16)

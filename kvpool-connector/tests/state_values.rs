@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvpool_connector::host_spans::HostSpan;
-use kvpool_connector::state_values::{StateReadError, StateValues};
+use kvpool_connector::vllm::state_values::{StateReadError, StateValues};
 use kvpool_connector::{ConnectorConfig, ConnectorScheduler, LeaseTable};
 use kvpool_core::{ByteSize, CacheEngine, ChunkHash, ChunkedTokenDatabase, PoolConfig};
 use tokio::runtime::Runtime;

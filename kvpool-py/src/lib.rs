@@ -10,6 +10,7 @@
 mod py_copies;
 mod py_scheduler;
 mod py_sglang;
+mod py_state_values;
 mod py_tier;
 mod py_worker;
 
@@ -282,7 +283,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
-    m.add_class::<py_worker::PyStateValues>()?;
+    m.add_class::<py_state_values::PyStateValues>()?;
     m.add_class::<PyCopyEngine>()?;
     m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;

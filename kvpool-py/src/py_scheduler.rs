@@ -411,6 +411,23 @@ mod tests {
             .collect()
     }
 
+    /// Two tensor-parallel ranks' workers, each serving its lookup socket in `dir`, and a
+    /// scheduler joined to both, as in vLLM's processes with TP=2.
+    fn two_ranks(dir: &tempfile::TempDir) -> (Vec<WorkerCore>, ConnectorScheduler) {
+        let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
+        let workers = (0..2)
+            .map(|rank| WorkerCore::new(&spec(sockets[rank].clone(), 2, rank as u32)).unwrap())
+            .collect();
+        let sched = connect_scheduler(
+            &sockets,
+            ConnectorConfig::new(BLOCK),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (workers, sched)
+    }
+
     /// Scheduler and worker joined by the lookup socket, as in vLLM's two processes: a
     /// request's computed blocks are saved (visible once the step is committed), and a
     /// second request with the same prefix in other blocks is told of the hit and gets
@@ -495,18 +512,8 @@ mod tests {
     #[test]
     fn with_two_ranks_only_what_both_hold_and_both_reported_is_offered() {
         let dir = tempfile::tempdir().unwrap();
-        let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
-        let mut workers: Vec<WorkerCore> = (0..2)
-            .map(|rank| WorkerCore::new(&spec(sockets[rank].clone(), 2, rank as u32)).unwrap())
-            .collect();
+        let (mut workers, mut sched) = two_ranks(&dir);
         let mut kvs = [kv_with_noise(3), kv_with_noise(4)];
-        let mut sched = connect_scheduler(
-            &sockets,
-            ConnectorConfig::new(BLOCK),
-            Duration::from_secs(5),
-            Duration::from_secs(5),
-        )
-        .unwrap();
         let prompt: Vec<u32> = (0..17).collect();
         let request = |id: &str| EngineRequest {
             req_id: id.into(),
@@ -549,13 +556,10 @@ mod tests {
     #[test]
     fn a_state_is_present_only_where_every_rank_holds_it() {
         use kvpool_connector::host_spans::HostSpan;
-        use kvpool_connector::state_values::StateValues;
+        use kvpool_connector::vllm::state_values::StateValues;
 
         let dir = tempfile::tempdir().unwrap();
-        let sockets = [dir.path().join("tp0.sock"), dir.path().join("tp1.sock")];
-        let workers: Vec<WorkerCore> = (0..2)
-            .map(|rank| WorkerCore::new(&spec(sockets[rank].clone(), 2, rank as u32)).unwrap())
-            .collect();
+        let (workers, mut sched) = two_ranks(&dir);
         let runtime = std::sync::Arc::new(tokio::runtime::Runtime::new().unwrap());
         let state = [7u8; 16];
         let store = |w: &WorkerCore, at: kvpool_core::ChunkHash| {
@@ -577,13 +581,6 @@ mod tests {
         assert_eq!(store(&workers[0], both), 1);
         assert_eq!(store(&workers[1], both), 1);
         assert_eq!(store(&workers[0], one), 1);
-        let mut sched = connect_scheduler(
-            &sockets,
-            ConnectorConfig::new(BLOCK),
-            Duration::from_secs(5),
-            Duration::from_secs(5),
-        )
-        .unwrap();
         assert_eq!(
             sched.chunks_present(&[one, both, none]),
             vec![false, true, false]
@@ -600,7 +597,7 @@ mod tests {
         let hung = dir.path().join("tp1.sock");
         let w0 = WorkerCore::new(&spec(good.clone(), 2, 0)).unwrap();
         // Rank 1 answers the hello like a real worker, then never answers a lookup.
-        use kvpool_connector::lookup_service::{
+        use kvpool_connector::vllm::lookup_service::{
             LookupRequest, LookupResponse, WorkerInfo, read_frame, write_frame,
         };
         let engine = w0.worker.engine().clone();
@@ -644,7 +641,7 @@ mod tests {
         };
         // Each failed lookup waits at most the timeout (a thread left behind on the hung rank
         // counts its failure when its own deadline passes, so allow a few more lookups).
-        let needed = kvpool_connector::lookup_service::BREAKER_FAILURES as usize;
+        let needed = kvpool_connector::vllm::lookup_service::BREAKER_FAILURES as usize;
         let mut lookups = 0;
         while sched.counters().breakers_open == 0 {
             assert!(lookups < 3 * needed, "the breaker never opened");

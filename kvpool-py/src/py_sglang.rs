@@ -1,9 +1,9 @@
 //! `kvpool._native.HiCacheStore`: kvpool as an SGLang HiCache L3 storage backend, for
-//! `kvpool.sglang.KvpoolStorage` (the Rust side is `kvpool_connector::sglang_storage`).
+//! `kvpool.sglang.KvpoolStorage` (the Rust side is `kvpool_connector::sglang`).
 
 use kvpool_connector::host_spans::PageSpans;
 use kvpool_connector::opaque_values::ValueScope;
-use kvpool_connector::sglang_storage::{CallSample, HiCacheStore};
+use kvpool_connector::sglang::{CallSample, HiCacheStore};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 

@@ -1,8 +1,8 @@
 //! `kvpool._native.OffloadTier`: kvpool as a secondary tier of vLLM's native offloading, for
-//! `kvpool.vllm.tier.KvpoolTier` (the Rust side is `kvpool_connector::offload_tier`).
+//! `kvpool.vllm.tier.KvpoolTier` (the Rust side is `kvpool_connector::vllm_tier`).
 
-use kvpool_connector::offload_tier::{OffloadTier, PrimaryRegion, TierLookup};
 use kvpool_connector::opaque_values::ValueScope;
+use kvpool_connector::vllm_tier::{OffloadTier, PrimaryRegion, TierLookup};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 

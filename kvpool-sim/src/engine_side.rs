@@ -247,7 +247,7 @@ impl kvpool_connector::PoolLookup for RanksLookup {
         for (engine, leases) in &self.ranks {
             let a = self
                 .runtime
-                .block_on(kvpool_connector::leases::lookup_and_lease(
+                .block_on(kvpool_connector::vllm::leases::lookup_and_lease(
                     engine,
                     leases,
                     req_id,
@@ -267,7 +267,7 @@ impl kvpool_connector::PoolLookup for RanksLookup {
         for (engine, _) in &self.ranks {
             let flags = self
                 .runtime
-                .block_on(kvpool_connector::scheduler::chunks_present(
+                .block_on(kvpool_connector::vllm::scheduler::chunks_present(
                     engine,
                     chunk_hashes,
                 ));

@@ -3,7 +3,7 @@
 //! implementation [`HostPagedKvCache`] over a vLLM-style paged layout.
 //!
 //! The vLLM connector moves whole engine blocks instead: its copy jobs
-//! (`kvpool_connector::worker::copy_job`) are executed by the engine-side mover in torch
+//! (`kvpool_connector::vllm::worker::copy_job`) are executed by the engine-side mover in torch
 //! (`kvpool/transfer.py`, CPU and CUDA alike) or, for Rust test engines, over a
 //! [`HostPagedKvCache`] (`kvpool_connector::host_blocks`).
 

@@ -63,7 +63,7 @@ pub fn run(s: &SimSettings, layout: KvLayout, chunk_size: usize) -> anyhow::Resu
         );
         leases.push(Arc::new(LeaseTable::new(
             (s.cpu_size.0 / 4) as usize,
-            kvpool_connector::leases::DEFAULT_LEASE_TTL,
+            kvpool_connector::vllm::leases::DEFAULT_LEASE_TTL,
         )));
     }
     let bs = layout.block_size;

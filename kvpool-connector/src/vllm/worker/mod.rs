@@ -30,9 +30,9 @@ pub use reports::{StepReport, TransferResults, WorkerStats};
 pub use staged::STAGED_STEP_TTL;
 
 use crate::ConnectorError;
-use crate::leases::LeaseTable;
-use crate::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
-use crate::request_trace::{RequestTrace, RequestTraces};
+use crate::vllm::leases::LeaseTable;
+use crate::vllm::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
+use crate::vllm::request_trace::{RequestTrace, RequestTraces};
 use copy_check_thread::CheckingLoad;
 use copy_job::JobMemory;
 use loads::AsyncLoads;

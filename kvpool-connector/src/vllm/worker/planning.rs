@@ -13,8 +13,8 @@ use super::copy_job::{JobMemory, SaveDestination};
 use super::loads::PlannedLoad;
 use super::node_copies::{LoadSource, LoadSources, fetch_load};
 use super::{CheckSite, ConnectorWorker, CopyDirection, CopyJob, InFlight, LentChunkCheck};
-use crate::leases::LeasedChunk;
-use crate::metadata::ReqMeta;
+use crate::vllm::leases::LeasedChunk;
+use crate::vllm::metadata::ReqMeta;
 
 /// How long a step's saves wait for node memory in all, to learn what it holds and to lend
 /// places for their chunks (round trips to the pool daemon, on the step's path), before they

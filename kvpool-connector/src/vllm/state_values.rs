@@ -96,7 +96,10 @@ impl StateValues {
     /// Whether some tier holds the state after each prefix of `prefixes`, each on its own.
     pub fn presence(&self, prefixes: &[ChunkHash]) -> Vec<bool> {
         self.runtime
-            .block_on(crate::scheduler::chunks_present(&self.engine, prefixes))
+            .block_on(crate::vllm::scheduler::chunks_present(
+                &self.engine,
+                prefixes,
+            ))
     }
 
     /// Stores each state (the bytes of its spans, in order) under the prefix it follows: into

@@ -11,7 +11,7 @@
 
 use kvpool_core::{Chunk, ChunkMeta, ChunkSpan, KvTransfer, MemoryObj, SaveSlot, SharedChunk};
 
-use crate::leases::LeasedChunk;
+use crate::vllm::leases::LeasedChunk;
 
 /// The engine's KV blocks in host memory, as the worker reads them to check a copy: one
 /// `(address of block 0, bytes from one block to the next)` per plane, in the chunk layout's

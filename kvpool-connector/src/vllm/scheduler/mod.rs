@@ -16,8 +16,8 @@ use tokio::runtime::Runtime;
 use tracing::debug;
 
 use crate::ConnectorConfig;
-use crate::leases::LeaseTable;
-use crate::metadata::{ConnectorMetadata, LoadSpec, SchedulerCounters};
+use crate::vllm::leases::LeaseTable;
+use crate::vllm::metadata::{ConnectorMetadata, LoadSpec, SchedulerCounters};
 pub use engine_io::{BlockUpdate, ConnectorOutput, EngineRequest, ScheduledRequest};
 pub use pool_lookup::{EngineLookup, PoolLookup, chunks_present};
 pub use step_ledger::STEP_REPORT_TIMEOUT;
@@ -46,7 +46,7 @@ pub struct RequestTracker {
     /// `update_state_after_alloc` and asks again in a later step. Such a load promised
     /// nothing and is dropped at the step's end.
     pub load_awaits_blocks: bool,
-    /// The pending load's tail-block keys (see [`crate::metadata::ReqMeta::load_tail`]).
+    /// The pending load's tail-block keys (see [`crate::vllm::metadata::ReqMeta::load_tail`]).
     pub load_tail: Vec<[u8; 16]>,
     /// The prompt's tail blocks (its whole blocks in the chunk its last token falls in, see
     /// `chunk_tail::prompt_tail_range`) were handed to a save.

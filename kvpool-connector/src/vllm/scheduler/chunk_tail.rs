@@ -29,7 +29,7 @@ impl ConnectorScheduler {
             self.config.load_timing,
             crate::LoadTiming::Auto | crate::LoadTiming::Leased
         );
-        let mut run = |chunks: usize| -> (crate::leases::LookupAnswer, Vec<ChunkHash>) {
+        let mut run = |chunks: usize| -> (crate::vllm::leases::LookupAnswer, Vec<ChunkHash>) {
             let tail = self.tail_hashes(req_id, chunks, limit);
             let mut hashes = chunk_hashes[..chunks].to_vec();
             hashes.extend_from_slice(&tail);

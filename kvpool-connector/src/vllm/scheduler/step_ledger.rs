@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use crate::metadata::SaveDiscard;
+use crate::vllm::metadata::SaveDiscard;
 
 /// How long a step may wait for every rank's report before it is given up (its saves are
 /// never committed, and the workers drop them).

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvpool_core::{CacheEngine, CacheKey, ChunkHash};
 use tokio::runtime::Runtime;
 
-use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
+use crate::vllm::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
 
 /// How the scheduler learns what the pool holds: in-process, or across a process boundary.
 ///
@@ -16,7 +16,7 @@ use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
 pub trait PoolLookup: Send {
     /// What the pool holds of `chunk_hashes` (nothing on any failure). With
     /// `load_node_memory`, a hit the pool daemon completes is loaded and leased at once (see
-    /// [`crate::leases::lookup_and_lease`]); the scheduler asks it only where a fully leased
+    /// [`crate::vllm::leases::lookup_and_lease`]); the scheduler asks it only where a fully leased
     /// hit makes the load synchronous (not when every load is asynchronous or none is).
     fn lookup(
         &mut self,

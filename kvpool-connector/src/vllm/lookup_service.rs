@@ -29,8 +29,8 @@ use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
-use crate::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
-use crate::scheduler::PoolLookup;
+use crate::vllm::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
+use crate::vllm::scheduler::PoolLookup;
 
 /// Consecutive failed lookups that open a rank's circuit breaker.
 pub const BREAKER_FAILURES: u32 = 3;
@@ -52,7 +52,7 @@ pub enum LookupRequest {
         /// Chunk hashes, in order.
         chunk_hashes: Vec<[u8; 16]>,
         /// Load and lease a hit the pool daemon completes (see
-        /// [`crate::leases::lookup_and_lease`]).
+        /// [`crate::vllm::leases::lookup_and_lease`]).
         load_node_memory: bool,
     },
     /// Which of these chunk hashes the pool holds, each on its own (a hybrid model's
@@ -225,7 +225,7 @@ fn serve(
                     .map(kvpool_core::ChunkHash)
                     .collect();
                 LookupResponse::Present(
-                    runtime.block_on(crate::scheduler::chunks_present(engine, &hashes)),
+                    runtime.block_on(crate::vllm::scheduler::chunks_present(engine, &hashes)),
                 )
             }
         };

@@ -11,7 +11,7 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::node_copies::{LoadSources, fetch_load};
-use crate::leases::LeasedChunk;
+use crate::vllm::leases::LeasedChunk;
 
 /// Limits on asynchronous loads in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use super::RequestTracker;
 use super::chunk_tail::prompt_tail_range;
 use super::engine_io::{BlockUpdate, ScheduledRequest};
 use super::step_ledger::IssuedSave;
-use crate::metadata::{LoadSpec, ReqMeta, SaveSpec};
+use crate::vllm::metadata::{LoadSpec, ReqMeta, SaveSpec};
 
 /// The facts a step's plan needs from the scheduler (so a tracker can be borrowed mutably
 /// beside them).

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 
 use super::{ConnectorScheduler, RequestTracker};
-use crate::metadata::{LoadSpec, ReqMeta};
+use crate::vllm::metadata::{LoadSpec, ReqMeta};
 
 impl ConnectorScheduler {
     /// Drops the hits of requests the engine looked up and then found no blocks for (no
