@@ -80,11 +80,11 @@ def engine_main(spec_path, out_path):
             out["b_ttft_s"] = b_first - b_at
             during = [t1 - t0 for t0, t1 in zip(a, a[1:]) if t1 > b_at and t0 < b_first]
             out["a_worst_gap_during_b_s"] = max(during) if during else 0.0
-    from kvpool import vllm as kv
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown, get_kv_transfer_group)
 
-    out["stats"] = dict(kv.WORKERS[0]._work.native.stats())
-    for w in list(kv.WORKERS):
-        w.shutdown()
+    out["stats"] = dict(get_kv_transfer_group()._work.native.stats())
+    ensure_kv_transfer_shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)
 

@@ -91,14 +91,14 @@ def engine_main(spec_path, out_path):
         llm.generate(batch, many, use_tqdm=False)
         out["throughput_rps"] = len(batch) / (time.perf_counter() - t0)
     if spec["connector"] == "kvpool":
-        from kvpool import vllm as kv
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_shutdown, get_kv_transfer_group, has_kv_transfer_group)
 
-        if kv.WORKERS and kv.WORKERS[0]._work is not None:
-            work = kv.WORKERS[0]._work
+        work = get_kv_transfer_group()._work if has_kv_transfer_group() else None
+        if work is not None:
             out["stats"] = work.native_stats() if hasattr(work, "native_stats") \
                 else dict(work.native.stats())
-        for w in list(kv.WORKERS):
-            w.shutdown()
+        ensure_kv_transfer_shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)
 

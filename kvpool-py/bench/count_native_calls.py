@@ -84,7 +84,8 @@ def main():
             sys.setprofile(None)
         return steps
 
-    from kvpool import vllm as kv
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown, get_kv_transfer_group)
 
     results = []
     for n, prefix in enumerate(PREFIXES):
@@ -93,9 +94,9 @@ def main():
         # Let the store's step commit (one more step after the request ends).
         for _ in range(3):
             engine.step()
-        loaded_before = kv.WORKERS[0]._work.native.stats()["loaded_tokens"]
+        loaded_before = get_kv_transfer_group()._work.native.stats()["loaded_tokens"]
         steps = run(f"load-{n}", prompt, counted=True)
-        loaded = kv.WORKERS[0]._work.native.stats()["loaded_tokens"] - loaded_before
+        loaded = get_kv_transfer_group()._work.native.stats()["loaded_tokens"] - loaded_before
         total = sum(counts.values())
         chunks = loaded // 256
         results.append({"prefix_tokens": prefix, "loaded_tokens": loaded,
@@ -106,8 +107,7 @@ def main():
               f"steps, {total} crossings ({total / steps:.1f} per step)")
         for name, c in sorted(counts.items()):
             print(f"  {name:40} {c}")
-    for w in list(kv.WORKERS):
-        w.shutdown()
+    ensure_kv_transfer_shutdown()
     a, b = results
     if b["loaded_chunks"] > a["loaded_chunks"]:
         growth = (b["crossings"] - a["crossings"]) / (b["loaded_chunks"] - a["loaded_chunks"])

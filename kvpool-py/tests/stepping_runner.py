@@ -78,13 +78,14 @@ def main(spec_path, out_path):
         "aborted": aborted,
     }
     if not spec.get("multiprocess"):
-        from kvpool import vllm as kv
+        # vLLM's worker connector of this process (in-process mode).
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_shutdown, get_kv_transfer_group)
 
-        worker = kv.WORKERS[0]._work
+        worker = get_kv_transfer_group()._work
         out["in_flight"] = list(worker.native.in_flight())
         out["stats"] = dict(worker.native.stats())
-        for w in list(kv.WORKERS):
-            w.shutdown()
+        ensure_kv_transfer_shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)
 

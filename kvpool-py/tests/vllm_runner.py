@@ -141,9 +141,10 @@ def main(spec_path, out_path):
             }
         if use_kvpool and spec.get("check_blocks"):
             # Right after the batch, before a later one reuses the freed blocks.
-            from kvpool import vllm as kv
+            from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-            reports = compare_blocks(kv.WORKERS[0], [prompts[i] for i in batch], blocks_of)
+            reports = compare_blocks(get_kv_transfer_group(), [prompts[i] for i in batch],
+                                     blocks_of)
             out_blocks.update(zip(batch, reports))
         hold = (spec.get("hold_after_batch") or {}).get(str(b))
         if hold:
@@ -175,20 +176,21 @@ def main(spec_path, out_path):
         with urllib.request.urlopen(url, timeout=10) as page:
             out["metrics"] = page.read().decode()
     if use_kvpool and not spec.get("multiprocess"):
-        from kvpool import vllm as kv
+        # vLLM's worker connector of this process (in-process mode), through vLLM's own API.
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_shutdown, get_kv_transfer_group, has_kv_transfer_group)
 
-        # None when kvpool stood aside (a hybrid model's several KV cache groups).
-        worker = kv.WORKERS[0] if kv.WORKERS else None
+        # None when kvpool stood aside (it built no pool).
+        work = get_kv_transfer_group()._work if has_kv_transfer_group() else None
         if spec.get("check_blocks"):
             out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
-        for w in list(kv.WORKERS):
-            w.shutdown()
-        if worker is None:
+        ensure_kv_transfer_shutdown()
+        if work is None:
             out["stats"] = {}
-        elif hasattr(worker._work, "native_stats"):  # a hybrid model's parts
-            out["stats"] = worker._work.native_stats()
+        elif hasattr(work, "native_stats"):  # a hybrid model's parts
+            out["stats"] = work.native_stats()
         else:
-            out["stats"] = dict(worker._work.native.stats())
+            out["stats"] = dict(work.native.stats())
     with open(out_path, "w") as f:
         json.dump(out, f)
 

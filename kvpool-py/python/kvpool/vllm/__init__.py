@@ -49,7 +49,6 @@ not resume MLA from a cached prefix).
 """
 
 _EXPORTS = {
-    "WORKERS": "kvpool.vllm.connector",
     "KvpoolConnector": "kvpool.vllm.connector",
     "KvpoolConnectorMetadata": "kvpool.vllm.connector",
     "extra_keys_of": "kvpool.vllm.identity",

@@ -45,10 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpool.vllm")
 
-#: Worker connectors of this process (tests inspect what the pool stored through them).
-WORKERS: list["KvpoolConnector"] = []
-
-
 def load_timing(extra: dict[str, Any], vllm_config: "VllmConfig") -> str:
     """When loads are asynchronous (``async_loads`` in ``kv_connector_extra_config``):
     ``true`` (the default: synchronous for chunks leased in memory and when no other request
@@ -369,7 +365,6 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
                     parts=num_parts, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
                     weights_id=self._options.weights_id))
             self._work = HybridWorkerSide(parts)
-        WORKERS.append(self)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         if self._work is not None and isinstance(kv_connector_metadata, KvpoolConnectorMetadata):
@@ -463,8 +458,4 @@ class KvpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self):
         if self._work is not None:
-            try:
-                self._work.shutdown()
-            finally:
-                if self in WORKERS:
-                    WORKERS.remove(self)
+            self._work.shutdown()
