@@ -1,5 +1,6 @@
-//! Fault behaviour as wrappers around any `RemoteConnector`, never a second store:
-//! [`FaultInjector`] fails and corrupts at fixed rates (`kvpool sim --inject-failures`);
+//! Fault behaviour as wrappers around any `RemoteConnector`, never a second store (the
+//! `testkit` feature: for tests, not for production): [`FaultInjector`] fails and corrupts at
+//! fixed rates;
 //! [`ControlledFaults`] has switches a test flips at run time (a dead server, slow writes, a
 //! panicking backend) and counts what was asked.
 

@@ -2,13 +2,13 @@
 //!
 //! | feature | module | tier |
 //! |---|---|---|
-//! | `cpu` (default) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
+//! | (always) | [`cpu`] | L1: bounded local CPU memory with LRU / FIFO / S3-FIFO eviction |
 //! | `disk` | `disk` | `file:///path`: local RocksDB, byte capacity with LRU eviction, optional admission filter |
 //! | `redis` | `redis` | `redis://`, `rediss://`, `redis+cluster://`: pipelined batches, TTL, AUTH, TLS, reconnects |
 //! | `s3` | `s3` | `s3://bucket/prefix`: S3 and S3-compatible servers through object_store |
 //! | `mooncake` | `mooncake` (folder; the Python client in `mooncake/python.rs`) | `mooncakestore://master:port`: Mooncake Store through its Python client, embedded |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
-//! | `testkit` | `conformance` | the conformance kit every backend runs |
+//! | `testkit` | `conformance`, `faults`, `InMemoryNodeMemory` | for tests, not for production: the conformance kit every backend runs, fault wrappers over any connector, the in-memory store with a node-memory side |
 //!
 //! [`registry`] maps URL schemes to backends: each backend module registers its own schemes
 //! and parses its own `[[tier]]` options, and a third-party crate adds a backend the same way
@@ -31,6 +31,7 @@ pub mod daemon;
 pub mod deferred;
 #[cfg(feature = "disk")]
 pub mod disk;
+#[cfg(feature = "testkit")]
 pub mod faults;
 pub mod memory;
 pub mod metrics_endpoint;
@@ -48,8 +49,11 @@ pub mod timeout;
 mod tls;
 
 pub use cpu::LocalCpuBackend;
+#[cfg(feature = "testkit")]
 pub use faults::{ControlledFaults, FaultInjector, FaultSwitches};
-pub use memory::{InMemoryConnector, InMemoryNodeMemory};
+pub use memory::InMemoryConnector;
+#[cfg(feature = "testkit")]
+pub use memory::InMemoryNodeMemory;
 pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
 pub use registry::{BackendFactory, TierRequest, open_tier, register_scheme};

@@ -1,6 +1,6 @@
 //! `memory://`: a process-local RemoteConnector over a HashMap (tests, demos, a reference),
-//! and [`InMemoryNodeMemory`], the same store with the node-memory side the pool daemon's
-//! tier has.
+//! and (the `testkit` feature) `InMemoryNodeMemory`, the same store with the node-memory side
+//! the pool daemon's tier has.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,9 +10,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::RwLock;
 
-use kvpool_core::memory::SharedMapping;
+use kvpool_core::{BackendError, RemoteConnector};
+#[cfg(feature = "testkit")]
 use kvpool_core::{
-    BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
+    CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, memory::SharedMapping,
 };
 
 /// Values in a shared HashMap. Clones share the map, so a test can inspect or corrupt what
@@ -107,9 +108,11 @@ impl RemoteConnector for InMemoryConnector {
 /// An [`InMemoryConnector`] offering the [node-memory side](NodeMemoryConnector) of a tier in
 /// shared memory: reads and writes copy the stored bytes themselves (one copy), and nothing is
 /// pinned or lent. What a pool does with the pool daemon's tier, tested without a daemon.
+#[cfg(feature = "testkit")]
 #[derive(Clone, Default)]
 pub struct InMemoryNodeMemory(pub InMemoryConnector);
 
+#[cfg(feature = "testkit")]
 #[async_trait]
 #[deny(clippy::missing_trait_methods)]
 impl RemoteConnector for InMemoryNodeMemory {
@@ -151,6 +154,7 @@ impl RemoteConnector for InMemoryNodeMemory {
     }
 }
 
+#[cfg(feature = "testkit")]
 #[async_trait]
 impl NodeMemoryConnector for InMemoryNodeMemory {
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
