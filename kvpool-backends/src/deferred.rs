@@ -33,9 +33,9 @@ struct Shared {
     events: Mutex<Option<Arc<TierEventLog>>>,
 }
 
-/// See the module docs. It stands in for a store (values in, values out): the node-memory
-/// methods keep the trait's defaults, as the stores it defers do (the daemon's own tier
-/// connects lazily and never defers).
+/// See the module docs. It stands in for a store (values in, values out): `node_memory()`
+/// keeps the trait's default `None`, as the stores it defers have no node-memory side (the
+/// daemon's own tier connects lazily and never defers).
 pub struct DeferredConnector {
     shared: Arc<Shared>,
     retry: Option<tokio::task::JoinHandle<()>>,

@@ -123,6 +123,9 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
 // written in place or lent are corrupted as puts are.
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for FaultInjector<C> {
+    fn lends(&self) -> bool {
+        self.inner.node_memory().is_some_and(|tier| tier.lends())
+    }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
         self.inner
             .node_memory()
@@ -326,6 +329,9 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
 // writes in place are puts.
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
+    fn lends(&self) -> bool {
+        self.inner.node_memory().is_some_and(|tier| tier.lends())
+    }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
         self.inner
             .node_memory()
@@ -418,6 +424,11 @@ mod tests {
                 limit,
             )),
         ];
-        assert!(node_memory.iter().all(|c| c.node_memory().is_some()));
+        // ... and lends exactly when it does (this store does not).
+        assert!(
+            node_memory
+                .iter()
+                .all(|c| c.node_memory().is_some_and(|tier| !tier.lends()))
+        );
     }
 }

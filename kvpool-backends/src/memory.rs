@@ -157,6 +157,9 @@ impl RemoteConnector for InMemoryNodeMemory {
 #[cfg(feature = "testkit")]
 #[async_trait]
 impl NodeMemoryConnector for InMemoryNodeMemory {
+    fn lends(&self) -> bool {
+        false
+    }
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
         None
     }

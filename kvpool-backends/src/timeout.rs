@@ -130,6 +130,9 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
 // Every node-memory call bounded too: the trait has no defaults to fall back on.
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for TimeoutConnector<C> {
+    fn lends(&self) -> bool {
+        self.inner.node_memory().is_some_and(|tier| tier.lends())
+    }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
         self.inner
             .node_memory()

@@ -157,6 +157,7 @@ fn user_errors_are_messages_not_panics() {
 }
 
 #[test]
+#[cfg(feature = "sim")]
 fn sim_drives_the_vllm_protocol_with_failures_and_gets_every_token_right() {
     // 4,000 requests, up to 16 a step, shared prefixes, preemption, reused ids and 5% of
     // loaded chunks lost between lookup and load.

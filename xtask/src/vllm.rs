@@ -614,7 +614,18 @@ pub(crate) fn build_gpu_bundle(profile: &str, wheel_kind: BundleWheel) -> Result
     match wheel_kind {
         BundleWheel::Lean => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            run(&cargo, &["build", "-p", "kvpool-cli", "--profile", profile])?;
+            // `kvpool serve` alone: no simulator (`sim`) in the bundle.
+            run(
+                &cargo,
+                &[
+                    "build",
+                    "-p",
+                    "kvpool-cli",
+                    "--no-default-features",
+                    "--profile",
+                    profile,
+                ],
+            )?;
             let dir = if profile == "dev" { "debug" } else { profile };
             std::fs::copy(target_dir().join(dir).join("kvpool"), &command)
                 .map_err(|e| format!("cannot copy the kvpool command: {e}"))?;

@@ -80,6 +80,9 @@ impl RemoteConnector for Arc<LoggingStore> {
 /// The tier's node memory is this process's: no pins, no loans.
 #[async_trait]
 impl NodeMemoryConnector for Arc<LoggingStore> {
+    fn lends(&self) -> bool {
+        false
+    }
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
         None
     }
@@ -180,12 +183,10 @@ async fn a_node_memory_tier_is_read_and_written_in_place_and_still_checked() {
         assert_eq!(chunk.data.as_slice(), &[byte; 4096][..]);
         assert_eq!(chunk.meta.token_count, 4);
     }
-    let got = backend
-        .node_memory()
-        .expect("a tier in node memory")
-        .get_node_memory(&keys[..1])
-        .await
-        .unwrap();
+    let node_memory = backend.node_memory().expect("a tier in node memory");
+    // It reads and writes in place but lends nothing: chunks are not pinned where they lie.
+    assert!(!node_memory.lends_node_memory());
+    let got = node_memory.get_node_memory(&keys[..1]).await.unwrap();
     assert_eq!(store.calls(), ["batch_copy_out(resident)"]);
     assert!(got[0].is_some());
 

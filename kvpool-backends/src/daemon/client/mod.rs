@@ -499,6 +499,11 @@ impl RemoteConnector for DaemonConnector {
 
 #[async_trait]
 impl NodeMemoryConnector for DaemonConnector {
+    /// Values are lent where they lie in the shared arena, pinned, and places for saves.
+    fn lends(&self) -> bool {
+        true
+    }
+
     /// The arena of the daemon attached last, as mapped here.
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
         self.inner

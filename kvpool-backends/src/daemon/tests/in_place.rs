@@ -32,7 +32,7 @@ async fn a_read_of_node_memory_answers_only_what_shared_memory_holds() {
     disk.put(&below, below_value.clone()).await.unwrap();
     let run = start(&path, 16 * MIB, vec![disk]);
     let engine = client(&path);
-    assert!(engine.node_memory().is_some());
+    assert!(engine.node_memory().is_some_and(|tier| tier.lends()));
     engine
         .batch_put(vec![("resident".into(), value(6, 4096))])
         .await
@@ -63,6 +63,7 @@ impl RemoteConnector for NeverDeletes {
     fn name(&self) -> &str {
         self.0.name()
     }
+    /// The daemon tier's own side: deletes, the one thing this wrapper changes, are not on it.
     fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
         self.0.node_memory()
     }

@@ -350,7 +350,10 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
     }
 
     fn lends_node_memory(&self) -> bool {
-        self.connector.node_memory().is_some() && !self.codec.compresses()
+        self.connector
+            .node_memory()
+            .is_some_and(|tier| tier.lends())
+            && !self.codec.compresses()
     }
 
     fn node_memory_mapping(&self) -> Option<Arc<crate::memory::SharedMapping>> {

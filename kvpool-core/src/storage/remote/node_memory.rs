@@ -32,6 +32,13 @@ pub type CopyIn = Arc<dyn Fn(usize, &mut [u8]) + Send + Sync>;
 /// required, so a wrapper (a timeout, a fault injector) forwards each one by construction.
 #[async_trait]
 pub trait NodeMemoryConnector: Send + Sync {
+    /// Whether the tier lends values where they lie ([`NodeMemoryConnector::batch_pin`]) and
+    /// places for values to be written where they will lie
+    /// ([`NodeMemoryConnector::batch_lend`]), so a reader or a writer copies once, straight
+    /// between that memory and the engine's blocks; `false` for a tier that only reads and
+    /// writes in place (`batch_copy_out`, `batch_copy_in`).
+    fn lends(&self) -> bool;
+
     /// This process's mapping of the tier's memory as mapped now (`None` before the first
     /// attach), for a reader to register for DMA (CUDA's page-locking) for as long as it holds
     /// the mapping.
