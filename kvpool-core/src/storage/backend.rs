@@ -1,11 +1,17 @@
-//! `StorageBackend`: the async, batch-first interface the storage manager drives, and its values.
+//! `StorageBackend`: the async, batch-first interface the storage manager drives, its values,
+//! and `NodeMemoryBackend`, the extension of a tier whose chunks lie in memory on this node.
+
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
 use crate::error::{BackendError, PoolError};
 use crate::format::chunk_format::ChunkMeta;
 use crate::keys::cache_key::CacheKey;
+use crate::memory::SharedMapping;
 use crate::memory::pool::{MemoryObj, MemoryObjMut, MemoryPool};
+use crate::storage::node_memory::SharedChunk;
+use crate::storage::save_slot::SaveSlot;
 use crate::telemetry::counter::StatCounter;
 
 /// One stored chunk: its metadata and its decoded KV bytes (layer-major, see [`crate::KvLayout`]).
@@ -126,9 +132,50 @@ pub trait StorageBackend: Send + Sync + 'static {
     /// The tier's node-memory side, for a tier whose chunks lie in memory on this node (the
     /// pool daemon; see [`crate::storage::remote::NodeMemoryConnector`]). The default is
     /// `None`.
-    fn node_memory(&self) -> Option<&dyn crate::storage::node_memory::NodeMemoryBackend> {
+    fn node_memory(&self) -> Option<&dyn NodeMemoryBackend> {
         None
     }
+}
+
+/// The extension a [`StorageBackend`] offers through
+/// [`node_memory`](StorageBackend::node_memory) when its chunks lie in memory on this
+/// node (a [`RemoteBackend`](crate::RemoteBackend) over a
+/// [`NodeMemoryConnector`](crate::storage::remote::NodeMemoryConnector)): a read is a copy
+/// with no I/O, so a lookup loads such a tier's chunks at once; where the codec does not
+/// compress, chunks are lent where they lie and saves written in place.
+#[async_trait]
+pub trait NodeMemoryBackend: Send + Sync {
+    /// [`StorageBackend::get`] of what that memory holds, reading
+    /// no slower storage behind it.
+    async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError>;
+
+    /// Whether the tier lends chunks where they lie ([`NodeMemoryBackend::pin_node_memory`],
+    /// [`NodeMemoryBackend::lend_save_slots`]); `false` where its codec compresses.
+    fn lends_node_memory(&self) -> bool;
+
+    /// This process's mapping of that memory as mapped now (see
+    /// [`NodeMemoryConnector::node_memory_mapping`](crate::storage::remote::NodeMemoryConnector::node_memory_mapping)).
+    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>>;
+
+    /// The chunks of `keys` that memory holds, pinned where they lie, headers checked,
+    /// payloads to be checked on the reader's copy ([`SharedChunk`]); none where the tier does
+    /// not [lend](NodeMemoryBackend::lends_node_memory).
+    async fn pin_node_memory(
+        &self,
+        keys: &[CacheKey],
+    ) -> Result<Vec<Option<SharedChunk>>, BackendError>;
+
+    /// A place in that memory for each `(key, payload length)`, for a save to be copied
+    /// straight into and committed with [`NodeMemoryBackend::commit_save_slots`] (`None` where
+    /// the tier had no room or does not lend).
+    async fn lend_save_slots(
+        &self,
+        entries: &[(CacheKey, usize)],
+    ) -> Result<Vec<Option<SaveSlot>>, BackendError>;
+
+    /// Stores the [sealed](SaveSlot::seal) slots this tier lent, each under its key; any other
+    /// slot is given back and counted as skipped.
+    async fn commit_save_slots(&self, slots: Vec<SaveSlot>) -> Result<PutOutcome, BackendError>;
 }
 
 /// Hands out buffers for chunks being stored or loaded (the L1 pool, evicting as needed).

@@ -15,10 +15,10 @@ mod tier_stats;
 mod write_behind;
 
 pub use backend::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
-    StorageBackend,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, NodeMemoryBackend,
+    PutOutcome, StorageBackend,
 };
 pub use manager::{LentSaveSlots, ManagerStats, StorageManager, StorageManagerConfig, TierStats};
-pub use node_memory::{NodeMemoryBackend, PinnedBytes, SharedChunk};
+pub use node_memory::{PinnedBytes, SharedChunk};
 pub use remote::{CopyIn, CopyOut, NodeMemoryConnector, RemoteBackend, RemoteConnector};
 pub use save_slot::{LentBytes, SaveSlot};

@@ -1,61 +1,12 @@
-//! Chunks in memory on this node that another process can write (the pool daemon's arena):
-//! the [`NodeMemoryBackend`] side of a tier there, and chunks lent where they lie, pinned by
-//! the tier, copied once by the reader, checked on the copy.
+//! Chunks lent where they lie in memory on this node that another process can write (the pool
+//! daemon's arena): pinned by the tier, copied once by the reader, checked on the copy.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Instant;
 
-use async_trait::async_trait;
-
-use crate::error::{BackendError, FormatError};
+use crate::error::FormatError;
 use crate::format::ChunkMeta;
 use crate::format::chunk_format::CopyCheck;
-use crate::keys::cache_key::CacheKey;
-use crate::memory::SharedMapping;
-use crate::storage::backend::{Chunk, PutOutcome};
-use crate::storage::save_slot::SaveSlot;
-
-/// The extension a [`StorageBackend`](crate::StorageBackend) offers through
-/// [`node_memory`](crate::StorageBackend::node_memory) when its chunks lie in memory on this
-/// node (a [`RemoteBackend`](crate::RemoteBackend) over a
-/// [`NodeMemoryConnector`](crate::storage::remote::NodeMemoryConnector)): a read is a copy
-/// with no I/O, so a lookup loads such a tier's chunks at once; where the codec does not
-/// compress, chunks are lent where they lie and saves written in place.
-#[async_trait]
-pub trait NodeMemoryBackend: Send + Sync {
-    /// [`StorageBackend::get`](crate::StorageBackend::get) of what that memory holds, reading
-    /// no slower storage behind it.
-    async fn get_node_memory(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError>;
-
-    /// Whether the tier lends chunks where they lie ([`NodeMemoryBackend::pin_node_memory`],
-    /// [`NodeMemoryBackend::lend_save_slots`]); `false` where its codec compresses.
-    fn lends_node_memory(&self) -> bool;
-
-    /// This process's mapping of that memory as mapped now (see
-    /// [`NodeMemoryConnector::node_memory_mapping`](crate::storage::remote::NodeMemoryConnector::node_memory_mapping)).
-    fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>>;
-
-    /// The chunks of `keys` that memory holds, pinned where they lie, headers checked,
-    /// payloads to be checked on the reader's copy ([`SharedChunk`]); none where the tier does
-    /// not [lend](NodeMemoryBackend::lends_node_memory).
-    async fn pin_node_memory(
-        &self,
-        keys: &[CacheKey],
-    ) -> Result<Vec<Option<SharedChunk>>, BackendError>;
-
-    /// A place in that memory for each `(key, payload length)`, for a save to be copied
-    /// straight into and committed with [`NodeMemoryBackend::commit_save_slots`] (`None` where
-    /// the tier had no room or does not lend).
-    async fn lend_save_slots(
-        &self,
-        entries: &[(CacheKey, usize)],
-    ) -> Result<Vec<Option<SaveSlot>>, BackendError>;
-
-    /// Stores the [sealed](SaveSlot::seal) slots this tier lent, each under its key; any other
-    /// slot is given back and counted as skipped.
-    async fn commit_save_slots(&self, slots: Vec<SaveSlot>) -> Result<PutOutcome, BackendError>;
-}
 
 /// Bytes a tier lends where they lie in node memory ([`crate::NodeMemoryConnector::batch_pin`]):
 /// mapped and pinned by the tier until this is dropped. Another process can still write them

@@ -22,10 +22,10 @@ use crate::format::chunk_format::{
 use crate::keys::cache_key::CacheKey;
 use crate::memory::pool::MemoryObjMut;
 use crate::storage::backend::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, PutOutcome,
-    StorageBackend,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, NodeMemoryBackend,
+    PutOutcome, StorageBackend,
 };
-use crate::storage::node_memory::{NodeMemoryBackend, SharedChunk, shared_chunk};
+use crate::storage::node_memory::{SharedChunk, shared_chunk};
 use crate::storage::save_slot::{LentBytes, SaveSlot};
 use crate::storage::tier_events::TierEventLog;
 
