@@ -269,9 +269,12 @@ def test_redis_down_at_start_up_is_a_miss_and_is_used_once_it_answers(runner, mo
     engine is served them from Redis."""
     import threading
 
-    from redis_server import RedisServer
+    from redis_server import PortReservation, RedisServer
 
-    port = free_port()
+    # Held until Redis starts: a port only chosen free could be taken meanwhile by one of
+    # vLLM's own sockets, and Redis would fail to start there.
+    reservation = PortReservation()
+    port = reservation.port
     cfg = l1(tier=[{"url": f"redis://127.0.0.1:{port}", "timeout_ms": 500}])
     first = shared_prefix_prompts(1, seed=31)
     later = shared_prefix_prompts(1, seed=32)
@@ -289,6 +292,7 @@ def test_redis_down_at_start_up_is_a_miss_and_is_used_once_it_answers(runner, mo
         while not os.path.exists(ready) and run.is_alive() and time.time() < deadline:
             time.sleep(0.1)
         assert os.path.exists(ready), "the engine did not serve its first batch"
+        reservation.release()
         server = RedisServer(scratch, port=port)
         # The tier is tried again after 1, 2, 4... s (at most 30 s apart): wait until the
         # engine's kvpool has connected (a client besides redis-cli's own).
@@ -308,6 +312,7 @@ def test_redis_down_at_start_up_is_a_miss_and_is_used_once_it_answers(runner, mo
         assert_same_outputs({"results": base["results"][1:]}, fresh, "fresh engine")
         assert fresh["results"][0]["num_cached_tokens"] >= PREFIX, fresh["results"][0]
     finally:
+        reservation.release()
         if not os.path.exists(go):
             open(go, "w").close()
         run.join(600)
