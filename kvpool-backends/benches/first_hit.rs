@@ -108,6 +108,11 @@ fn load(dir: &std::path::Path) {
     let mut kv = HostPagedKvCache::new(*engine.layout(), TOKENS / 32);
     let slots: Vec<i64> = (0..TOKENS as i64).collect();
     for i in 0..PROMPTS {
+        let i = if std::env::var_os("REV").is_some() {
+            PROMPTS - 1 - i
+        } else {
+            i
+        };
         let tokens = prompt(i);
         let faults = minor_faults();
         let start = Instant::now();

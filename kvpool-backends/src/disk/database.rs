@@ -9,6 +9,9 @@ use kvpool_core::BackendError;
 
 use super::config::DiskConfig;
 
+/// Bits per key of each file's bloom filter (about 1 % false positives).
+pub(super) const BLOOM_BITS_PER_KEY: f64 = 10.0;
+
 /// Column family holding each key's stored size (small; read at open to rebuild the index).
 pub(super) const META_CF: &str = "meta";
 
@@ -106,6 +109,11 @@ pub(super) fn open_database(config: &DiskConfig) -> Result<DB, BackendError> {
     table.set_block_cache(&block_cache);
     table.set_cache_index_and_filter_blocks(true);
     table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    // A bloom filter per file: keys are hashes, so nearly every file's key range covers a
+    // wanted key, and without a filter a read opens the 2 MiB block where the key would be in
+    // every such file before the one that holds it (a fresh engine's first 64 MiB hit took
+    // twice the page faults and twice the time: docs/benchmarks.md, "first disk hits").
+    table.set_bloom_filter(BLOOM_BITS_PER_KEY, false);
     opts.set_db_write_buffer_size(config.write_buffer_bytes.saturating_mul(4));
     let mut values = Options::default();
     // Values are already compressed (or not) by the chunk codec.
