@@ -179,6 +179,14 @@ impl RemoteConnector for DeferredConnector {
         self.open()?.batch_get(keys).await
     }
 
+    async fn batch_get_each(
+        &self,
+        keys: &[String],
+        visit: kvpool_core::CopyOut,
+    ) -> Result<(), BackendError> {
+        self.open()?.batch_get_each(keys, visit).await
+    }
+
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.open()?.batch_put(entries).await
     }

@@ -98,6 +98,10 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
         self.injected_get_failure()?;
         self.inner.batch_get(keys).await
     }
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        self.injected_get_failure()?;
+        self.inner.batch_get_each(keys, visit).await
+    }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let entries = entries
             .into_iter()
@@ -314,6 +318,10 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.ask(keys.len()).await?;
         self.inner.batch_get(keys).await
+    }
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        self.ask(keys.len()).await?;
+        self.inner.batch_get_each(keys, visit).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;

@@ -131,6 +131,9 @@ impl RemoteConnector for InMemoryNodeMemory {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.0.batch_get(keys).await
     }
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        self.0.batch_get_each(keys, visit).await
+    }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.0.batch_put(entries).await
     }

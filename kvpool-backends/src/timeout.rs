@@ -116,6 +116,14 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.bounded("batch_get", self.inner.batch_get(keys)).await
     }
+    async fn batch_get_each(
+        &self,
+        keys: &[String],
+        visit: kvpool_core::CopyOut,
+    ) -> Result<(), BackendError> {
+        self.bounded("batch_get_each", self.inner.batch_get_each(keys, visit))
+            .await
+    }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let limit = self.write_limit(entries.iter().map(|(_, v)| v.len()).sum());
         self.bounded_by("batch_put", limit, self.inner.batch_put(entries))

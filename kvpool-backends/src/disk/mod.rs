@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use kvpool_core::memory::eviction::OrderedPolicy;
 use kvpool_core::storage::tier_events::{TierEventKind, TierEventLog};
-use kvpool_core::{BackendError, CacheKey, EvictionPolicy, RemoteConnector};
+use kvpool_core::{BackendError, CacheKey, CopyOut, EvictionPolicy, RemoteConnector};
 
 use database::{
     META_CF, PinnedValue, available_bytes, db_error, memory_only_read_options, open_database,
@@ -53,7 +53,10 @@ struct DiskInner {
     /// Reads skip RocksDB's own block checksums: every value carries the chunk format's
     /// checksum, which `RemoteBackend` verifies end to end, so checking twice only costs time.
     read_options: ReadOptions,
-    /// The same, limited to what is in memory (memtables and block cache): such a read does no
+    /// The same, not filling the block cache: for values read one at a time
+    /// ([`DiskInner::read_each`]).
+    streaming_read_options: ReadOptions,
+    /// The same as `read_options`, limited to what is in memory (memtables and block cache): such a read does no
     /// I/O, so it runs on the caller's thread (see [`DiskInner::read_cached`]).
     cached_read_options: ReadOptions,
     config: DiskConfig,
@@ -114,11 +117,15 @@ impl DiskInner {
         info!(path = %config.path.display(), entries = index.sizes.len(), bytes = index.bytes, "opened disk tier");
         let mut read_options = ReadOptions::default();
         read_options.set_verify_checksums(false);
+        let mut streaming_read_options = ReadOptions::default();
+        streaming_read_options.set_verify_checksums(false);
+        streaming_read_options.fill_cache(false);
         let connector = DiskInner {
             db: RwLock::new(Some(Arc::new(db))),
             broken_since: Mutex::new(None),
             write_lock: Mutex::new(()),
             read_options,
+            streaming_read_options,
             cached_read_options: memory_only_read_options(),
             config,
             index: Mutex::new(index),
@@ -350,6 +357,38 @@ impl DiskInner {
         })
     }
 
+    /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go
+    /// before the next is read, none put in the block cache.
+    fn read_each(
+        &self,
+        keys: &[String],
+        visit: &(dyn Fn(usize, &[u8]) + Send + Sync),
+    ) -> Result<(), BackendError> {
+        let db = self.db()?;
+        let mut unreadable = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            if !self.index.lock().sizes.contains_key(k) {
+                continue;
+            }
+            match db.get_pinned_opt(k.as_bytes(), &self.streaming_read_options) {
+                Ok(Some(value)) => {
+                    self.index.lock().order.on_access(k);
+                    visit(i, &value);
+                }
+                Ok(None) => {}
+                Err(e) if e.kind() == ErrorKind::Corruption => {
+                    warn!(key = %k, error = %e, "RocksDB reports corruption; dropping the entry");
+                    unreadable.push(k.clone());
+                }
+                Err(e) => return Err(db_error(e)),
+            }
+        }
+        if !unreadable.is_empty() {
+            self.delete_entries(&unreadable)?;
+        }
+        Ok(())
+    }
+
     fn read_entries(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         let db = self.db()?;
         let mut out = Vec::with_capacity(keys.len());
@@ -516,6 +555,26 @@ impl RemoteConnector for DiskConnector {
         }
         let keys = keys.to_vec();
         self.inner.blocking(move |d| d.read_entries(&keys)).await
+    }
+    /// One value at a time, each handed to `visit` while RocksDB holds it and then let go, read
+    /// without filling the block cache: one value's buffer is alive at a time and its memory
+    /// is used again for the next, where a batch held every buffer at once and a block cache
+    /// filling with values faulted in fresh memory for each (docs/benchmarks.md, "first disk
+    /// hits"). Values already in memory (memtables, the block cache) are visited from there.
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        self.inner.check()?;
+        if let Some(values) = self.inner.read_cached(keys) {
+            for (i, value) in values.iter().enumerate() {
+                if let Some(value) = value {
+                    visit(i, value);
+                }
+            }
+            return Ok(());
+        }
+        let keys = keys.to_vec();
+        self.inner
+            .blocking(move |d| d.read_each(&keys, visit.as_ref()))
+            .await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         let admitted = self.inner.admit(entries);

@@ -153,3 +153,46 @@ async fn files_of_values_carry_a_bloom_filter() {
         Some(&[1u8; 64 << 10][..])
     );
 }
+
+/// `batch_get_each` visits each stored value with its index, skips what is absent, and reads
+/// a value from a file without putting it in the block cache (one value's buffer alive at a
+/// time). (The defect: every read filled the block cache, so a fresh engine's first loads
+/// faulted in fresh memory for each value.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_read_one_at_a_time_are_visited_in_place_and_not_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let value = |i: u8| Bytes::from(vec![i; 1 << 20]);
+    disk.batch_put(vec![("a".into(), value(1)), ("c".into(), value(3))])
+        .await
+        .unwrap();
+    let db = disk.inner.db().unwrap();
+    db.flush().unwrap();
+    let cached = || {
+        db.property_int_value("rocksdb.block-cache-usage")
+            .unwrap()
+            .unwrap()
+    };
+    let before = cached();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let visit: CopyOut = {
+        let seen = seen.clone();
+        Arc::new(move |i, bytes| seen.lock().push((i, bytes.to_vec())))
+    };
+    let keys: Vec<String> = ["a", "b", "c"].iter().map(|k| k.to_string()).collect();
+    disk.batch_get_each(&keys, visit).await.unwrap();
+    let seen = std::mem::take(&mut *seen.lock());
+    assert_eq!(
+        seen,
+        vec![(0, value(1).to_vec()), (2, value(3).to_vec())],
+        "visited (index, value)"
+    );
+    assert!(
+        cached() < before + (1 << 20),
+        "a value read one at a time went into the block cache: {before} -> {} bytes",
+        cached()
+    );
+    // A batch read still fills it (hot values then come from memory).
+    disk.batch_get(&keys).await.unwrap();
+    assert!(cached() >= before + (2 << 20), "{before} -> {}", cached());
+}

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::NodeMemoryConnector;
+use super::{CopyOut, NodeMemoryConnector};
 use crate::error::BackendError;
 use crate::storage::tier_events::TierEventLog;
 
@@ -40,6 +40,21 @@ pub trait RemoteConnector: Send + Sync + 'static {
     /// where they lie. The default is `None`: bytes in, bytes out.
     fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
         None
+    }
+
+    /// Reads `keys` and hands each value found to `visit(index, bytes)` while the tier holds
+    /// it, one value at a time (an absent key is not visited). The default reads the whole
+    /// batch with [`RemoteConnector::batch_get`], then visits each value. A tier that reads
+    /// into buffers of its own overrides it so that one value's buffer is alive at a time and
+    /// its memory is used again for the next (the disk tier: a fresh engine's first loads no
+    /// longer fault in a buffer per value).
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        for (i, value) in self.batch_get(keys).await?.into_iter().enumerate() {
+            if let Some(value) = value {
+                visit(i, &value);
+            }
+        }
+        Ok(())
     }
 
     /// Whether `key` exists.
@@ -108,6 +123,9 @@ impl RemoteConnector for Box<dyn RemoteConnector> {
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         (**self).batch_get(keys).await
+    }
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        (**self).batch_get_each(keys, visit).await
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         (**self).batch_put(entries).await

@@ -16,8 +16,7 @@ use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
 use crate::format::chunk_format::{
-    ChunkCodec, DecodeExpectation, HEADER_LEN, KeyBinding, decode_copied, decode_header,
-    decode_payload_into,
+    ChunkCodec, DecodeExpectation, HEADER_LEN, KeyBinding, decode_copied,
 };
 use crate::keys::cache_key::CacheKey;
 use crate::memory::pool::MemoryObjMut;
@@ -74,42 +73,52 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         Ok(())
     }
 
-    fn decode(&self, key: &CacheKey, bytes: &[u8]) -> Result<Chunk, FormatError> {
-        let expect = expectation(key, self.max_chunk_bytes);
-        let header = decode_header(bytes, &expect)?;
-        let mut buf = allocate(self.allocator.as_ref(), header.raw_len as usize);
-        decode_payload_into(bytes, &header, buf.as_mut_slice())?;
-        Ok(Chunk {
-            meta: header.meta,
-            data: buf.freeze(),
-        })
-    }
-
     /// Reads `keys` from node memory with one copy ([`NodeMemoryConnector::batch_copy_out`]),
-    /// counting and dropping what fails its checks as [`RemoteBackend::decode_values`] does.
-    ///
-    /// Each value is decoded by [`decode_copied`] into a buffer from this backend's allocator
-    /// (L1's pool), checked against the key of the index the tier names, and kept in that
-    /// index's slot, which this backend owns: a tier cannot hand back a chunk of its own or
-    /// file one under another key.
+    /// decoded and counted as [`RemoteBackend::decode_visited`] does.
     async fn copy_out_values(
         &self,
         keys: &[CacheKey],
         resident_only: bool,
     ) -> Result<Vec<Option<Chunk>>, BackendError> {
+        let names = key_strings(keys);
+        let tier = node_memory_of(&self.connector)?;
+        self.decode_visited(keys, &names, |visit| {
+            tier.batch_copy_out(&names, resident_only, visit)
+        })
+        .await
+    }
+
+    /// Reads `keys` with `read`, which hands each value to the visitor it is given while the
+    /// tier holds it ([`RemoteConnector::batch_get_each`], or a copy out of node memory),
+    /// counting and dropping what fails its checks as [`RemoteBackend::tally`] does.
+    ///
+    /// Each value is decoded by [`decode_copied`] into a buffer from this backend's allocator
+    /// (L1's pool), checked against the key of the index the tier names, and kept in that
+    /// index's slot, which this backend owns: a tier cannot hand back a chunk of its own or
+    /// file one under another key.
+    async fn decode_visited<F, Fut>(
+        &self,
+        keys: &[CacheKey],
+        names: &[String],
+        read: F,
+    ) -> Result<Vec<Option<Chunk>>, BackendError>
+    where
+        F: FnOnce(CopyOut) -> Fut,
+        Fut: std::future::Future<Output = Result<(), BackendError>>,
+    {
         type Slots = Vec<Option<Result<Chunk, FormatError>>>;
         let slots: Arc<Mutex<Slots>> =
             Arc::new(Mutex::new((0..keys.len()).map(|_| None).collect()));
-        let copy_out: CopyOut = {
+        let visit: CopyOut = {
             let keys = keys.to_vec();
             let slots = slots.clone();
             let allocator = self.allocator.clone();
             let max_chunk_bytes = self.max_chunk_bytes;
-            Arc::new(move |i, shared| {
+            Arc::new(move |i, bytes| {
                 let Some(key) = keys.get(i) else { return };
                 let expect = expectation(key, max_chunk_bytes);
                 let decoded =
-                    decode_copied(shared, &expect, |len| allocate(allocator.as_ref(), len)).map(
+                    decode_copied(bytes, &expect, |len| allocate(allocator.as_ref(), len)).map(
                         |(header, buf)| Chunk {
                             meta: header.meta,
                             data: buf.freeze(),
@@ -120,12 +129,9 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                 }
             })
         };
-        let names = key_strings(keys);
-        node_memory_of(&self.connector)?
-            .batch_copy_out(&names, resident_only, copy_out)
-            .await?;
+        read(visit).await?;
         let decoded = std::mem::take(&mut *slots.lock());
-        self.tally(&names, decoded).await
+        self.tally(names, decoded).await
     }
 
     /// Stores `entries` encoded in buffers of their own (two copies into the store).
@@ -169,22 +175,6 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         node_memory_of(&self.connector)?
             .batch_copy_in(lens, copy_in)
             .await
-    }
-
-    /// Decodes the values a batch get answered for `keys` (`names`: their strings), counting
-    /// hits and misses; a value that fails its checks is a miss and is deleted from the store.
-    async fn decode_values(
-        &self,
-        keys: &[CacheKey],
-        names: &[String],
-        values: Vec<Option<Bytes>>,
-    ) -> Result<Vec<Option<Chunk>>, BackendError> {
-        let decoded = keys
-            .iter()
-            .zip(values)
-            .map(|(key, value)| value.map(|bytes| self.decode(key, &bytes)))
-            .collect();
-        self.tally(names, decoded).await
     }
 
     /// Counts hits and misses of decoded values (`names`: their keys' strings); a value that
@@ -289,9 +279,12 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
         if self.connector.node_memory().is_some() {
             return self.copy_out_values(keys, false).await;
         }
+        // One value at a time, decoded while the tier holds it.
         let names = key_strings(keys);
-        let values = self.connector.batch_get(&names).await?;
-        self.decode_values(keys, &names, values).await
+        self.decode_visited(keys, &names, |visit| {
+            self.connector.batch_get_each(&names, visit)
+        })
+        .await
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
