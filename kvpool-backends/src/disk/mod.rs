@@ -56,8 +56,9 @@ struct DiskInner {
     /// The same, not filling the block cache: for values read one at a time
     /// ([`DiskInner::read_each`]).
     streaming_read_options: ReadOptions,
-    /// The same as `read_options`, limited to what is in memory (memtables and block cache): such a read does no
-    /// I/O, so it runs on the caller's thread (see [`DiskInner::read_cached`]).
+    /// The same as `read_options`, limited to what is in memory (memtables and block cache):
+    /// such a read does no I/O, so it runs on the caller's thread (see
+    /// [`DiskInner::read_cached`]).
     cached_read_options: ReadOptions,
     config: DiskConfig,
     index: Mutex<Index>,

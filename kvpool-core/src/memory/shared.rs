@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::arena::{HostAllocator, HostArena};
 use super::guards::{MemoryGuard, MemoryGuards};
-use super::pool::{HostAllocator, HostArena};
 use crate::error::PoolError;
 
 /// A `MAP_SHARED`, read-write mapping of a whole memory file: a pool's arena in the process
