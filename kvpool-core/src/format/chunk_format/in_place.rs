@@ -6,8 +6,8 @@
 
 use super::{
     CHECKED_HEADER_LEN, ChecksumAlgorithm, ChunkHeader, DecodeExpectation, HEADER_LEN,
-    check_binding, check_key_and_layout, decode_header, decode_payload_into, header_bytes,
-    parse_fields, u64_at, verify_checksum,
+    check_binding, check_key_and_layout, copy_verifying_checksum, decode_header,
+    decode_payload_into, header_bytes, parse_fields, u64_at,
 };
 use crate::error::FormatError;
 
@@ -47,8 +47,7 @@ pub fn decode_copied<B: AsMut<[u8]>>(
             actual: payload.len(),
         });
     }
-    payload.copy_from_slice(&shared[HEADER_LEN..]);
-    verify_checksum(&head, &fields, payload)?;
+    copy_verifying_checksum(&head, &fields, &shared[HEADER_LEN..], payload)?;
     let header = check_binding(&head, fields, expect)?;
     Ok((header, dst))
 }
