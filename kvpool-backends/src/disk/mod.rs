@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use rocksdb::{DB, ErrorKind, IteratorMode, ReadOptions, WriteBatch};
+use rocksdb::{DB, DBPinnableSlice, ErrorKind, IteratorMode, ReadOptions, WriteBatch};
 use tracing::{debug, info, warn};
 
 use kvpool_core::memory::eviction::OrderedPolicy;
@@ -358,23 +358,26 @@ impl DiskInner {
         })
     }
 
-    /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go
-    /// before the next is read, none put in the block cache.
-    fn read_each(
+    /// Reads each indexed key of `keys` from `db` with `options` and hands `(i, value)` to
+    /// `found`, counting it as accessed. A key that is not indexed or not stored is skipped
+    /// (a miss); a value RocksDB reports corrupt is dropped from the tier (a miss too) once
+    /// the batch is read; any other error ends the read.
+    fn read_indexed<'db>(
         &self,
+        db: &'db DB,
         keys: &[String],
-        visit: &(dyn Fn(usize, &[u8]) + Send + Sync),
+        options: &ReadOptions,
+        mut found: impl FnMut(usize, DBPinnableSlice<'db>),
     ) -> Result<(), BackendError> {
-        let db = self.db()?;
         let mut unreadable = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             if !self.index.lock().sizes.contains_key(k) {
                 continue;
             }
-            match db.get_pinned_opt(k.as_bytes(), &self.streaming_read_options) {
+            match db.get_pinned_opt(k.as_bytes(), options) {
                 Ok(Some(value)) => {
                     self.index.lock().order.on_access(k);
-                    visit(i, &value);
+                    found(i, value);
                 }
                 Ok(None) => {}
                 Err(e) if e.kind() == ErrorKind::Corruption => {
@@ -390,32 +393,25 @@ impl DiskInner {
         Ok(())
     }
 
+    /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go
+    /// before the next is read, none put in the block cache.
+    fn read_each(
+        &self,
+        keys: &[String],
+        visit: &(dyn Fn(usize, &[u8]) + Send + Sync),
+    ) -> Result<(), BackendError> {
+        let db = self.db()?;
+        self.read_indexed(&db, keys, &self.streaming_read_options, |i, value| {
+            visit(i, &value)
+        })
+    }
+
     fn read_entries(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         let db = self.db()?;
-        let mut out = Vec::with_capacity(keys.len());
-        let mut unreadable = Vec::new();
-        for k in keys {
-            if !self.index.lock().sizes.contains_key(k) {
-                out.push(None);
-                continue;
-            }
-            match db.get_pinned_opt(k.as_bytes(), &self.read_options) {
-                Ok(Some(v)) => {
-                    self.index.lock().order.on_access(k);
-                    out.push(Some(Bytes::from_owner(PinnedValue::new(v, &db))));
-                }
-                Ok(None) => out.push(None),
-                Err(e) if e.kind() == ErrorKind::Corruption => {
-                    warn!(key = %k, error = %e, "RocksDB reports corruption; dropping the entry");
-                    unreadable.push(k.clone());
-                    out.push(None);
-                }
-                Err(e) => return Err(db_error(e)),
-            }
-        }
-        if !unreadable.is_empty() {
-            self.delete_entries(&unreadable)?;
-        }
+        let mut out = vec![None; keys.len()];
+        self.read_indexed(&db, keys, &self.read_options, |i, value| {
+            out[i] = Some(Bytes::from_owner(PinnedValue::new(value, &db)));
+        })?;
         Ok(out)
     }
 }
