@@ -17,6 +17,7 @@ Both disk configurations write into the same temporary directory's filesystem, a
 operating system's page cache is left warm in both (a cold read is another question).
 
     python bench_sglang.py --out results.json [--pages 64 --repeats 5]
+    python bench_sglang.py --out disk.json --configs kvpool-disk   # one configuration (to profile)
 
 Run through ``cargo xtask bench-sglang``, which builds a release wheel first.
 """
@@ -40,6 +41,8 @@ from conftest import Controller, attach, kvpool_extra, make_weights, page_keys  
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+CONFIGS = ("sglang-file", "kvpool-disk", "kvpool-l1", "memcpy")
 
 # A Llama-3-8B-shaped page but 16 layers: 8 KV heads of 128, bf16, 64 tokens a page: 4 MiB.
 LAYERS, HEADS, HEAD_DIM, PAGE, DTYPE = 16, 8, 128, 64, torch.bfloat16
@@ -129,42 +132,57 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated configurations to run (default: all)")
     args = ap.parse_args()
+    chosen = args.configs.split(",")
+    unknown = sorted(set(chosen) - set(CONFIGS))
+    if unknown:
+        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     scratch = tempfile.mkdtemp(prefix="kvpool-bench-sglang-")
     try:
         weights = make_weights(os.path.join(scratch, "weights"), b"bench")
         host = host_pool(args.pages)
         page_bytes = host.get_size_per_token() * PAGE
         results = {}
-        file_dir = os.path.join(scratch, "sglang-file")
-        results["sglang-file"] = measure(lambda: sglang_file(host, file_dir), True, False,
-                                         host, args.pages, args.repeats, "file")
-        disk = {"local_cpu": {"enabled": False},
-                "tier": [{"url": f"file://{scratch}/kvpool-disk", "capacity": "8GiB"}]}
-        disk_extra = kvpool_extra(disk, weights)
-        results["kvpool-disk"] = measure(lambda: attach(host, "mha", "page_first", disk_extra),
-                                         True, True, host, args.pages, args.repeats, "disk")
-        l1 = attach(host, "mha", "page_first",
-                    kvpool_extra({"local_cpu": {"max_size": "2GiB"}}, weights))
-        results["kvpool-l1"] = measure(lambda: l1, False, True, host, args.pages, args.repeats,
-                                       "l1")
-        l1.close()
-        results["memcpy"] = measure_memcpy(host, args.pages, args.repeats)
+        if "sglang-file" in chosen:
+            file_dir = os.path.join(scratch, "sglang-file")
+            results["sglang-file"] = measure(lambda: sglang_file(host, file_dir), True, False,
+                                             host, args.pages, args.repeats, "file")
+        if "kvpool-disk" in chosen:
+            disk = {"local_cpu": {"enabled": False},
+                    "tier": [{"url": f"file://{scratch}/kvpool-disk", "capacity": "8GiB"}]}
+            disk_extra = kvpool_extra(disk, weights)
+            results["kvpool-disk"] = measure(
+                lambda: attach(host, "mha", "page_first", disk_extra), True, True, host,
+                args.pages, args.repeats, "disk")
+        if "kvpool-l1" in chosen:
+            l1 = attach(host, "mha", "page_first",
+                        kvpool_extra({"local_cpu": {"max_size": "2GiB"}}, weights))
+            results["kvpool-l1"] = measure(lambda: l1, False, True, host, args.pages,
+                                           args.repeats, "l1")
+            l1.close()
+        if "memcpy" in chosen:
+            results["memcpy"] = measure_memcpy(host, args.pages, args.repeats)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    base_b = statistics.median(results["sglang-file"][0])
-    base_p = statistics.median(results["sglang-file"][1])
+    # Ratios are to the baseline when it ran; alone, a configuration is its own reference.
+    base_name = "sglang-file" if "sglang-file" in results else next(iter(results))
+    base = results[base_name]
+    vs = "vs file" if base_name == "sglang-file" else f"vs {base_name}"
+    base_b = statistics.median(base[0])
+    base_p = statistics.median(base[1])
     print(f"{args.pages} pages of {page_bytes / 2**20:.1f} MiB (MHA page_first, {LAYERS} layers,"
           f" {HEADS}x{HEAD_DIM} bf16, {PAGE} tokens), median of {args.repeats}; "
           f"{platform.machine()}, {os.cpu_count()} CPUs")
-    print(f"{'config':<14}{'backup GB/s':>12}{'vs file':>9}{'prefetch GB/s':>15}{'vs file':>9}")
+    print(f"{'config':<14}{'backup GB/s':>12} {vs:>10}{'prefetch GB/s':>15} {vs:>10}")
     summary = {}
     for name, (b, p) in results.items():
         mb, mp = statistics.median(b), statistics.median(p)
         summary[name] = {"backup_gbps": b, "prefetch_gbps": p, "backup_median": mb,
                          "prefetch_median": mp}
-        print(f"{name:<14}{mb:>12.2f}{mb / base_b:>8.2f}x{mp:>15.2f}{mp / base_p:>8.2f}x")
+        print(f"{name:<14}{mb:>12.2f}{mb / base_b:>10.2f}x{mp:>15.2f}{mp / base_p:>10.2f}x")
     with open(args.out, "w") as f:
         json.dump({"pages": args.pages, "page_bytes": page_bytes, "results": summary}, f,
                   indent=1)
