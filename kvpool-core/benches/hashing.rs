@@ -36,10 +36,8 @@ fn hashing(c: &mut Criterion) {
     g.finish();
 }
 
-fn chunk_format(c: &mut Criterion) {
-    let payload: Vec<u8> = (0..8 << 20)
-        .map(|i: u32| (i.wrapping_mul(31) >> 7) as u8)
-        .collect();
+/// The metadata of a bf16 chunk of 256 tokens and what its decoder expects.
+fn bf16_chunk() -> (ChunkMeta, DecodeExpectation) {
     let meta = ChunkMeta {
         layout_fingerprint: 1,
         dtype: Dtype::Bf16,
@@ -51,6 +49,14 @@ fn chunk_format(c: &mut Criterion) {
         bytes_per_token: None,
         key: Some(KeyBinding::default()),
     };
+    (meta, expect)
+}
+
+fn chunk_format(c: &mut Criterion) {
+    let payload: Vec<u8> = (0..8 << 20)
+        .map(|i: u32| (i.wrapping_mul(31) >> 7) as u8)
+        .collect();
+    let (meta, expect) = bf16_chunk();
     let mut g = c.benchmark_group("chunk_format_8MiB");
     g.throughput(Throughput::Bytes(payload.len() as u64));
     g.sample_size(20);
@@ -78,17 +84,7 @@ fn copying_decoder(c: &mut Criterion) {
     let payload: Vec<u8> = (0..4 << 20)
         .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
-    let meta = ChunkMeta {
-        layout_fingerprint: 1,
-        dtype: Dtype::Bf16,
-        token_count: 256,
-    };
-    let expect = DecodeExpectation {
-        max_raw_len: 1 << 30,
-        layout_fingerprint: Some(1),
-        bytes_per_token: None,
-        key: Some(KeyBinding::default()),
-    };
+    let (meta, expect) = bf16_chunk();
     let encoded = ChunkCodec::default().encode(&meta, &KeyBinding::default(), &payload);
     let mut dst = vec![0u8; payload.len()];
     let mut g = c.benchmark_group("copying_decoder_4MiB");
