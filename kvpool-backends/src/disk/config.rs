@@ -32,11 +32,15 @@ pub struct DiskConfig {
     /// free space than this on the filesystem. RocksDB cannot survive running out of space
     /// mid-write, and it needs room for the write-ahead log and a memtable flush.
     pub min_free_bytes: u64,
+    /// Values of at least this many bytes live in files of their own beside RocksDB (read
+    /// with one copy; RocksDB copies a value it reads from a file twice); smaller ones in
+    /// RocksDB. `u64::MAX` keeps every value in RocksDB.
+    pub value_file_min_bytes: u64,
 }
 
 impl DiskConfig {
-    /// Defaults: 64 GiB, no admission filter, a 256 MiB block cache, 16 MiB memtables, and
-    /// 64 MiB kept free on the filesystem.
+    /// Defaults: 64 GiB, no admission filter, a 256 MiB block cache, 16 MiB memtables,
+    /// 64 MiB kept free on the filesystem, and values from 64 KiB up in files of their own.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         DiskConfig {
             path: path.into(),
@@ -46,13 +50,15 @@ impl DiskConfig {
             block_cache_bytes: 256 << 20,
             write_buffer_bytes: 16 << 20,
             min_free_bytes: 64 << 20,
+            value_file_min_bytes: 64 << 10,
         }
     }
 }
 
 impl DiskConnector {
     /// Opens the tier at `file:///absolute/path` with its `[[tier]]` options: `capacity`,
-    /// `admit_on_second_put`, `block_cache`, `write_buffer` (sizes such as `"64GiB"`), and
+    /// `admit_on_second_put`, `block_cache`, `write_buffer`, `value_file_min` (sizes such as
+    /// `"64GiB"`), and
     /// `shares`: how many processes split `capacity` (each its own directory), which the vLLM
     /// connector sets to the tensor-parallel size (default 1).
     pub fn from_tier(tier: &TierRequest<'_>) -> Result<Self, ConfigError> {
@@ -78,6 +84,9 @@ impl DiskConnector {
         if let Some(bytes) = options.bytes("write_buffer")? {
             config.write_buffer_bytes = bytes.as_usize();
         }
+        if let Some(bytes) = options.bytes("value_file_min")? {
+            config.value_file_min_bytes = bytes.0;
+        }
         if let Some(shares) = options.u64("shares")? {
             if shares == 0 {
                 return Err(options.invalid("shares", "must be at least 1"));
@@ -98,7 +107,7 @@ pub struct DiskFactory;
 #[async_trait]
 impl BackendFactory for DiskFactory {
     fn example(&self) -> String {
-        "url = \"file:///var/cache/kvpool\"  # RocksDB; capacity = \"64GiB\", admit_on_second_put = false, block_cache = \"256MiB\", write_buffer = \"16MiB\"".into()
+        "url = \"file:///var/cache/kvpool\"  # RocksDB; capacity = \"64GiB\", admit_on_second_put = false, block_cache = \"256MiB\", write_buffer = \"16MiB\", value_file_min = \"64KiB\"".into()
     }
 
     async fn open(&self, tier: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {

@@ -1,10 +1,11 @@
 //! `file:///path`: the local disk tier on RocksDB, byte-bounded, surviving restarts.
 //!
 //! Its settings and `[[tier]]` options are in `config.rs`; how RocksDB is opened and read in
-//! `database.rs`.
+//! `database.rs`; large values live in files of their own (`value_files.rs`).
 
 mod config;
 mod database;
+mod value_files;
 
 pub use config::{DiskConfig, DiskFactory, SCHEMES};
 
@@ -26,10 +27,66 @@ use kvpool_core::{BackendError, CacheKey, CopyOut, EvictionPolicy, RemoteConnect
 use database::{
     META_CF, PinnedValue, available_bytes, db_error, memory_only_read_options, open_database,
 };
+use value_files::{FileRead, ValueFiles};
+
+/// The index entry of a key in the `meta` column family: its size (8 bytes, little-endian),
+/// then, for a value in a file of its own, one byte [`IN_VALUE_FILE`]. Entries written before
+/// value files existed are the bare size: values in RocksDB.
+const IN_VALUE_FILE: u8 = 1;
+
+fn meta_entry(size: u64, in_file: bool) -> Vec<u8> {
+    let mut entry = size.to_le_bytes().to_vec();
+    if in_file {
+        entry.push(IN_VALUE_FILE);
+    }
+    entry
+}
+
+/// `(size, in a value file)` from a `meta` entry; `None` when malformed.
+fn parse_meta_entry(entry: &[u8]) -> Option<(u64, bool)> {
+    let size = u64::from_le_bytes(entry.get(..8)?.try_into().ok()?);
+    match entry.get(8..)? {
+        [] => Some((size, false)),
+        [IN_VALUE_FILE] => Some((size, true)),
+        _ => None,
+    }
+}
+
+fn io_error(source: std::io::Error) -> BackendError {
+    BackendError::Io {
+        backend: "disk".into(),
+        source,
+    }
+}
+
+thread_local! {
+    /// The buffer a value file is read into by [`DiskInner::read_each`], kept by each thread
+    /// of the blocking pool so that its pages are faulted in once, not once per value.
+    static READ_BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A value found by [`DiskInner::read_indexed`].
+enum Found<'b, 'db> {
+    /// Held by RocksDB.
+    Pinned(DBPinnableSlice<'db>),
+    /// Read from its value file into the reader's buffer (the caller may take it).
+    InBuffer(&'b mut Vec<u8>),
+}
+
+impl Found<'_, '_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Found::Pinned(slice) => slice,
+            Found::InBuffer(buffer) => buffer,
+        }
+    }
+}
 
 /// Every stored key's size and its eviction order: what capacity is judged on.
 struct Index {
     sizes: HashMap<String, u64>,
+    /// The keys of `sizes` whose value is in a file of its own ([`ValueFiles`]).
+    in_files: HashSet<String>,
     order: OrderedPolicy<String>,
     bytes: u64,
     /// Keys put once while the admission filter is on, oldest first.
@@ -61,6 +118,8 @@ struct DiskInner {
     /// [`DiskInner::read_cached`]).
     cached_read_options: ReadOptions,
     config: DiskConfig,
+    /// Values of at least `config.value_file_min_bytes`, one file each.
+    files: ValueFiles,
     index: Mutex<Index>,
     closed: AtomicBool,
     /// Where capacity evictions are announced (KV events), once the manager hands it over.
@@ -78,6 +137,7 @@ fn join_error(e: tokio::task::JoinError) -> BackendError {
 fn load_index(db: &DB, config: &DiskConfig) -> Result<Index, BackendError> {
     let mut index = Index {
         sizes: HashMap::new(),
+        in_files: HashSet::new(),
         order: OrderedPolicy::lru(),
         bytes: 0,
         seen: VecDeque::new(),
@@ -87,12 +147,15 @@ fn load_index(db: &DB, config: &DiskConfig) -> Result<Index, BackendError> {
         let meta = db.cf_handle(META_CF).expect("meta column family exists");
         for item in db.iterator_cf(meta, IteratorMode::Start) {
             let (k, v) = item.map_err(db_error)?;
-            let (Ok(key), Ok(size)) = (String::from_utf8(k.to_vec()), <[u8; 8]>::try_from(&*v))
+            let (Ok(key), Some((size, in_file))) =
+                (String::from_utf8(k.to_vec()), parse_meta_entry(&v))
             else {
                 warn!(path = %config.path.display(), "skipping malformed index entry");
                 continue;
             };
-            let size = u64::from_le_bytes(size);
+            if in_file {
+                index.in_files.insert(key.clone());
+            }
             index.bytes += size;
             index.order.on_insert(key.clone(), size as usize);
             index.sizes.insert(key, size);
@@ -115,7 +178,14 @@ impl DiskInner {
         })?;
         let db = open_database(&config)?;
         let index = load_index(&db, &config)?;
-        info!(path = %config.path.display(), entries = index.sizes.len(), bytes = index.bytes, "opened disk tier");
+        let files = ValueFiles::open(&config.path).map_err(io_error)?;
+        let indexed: HashSet<String> = index
+            .in_files
+            .iter()
+            .map(|k| ValueFiles::file_name(k))
+            .collect();
+        let unindexed = files.remove_unindexed(&indexed).map_err(io_error)?;
+        info!(path = %config.path.display(), entries = index.sizes.len(), bytes = index.bytes, in_files = index.in_files.len(), unindexed_files_removed = unindexed, "opened disk tier");
         let mut read_options = ReadOptions::default();
         read_options.set_verify_checksums(false);
         let mut streaming_read_options = ReadOptions::default();
@@ -129,6 +199,7 @@ impl DiskInner {
             streaming_read_options,
             cached_read_options: memory_only_read_options(),
             config,
+            files,
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
             events: std::sync::OnceLock::new(),
@@ -216,6 +287,9 @@ impl DiskInner {
     }
 
     fn overwrite_raw(&self, key: &str, value: &[u8]) -> Result<(), BackendError> {
+        if self.index.lock().in_files.contains(key) {
+            return self.files.overwrite(key, value).map_err(io_error);
+        }
         self.serialized(|db| {
             db.put(key.as_bytes(), value)
                 .map_err(|e| self.write_failed(e))
@@ -233,6 +307,7 @@ impl DiskInner {
     /// [`DiskInner::serialized`]).
     fn evict_to(&self, db: &DB, limit: u64) -> Result<(), BackendError> {
         let mut victims = Vec::new();
+        let mut victim_files = Vec::new();
         {
             let mut idx = self.index.lock();
             while idx.bytes > limit {
@@ -241,6 +316,9 @@ impl DiskInner {
                 };
                 if let Some(size) = idx.sizes.remove(&k) {
                     idx.bytes -= size;
+                }
+                if idx.in_files.remove(&k) {
+                    victim_files.push(k.clone());
                 }
                 victims.push(k);
             }
@@ -258,6 +336,7 @@ impl DiskInner {
             .increment(victims.len() as u64);
         debug!(evicted = victims.len(), "disk tier over capacity");
         db.write(batch).map_err(|e| self.write_failed(e))?;
+        self.remove_files(&victim_files);
         if let Some(events) = self.events.get() {
             let keys: Vec<CacheKey> = victims.iter().filter_map(|k| k.parse().ok()).collect();
             events.record("disk", TierEventKind::Removed, &keys);
@@ -311,29 +390,76 @@ impl DiskInner {
         Ok(())
     }
 
+    /// Writes `entries`: values of at least `value_file_min_bytes` to files of their own
+    /// (written before the write lock is taken, published under it), the rest into RocksDB,
+    /// and every key's index entry in the same RocksDB batch.
     fn write_entries(&self, entries: &[(String, Bytes)]) -> Result<(), BackendError> {
         self.check_free_space(entries.iter().map(|(_, v)| v.len() as u64).sum())?;
+        let mut written = Vec::new();
+        for (i, (_, v)) in entries.iter().enumerate() {
+            if v.len() as u64 >= self.config.value_file_min_bytes {
+                match self.files.write(v) {
+                    Ok(file) => written.push((i, file)),
+                    Err(e) => {
+                        written
+                            .into_iter()
+                            .for_each(|(_, file)| ValueFiles::discard(file));
+                        return Err(io_error(e));
+                    }
+                }
+            }
+        }
         self.serialized(|db| {
+            let mut in_file = vec![false; entries.len()];
+            let mut written = written.into_iter();
+            while let Some((i, file)) = written.next() {
+                if let Err(e) = self.files.publish(file, &entries[i].0) {
+                    written.for_each(|(_, file)| ValueFiles::discard(file));
+                    return Err(io_error(e));
+                }
+                in_file[i] = true;
+            }
             let meta = db.cf_handle(META_CF).expect("meta column family exists");
             let mut batch = WriteBatch::default();
-            for (k, v) in entries {
-                batch.put(k.as_bytes(), v);
-                batch.put_cf(meta, k.as_bytes(), (v.len() as u64).to_le_bytes());
+            for ((k, v), &in_file) in entries.iter().zip(&in_file) {
+                if in_file {
+                    batch.delete(k.as_bytes()); // an earlier value of the key held in RocksDB
+                } else {
+                    batch.put(k.as_bytes(), v);
+                }
+                batch.put_cf(meta, k.as_bytes(), meta_entry(v.len() as u64, in_file));
             }
             db.write(batch).map_err(|e| self.write_failed(e))?;
+            let mut replaced_files = Vec::new();
             {
                 let mut idx = self.index.lock();
-                for (k, v) in entries {
+                for ((k, v), &in_file) in entries.iter().zip(&in_file) {
                     let size = v.len() as u64;
                     if let Some(old) = idx.sizes.insert(k.clone(), size) {
                         idx.bytes -= old;
                     }
                     idx.bytes += size;
                     idx.order.on_insert(k.clone(), size as usize);
+                    if in_file {
+                        idx.in_files.insert(k.clone());
+                    } else if idx.in_files.remove(k) {
+                        replaced_files.push(k.clone());
+                    }
                 }
             }
+            self.remove_files(&replaced_files);
             self.evict_to(db, self.config.capacity_bytes)
         })
+    }
+
+    /// Deletes the value files of `keys` (no longer indexed). A file that cannot be deleted
+    /// is logged and left: no index entry names it, and the next open removes it.
+    fn remove_files(&self, keys: &[String]) {
+        for k in keys {
+            if let Err(e) = self.files.remove(k) {
+                warn!(key = %k, error = %e, "cannot delete a value file; it is removed at the next open");
+            }
+        }
     }
 
     fn delete_entries(&self, keys: &[String]) -> Result<usize, BackendError> {
@@ -341,6 +467,7 @@ impl DiskInner {
             let meta = db.cf_handle(META_CF).expect("meta column family exists");
             let mut batch = WriteBatch::default();
             let mut existed = 0;
+            let mut files = Vec::new();
             {
                 let mut idx = self.index.lock();
                 for k in keys {
@@ -349,35 +476,58 @@ impl DiskInner {
                         idx.order.on_remove(k);
                         existed += 1;
                     }
+                    if idx.in_files.remove(k) {
+                        files.push(k.clone());
+                    }
                     batch.delete(k.as_bytes());
                     batch.delete_cf(meta, k.as_bytes());
                 }
             }
             db.write(batch).map_err(|e| self.write_failed(e))?;
+            self.remove_files(&files);
             Ok(existed)
         })
     }
 
-    /// Reads each indexed key of `keys` from `db` with `options` and hands `(i, value)` to
-    /// `found`, counting it as accessed. A key that is not indexed or not stored is skipped
-    /// (a miss); a value RocksDB reports corrupt is dropped from the tier (a miss too) once
+    /// Reads each indexed key of `keys` (from its value file into `buffer`, or from `db`
+    /// with `options`) and hands `(i, value)` to `found`, counting it as accessed. A key that
+    /// is not indexed or not stored is skipped (a miss); a value RocksDB reports corrupt, or
+    /// whose file is gone or of the wrong length, is dropped from the tier (a miss too) once
     /// the batch is read; any other error ends the read.
     fn read_indexed<'db>(
         &self,
         db: &'db DB,
         keys: &[String],
         options: &ReadOptions,
-        mut found: impl FnMut(usize, DBPinnableSlice<'db>),
+        buffer: &mut Vec<u8>,
+        mut found: impl FnMut(usize, Found<'_, 'db>),
     ) -> Result<(), BackendError> {
         let mut unreadable = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            if !self.index.lock().sizes.contains_key(k) {
+            let (size, in_file) = {
+                let idx = self.index.lock();
+                match idx.sizes.get(k) {
+                    Some(&size) => (size, idx.in_files.contains(k)),
+                    None => continue,
+                }
+            };
+            if in_file {
+                match self.files.read(k, size, buffer).map_err(io_error)? {
+                    FileRead::Read => {
+                        self.index.lock().order.on_access(k);
+                        found(i, Found::InBuffer(buffer));
+                    }
+                    FileRead::Lost => {
+                        warn!(key = %k, "a value file is gone or of the wrong length; dropping the entry");
+                        unreadable.push(k.clone());
+                    }
+                }
                 continue;
             }
             match db.get_pinned_opt(k.as_bytes(), options) {
                 Ok(Some(value)) => {
                     self.index.lock().order.on_access(k);
-                    found(i, value);
+                    found(i, Found::Pinned(value));
                 }
                 Ok(None) => {}
                 Err(e) if e.kind() == ErrorKind::Corruption => {
@@ -394,23 +544,34 @@ impl DiskInner {
     }
 
     /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go
-    /// before the next is read, none put in the block cache.
+    /// before the next is read, none put in the block cache, value files read into this
+    /// thread's [`READ_BUFFER`].
     fn read_each(
         &self,
         keys: &[String],
         visit: &(dyn Fn(usize, &[u8]) + Send + Sync),
     ) -> Result<(), BackendError> {
         let db = self.db()?;
-        self.read_indexed(&db, keys, &self.streaming_read_options, |i, value| {
-            visit(i, &value)
+        READ_BUFFER.with_borrow_mut(|buffer| {
+            self.read_indexed(
+                &db,
+                keys,
+                &self.streaming_read_options,
+                buffer,
+                |i, value| visit(i, value.bytes()),
+            )
         })
     }
 
     fn read_entries(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         let db = self.db()?;
         let mut out = vec![None; keys.len()];
-        self.read_indexed(&db, keys, &self.read_options, |i, value| {
-            out[i] = Some(Bytes::from_owner(PinnedValue::new(value, &db)));
+        let mut buffer = Vec::new();
+        self.read_indexed(&db, keys, &self.read_options, &mut buffer, |i, value| {
+            out[i] = Some(match value {
+                Found::Pinned(slice) => Bytes::from_owner(PinnedValue::new(slice, &db)),
+                Found::InBuffer(buffer) => Bytes::from(std::mem::take(buffer)),
+            });
         })?;
         Ok(out)
     }
@@ -430,9 +591,15 @@ impl DiskInner {
         let db = self.db().ok()?;
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            if !self.index.lock().sizes.contains_key(k) {
-                out.push(None);
-                continue;
+            {
+                let idx = self.index.lock();
+                if idx.in_files.contains(k) {
+                    return None; // a file read
+                }
+                if !idx.sizes.contains_key(k) {
+                    out.push(None);
+                    continue;
+                }
             }
             match db.get_pinned_opt(k.as_bytes(), &self.cached_read_options) {
                 Ok(Some(v)) => out.push(Some(Bytes::from_owner(PinnedValue::new(v, &db)))),

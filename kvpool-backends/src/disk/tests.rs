@@ -1,4 +1,5 @@
-//! The disk tier's own unit tests: bounded calls, and the index agreeing with RocksDB.
+//! The disk tier's own unit tests: bounded calls, the index agreeing with RocksDB and the
+//! value files, reads from memory and from files.
 
 use super::*;
 
@@ -28,6 +29,8 @@ async fn index_and_rocksdb_agree_after_racing_puts_evictions_and_deletes() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = DiskConfig::new(dir.path());
     config.capacity_bytes = 8 * 4096;
+    // Values of 1-4 KiB: some in RocksDB, some in files, the same key moving between them.
+    config.value_file_min_bytes = 3000;
     let disk = DiskConnector::open(config).unwrap();
     for round in 0..150u64 {
         let tasks: Vec<_> = (0..6u64)
@@ -61,9 +64,11 @@ async fn index_and_rocksdb_agree_after_racing_puts_evictions_and_deletes() {
     }
 }
 
+/// Every indexed key is stored (in RocksDB or in its value file, not both) with its indexed
+/// size, every stored key and every value file is indexed, and the byte count is the sum.
 fn assert_index_matches_rocksdb(inner: &DiskInner, round: u64) {
     let db = inner.db().unwrap();
-    let stored: HashMap<String, u64> = db
+    let mut stored: HashMap<String, u64> = db
         .iterator(rocksdb::IteratorMode::Start)
         .map(|item| {
             let (k, v) = item.unwrap();
@@ -71,12 +76,40 @@ fn assert_index_matches_rocksdb(inner: &DiskInner, round: u64) {
         })
         .collect();
     let idx = inner.index.lock();
+    let files = value_files(inner);
+    for k in &idx.in_files {
+        let size = files
+            .get(&ValueFiles::file_name(k))
+            .unwrap_or_else(|| panic!("{k} indexed in a file that is missing (round {round})"));
+        let in_rocksdb = stored.insert(k.clone(), *size);
+        assert_eq!(in_rocksdb, None, "{k} both in RocksDB and in a file");
+    }
+    assert_eq!(files.len(), idx.in_files.len(), "a value file not indexed");
     assert_eq!(
         idx.sizes, stored,
         "index and RocksDB disagree after round {round}"
     );
     assert_eq!(idx.bytes, stored.values().sum::<u64>());
     assert!(idx.bytes <= 8 * 4096, "over capacity: {}", idx.bytes);
+}
+
+/// The value files of `inner`: file name to length.
+fn value_files(inner: &DiskInner) -> HashMap<String, u64> {
+    std::fs::read_dir(inner.config.path.join("values"))
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            let name = entry.file_name().into_string().unwrap();
+            (name, entry.metadata().unwrap().len())
+        })
+        .collect()
+}
+
+/// Every value in RocksDB: the settings of the tests of RocksDB's own read paths.
+fn in_rocksdb_only(dir: &std::path::Path) -> DiskConfig {
+    let mut config = DiskConfig::new(dir);
+    config.value_file_min_bytes = u64::MAX;
+    config
 }
 
 /// Reads that memory answers stay on the caller's thread; one that needs a file does not.
@@ -93,7 +126,7 @@ async fn a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool
     );
     let keys = vec!["a".to_string(), "never-stored".to_string()];
     {
-        let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+        let disk = DiskConnector::open(in_rocksdb_only(dir.path())).unwrap();
         disk.batch_put(vec![("a".into(), value.clone())])
             .await
             .unwrap();
@@ -105,7 +138,7 @@ async fn a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool
         disk.persist().unwrap();
         disk.close().await.unwrap();
     }
-    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let disk = DiskConnector::open(in_rocksdb_only(dir.path())).unwrap();
     assert_eq!(
         disk.inner.read_cached(&keys),
         None,
@@ -128,7 +161,7 @@ async fn a_hot_read_is_served_from_memory_and_a_cold_one_needs_the_blocking_pool
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn files_of_values_carry_a_bloom_filter() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let disk = DiskConnector::open(in_rocksdb_only(dir.path())).unwrap();
     for file in 0..3u8 {
         let entries = (0..4u8)
             .map(|i| (format!("key-{file}-{i}"), Bytes::from(vec![i; 64 << 10])))
@@ -161,7 +194,7 @@ async fn files_of_values_carry_a_bloom_filter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_read_one_at_a_time_are_visited_in_place_and_not_cached() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let disk = DiskConnector::open(in_rocksdb_only(dir.path())).unwrap();
     let value = |i: u8| Bytes::from(vec![i; 1 << 20]);
     disk.batch_put(vec![("a".into(), value(1)), ("c".into(), value(3))])
         .await
@@ -195,4 +228,170 @@ async fn values_read_one_at_a_time_are_visited_in_place_and_not_cached() {
     // A batch read still fills it (hot values then come from memory).
     disk.batch_get(&keys).await.unwrap();
     assert!(cached() >= before + (2 << 20), "{before} -> {}", cached());
+}
+
+fn patterned(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i % 251) as u8 ^ seed)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+async fn read_each(disk: &DiskConnector, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    let seen = Arc::new(Mutex::new(vec![None; keys.len()]));
+    let visit: CopyOut = {
+        let seen = seen.clone();
+        Arc::new(move |i, bytes| seen.lock()[i] = Some(bytes.to_vec()))
+    };
+    disk.batch_get_each(keys, visit).await.unwrap();
+    std::mem::take(&mut *seen.lock())
+}
+
+/// A value of at least `value_file_min_bytes` lives in a file of its own, not in RocksDB, and
+/// reads back byte for byte through both read paths, after a reopen too; a smaller value
+/// stays in RocksDB; a key that moves from a file to RocksDB (a smaller value put again) or
+/// is deleted leaves no file behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_values_live_in_files_of_their_own_and_read_back_after_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let large = patterned(300 << 10, 7);
+    let small = patterned(1000, 9);
+    let keys: Vec<String> = ["large", "small", "absent"].map(String::from).to_vec();
+    {
+        let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+        disk.batch_put(vec![
+            ("large".into(), large.clone()),
+            ("small".into(), small.clone()),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(
+            value_files(&disk.inner),
+            HashMap::from([(ValueFiles::file_name("large"), large.len() as u64)])
+        );
+        let db = disk.inner.db().unwrap();
+        assert_eq!(
+            db.get(b"large").unwrap(),
+            None,
+            "a file's value also in RocksDB"
+        );
+        assert_eq!(db.get(b"small").unwrap().as_deref(), Some(&small[..]));
+        disk.close().await.unwrap();
+    }
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    assert_eq!(
+        disk.batch_get(&keys).await.unwrap(),
+        vec![Some(large.clone()), Some(small.clone()), None]
+    );
+    assert_eq!(
+        read_each(&disk, &keys).await,
+        vec![Some(large.to_vec()), Some(small.to_vec()), None]
+    );
+    assert_eq!(disk.usage(), (2, (large.len() + small.len()) as u64));
+    // The large key put again with a small value: back in RocksDB, its file gone.
+    disk.batch_put(vec![("large".into(), small.clone())])
+        .await
+        .unwrap();
+    assert!(value_files(&disk.inner).is_empty());
+    assert_eq!(
+        read_each(&disk, &keys[..1]).await,
+        vec![Some(small.to_vec())]
+    );
+    // And large again, then deleted: no file left.
+    disk.batch_put(vec![("large".into(), large.clone())])
+        .await
+        .unwrap();
+    assert_eq!(value_files(&disk.inner).len(), 1);
+    assert_eq!(disk.inner.db().unwrap().get(b"large").unwrap(), None);
+    assert_eq!(disk.batch_delete(&keys[..1]).await.unwrap(), 1);
+    assert!(value_files(&disk.inner).is_empty());
+    assert_eq!(disk.batch_get(&keys[..1]).await.unwrap(), vec![None]);
+}
+
+/// A value file that is gone, cut short or grown is a miss (never other bytes), and its
+/// entry is dropped from the index; the other values of the batch are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_or_torn_value_file_is_a_miss_and_its_entry_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let keys: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
+    let value = |i: usize| patterned(100 << 10, i as u8);
+    disk.batch_put(
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| (k.clone(), value(i)))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    let file = |k: &str| dir.path().join("values").join(ValueFiles::file_name(k));
+    std::fs::remove_file(file("k0")).unwrap();
+    std::fs::write(file("k1"), &value(1)[..1000]).unwrap();
+    let mut grown = value(2).to_vec();
+    grown.push(0);
+    std::fs::write(file("k2"), grown).unwrap();
+    assert_eq!(
+        read_each(&disk, &keys).await,
+        vec![None, None, None, Some(value(3).to_vec())]
+    );
+    assert_eq!(
+        disk.batch_exists(&keys).await.unwrap(),
+        vec![false, false, false, true],
+        "the lost entries stay indexed"
+    );
+    assert_eq!(disk.usage(), (1, 100 << 10));
+    assert_eq!(value_files(&disk.inner).len(), 1, "a torn file was left");
+}
+
+/// At open, value files that no index entry names (a crash between writing a file and
+/// indexing it, or an eviction's delete that failed) and temporary files are removed;
+/// indexed ones are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_no_index_entry_names_are_removed_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let kept = patterned(128 << 10, 1);
+    {
+        let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+        disk.batch_put(vec![("kept".into(), kept.clone())])
+            .await
+            .unwrap();
+        disk.close().await.unwrap();
+    }
+    let values = dir.path().join("values");
+    std::fs::write(values.join(ValueFiles::file_name("stray")), b"orphan").unwrap();
+    std::fs::write(values.join(".tmp-17"), b"half written").unwrap();
+    std::fs::write(values.join("README"), b"not ours").unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let mut names: Vec<String> = value_files(&disk.inner).into_keys().collect();
+    names.sort();
+    let mut expected = vec!["README".to_string(), ValueFiles::file_name("kept")];
+    expected.sort();
+    assert_eq!(names, expected);
+    assert_eq!(
+        disk.batch_get(&["kept".to_string()]).await.unwrap(),
+        vec![Some(kept)]
+    );
+}
+
+/// Evictions delete the evicted values' files: the folder never holds more than capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicted_values_leave_no_file_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = DiskConfig::new(dir.path());
+    config.capacity_bytes = 4 * (100 << 10);
+    let disk = DiskConnector::open(config).unwrap();
+    for i in 0..12u8 {
+        disk.batch_put(vec![(format!("k{i}"), patterned(100 << 10, i))])
+            .await
+            .unwrap();
+    }
+    assert_eq!(disk.usage(), (4, 4 * (100 << 10)));
+    let mut names: Vec<String> = value_files(&disk.inner).into_keys().collect();
+    names.sort();
+    let mut newest: Vec<String> = (8..12)
+        .map(|i| ValueFiles::file_name(&format!("k{i}")))
+        .collect();
+    newest.sort();
+    assert_eq!(names, newest);
 }
