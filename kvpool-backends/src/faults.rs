@@ -202,6 +202,11 @@ pub struct FaultSwitches {
     pub hang: Arc<AtomicBool>,
     /// Each put (or batch put) first sleeps this many milliseconds.
     pub put_delay_ms: Arc<AtomicU64>,
+    /// When above zero, `batch_get_each` reads the values, then visits them from a thread of
+    /// its own after this many milliseconds while the call waits for it: a read that a
+    /// timeout gives up on still visits, later (a tier's blocking read finishing in the
+    /// background).
+    pub late_visit_ms: Arc<AtomicU64>,
     /// While set, a put panics (a buggy third-party backend).
     pub panic_on_put: Arc<AtomicBool>,
     /// Values written.
@@ -321,7 +326,29 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     }
     async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
         self.ask(keys.len()).await?;
-        self.inner.batch_get_each(keys, visit).await
+        let late = self.switches.late_visit_ms.load(Ordering::SeqCst);
+        if late == 0 {
+            return self.inner.batch_get_each(keys, visit).await;
+        }
+        let values = self.inner.batch_get(keys).await?;
+        let visiting = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(late));
+            for (i, value) in values.iter().enumerate() {
+                if let Some(value) = value {
+                    visit(i, value);
+                }
+            }
+        });
+        tokio::task::spawn_blocking(move || visiting.join())
+            .await
+            .map_err(|e| BackendError::Unavailable {
+                backend: self.inner.name().to_string(),
+                reason: e.to_string(),
+            })?
+            .map_err(|_| BackendError::Unavailable {
+                backend: self.inner.name().to_string(),
+                reason: "the visiting thread panicked".into(),
+            })
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;

@@ -169,3 +169,93 @@ async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
         assert_eq!(removed, keys, "{tier}");
     }
 }
+
+fn visit_key(i: u8) -> kvpool_core::CacheKey {
+    let scope = Arc::new(kvpool_core::KeyScope::new("visits", 1, 0, 0, 7).unwrap());
+    let hasher = kvpool_core::HashAlgorithm::default();
+    kvpool_core::CacheKey::new(scope, hasher.chain_blocks(&hasher.root(), &[[i]]))
+}
+
+fn visit_chunk(fill: u8) -> kvpool_core::Chunk {
+    let mut data = kvpool_core::MemoryObjMut::heap(4096);
+    data.as_mut_slice().fill(fill);
+    kvpool_core::Chunk {
+        meta: kvpool_core::ChunkMeta {
+            layout_fingerprint: 7,
+            dtype: kvpool_core::Dtype::F16,
+            token_count: 16,
+        },
+        data: data.freeze(),
+    }
+}
+
+/// `get_each` visits each chunk of the prefix once, from whichever lower tier holds it (a
+/// compressed value decoded first), with the index of its key; a value that fails its check
+/// is a miss, is not visited, and is deleted from its tier; the prefix ends there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_each_visits_the_prefix_from_every_tier_and_never_a_value_that_fails_its_check() {
+    let first = MapConnector::default();
+    let second = MapConnector::default();
+    let zstd = ChunkCodec {
+        compression: kvpool_core::Compression::Zstd { level: 1 },
+        ..ChunkCodec::default()
+    };
+    let tier_one = Arc::new(RemoteBackend::new(
+        first.clone(),
+        ChunkCodec::default(),
+        1 << 20,
+    ));
+    let tier_two = Arc::new(RemoteBackend::new(second.clone(), zstd, 1 << 20));
+    use kvpool_core::StorageBackend;
+    // Keys 0 and 2 in the first tier, 1 (compressed) and 3 in the second, 4 in the first
+    // but corrupt, 5 in the second: the prefix is 0..4, and 5 lies past it.
+    tier_one
+        .put(vec![
+            (visit_key(0), visit_chunk(10)),
+            (visit_key(2), visit_chunk(12)),
+        ])
+        .await
+        .unwrap();
+    tier_one
+        .put(vec![(visit_key(4), visit_chunk(14))])
+        .await
+        .unwrap();
+    let corrupt = visit_key(4).to_string();
+    let mut bytes = first.inner().raw(&corrupt).unwrap().to_vec();
+    *bytes.last_mut().unwrap() ^= 1;
+    first.inner().overwrite_raw(&corrupt, bytes.into());
+    tier_two
+        .put(vec![
+            (visit_key(1), visit_chunk(11)),
+            (visit_key(3), visit_chunk(13)),
+            (visit_key(5), visit_chunk(15)),
+        ])
+        .await
+        .unwrap();
+    let manager = kvpool_core::StorageManager::builder()
+        .lower(tier_one)
+        .lower(tier_two)
+        .build()
+        .unwrap();
+    let keys: Vec<_> = (0..7).map(visit_key).collect();
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let visit: kvpool_core::ChunkVisit = {
+        let seen = seen.clone();
+        Arc::new(move |i, meta, bytes| {
+            assert_eq!(meta.token_count, 16);
+            assert!(bytes.len() == 4096 && bytes.iter().all(|&b| b == bytes[0]));
+            seen.lock().push((i, bytes[0]));
+        })
+    };
+    let prefix = manager.get_each(&keys, visit).await;
+    assert_eq!(prefix, 4);
+    let mut seen = std::mem::take(&mut *seen.lock());
+    seen.sort();
+    // Key 5 lies past the prefix: the second tier was asked for it with 4, and may visit it.
+    seen.retain(|&(i, _)| i < prefix);
+    assert_eq!(seen, vec![(0, 10), (1, 11), (2, 12), (3, 13)]);
+    assert!(
+        first.inner().raw(&corrupt).is_none(),
+        "the corrupt value was kept"
+    );
+}

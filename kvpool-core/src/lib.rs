@@ -52,10 +52,10 @@ pub use memory::{
     MemoryPool,
 };
 pub use storage::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, CopyIn, CopyOut, HeapChunkAllocator,
-    LentBytes, LentSaveSlots, ManagerStats, NodeMemoryBackend, NodeMemoryConnector, PinnedBytes,
-    PutOutcome, RemoteBackend, RemoteConnector, SaveSlot, SharedChunk, StorageBackend,
-    StorageManager, StorageManagerConfig, TierStats,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, ChunkVisit, CopyIn, CopyOut,
+    HeapChunkAllocator, LentBytes, LentSaveSlots, ManagerStats, NodeMemoryBackend,
+    NodeMemoryConnector, PinnedBytes, PutOutcome, RemoteBackend, RemoteConnector, SaveSlot,
+    SharedChunk, StorageBackend, StorageManager, StorageManagerConfig, TierStats,
 };
 pub use telemetry::StatCounter;
 pub use transfer::{ChunkWindow, HostPagedKvCache, KvTransfer};

@@ -21,8 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvpool_core::{
-    BackendError, CacheKey, Chunk, ChunkHash, ChunkMeta, Dtype, HashAlgorithm, KeyScope,
-    StorageManager, telemetry,
+    BackendError, CacheKey, Chunk, ChunkHash, ChunkMeta, ChunkVisit, Dtype, HashAlgorithm,
+    KeyScope, StorageManager, telemetry,
 };
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
@@ -104,6 +104,79 @@ impl std::fmt::Debug for HiCacheStore {
             .field("page_bytes", &self.page_bytes)
             .field("writer", &self.writer)
             .finish()
+    }
+}
+
+/// Writes the pages a read visits into their host spans, until it is closed: a tier call
+/// given up on by its timeout may visit later, from a thread of its own, and must then find
+/// the spans no longer ours.
+struct PageWriter {
+    pages: Vec<PageSpans>,
+    page_bytes: usize,
+    meta: ChunkMeta,
+    /// Whether spans may be written, and which pages were; held across each page's copy, so
+    /// that [`PageWriter::close`] waits for a copy under way.
+    state: Mutex<(bool, Vec<bool>)>,
+}
+
+/// Closes its [`PageWriter`] when dropped, on every way out of the read.
+struct OpenPageWriter(Arc<PageWriter>);
+
+impl PageWriter {
+    fn open(pages: Vec<PageSpans>, page_bytes: usize, meta: ChunkMeta) -> OpenPageWriter {
+        let written = vec![false; pages.len()];
+        OpenPageWriter(Arc::new(PageWriter {
+            pages,
+            page_bytes,
+            meta,
+            state: Mutex::new((true, written)),
+        }))
+    }
+
+    /// Copies page `i` into its spans, if the writer is open and the chunk fits the page.
+    fn write(&self, i: usize, meta: &ChunkMeta, bytes: &[u8]) {
+        let mut state = self.state.lock();
+        let (open, written) = &mut *state;
+        let Some(spans) = self.pages.get(i) else {
+            return;
+        };
+        if !*open {
+            return;
+        }
+        if bytes.len() != self.page_bytes || meta.layout_fingerprint != self.meta.layout_fingerprint
+        {
+            tracing::warn!(
+                len = bytes.len(),
+                page_bytes = self.page_bytes,
+                "sglang storage: a stored value does not fit the page; reading stops there"
+            );
+            return;
+        }
+        // SAFETY: while the writer is open, the caller of `read_pages` is still inside it
+        // and guarantees each span is valid for writes of its length and ours alone;
+        // `spans_fit` checked the lengths add up to a page, and `bytes` is one page long.
+        unsafe { scatter(bytes, spans) };
+        written[i] = true;
+    }
+}
+
+impl OpenPageWriter {
+    /// The writer, for the visitor.
+    fn handle(&self) -> Arc<PageWriter> {
+        self.0.clone()
+    }
+
+    /// Stops every later write (waiting for one under way); which pages were written.
+    fn close(self) -> Vec<bool> {
+        let mut state = self.0.state.lock();
+        state.0 = false;
+        std::mem::take(&mut state.1)
+    }
+}
+
+impl Drop for OpenPageWriter {
+    fn drop(&mut self) {
+        self.0.state.lock().0 = false;
     }
 }
 
@@ -228,7 +301,11 @@ impl HiCacheStore {
 
     /// Copies the longest stored prefix of `page_keys` into their host spans (SGLang's
     /// `batch_get_v1`); `true` for each page read. Pages past the first that is absent, fails
-    /// a check or has another length are `false` and their spans are not written.
+    /// a check or has another length are `false`; their spans may have been written (a page
+    /// a later tier held), never with bytes that failed a check. Each page is copied from
+    /// where the tier holds it once its checks passed ([`StorageManager::get_each`]); nothing
+    /// is written into a span after this returns, even by a tier call cut short by its timeout
+    /// that finishes in the background.
     ///
     /// # Safety
     ///
@@ -246,25 +323,15 @@ impl HiCacheStore {
             return done;
         }
         let keys = self.keys_of(page_keys);
-        let chunks = self.runtime.block_on(self.storage.get(&keys));
-        let mut read = 0;
-        for (chunk, spans) in chunks.iter().zip(pages) {
-            if chunk.data.len() != self.page_bytes
-                || chunk.meta.layout_fingerprint != self.meta.layout_fingerprint
-            {
-                tracing::warn!(
-                    len = chunk.data.len(),
-                    page_bytes = self.page_bytes,
-                    "sglang storage: a stored value does not fit the page; reading stops there"
-                );
-                break;
-            }
-            // SAFETY: the caller guarantees each span is valid for writes of its length and
-            // ours alone for this call; `spans_fit` checked the lengths add up to the value's.
-            unsafe { scatter(chunk.data.as_slice(), spans) };
-            done[read] = true;
-            read += 1;
-        }
+        let writer = PageWriter::open(pages.to_vec(), self.page_bytes, self.meta);
+        let visit: ChunkVisit = {
+            let writer = writer.handle();
+            Arc::new(move |i, meta, bytes| writer.write(i, meta, bytes))
+        };
+        let prefix = self.runtime.block_on(self.storage.get_each(&keys, visit));
+        let written = writer.close();
+        let read = written[..prefix].iter().take_while(|&&w| w).count();
+        done[..read].fill(true);
         self.count("read", "ok", read);
         self.count("read", "missed", page_keys.len() - read);
         self.record(

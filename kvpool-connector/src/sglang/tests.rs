@@ -371,3 +371,31 @@ fn a_sharing_store_keeps_its_pages_apart_answers_per_page_and_leaves_the_tiers_o
     assert_eq!(side.presence(&ks[1..2]), vec![false]);
     assert_eq!(f.store.existing_prefix(&ks), 2);
 }
+
+/// A tier read that its timeout gave up on and that hands its values over later (a blocking
+/// read finishing in the background) writes nothing into SGLang's host slots once the read
+/// returned: the slots may be SGLang's again by then.
+#[test]
+fn a_tier_read_given_up_on_writes_nothing_into_the_host_slots_afterwards() {
+    let lower = Lower::default();
+    let mut f = fixture("m@w=1", 0, None, lower.clone(), true);
+    assert_eq!(write(&mut f, &keys(0..2), &[0, 1]), vec![true; 2]);
+    flush(&f);
+    // Visits 600 ms after the read started; the tier's timeout is 300 ms.
+    lower
+        .switches()
+        .late_visit_ms
+        .store(600, std::sync::atomic::Ordering::SeqCst);
+    let before = f.host.clone();
+    assert_eq!(read(&mut f, &keys(0..2), &[4, 5]), vec![false; 2]);
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(f.host == before, "a late visit wrote into the host slots");
+    // Visited in time, the same read copies both pages.
+    lower
+        .switches()
+        .late_visit_ms
+        .store(50, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(read(&mut f, &keys(0..2), &[4, 5]), vec![true; 2]);
+    assert_eq!(page(&mut f, 4), page(&mut f, 0));
+    assert_eq!(page(&mut f, 5), page(&mut f, 1));
+}

@@ -100,6 +100,26 @@ impl BackendCounters {
     }
 }
 
+/// What [`StorageBackend::get_each`] hands each chunk it reads to: `(index in the keys,
+/// metadata, decoded bytes)`, called while the tier still holds the bytes. It may run on a
+/// thread of the tier's own, and after the call that started it was given up on (a timeout):
+/// a visitor that writes into memory the caller may reuse must stop writing first.
+pub type ChunkVisit = Arc<dyn Fn(usize, &ChunkMeta, &[u8]) + Send + Sync>;
+
+/// Visits each chunk of `chunks` that is there; `true` for those.
+pub(crate) fn visit_found(chunks: &[Option<Chunk>], visit: &ChunkVisit) -> Vec<bool> {
+    chunks
+        .iter()
+        .enumerate()
+        .map(|(i, chunk)| {
+            chunk.as_ref().is_some_and(|c| {
+                visit(i, &c.meta, c.data.as_slice());
+                true
+            })
+        })
+        .collect()
+}
+
 /// A storage tier. Async and batch-first: one call per batch of keys, results in key order.
 ///
 /// Best effort is the contract: a key a backend cannot serve is `false`/`None`, never wrong
@@ -113,6 +133,17 @@ pub trait StorageBackend: Send + Sync + 'static {
     async fn contains(&self, keys: &[CacheKey]) -> Result<Vec<bool>, BackendError>;
     /// Loads the keys; `None` for each one that is absent or failed validation.
     async fn get(&self, keys: &[CacheKey]) -> Result<Vec<Option<Chunk>>, BackendError>;
+    /// Loads the keys and hands each chunk to `visit` instead of returning it, for a caller
+    /// that copies chunks into memory of its own (a tier may then skip a buffer of its own);
+    /// `true` for each key visited. Only checked chunks are visited. The default visits what
+    /// [`StorageBackend::get`] returns.
+    async fn get_each(
+        &self,
+        keys: &[CacheKey],
+        visit: ChunkVisit,
+    ) -> Result<Vec<bool>, BackendError> {
+        Ok(visit_found(&self.get(keys).await?, &visit))
+    }
     /// Stores the entries (replacing existing ones).
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError>;
     /// Removes the keys; returns how many existed.

@@ -15,8 +15,8 @@ mod tier_stats;
 mod write_behind;
 
 pub use backend::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, NodeMemoryBackend,
-    PutOutcome, StorageBackend,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, ChunkVisit, HeapChunkAllocator,
+    NodeMemoryBackend, PutOutcome, StorageBackend,
 };
 pub use manager::{LentSaveSlots, ManagerStats, StorageManager, StorageManagerConfig, TierStats};
 pub use node_memory::{PinnedBytes, SharedChunk};

@@ -1,5 +1,6 @@
 //! The storage manager: ordered tiers, prefix lookup, promotion into L1, bounded write-behind.
 
+mod get_each;
 mod node_memory;
 
 pub use node_memory::LentSaveSlots;

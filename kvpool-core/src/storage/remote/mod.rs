@@ -16,13 +16,14 @@ use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
 use crate::format::chunk_format::{
-    ChunkCodec, DecodeExpectation, HEADER_LEN, KeyBinding, decode_copied,
+    ChunkCodec, DecodeExpectation, HEADER_LEN, KeyBinding, decode_copied, decode_header,
+    decode_payload_into,
 };
 use crate::keys::cache_key::CacheKey;
 use crate::memory::pool::MemoryObjMut;
 use crate::storage::backend::{
-    BackendCounters, BackendStats, Chunk, ChunkAllocator, HeapChunkAllocator, NodeMemoryBackend,
-    PutOutcome, StorageBackend,
+    BackendCounters, BackendStats, Chunk, ChunkAllocator, ChunkVisit, HeapChunkAllocator,
+    NodeMemoryBackend, PutOutcome, StorageBackend, visit_found,
 };
 use crate::storage::node_memory::{SharedChunk, shared_chunk};
 use crate::storage::save_slot::{LentBytes, SaveSlot};
@@ -285,6 +286,56 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             self.connector.batch_get_each(&names, visit)
         })
         .await
+    }
+
+    /// Each value checked where the tier holds it (header, key, layout, checksum) and visited
+    /// there, with no buffer of kvpool's own unless it is compressed: one copy fewer than
+    /// [`StorageBackend::get`] for a caller that copies the chunk on. A value that fails a
+    /// check is a miss and is deleted, as in `get`. Node memory is read as `get` reads it.
+    async fn get_each(
+        &self,
+        keys: &[CacheKey],
+        visit: ChunkVisit,
+    ) -> Result<Vec<bool>, BackendError> {
+        self.ensure_open()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.connector.node_memory().is_some() {
+            let chunks = self.copy_out_values(keys, false).await?;
+            return Ok(visit_found(&chunks, &visit));
+        }
+        type Outcomes = Vec<Option<Result<usize, FormatError>>>;
+        let outcomes: Arc<Mutex<Outcomes>> = Arc::new(Mutex::new(vec![None; keys.len()]));
+        let check_and_visit: CopyOut = {
+            let keys = keys.to_vec();
+            let outcomes = outcomes.clone();
+            let max_chunk_bytes = self.max_chunk_bytes;
+            Arc::new(move |i, bytes| {
+                let Some(key) = keys.get(i) else { return };
+                let outcome =
+                    decode_header(bytes, &expectation(key, max_chunk_bytes)).and_then(|header| {
+                        if header.compressed {
+                            let mut data = vec![0; header.raw_len as usize];
+                            decode_payload_into(bytes, &header, &mut data)?;
+                            visit(i, &header.meta, &data);
+                        } else {
+                            visit(i, &header.meta, &bytes[HEADER_LEN..]);
+                        }
+                        Ok(header.raw_len as usize)
+                    });
+                if let Some(slot) = outcomes.lock().get_mut(i) {
+                    *slot = Some(outcome);
+                }
+            })
+        };
+        let names = key_strings(keys);
+        self.connector
+            .batch_get_each(&names, check_and_visit)
+            .await?;
+        let outcomes = std::mem::take(&mut *outcomes.lock());
+        let visited = self.tally_by(&names, outcomes, |len| *len).await?;
+        Ok(visited.iter().map(Option::is_some).collect())
     }
 
     async fn put(&self, entries: Vec<(CacheKey, Chunk)>) -> Result<PutOutcome, BackendError> {
