@@ -463,30 +463,33 @@ impl DiskInner {
     }
 
     fn delete_entries(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.serialized(|db| {
-            let meta = db.cf_handle(META_CF).expect("meta column family exists");
-            let mut batch = WriteBatch::default();
-            let mut existed = 0;
-            let mut files = Vec::new();
-            {
-                let mut idx = self.index.lock();
-                for k in keys {
-                    if let Some(size) = idx.sizes.remove(k) {
-                        idx.bytes -= size;
-                        idx.order.on_remove(k);
-                        existed += 1;
-                    }
-                    if idx.in_files.remove(k) {
-                        files.push(k.clone());
-                    }
-                    batch.delete(k.as_bytes());
-                    batch.delete_cf(meta, k.as_bytes());
+        self.serialized(|db| self.delete_serialized(db, keys))
+    }
+
+    /// Deletes `keys` (inside [`DiskInner::serialized`]); how many were indexed.
+    fn delete_serialized(&self, db: &DB, keys: &[String]) -> Result<usize, BackendError> {
+        let meta = db.cf_handle(META_CF).expect("meta column family exists");
+        let mut batch = WriteBatch::default();
+        let mut existed = 0;
+        let mut files = Vec::new();
+        {
+            let mut idx = self.index.lock();
+            for k in keys {
+                if let Some(size) = idx.sizes.remove(k) {
+                    idx.bytes -= size;
+                    idx.order.on_remove(k);
+                    existed += 1;
                 }
+                if idx.in_files.remove(k) {
+                    files.push(k.clone());
+                }
+                batch.delete(k.as_bytes());
+                batch.delete_cf(meta, k.as_bytes());
             }
-            db.write(batch).map_err(|e| self.write_failed(e))?;
-            self.remove_files(&files);
-            Ok(existed)
-        })
+        }
+        db.write(batch).map_err(|e| self.write_failed(e))?;
+        self.remove_files(&files);
+        Ok(existed)
     }
 
     /// Reads each indexed key of `keys` (from its value file into `buffer`, or from `db`
@@ -503,6 +506,7 @@ impl DiskInner {
         mut found: impl FnMut(usize, Found<'_, 'db>),
     ) -> Result<(), BackendError> {
         let mut unreadable = Vec::new();
+        let mut lost = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             let (size, in_file) = {
                 let idx = self.index.lock();
@@ -517,10 +521,7 @@ impl DiskInner {
                         self.index.lock().order.on_access(k);
                         found(i, Found::InBuffer(buffer));
                     }
-                    FileRead::Lost => {
-                        warn!(key = %k, "a value file is gone or of the wrong length; dropping the entry");
-                        unreadable.push(k.clone());
-                    }
+                    FileRead::Lost => lost.push((k.clone(), size)),
                 }
                 continue;
             }
@@ -540,7 +541,33 @@ impl DiskInner {
         if !unreadable.is_empty() {
             self.delete_entries(&unreadable)?;
         }
+        if !lost.is_empty() {
+            self.drop_lost_files(&lost)?;
+        }
         Ok(())
+    }
+
+    /// Drops the entries of `lost` (key, indexed size) whose value file is still gone or of
+    /// another length once no write can run: a read that raced a put of the same key (a new
+    /// file renamed in, or the value moved into RocksDB) must not delete the new value.
+    fn drop_lost_files(&self, lost: &[(String, u64)]) -> Result<(), BackendError> {
+        self.serialized(|db| {
+            let still_lost: Vec<String> = {
+                let idx = self.index.lock();
+                lost.iter()
+                    .filter(|(k, size)| {
+                        idx.in_files.contains(k)
+                            && idx.sizes.get(k) == Some(size)
+                            && !self.files.holds(k, *size)
+                    })
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            };
+            for k in &still_lost {
+                warn!(key = %k, "a value file is gone or of the wrong length; dropping the entry");
+            }
+            self.delete_serialized(db, &still_lost).map(drop)
+        })
     }
 
     /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go

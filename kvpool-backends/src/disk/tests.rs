@@ -395,3 +395,41 @@ async fn evicted_values_leave_no_file_behind() {
     newest.sort();
     assert_eq!(names, newest);
 }
+
+/// A read that found a value file gone or short drops the entry only if it is still so once
+/// no write can run: a put of the same key that raced the read (a new file renamed in, or
+/// the value moved into RocksDB) keeps its value. (The defect this guards against: the
+/// read's finding alone deleted the key, and with it a value just written.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_raced_a_put_of_the_same_key_does_not_drop_the_new_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let key = vec!["k".to_string()];
+    let large = patterned(100 << 10, 1);
+    let small = patterned(1000, 2);
+    // What a reader saw before the put: the file of 100 KiB, then gone or another length.
+    let seen = [("k".to_string(), large.len() as u64)];
+    disk.batch_put(vec![("k".into(), large.clone())])
+        .await
+        .unwrap();
+    // Put again with the same length (a new file renamed in): kept.
+    disk.batch_put(vec![("k".into(), patterned(100 << 10, 3))])
+        .await
+        .unwrap();
+    disk.inner.drop_lost_files(&seen).unwrap();
+    assert_eq!(
+        disk.batch_get(&key).await.unwrap(),
+        vec![Some(patterned(100 << 10, 3))]
+    );
+    // Put again small (moved into RocksDB, the file deleted): kept.
+    disk.batch_put(vec![("k".into(), small.clone())])
+        .await
+        .unwrap();
+    disk.inner.drop_lost_files(&seen).unwrap();
+    assert_eq!(disk.batch_get(&key).await.unwrap(), vec![Some(small)]);
+    // Really lost: dropped.
+    disk.batch_put(vec![("k".into(), large)]).await.unwrap();
+    std::fs::remove_file(dir.path().join("values").join(ValueFiles::file_name("k"))).unwrap();
+    disk.inner.drop_lost_files(&seen).unwrap();
+    assert_eq!(disk.usage(), (0, 0));
+}

@@ -129,6 +129,11 @@ impl ValueFiles {
         }
     }
 
+    /// Whether `key`'s file is there and `size` bytes long.
+    pub(super) fn holds(&self, key: &str, size: u64) -> bool {
+        std::fs::metadata(self.path_of(key)).is_ok_and(|m| m.len() == size)
+    }
+
     /// Deletes every file that is neither one of `indexed` (file names of indexed keys) nor
     /// anything but a value file: temporary files and values a crash left without an index
     /// entry. Returns how many were deleted.
