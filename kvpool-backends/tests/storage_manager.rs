@@ -259,3 +259,42 @@ async fn get_each_visits_the_prefix_from_every_tier_and_never_a_value_that_fails
         "the corrupt value was kept"
     );
 }
+
+/// A tier call that its timeout gave up on and that visits later visits nothing through
+/// `get_each`: no chunk is handed over after the call returned, and none is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_each_visits_nothing_after_it_returned() {
+    let remote = MapConnector::default();
+    let bounded = kvpool_backends::TimeoutConnector::new(
+        remote.clone(),
+        std::time::Duration::from_millis(200),
+    );
+    let tier = Arc::new(RemoteBackend::new(bounded, ChunkCodec::default(), 1 << 20));
+    use kvpool_core::StorageBackend;
+    tier.put(vec![(visit_key(0), visit_chunk(10))])
+        .await
+        .unwrap();
+    let manager = kvpool_core::StorageManager::builder()
+        .lower(tier)
+        .build()
+        .unwrap();
+    remote.switches().late_visit_ms.store(500, Ordering::SeqCst);
+    let visits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let visit: kvpool_core::ChunkVisit = {
+        let visits = visits.clone();
+        Arc::new(move |_, _, _| {
+            visits.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    assert_eq!(manager.get_each(&[visit_key(0)], visit.clone()).await, 0);
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    assert_eq!(
+        visits.load(Ordering::SeqCst),
+        0,
+        "a visit came after the call returned"
+    );
+    // In time, the same read visits.
+    remote.switches().late_visit_ms.store(20, Ordering::SeqCst);
+    assert_eq!(manager.get_each(&[visit_key(0)], visit).await, 1);
+    assert_eq!(visits.load(Ordering::SeqCst), 1);
+}

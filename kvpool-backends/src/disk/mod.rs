@@ -59,6 +59,9 @@ fn io_error(source: std::io::Error) -> BackendError {
     }
 }
 
+/// The most a blocking thread's [`READ_BUFFER`] keeps between reads (a larger one is freed).
+const KEPT_READ_BUFFER_BYTES: usize = 64 << 20;
+
 thread_local! {
     /// The buffer a value file is read into by [`DiskInner::read_each`], kept by each thread
     /// of the blocking pool so that its pages are faulted in once, not once per value.
@@ -270,6 +273,16 @@ impl DiskInner {
             .and_then(|db| load_index(&db, &self.config).map(|index| (db, index)));
         match reopened {
             Ok((db, index)) => {
+                let indexed = index
+                    .in_files
+                    .iter()
+                    .map(|k| ValueFiles::file_name(k))
+                    .collect();
+                // Files published before a write RocksDB failed; temporary files of writes
+                // refused meanwhile are gone with their `WrittenValue`s (or are removed here).
+                if let Err(e) = self.files.remove_unindexed(&indexed) {
+                    warn!(path = %self.config.path.display(), error = %e, "cannot remove unindexed value files");
+                }
                 info!(path = %self.config.path.display(), entries = index.sizes.len(), "reopened the disk tier");
                 *self.index.lock() = index;
                 *slot = Some(Arc::new(db));
@@ -394,34 +407,36 @@ impl DiskInner {
     /// (written before the write lock is taken, published under it), the rest into RocksDB,
     /// and every key's index entry in the same RocksDB batch.
     fn write_entries(&self, entries: &[(String, Bytes)]) -> Result<(), BackendError> {
+        // A key put twice in one batch: its last value alone (the index loop below must not
+        // see the key leave a file and come back in one pass).
+        let last: HashMap<&str, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (k.as_str(), i))
+            .collect();
+        let entries: Vec<&(String, Bytes)> = entries
+            .iter()
+            .enumerate()
+            .filter(|(i, (k, _))| last[k.as_str()] == *i)
+            .map(|(_, entry)| entry)
+            .collect();
         self.check_free_space(entries.iter().map(|(_, v)| v.len() as u64).sum())?;
+        // Unpublished files are deleted when `written` is dropped (on every error below).
         let mut written = Vec::new();
         for (i, (_, v)) in entries.iter().enumerate() {
             if v.len() as u64 >= self.config.value_file_min_bytes {
-                match self.files.write(v) {
-                    Ok(file) => written.push((i, file)),
-                    Err(e) => {
-                        written
-                            .into_iter()
-                            .for_each(|(_, file)| ValueFiles::discard(file));
-                        return Err(io_error(e));
-                    }
-                }
+                written.push((i, self.files.write(v).map_err(io_error)?));
             }
         }
         self.serialized(|db| {
             let mut in_file = vec![false; entries.len()];
-            let mut written = written.into_iter();
-            while let Some((i, file)) = written.next() {
-                if let Err(e) = self.files.publish(file, &entries[i].0) {
-                    written.for_each(|(_, file)| ValueFiles::discard(file));
-                    return Err(io_error(e));
-                }
+            for (i, file) in written {
+                self.files.publish(file, &entries[i].0).map_err(io_error)?;
                 in_file[i] = true;
             }
             let meta = db.cf_handle(META_CF).expect("meta column family exists");
             let mut batch = WriteBatch::default();
-            for ((k, v), &in_file) in entries.iter().zip(&in_file) {
+            for (&(k, v), &in_file) in entries.iter().zip(&in_file) {
                 if in_file {
                     batch.delete(k.as_bytes()); // an earlier value of the key held in RocksDB
                 } else {
@@ -433,7 +448,7 @@ impl DiskInner {
             let mut replaced_files = Vec::new();
             {
                 let mut idx = self.index.lock();
-                for ((k, v), &in_file) in entries.iter().zip(&in_file) {
+                for (&(k, v), &in_file) in entries.iter().zip(&in_file) {
                     let size = v.len() as u64;
                     if let Some(old) = idx.sizes.insert(k.clone(), size) {
                         idx.bytes -= old;
@@ -552,17 +567,18 @@ impl DiskInner {
     /// file renamed in, or the value moved into RocksDB) must not delete the new value.
     fn drop_lost_files(&self, lost: &[(String, u64)]) -> Result<(), BackendError> {
         self.serialized(|db| {
-            let still_lost: Vec<String> = {
+            let indexed: Vec<&(String, u64)> = {
                 let idx = self.index.lock();
                 lost.iter()
-                    .filter(|(k, size)| {
-                        idx.in_files.contains(k)
-                            && idx.sizes.get(k) == Some(size)
-                            && !self.files.holds(k, *size)
-                    })
-                    .map(|(k, _)| k.clone())
+                    .filter(|(k, size)| idx.in_files.contains(k) && idx.sizes.get(k) == Some(size))
                     .collect()
             };
+            // Outside the index's lock (a file system call); the write lock keeps files still.
+            let still_lost: Vec<String> = indexed
+                .into_iter()
+                .filter(|(k, size)| !self.files.holds(k, *size))
+                .map(|(k, _)| k.clone())
+                .collect();
             for k in &still_lost {
                 warn!(key = %k, "a value file is gone or of the wrong length; dropping the entry");
             }
@@ -580,13 +596,17 @@ impl DiskInner {
     ) -> Result<(), BackendError> {
         let db = self.db()?;
         READ_BUFFER.with_borrow_mut(|buffer| {
-            self.read_indexed(
+            let read = self.read_indexed(
                 &db,
                 keys,
                 &self.streaming_read_options,
                 buffer,
                 |i, value| visit(i, value.bytes()),
-            )
+            );
+            if buffer.capacity() > KEPT_READ_BUFFER_BYTES {
+                *buffer = Vec::new();
+            }
+            read
         })
     }
 
@@ -703,7 +723,8 @@ impl DiskConnector {
         self.inner.overwrite_raw(key, value)
     }
 
-    /// Flushes RocksDB's memtables, so every value so far lives in files on disk.
+    /// Flushes RocksDB's memtables, so every value so far lives in files (value files are
+    /// written by the put itself; neither is synced to the device).
     pub fn persist(&self) -> Result<(), BackendError> {
         self.inner
             .serialized(|db| db.flush().map_err(|e| self.inner.write_failed(e)))

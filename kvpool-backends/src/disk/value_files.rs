@@ -25,9 +25,19 @@ pub(super) struct ValueFiles {
     next_temporary: AtomicU64,
 }
 
-/// A value written to a temporary file, not yet visible under its key.
+/// A value written to a temporary file, not yet visible under its key; the file is deleted
+/// when this is dropped unpublished (a write refused or failed after it was written).
 pub(super) struct WrittenValue {
     temporary: PathBuf,
+    published: bool,
+}
+
+impl Drop for WrittenValue {
+    fn drop(&mut self) {
+        if !self.published {
+            let _ = std::fs::remove_file(&self.temporary);
+        }
+    }
 }
 
 /// What reading a value file found.
@@ -64,24 +74,19 @@ impl ValueFiles {
     pub(super) fn write(&self, value: &[u8]) -> std::io::Result<WrittenValue> {
         let n = self.next_temporary.fetch_add(1, Ordering::Relaxed);
         let temporary = self.dir.join(format!("{TEMPORARY_PREFIX}{n}"));
-        let written = File::create(&temporary).and_then(|mut file| file.write_all(value));
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&temporary);
-            return Err(e);
-        }
-        Ok(WrittenValue { temporary })
+        let written = WrittenValue {
+            temporary,
+            published: false,
+        };
+        File::create(&written.temporary).and_then(|mut file| file.write_all(value))?;
+        Ok(written)
     }
 
     /// Makes `written` the value of `key` (an atomic rename over any earlier one).
-    pub(super) fn publish(&self, written: WrittenValue, key: &str) -> std::io::Result<()> {
-        std::fs::rename(&written.temporary, self.path_of(key)).inspect_err(|_| {
-            let _ = std::fs::remove_file(&written.temporary);
-        })
-    }
-
-    /// Deletes a value that was written and will not be published.
-    pub(super) fn discard(written: WrittenValue) {
-        let _ = std::fs::remove_file(&written.temporary);
+    pub(super) fn publish(&self, mut written: WrittenValue, key: &str) -> std::io::Result<()> {
+        std::fs::rename(&written.temporary, self.path_of(key))?;
+        written.published = true;
+        Ok(())
     }
 
     /// Deletes `key`'s file; one already gone is no error.

@@ -26,7 +26,9 @@ impl StorageManager {
     /// lower tier then checks each value where it holds it and needs no buffer of kvpool's
     /// own ([`crate::StorageBackend::get_each`]). Returns the prefix's length. A chunk found
     /// past the first key no tier holds may be visited too (its index is at or past the
-    /// length returned): the caller must not use what it copied for those.
+    /// length returned), and so may a chunk of a tier whose call then failed: the caller must
+    /// not use what it copied for an index at or past the length returned. No chunk is
+    /// visited after this returns.
     ///
     /// When hits are promoted into L1 (an L1 with `promote_on_hit`), this is `get` followed
     /// by a visit of each chunk of the prefix: the promoted chunk needs a buffer anyway.
@@ -55,10 +57,19 @@ impl StorageManager {
                     .collect()
             });
             let batch: Vec<CacheKey> = idx.iter().map(|&i| keys[i].clone()).collect();
+            // Visits count only while this tier's call runs: one that failed, or a visit that
+            // comes after its timeout gave up on it, serves nothing (as `get` drops a failed
+            // tier's answer). Held across each visit, so none is under way once it is closed.
+            let accepting = Arc::new(Mutex::new(true));
             let in_batch: ChunkVisit = {
                 let (idx, served, visit) = (idx.clone(), served.clone(), visit.clone());
+                let accepting = accepting.clone();
                 Arc::new(move |j, meta, bytes| {
+                    let accepting = accepting.lock();
                     let Some(&i) = idx.get(j) else { return };
+                    if !*accepting {
+                        return;
+                    }
                     visit(i, meta, bytes);
                     served.lock()[i] = Some(Served {
                         tier: t,
@@ -69,12 +80,16 @@ impl StorageManager {
             };
             let t0 = Instant::now();
             let result = tier.backend.get_each(&batch, in_batch).await;
+            *accepting.lock() = false;
             tier.counters.call(TierOp::Get, t0.elapsed());
+            let mut served = served.lock();
             if let Err(e) = result {
                 tier.counters.error();
                 warn!(tier = tier.backend.name(), error = %e, "get failed; treating as misses");
+                for &i in idx.iter() {
+                    served[i] = None;
+                }
             }
-            let served = served.lock();
             while prefix < keys.len() && served[prefix].is_some() {
                 prefix += 1;
             }

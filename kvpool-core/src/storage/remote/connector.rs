@@ -48,6 +48,11 @@ pub trait RemoteConnector: Send + Sync + 'static {
     /// into buffers of its own overrides it so that one value's buffer is alive at a time and
     /// its memory is used again for the next (the disk tier: a fresh engine's first loads no
     /// longer fault in a buffer per value).
+    ///
+    /// The bytes handed to `visit` must not change until it returns: the pool checks a value
+    /// where it lies and then copies it on ([`crate::StorageBackend::get_each`]). Memory
+    /// another process can write (a shared mapping) is read through
+    /// [`NodeMemoryConnector::batch_copy_out`] instead, whose copy is checked.
     async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
         for (i, value) in self.batch_get(keys).await?.into_iter().enumerate() {
             if let Some(value) = value {
