@@ -1,15 +1,18 @@
 //! `file:///path`: the local disk tier on RocksDB, byte-bounded, surviving restarts.
 //!
-//! Its settings and `[[tier]]` options are in `config.rs`; how RocksDB is opened and read in
-//! `database.rs`; large values live in files of their own (`value_files.rs`).
+//! Its settings and `[[tier]]` options are in `config.rs`; how RocksDB is opened in
+//! `database.rs`; the capacity index in `index.rs`; the read paths in `reads.rs`; large values
+//! live in files of their own (`value_files.rs`).
 
 mod config;
 mod database;
+mod index;
+mod reads;
 mod value_files;
 
 pub use config::{DiskConfig, DiskFactory, SCHEMES};
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -17,84 +20,21 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use rocksdb::{DB, DBPinnableSlice, ErrorKind, IteratorMode, ReadOptions, WriteBatch};
+use rocksdb::{DB, ReadOptions, WriteBatch};
 use tracing::{debug, info, warn};
 
-use kvpool_core::memory::eviction::OrderedPolicy;
 use kvpool_core::storage::tier_events::{TierEventKind, TierEventLog};
 use kvpool_core::{BackendError, CacheKey, CopyOut, EvictionPolicy, RemoteConnector};
 
-use database::{
-    META_CF, PinnedValue, available_bytes, db_error, memory_only_read_options, open_database,
-};
-use value_files::{FileRead, ValueFiles};
-
-/// The index entry of a key in the `meta` column family: its size (8 bytes, little-endian),
-/// then, for a value in a file of its own, one byte [`IN_VALUE_FILE`]. Entries written before
-/// value files existed are the bare size: values in RocksDB.
-const IN_VALUE_FILE: u8 = 1;
-
-fn meta_entry(size: u64, in_file: bool) -> Vec<u8> {
-    let mut entry = size.to_le_bytes().to_vec();
-    if in_file {
-        entry.push(IN_VALUE_FILE);
-    }
-    entry
-}
-
-/// `(size, in a value file)` from a `meta` entry; `None` when malformed.
-fn parse_meta_entry(entry: &[u8]) -> Option<(u64, bool)> {
-    let size = u64::from_le_bytes(entry.get(..8)?.try_into().ok()?);
-    match entry.get(8..)? {
-        [] => Some((size, false)),
-        [IN_VALUE_FILE] => Some((size, true)),
-        _ => None,
-    }
-}
+use database::{META_CF, available_bytes, db_error, memory_only_read_options, open_database};
+use index::{Index, load_index, meta_entry};
+use value_files::ValueFiles;
 
 fn io_error(source: std::io::Error) -> BackendError {
     BackendError::Io {
         backend: "disk".into(),
         source,
     }
-}
-
-/// The most a blocking thread's [`READ_BUFFER`] keeps between reads (a larger one is freed).
-const KEPT_READ_BUFFER_BYTES: usize = 64 << 20;
-
-thread_local! {
-    /// The buffer a value file is read into by [`DiskInner::read_each`], kept by each thread
-    /// of the blocking pool so that its pages are faulted in once, not once per value.
-    static READ_BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// A value found by [`DiskInner::read_indexed`].
-enum Found<'b, 'db> {
-    /// Held by RocksDB.
-    Pinned(DBPinnableSlice<'db>),
-    /// Read from its value file into the reader's buffer (the caller may take it).
-    InBuffer(&'b mut Vec<u8>),
-}
-
-impl Found<'_, '_> {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Found::Pinned(slice) => slice,
-            Found::InBuffer(buffer) => buffer,
-        }
-    }
-}
-
-/// Every stored key's size and its eviction order: what capacity is judged on.
-struct Index {
-    sizes: HashMap<String, u64>,
-    /// The keys of `sizes` whose value is in a file of its own ([`ValueFiles`]).
-    in_files: HashSet<String>,
-    order: OrderedPolicy<String>,
-    bytes: u64,
-    /// Keys put once while the admission filter is on, oldest first.
-    seen: VecDeque<String>,
-    seen_set: HashSet<String>,
 }
 
 /// The shared state behind a [`DiskConnector`].
@@ -134,37 +74,6 @@ fn join_error(e: tokio::task::JoinError) -> BackendError {
         backend: "disk".into(),
         reason: format!("blocking task failed: {e}"),
     }
-}
-
-/// The capacity index, rebuilt from the `meta` column family without reading any value.
-fn load_index(db: &DB, config: &DiskConfig) -> Result<Index, BackendError> {
-    let mut index = Index {
-        sizes: HashMap::new(),
-        in_files: HashSet::new(),
-        order: OrderedPolicy::lru(),
-        bytes: 0,
-        seen: VecDeque::new(),
-        seen_set: HashSet::new(),
-    };
-    {
-        let meta = db.cf_handle(META_CF).expect("meta column family exists");
-        for item in db.iterator_cf(meta, IteratorMode::Start) {
-            let (k, v) = item.map_err(db_error)?;
-            let (Ok(key), Some((size, in_file))) =
-                (String::from_utf8(k.to_vec()), parse_meta_entry(&v))
-            else {
-                warn!(path = %config.path.display(), "skipping malformed index entry");
-                continue;
-            };
-            if in_file {
-                index.in_files.insert(key.clone());
-            }
-            index.bytes += size;
-            index.order.on_insert(key.clone(), size as usize);
-            index.sizes.insert(key, size);
-        }
-    }
-    Ok(index)
 }
 
 impl DiskInner {
@@ -506,164 +415,9 @@ impl DiskInner {
         self.remove_files(&files);
         Ok(existed)
     }
-
-    /// Reads each indexed key of `keys` (from its value file into `buffer`, or from `db`
-    /// with `options`) and hands `(i, value)` to `found`, counting it as accessed. A key that
-    /// is not indexed or not stored is skipped (a miss); a value RocksDB reports corrupt, or
-    /// whose file is gone or of the wrong length, is dropped from the tier (a miss too) once
-    /// the batch is read; any other error ends the read.
-    fn read_indexed<'db>(
-        &self,
-        db: &'db DB,
-        keys: &[String],
-        options: &ReadOptions,
-        buffer: &mut Vec<u8>,
-        mut found: impl FnMut(usize, Found<'_, 'db>),
-    ) -> Result<(), BackendError> {
-        let mut unreadable = Vec::new();
-        let mut lost = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let (size, in_file) = {
-                let idx = self.index.lock();
-                match idx.sizes.get(k) {
-                    Some(&size) => (size, idx.in_files.contains(k)),
-                    None => continue,
-                }
-            };
-            if in_file {
-                match self.files.read(k, size, buffer).map_err(io_error)? {
-                    FileRead::Read => {
-                        self.index.lock().order.on_access(k);
-                        found(i, Found::InBuffer(buffer));
-                    }
-                    FileRead::Lost => lost.push((k.clone(), size)),
-                }
-                continue;
-            }
-            match db.get_pinned_opt(k.as_bytes(), options) {
-                Ok(Some(value)) => {
-                    self.index.lock().order.on_access(k);
-                    found(i, Found::Pinned(value));
-                }
-                Ok(None) => {}
-                Err(e) if e.kind() == ErrorKind::Corruption => {
-                    warn!(key = %k, error = %e, "RocksDB reports corruption; dropping the entry");
-                    unreadable.push(k.clone());
-                }
-                Err(e) => return Err(db_error(e)),
-            }
-        }
-        if !unreadable.is_empty() {
-            self.delete_entries(&unreadable)?;
-        }
-        if !lost.is_empty() {
-            self.drop_lost_files(&lost)?;
-        }
-        Ok(())
-    }
-
-    /// Drops the entries of `lost` (key, indexed size) whose value file is still gone or of
-    /// another length once no write can run: a read that raced a put of the same key (a new
-    /// file renamed in, or the value moved into RocksDB) must not delete the new value.
-    fn drop_lost_files(&self, lost: &[(String, u64)]) -> Result<(), BackendError> {
-        self.serialized(|db| {
-            let indexed: Vec<&(String, u64)> = {
-                let idx = self.index.lock();
-                lost.iter()
-                    .filter(|(k, size)| idx.in_files.contains(k) && idx.sizes.get(k) == Some(size))
-                    .collect()
-            };
-            // Outside the index's lock (a file system call); the write lock keeps files still.
-            let still_lost: Vec<String> = indexed
-                .into_iter()
-                .filter(|(k, size)| !self.files.holds(k, *size))
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in &still_lost {
-                warn!(key = %k, "a value file is gone or of the wrong length; dropping the entry");
-            }
-            self.delete_serialized(db, &still_lost).map(drop)
-        })
-    }
-
-    /// [`DiskInner::read_entries`], one value at a time: each handed to `visit` and let go
-    /// before the next is read, none put in the block cache, value files read into this
-    /// thread's [`READ_BUFFER`].
-    fn read_each(
-        &self,
-        keys: &[String],
-        visit: &(dyn Fn(usize, &[u8]) + Send + Sync),
-    ) -> Result<(), BackendError> {
-        let db = self.db()?;
-        READ_BUFFER.with_borrow_mut(|buffer| {
-            let read = self.read_indexed(
-                &db,
-                keys,
-                &self.streaming_read_options,
-                buffer,
-                |i, value| visit(i, value.bytes()),
-            );
-            if buffer.capacity() > KEPT_READ_BUFFER_BYTES {
-                *buffer = Vec::new();
-            }
-            read
-        })
-    }
-
-    fn read_entries(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        let db = self.db()?;
-        let mut out = vec![None; keys.len()];
-        let mut buffer = Vec::new();
-        self.read_indexed(&db, keys, &self.read_options, &mut buffer, |i, value| {
-            out[i] = Some(match value {
-                Found::Pinned(slice) => Bytes::from_owner(PinnedValue::new(slice, &db)),
-                Found::InBuffer(buffer) => Bytes::from(std::mem::take(buffer)),
-            });
-        })?;
-        Ok(out)
-    }
 }
 
 impl DiskInner {
-    /// Reads `keys` on the caller's thread when every one of them is answered from memory
-    /// (memtable or block cache) or is not indexed; `None` when one needs a file read (or
-    /// RocksDB reports anything unusual, or the database is being reopened): then the whole
-    /// batch goes to the blocking pool, where a read that blocks can be cut short by the tier
-    /// timeout. Handing a call to that pool costs tens of microseconds, more than a cached
-    /// 1 MiB read.
-    fn read_cached(&self, keys: &[String]) -> Option<Vec<Option<Bytes>>> {
-        if self.broken_since.lock().is_some() {
-            return None;
-        }
-        let db = self.db().ok()?;
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            {
-                let idx = self.index.lock();
-                if idx.in_files.contains(k) {
-                    return None; // a file read
-                }
-                if !idx.sizes.contains_key(k) {
-                    out.push(None);
-                    continue;
-                }
-            }
-            match db.get_pinned_opt(k.as_bytes(), &self.cached_read_options) {
-                Ok(Some(v)) => out.push(Some(Bytes::from_owner(PinnedValue::new(v, &db)))),
-                // Indexed but gone, or needs I/O (`Incomplete`), or an error: let the
-                // blocking read decide (it also drops corrupt entries).
-                Ok(None) | Err(_) => return None,
-            }
-        }
-        let mut idx = self.index.lock();
-        for (k, v) in keys.iter().zip(&out) {
-            if v.is_some() {
-                idx.order.on_access(k);
-            }
-        }
-        Some(out)
-    }
-
     async fn blocking<T: Send + 'static>(
         self: &Arc<Self>,
         f: impl FnOnce(&DiskInner) -> Result<T, BackendError> + Send + 'static,
@@ -685,7 +439,8 @@ impl DiskInner {
 /// A RocksDB database as a [`RemoteConnector`]; wrap it in `kvpool_core::RemoteBackend` for
 /// the chunk format (checksums; corrupt values become misses and are deleted).
 ///
-/// Values live uncompressed in the default column family behind a block cache; a hot value is
+/// Values of at least `value_file_min_bytes` live in files of their own, read with one copy;
+/// smaller ones uncompressed in the default column family behind a block cache, a hot one
 /// handed out as [`Bytes`] pinned in that cache, without a copy. Each key's size lives in a
 /// small `meta` column family, from which the capacity index is rebuilt at open without
 /// reading any value. After a restart the eviction order is the stored key order, as access

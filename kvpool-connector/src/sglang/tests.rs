@@ -133,6 +133,22 @@ fn flush(f: &Fixture) {
     f.store.runtime.block_on(f.store.storage.flush()).unwrap();
 }
 
+/// A store with no L1 over `lower`, pages 0 and 1 written from host slots 0 and 1 and in the
+/// lower tier.
+fn two_pages_in(lower: &Lower) -> Fixture {
+    let mut f = fixture("m@w=1", 0, None, lower.clone(), true);
+    assert_eq!(write(&mut f, &keys(0..2), &[0, 1]), vec![true; 2]);
+    flush(&f);
+    f
+}
+
+/// Reads pages 0 and 1 of [`two_pages_in`] into slots 4 and 5 and checks both arrived.
+fn assert_both_pages_read(f: &mut Fixture) {
+    assert_eq!(read(f, &keys(0..2), &[4, 5]), vec![true; 2]);
+    assert_eq!(page(f, 4), page(f, 0));
+    assert_eq!(page(f, 5), page(f, 1));
+}
+
 #[test]
 fn pages_written_from_scattered_spans_read_back_byte_exact_into_other_slots() {
     for l1 in [Some(SLOTS), None] {
@@ -274,9 +290,7 @@ fn a_rank_that_does_not_write_accepts_pages_and_reads_the_writers() {
 #[test]
 fn a_dead_lower_tier_is_a_miss_within_its_timeout_then_recovers() {
     let lower = Lower::default();
-    let mut f = fixture("m@w=1", 0, None, lower.clone(), true);
-    assert_eq!(write(&mut f, &keys(0..2), &[0, 1]), vec![true; 2]);
-    flush(&f);
+    let mut f = two_pages_in(&lower);
     lower
         .switches()
         .hang
@@ -290,8 +304,7 @@ fn a_dead_lower_tier_is_a_miss_within_its_timeout_then_recovers() {
         .hang
         .store(false, std::sync::atomic::Ordering::SeqCst);
     assert_eq!(f.store.existing_prefix(&keys(0..2)), 2);
-    assert_eq!(read(&mut f, &keys(0..2), &[4, 5]), vec![true; 2]);
-    assert_eq!(page(&mut f, 4), page(&mut f, 0));
+    assert_both_pages_read(&mut f);
 }
 
 #[test]
@@ -378,9 +391,7 @@ fn a_sharing_store_keeps_its_pages_apart_answers_per_page_and_leaves_the_tiers_o
 #[test]
 fn a_tier_read_given_up_on_writes_nothing_into_the_host_slots_afterwards() {
     let lower = Lower::default();
-    let mut f = fixture("m@w=1", 0, None, lower.clone(), true);
-    assert_eq!(write(&mut f, &keys(0..2), &[0, 1]), vec![true; 2]);
-    flush(&f);
+    let mut f = two_pages_in(&lower);
     // Visits 600 ms after the read started; the tier's timeout is 300 ms.
     lower
         .switches()
@@ -395,7 +406,5 @@ fn a_tier_read_given_up_on_writes_nothing_into_the_host_slots_afterwards() {
         .switches()
         .late_visit_ms
         .store(50, std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(read(&mut f, &keys(0..2), &[4, 5]), vec![true; 2]);
-    assert_eq!(page(&mut f, 4), page(&mut f, 0));
-    assert_eq!(page(&mut f, 5), page(&mut f, 1));
+    assert_both_pages_read(&mut f);
 }
