@@ -21,8 +21,10 @@ impl HostExecutor {
     /// and that nothing else writes while a job that names it runs (the engine's protocol:
     /// blocks being loaded or saved are not in use).
     pub unsafe fn new(planes: KvPlanes) -> Self {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
-        HostExecutor { planes, threads }
+        HostExecutor {
+            planes,
+            threads: default_copy_threads(),
+        }
     }
 
     /// Copies a long phase (4 MiB or more) with up to `threads` threads (default: the
@@ -46,40 +48,51 @@ impl HostExecutor {
     pub unsafe fn run(&self, job: &JobSpec<'_>) -> Result<PlanStats, PlanError> {
         let plan = CopyPlan::build(&self.planes, job)?;
         for phase in plan.phases() {
-            let bytes: u64 = phase.iter().map(|s| s.len).sum();
-            let threads = if bytes >= PARALLEL_FROM_BYTES {
-                self.threads
-            } else {
-                1
-            };
-            if threads <= 1 {
-                // SAFETY: this function's contract (see `copy_segments`).
-                unsafe { copy_segments(phase) };
-                continue;
-            }
-            let shares = split_by_bytes(phase, threads);
-            std::thread::scope(|scope| {
-                for share in &shares[1..] {
-                    // Addresses cross the thread as integers; the scope ends before `run`
-                    // returns, so every copy is done by then.
-                    let spawned = std::thread::Builder::new()
-                        .name("kvpool-host-copy".into())
-                        .spawn_scoped(scope, move || {
-                            // SAFETY: as below; the shares of a phase never overlap.
-                            unsafe { copy_segments(share) }
-                        });
-                    if spawned.is_err() {
-                        // No thread: this one copies that share too.
-                        // SAFETY: this function's contract (see `copy_segments`).
-                        unsafe { copy_segments(share) };
-                    }
-                }
-                // SAFETY: this function's contract (see `copy_segments`).
-                unsafe { copy_segments(&shares[0]) };
-            });
+            // SAFETY: this function's contract (see `copy_phase`).
+            unsafe { copy_phase(phase, self.threads) };
         }
         Ok(plan.stats())
     }
+}
+
+/// The threads a long host-to-host phase is copied with by default: the machine's cores, at
+/// most 4.
+pub(crate) fn default_copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
+/// Copies `phase` with `memcpy`: with up to `threads` threads when it is long (at least
+/// [`PARALLEL_FROM_BYTES`]), else on this thread. Every copy is done on return.
+///
+/// # Safety
+/// As [`copy_segments`], for every segment of `phase`.
+pub(crate) unsafe fn copy_phase(phase: &[Segment], threads: usize) {
+    let bytes: u64 = phase.iter().map(|s| s.len).sum();
+    if threads <= 1 || bytes < PARALLEL_FROM_BYTES {
+        // SAFETY: this function's contract.
+        unsafe { copy_segments(phase) };
+        return;
+    }
+    let shares = split_by_bytes(phase, threads);
+    std::thread::scope(|scope| {
+        for share in &shares[1..] {
+            // Addresses cross the thread as integers; the scope ends before this function
+            // returns, so every copy is done by then.
+            let spawned = std::thread::Builder::new()
+                .name("kvpool-host-copy".into())
+                .spawn_scoped(scope, move || {
+                    // SAFETY: as below; the shares of a phase never overlap.
+                    unsafe { copy_segments(share) }
+                });
+            if spawned.is_err() {
+                // No thread: this one copies that share too.
+                // SAFETY: this function's contract (see `copy_segments`).
+                unsafe { copy_segments(share) };
+            }
+        }
+        // SAFETY: this function's contract (see `copy_segments`).
+        unsafe { copy_segments(&shares[0]) };
+    });
 }
 
 /// A phase at least this long is copied by several threads (the engine's own copies, torch's

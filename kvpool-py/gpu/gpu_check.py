@@ -29,7 +29,9 @@ FlashInfer's ``LBHNC`` and MLA's ``[blocks, 1, block_size, 576]``), and checks:
 6. a hybrid model's groups (``hybrid_groups``): a full-attention and a sliding-window group,
    one kvpool part each over one pool, the window's loads starting past vLLM's null blocks;
    both groups' blocks byte for byte, the null block never written;
-7. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
+7. a hit's load from the daemon against an L1 hit's of the same bytes (``daemon_vs_l1``,
+   timed, whole steps as the connector runs them, on the default transfer path);
+8. throughput: saves and loads of 512 MiB of KV (64 MiB on CPU) against torch's own copy of the
    same bytes between contiguous device memory and page-locked host memory (medians of 5; a
    ratio of 1 means kvpool moves KV as fast as a plain DMA of one contiguous buffer), at
    256- and 1,024-token chunks, each transfer path in turn within each round.
@@ -47,6 +49,7 @@ sets the throughput check's size (under ``compute-sanitizer``, say), ``KVPOOL_CH
 kvpool's chunk size (default 256, kvpool's default).
 """
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -258,18 +261,30 @@ class Engine:
         for job in self.mover.wait_for_read_backs():
             self.worker.copy_done(job, True)
 
-    def load_step(self, req, prompt, blocks, change_chunk=None):
+    def load_step(self, req, prompt, blocks, change_chunk=None, phases=None):
         """A step that loads ``prompt``'s hit into ``blocks`` for request ``req``, in vLLM's
         order: the failed blocks are read as vLLM reads them, once the forward pass would be
         launched, with nothing else waited for. ``change_chunk``: a chunk whose first byte
         of KV another process flips in the daemon's memory before the copy. Returns the hit,
         the failed blocks as vLLM reads them, and those reported only after everything ended
-        (a verdict too late for the step: none may be)."""
+        (a verdict too late for the step: none may be). ``phases``: a dict whose lists get
+        each phase's host time in seconds (no synchronisation added)."""
+        clock = [time.perf_counter()]
+
+        def lap(name):
+            now = time.perf_counter()
+            if phases is not None:
+                phases.setdefault(name, []).append(now - clock[0])
+            clock[0] = now
+
         n = len(prompt)
         hit = self.sched.get_num_new_matched_tokens(req, prompt, b"", 0)
         self.sched.update_state_after_alloc(req, blocks, hit[0])
+        lap("lookup")
         self.worker.bind(self.sched.build_connector_meta([(req, n, [], 2, blocks, n)], []))
+        lap("bind")
         self.refresh_node_pins()
+        lap("pin_node_memory")
         if change_chunk is not None:
             jobs = self.worker.load_jobs()
             ptr = CopyJob.from_native(jobs[0]).chunk_ptrs[change_chunk]
@@ -277,14 +292,17 @@ class Engine:
             self.run_jobs(jobs)
         else:
             self.load()
+        lap("queue_copies")
         self.settle_read_backs()
         failed = self.worker.failed_blocks()
+        lap("settle_checks")
         self.save()
         self.drain()
         self.worker.transfer_results([])
         late = self.worker.failed_blocks()
         self.worker.step_report()
         self.worker.clear()
+        lap("finish")
         return hit, failed, late
 
     def step(self, scheduled, before_save=None):
@@ -502,19 +520,15 @@ def kvpool_binary():
     return path if os.path.exists(path) else None
 
 
-def daemon_route(report, tmp, transfer="torch"):
-    """Engine A saves a prompt into places the daemon lends, the GPU worker's way; engine B,
-    a fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
-    docs, check 5) into other blocks of the same caches."""
-    binary = kvpool_binary()
-    if binary is None:
-        report["skipped"] = "no kvpool binary (KVPOOL_BIN, or `kvpool` next to this script)"
-        return
-    sock = os.path.join(tmp, "daemon.sock")
-    config = os.path.join(tmp, "daemon.toml")
+@contextlib.contextmanager
+def running_daemon(binary, tmp, name, max_size="1GiB"):
+    """``kvpool serve`` with a memory tier of ``max_size`` on a socket in ``tmp``; yields the
+    socket's path once it accepts, stops the daemon after."""
+    sock = os.path.join(tmp, f"{name}.sock")
+    config = os.path.join(tmp, f"{name}.toml")
     with open(config, "w") as f:
-        f.write('[local_cpu]\nmax_size = "1GiB"\n')
-    log = open(os.path.join(tmp, "daemon.log"), "w")
+        f.write(f'[local_cpu]\nmax_size = "{max_size}"\n')
+    log = open(os.path.join(tmp, f"{name}.log"), "w")
     proc = subprocess.Popen([binary, "serve", "--config", config, "--socket", sock],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -528,6 +542,22 @@ def daemon_route(report, tmp, transfer="torch"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("kvpool serve did not start")
                 time.sleep(0.05)
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def daemon_route(report, tmp, transfer="torch"):
+    """Engine A saves a prompt into places the daemon lends, the GPU worker's way; engine B,
+    a fresh worker attached to the same daemon, loads it the GPU worker's way (see the module
+    docs, check 5) into other blocks of the same caches."""
+    binary = kvpool_binary()
+    if binary is None:
+        report["skipped"] = "no kvpool binary (KVPOOL_BIN, or `kvpool` next to this script)"
+        return
+    with running_daemon(binary, tmp, "daemon") as sock:
         caches = fa_caches(2, 4 * 65 + 4, 8, 128, torch.bfloat16, DEVICE)  # four loads' blocks
         pool = f"unix://{sock}"
         n = 4 * 256 + 1
@@ -574,10 +604,88 @@ def daemon_route(report, tmp, transfer="torch"):
         report["heap_buffers"] = stats.get("heap_buffers", 0)
         report["in_flight_after"] = list(b.worker.in_flight())
         b.shutdown()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+
+
+def daemon_vs_l1(report, tmp, transfer="native"):
+    """The time of a hit's load from the node's pool daemon against an L1 hit's of the same
+    bytes, in one run: engine A saves a prompt into the daemon and engine L the same prompt
+    into its own L1; then B (attached to the daemon, fresh) and L load it in turn, each load a
+    whole step as the connector runs it (lookup, copies, checks of staged copies) until the
+    blocks are on the device. One warm-up load each (B's first also starts page-locking its
+    mapping of the daemon's memory), then ``KVPOOL_CHECK_DAEMON_LOADS`` timed pairs (7)."""
+    binary = kvpool_binary()
+    if binary is None:
+        report["skipped"] = "no kvpool binary (KVPOOL_BIN, or `kvpool` next to this script)"
+        return
+    # 8 layers x 8 KV heads x 128, bf16: 32 KiB per token. 128 MiB on a GPU, 32 MiB on CPU.
+    tokens = int(os.environ.get("KVPOOL_CHECK_DAEMON_TOKENS", 4096 if DEVICE == "cuda" else 1024))
+    pairs = int(os.environ.get("KVPOOL_CHECK_DAEMON_LOADS", 7))
+    n = tokens + 1
+    prompt = list(range(11, 11 + n))
+    nblocks = (n + BLOCK - 1) // BLOCK
+    caches = fa_caches(8, 3 * nblocks + 4, 8, 128, torch.bfloat16, DEVICE)
+    src = list(range(nblocks))
+    dst = {"daemon": list(range(nblocks, 2 * nblocks)),
+           "l1": list(range(2 * nblocks, 3 * nblocks))}
+    report["bytes"] = tokens * 8 * 8 * 2 * 128 * 2
+    with running_daemon(binary, tmp, "timed-daemon", max_size="2GiB") as sock:
+        pool = f"unix://{sock}"
+        a = Engine(caches, tmp, pool=pool, transfer=transfer)
+        local = Engine(caches, tmp, l1="2GiB", transfer=transfer)
+        for e, req in ((a, "save-a"), (local, "save-l")):
+            assert e.sched.get_num_new_matched_tokens(req, prompt, b"", 0) == (0, False)
+            e.sched.update_state_after_alloc(req, src, 0)
+            e.step([(req, n, [], 2, src, n)])
+        a.shutdown()
+        b = Engine(caches, tmp, pool=pool, transfer=transfer)
+        engines = {"daemon": b, "l1": local}
+        times = {"daemon": [], "l1": []}
+        phases = {"daemon": {}, "l1": {}}
+        staged = []
+        for i in range(pairs + 1):
+            for route, e in engines.items():
+                before = dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
+                sync()
+                t0 = time.perf_counter()
+                laps = {} if i else None
+                hit, failed, late = e.load_step(f"{route}{i}", prompt, dst[route],
+                                                phases=laps)
+                sync()
+                took = time.perf_counter() - t0
+                for phase, t in (laps or {}).items():
+                    phases[route].setdefault(phase, []).extend(t)
+                if hit[0] != tokens or failed or late:
+                    raise AssertionError(f"{route} load {i}: hit {hit}, failed {len(failed)}, "
+                                         f"late {late}")
+                if route == "daemon":
+                    staged.append(dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
+                                  - before)
+                if i == 0:
+                    if route == "daemon" and DEVICE == "cuda":
+                        report["daemon_memory_pinned"] = b.wait_node_memory_pinned(60)
+                    continue
+                times[route].append(took)
+        for route in engines:
+            report[f"{route}_exact"] = all(
+                blocks_equal(caches, src[k], dst[route][k]) for k in range(tokens // BLOCK))
+        # Every load of B's went through the daemon (none served from B's own L1).
+        report["daemon_staged_tokens_per_load"] = staged
+        report["every_daemon_load_staged"] = all(s >= tokens for s in staged)
+        report["in_flight_after"] = list(b.worker.in_flight())
+        b.shutdown()
+        local.shutdown()
+    med = statistics.median
+    for route, t in times.items():
+        report[f"{route}_load_ms_median"] = med(t) * 1e3
+        report[f"{route}_load_ms_range"] = [min(t) * 1e3, max(t) * 1e3]
+        # Where each route's load goes (host time per phase; the device copies are waited
+        # for in settle_checks on the daemon route, after the step on the L1 route).
+        report[f"{route}_phases_ms_median"] = {
+            phase: round(med(t) * 1e3, 3) for phase, t in phases[route].items()}
+    ratios = [d / l for d, l in zip(times["daemon"], times["l1"])]
+    report["daemon_vs_l1_median_of_pairs"] = med(ratios)
+    report["daemon_vs_l1_range"] = [min(ratios), max(ratios)]
+    report["samples"] = len(ratios)
 
 
 def time_transfers(e, nblocks, layers, page, rounds_tag, scattered=False):
@@ -845,6 +953,13 @@ def main():
                 if r.get("heap_buffers", 0) != 0:
                     failures.append(f"daemon_route{sfx}: heap_buffers {r.get('heap_buffers')} "
                                     "(L1 had no room for the staged copies)")
+        timed = "native" if "native" in TRANSFERS else TRANSFERS[0]
+        r = run_check(report, failures, "daemon_vs_l1", daemon_vs_l1,
+                      ("daemon_exact", "l1_exact", "every_daemon_load_staged"), tmp,
+                      transfer=timed)
+        r["transfer"] = timed
+        if cuda and "skipped" not in r and not all(r.get("daemon_memory_pinned") or [False]):
+            failures.append(f"daemon_vs_l1: daemon_memory_pinned {r.get('daemon_memory_pinned')!r}")
         try:
             throughput(report, tmp)
         except Exception as e:  # noqa: BLE001
@@ -871,6 +986,16 @@ def summary(report):
               f"load {t['load_GBps_median']:6.1f} GB/s ({t['load_vs_torch']:.2f}x) "
               f"enqueue save {t['save_enqueue_ms_median']:.2f} ms load "
               f"{t['load_enqueue_ms_median']:.2f} ms pinned {t['pinned']}")
+    timed = report.get("daemon_vs_l1", {})
+    if "daemon_load_ms_median" in timed:
+        print(f"hit of {timed['bytes'] >> 20} MiB ({timed['transfer']}, medians of "
+              f"{timed['samples']}): daemon {timed['daemon_load_ms_median']:.2f} ms "
+              f"{[round(x, 2) for x in timed['daemon_load_ms_range']]}, L1 "
+              f"{timed['l1_load_ms_median']:.2f} ms {[round(x, 2) for x in timed['l1_load_ms_range']]}"
+              f", daemon/L1 {timed['daemon_vs_l1_median_of_pairs']:.2f}x "
+              f"{[round(x, 2) for x in timed['daemon_vs_l1_range']]}")
+        for route in ("daemon", "l1"):
+            print(f"  {route} phases (ms):", timed[f"{route}_phases_ms_median"])
     for key in ("engine_native", "engine_native_dma", "engine_native_kernel"):
         if key in report:
             print(f"{key}:", report[key])

@@ -46,6 +46,12 @@ def test_gpu_check_passes_on_cpu_tensors(tmp_path):
     # Its staged copies had L1's (page-locked on a GPU) buffers, none from the heap.
     assert daemon["heap_buffers"] == 0, daemon
     assert report["staged_load"]["buffers_hold_the_chunks"], report["staged_load"]
+    # A daemon hit's load timed against an L1 hit's of the same bytes: both byte for byte,
+    # every daemon load through the daemon (none from the engine's own L1).
+    timed = report["daemon_vs_l1"]
+    assert "skipped" not in timed, timed
+    assert timed["daemon_exact"] and timed["l1_exact"] and timed["every_daemon_load_staged"], timed
+    assert timed["samples"] >= 5 and timed["daemon_load_ms_median"] > 0, timed
     # The throughput figures are over every byte moved: on CPU the check saves and loads
     # 128 blocks x 8 layers x 64 KiB (a first version counted one block per chunk: 4 MiB).
     assert report["throughput"]["bytes"] == 64 << 20, report["throughput"]

@@ -44,7 +44,10 @@ pub(super) enum CheckVerdict {
 }
 
 /// Checks a load's copies in order, up to the first that fails: in the engine's blocks
-/// (`planes`) or in their staged copy.
+/// (`planes`) or in their staged copy. Staged copies of [`PARALLEL_CHECK_FROM_BYTES`] or more
+/// in all are checked by several threads, a chunk each at a time (the GPU route: the host's
+/// cores are otherwise idle while the device runs the forward pass); checks in the engine's
+/// blocks stay on this one thread (vLLM's CPU build: the other cores run the forward pass).
 fn check_copies(
     planes: Option<&HostPlanes>,
     memory: &JobMemory,
@@ -53,27 +56,133 @@ fn check_copies(
     let JobMemory::Load(chunks) = memory else {
         return CheckVerdict::Unchecked("not a load's chunks".to_string());
     };
-    for (index, check) in checks.iter().enumerate() {
+    // What each check reads, in order, up to the first that cannot be checked.
+    let mut copies = Vec::with_capacity(checks.len());
+    let mut unchecked = None;
+    for check in checks {
         let Some(LoadSource::Shared(chunk)) = chunks.get(check.chunk) else {
-            return CheckVerdict::Unchecked(format!(
-                "chunk {} was not lent by node memory",
-                check.chunk
-            ));
+            unchecked = Some(format!("chunk {} was not lent by node memory", check.chunk));
+            break;
         };
-        let checked = match (&check.site, planes) {
-            (CheckSite::Blocks, Some(planes)) => planes.check(chunk, &check.blocks),
+        let site = match (&check.site, planes) {
+            (CheckSite::Blocks, Some(planes)) => CopySite::Blocks(planes, &check.blocks),
             (CheckSite::Blocks, None) => {
-                return CheckVerdict::Unchecked("the engine's blocks are not readable".into());
+                unchecked = Some("the engine's blocks are not readable".into());
+                break;
             }
-            (CheckSite::Staged(copy), _) => chunk
-                .verify_copy([copy.as_slice()])
-                .map_err(|e| e.to_string()),
+            (CheckSite::Staged(copy), _) => CopySite::Staged(copy.as_slice()),
         };
-        if let Err(why) = checked {
-            return CheckVerdict::Mismatch { index, why };
-        }
+        copies.push((chunk, site));
     }
-    CheckVerdict::Verified
+    let staged_bytes: usize = copies
+        .iter()
+        .map(|(_, site)| match site {
+            CopySite::Staged(copy) => copy.len(),
+            CopySite::Blocks(..) => 0,
+        })
+        .sum();
+    let all_staged = copies
+        .iter()
+        .all(|(_, site)| matches!(site, CopySite::Staged(_)));
+    let threads = if all_staged && staged_bytes >= PARALLEL_CHECK_FROM_BYTES {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(PARALLEL_CHECK_THREADS))
+    } else {
+        1
+    };
+    let verdicts = check_each(&copies, threads, check_one);
+    if let Some((index, why)) = verdicts
+        .into_iter()
+        .enumerate()
+        .find_map(|(index, v)| v.err().map(|why| (index, why)))
+    {
+        return CheckVerdict::Mismatch { index, why };
+    }
+    match unchecked {
+        Some(why) => CheckVerdict::Unchecked(why),
+        None => CheckVerdict::Verified,
+    }
+}
+
+/// Staged copies at least this long in all are checked by several threads.
+const PARALLEL_CHECK_FROM_BYTES: usize = 4 << 20;
+
+/// The most threads a load's staged copies are checked with.
+const PARALLEL_CHECK_THREADS: usize = 8;
+
+/// Where one copy from node memory is checked.
+enum CopySite<'a> {
+    /// In the engine's blocks.
+    Blocks(&'a HostPlanes, &'a [u32]),
+    /// In the staged copy the blocks were filled from.
+    Staged(&'a [u8]),
+}
+
+/// Checks one copy from node memory where it lies.
+fn check_one((chunk, site): &(&kvpool_core::SharedChunk, CopySite<'_>)) -> Result<(), String> {
+    match site {
+        CopySite::Blocks(planes, blocks) => planes.check(chunk, blocks),
+        CopySite::Staged(copy) => chunk.verify_copy([*copy]).map_err(|e| e.to_string()),
+    }
+}
+
+/// `check`'s verdict on each of `items`, in order. On one thread: up to the first that fails
+/// (none after it). On `threads`: each thread takes the next item not yet taken, so every
+/// item gets a verdict; the first failure in order is the caller's to find.
+fn check_each<T: Sync>(
+    items: &[T],
+    threads: usize,
+    check: impl Fn(&T) -> Result<(), String> + Sync,
+) -> Vec<Result<(), String>> {
+    if threads <= 1 || items.len() <= 1 {
+        let mut verdicts = Vec::with_capacity(items.len());
+        for item in items {
+            let verdict = check(item);
+            let failed = verdict.is_err();
+            verdicts.push(verdict);
+            if failed {
+                break;
+            }
+        }
+        return verdicts;
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(item) = items.get(index) else {
+                return done;
+            };
+            done.push((index, check(item)));
+        }
+    };
+    let mut verdicts: Vec<Option<Result<(), String>>> = vec![None; items.len()];
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..threads.min(items.len()))
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("kvpool-copy-check".into())
+                    .spawn_scoped(scope, work)
+                    .ok()
+            })
+            .collect();
+        // This thread checks too (and alone, if no helper started).
+        let mut done = work();
+        for helper in helpers {
+            match helper.join() {
+                Ok(theirs) => done.extend(theirs),
+                // A check that panicked: raised here, caught by `check_catching_panics`.
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        for (index, verdict) in done {
+            verdicts[index] = Some(verdict);
+        }
+    });
+    verdicts
+        .into_iter()
+        .map(|v| v.unwrap_or_else(|| Err("the copy was not checked".to_string())))
+        .collect()
 }
 
 impl ConnectorWorker {
@@ -271,4 +380,67 @@ fn check_catching_panics(
         check_copies(planes, &job.memory, checks)
     }))
     .unwrap_or_else(|_| CheckVerdict::Unchecked("the check panicked".to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_each;
+
+    /// Items 0..16, those in `bad` failing; records which were checked.
+    fn run(threads: usize, bad: &[usize]) -> (Vec<Result<(), String>>, Vec<usize>) {
+        let checked = std::sync::Mutex::new(Vec::new());
+        let items: Vec<usize> = (0..16).collect();
+        let verdicts = check_each(&items, threads, |&i| {
+            checked.lock().unwrap().push(i);
+            if bad.contains(&i) {
+                Err(format!("item {i}"))
+            } else {
+                Ok(())
+            }
+        });
+        let mut checked = checked.into_inner().unwrap();
+        checked.sort_unstable();
+        (verdicts, checked)
+    }
+
+    fn first_failure(verdicts: &[Result<(), String>]) -> Option<(usize, String)> {
+        verdicts
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| v.clone().err().map(|why| (i, why)))
+    }
+
+    #[test]
+    fn one_thread_checks_in_order_up_to_the_first_failure() {
+        let (verdicts, checked) = run(1, &[5, 9]);
+        assert_eq!(verdicts.len(), 6);
+        assert_eq!(checked, (0..6).collect::<Vec<_>>());
+        assert_eq!(first_failure(&verdicts), Some((5, "item 5".into())));
+    }
+
+    #[test]
+    fn several_threads_check_every_item_once_and_the_first_failure_in_order_is_found() {
+        for threads in [2, 4, 32] {
+            for _ in 0..20 {
+                let (verdicts, checked) = run(threads, &[9, 5, 12]);
+                assert_eq!(checked, (0..16).collect::<Vec<_>>(), "each item once");
+                assert_eq!(verdicts.len(), 16);
+                assert_eq!(first_failure(&verdicts), Some((5, "item 5".into())));
+                let (verdicts, _) = run(threads, &[]);
+                assert!(verdicts.iter().all(Result::is_ok));
+            }
+        }
+    }
+
+    #[test]
+    fn a_check_that_panics_on_another_thread_panics_the_caller() {
+        let items: Vec<usize> = (0..16).collect();
+        let outcome = std::panic::catch_unwind(|| {
+            check_each(&items, 4, |&i| {
+                assert_ne!(i, 7, "check of item 7");
+                Ok(())
+            })
+        });
+        assert!(outcome.is_err());
+    }
 }
