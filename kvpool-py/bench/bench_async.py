@@ -4,12 +4,17 @@
    processes), with loads before the forward pass (``"async_loads": false``) and in the
    background (the default; ``"always"`` for L1, whose leased hits are otherwise
    synchronous).
-2. A's inter-token gaps while B loads an 8K-token prefix from each tier, sync vs async, against
-   A alone: the engine is stepped by hand and every token timestamped, as a streaming client
-   sees it. The Redis tier is also measured behind a loopback proxy throttled to 32 MB/s (a
-   remote store across a slow link), where a load takes seconds.
+2. A's inter-token gaps while B loads an 8K-token prefix from each tier, against the same run
+   with B's prefix served by vLLM's own prefix cache (the floor: B's prefill of its tail lands
+   in A's steps with any cache), and against A alone: the engine is stepped by hand and every
+   token timestamped, as a streaming client sees it. ``--itl-repeats`` rounds, each running
+   the floor and every tier (asynchronous loads) in turn; ratios are per round, then the
+   median. Synchronous loads run once each (``--itl-sync``). The Redis tier is also measured
+   behind a loopback proxy throttled to 32 MB/s (a remote store across a slow link), where a
+   load takes seconds.
 
-    python bench_async.py --out results.json [--prefix 8192 --repeats 5]
+    python bench_async.py --out results.json [--prefix 8192 --repeats 5 --itl-repeats 5]
+        [--skip-ttft] [--itl-sync]
 
 Run through `cargo xtask bench-async`, which builds a release wheel first and starts Redis.
 """
@@ -36,15 +41,18 @@ def engine_main(spec_path, out_path):
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    kvpool = spec["kvpool"] is not None
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
               dtype="float32", block_size=32, max_model_len=spec["max_model_len"],
-              max_num_batched_tokens=spec["max_model_len"], enable_prefix_caching=False,
+              max_num_batched_tokens=spec["max_model_len"],
+              enable_prefix_caching=spec.get("prefix_caching", False),
               distributed_executor_backend="uni", seed=0,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.vllm",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"config": spec["kvpool"],
-                                             "async_loads": spec["async_loads"]}))
+                                             "async_loads": spec["async_loads"]})
+              if kvpool else None)
 
     def params(n):
         return SamplingParams(temperature=0, detokenize=False, ignore_eos=True, max_tokens=n)
@@ -58,6 +66,7 @@ def engine_main(spec_path, out_path):
         out["ttft_s"].append(time.perf_counter() - t0)
         out.setdefault("cached", []).append(res[0].num_cached_tokens)
     if spec.get("prompt_a"):
+        b_cached = []
         engine = llm.llm_engine
         engine.add_request("A", {"prompt_token_ids": spec["prompt_a"]}, params(spec["a_tokens"]))
         times = {"A": [], "B": []}
@@ -68,6 +77,8 @@ def engine_main(spec_path, out_path):
             for o in outs:
                 while len(times[o.request_id]) < len(o.outputs[0].token_ids):
                     times[o.request_id].append(now)
+                if o.request_id == "B" and o.finished:
+                    b_cached.append(o.num_cached_tokens)
             if spec.get("prompt_b") and b_at is None and len(times["A"]) >= spec["b_after"]:
                 engine.add_request("B", {"prompt_token_ids": spec["prompt_b"]}, params(1))
                 b_at = time.perf_counter()
@@ -80,11 +91,14 @@ def engine_main(spec_path, out_path):
             out["b_ttft_s"] = b_first - b_at
             during = [t1 - t0 for t0, t1 in zip(a, a[1:]) if t1 > b_at and t0 < b_first]
             out["a_worst_gap_during_b_s"] = max(during) if during else 0.0
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        ensure_kv_transfer_shutdown, get_kv_transfer_group)
+            # B's tokens served from a cache (vLLM's own or kvpool's): the load happened.
+            out["b_cached_tokens"] = b_cached[0] if b_cached else None
+    if kvpool:
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_shutdown, get_kv_transfer_group)
 
-    out["stats"] = dict(get_kv_transfer_group()._work.native.stats())
-    ensure_kv_transfer_shutdown()
+        out["stats"] = dict(get_kv_transfer_group()._work.native.stats())
+        ensure_kv_transfer_shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)
 
@@ -108,6 +122,11 @@ def main():
     ap.add_argument("--redis-port", type=int, required=True)
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--itl-repeats", type=int, default=5,
+                    help="rounds of the gap runs (the floor, then each tier)")
+    ap.add_argument("--skip-ttft", action="store_true", help="only the gap runs")
+    ap.add_argument("--itl-sync", action="store_true",
+                    help="also synchronous loads in the gap runs (once each)")
     ap.add_argument("--scratch", default=None)
     a = ap.parse_args()
     from make_model import make_model
@@ -139,7 +158,7 @@ def main():
     slow = lower(proxy.url, "slow-redis")
     modes = {"sync": False, "async": True}
     ttft = {}
-    for mode, flag in modes.items():
+    for mode, flag in ({} if a.skip_ttft else modes).items():
         res = run_engine({**base, "kvpool": l1, "async_loads": "always" if flag else False,
                           "warm": [unrelated, prompt], "measure": [prompt] * a.repeats},
                          scratch, f"ttft-l1-{mode}")
@@ -150,42 +169,77 @@ def main():
                                scratch, f"ttft-{tier}-{mode}-{i}")["ttft_s"][0]
                     for i in range(a.repeats)]
             ttft[(tier, mode)] = runs
-    itl = {}
-    alone = run_engine({**base, "kvpool": l1, "async_loads": True, "warm": [unrelated],
-                        "prompt_a": prompt_a, "a_tokens": 120, "b_after": 10}, scratch, "a-alone")
-    for mode, flag in modes.items():
-        for tier, cfg, warm in (("L1", l1, [unrelated, prompt]), ("disk", disk, [unrelated]),
-                                ("Redis", redis, [unrelated]),
-                                ("Redis at 32 MB/s", slow, [unrelated])):
-            timing = ("always" if flag else False) if tier == "L1" else flag
-            itl[(tier, mode)] = run_engine(
-                {**base, "kvpool": cfg, "async_loads": timing, "warm": warm,
-                 "prompt_a": prompt_a, "a_tokens": 120, "prompt_b": prompt, "b_after": 10},
-                scratch, f"itl-{tier.split()[0]}-{mode}-{len(itl)}")
+    gap = {"prompt_a": prompt_a, "a_tokens": 120, "b_after": 10}
+    tiers = (("L1", l1, [unrelated, prompt]), ("disk", disk, [unrelated]),
+             ("Redis", redis, [unrelated]), ("Redis at 32 MB/s", slow, [unrelated]))
+    # The floor: no connector, B's prompt resident in vLLM's own prefix cache (warmed with
+    # it, as L1 is): vLLM then serves the same 8,224 tokens (whole blocks) that kvpool
+    # serves, and B computes the same 32-token tail.
+    floor_spec = {**base, "kvpool": None, "prefix_caching": True, "async_loads": True,
+                  "warm": [unrelated, prompt], **gap, "prompt_b": prompt}
+    alone = [run_engine({**base, "kvpool": l1, "async_loads": True, "warm": [unrelated], **gap},
+                        scratch, "a-alone")]
+    floor, itl = [], {}
+    for i in range(a.itl_repeats):
+        floor.append(run_engine(floor_spec, scratch, f"floor-{i}"))
+        for tier, cfg, warm in tiers:
+            timing = "always" if tier == "L1" else True
+            itl.setdefault((tier, "async"), []).append(run_engine(
+                {**base, "kvpool": cfg, "async_loads": timing, "warm": warm, **gap,
+                 "prompt_b": prompt}, scratch, f"itl-{tier.split()[0]}-async-{i}"))
+    if a.itl_sync:
+        for tier, cfg, warm in tiers:
+            itl[(tier, "sync")] = [run_engine(
+                {**base, "kvpool": cfg, "async_loads": False, "warm": warm, **gap,
+                 "prompt_b": prompt}, scratch, f"itl-{tier.split()[0]}-sync")]
     proxy.stop()
 
+    med = statistics.median
     rows = []
-    print(f"\nTTFT of the repeated {a.prefix}-token prefix (median of {a.repeats})")
-    print(f"{'tier':10} {'sync':>8} {'async':>8}")
-    for tier in ("L1", "disk", "Redis"):
-        s, asy = (statistics.median(ttft[(tier, m)]) for m in modes)
-        print(f"{tier:10} {s:7.3f}s {asy:7.3f}s")
-        rows.append({"tier": tier, "ttft_sync_s": ttft[(tier, "sync")],
-                     "ttft_async_s": ttft[(tier, "async")]})
-    print(f"\nA alone: median gap {alone['a_median_gap_s']:.4f}s, worst {alone['a_worst_gap_s']:.4f}s")
-    print(f"{'B loads from':18} {'mode':6} {'B TTFT':>8} {'A median':>9} {'A worst':>8} {'vs alone':>9}")
+    if ttft:
+        print(f"\nTTFT of the repeated {a.prefix}-token prefix (median of {a.repeats})")
+        print(f"{'tier':10} {'sync':>8} {'async':>8}")
+        for tier in ("L1", "disk", "Redis"):
+            s, asy = (med(ttft[(tier, m)]) for m in modes)
+            print(f"{tier:10} {s:7.3f}s {asy:7.3f}s")
+            rows.append({"tier": tier, "ttft_sync_s": ttft[(tier, "sync")],
+                         "ttft_async_s": ttft[(tier, "async")]})
+
+    def spread(xs):
+        return f"{med(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+    floor_worst = [f["a_worst_gap_during_b_s"] for f in floor]
+    floor_median = [f["a_median_gap_s"] for f in floor]
+    alone_worst = [r["a_worst_gap_s"] for r in alone]
+    print(f"\nA's gaps while B's 8K prefix loads; {a.itl_repeats} rounds, medians [range]")
+    print(f"A alone (one run): median gap {med([r['a_median_gap_s'] for r in alone]) * 1e3:.1f} ms, "
+          f"worst {med(alone_worst) * 1e3:.1f} ms")
+    print(f"floor (B's prefix in vLLM's own prefix cache): A's worst gap during B "
+          f"{med(floor_worst) * 1e3:.1f} ms, B's TTFT "
+          f"{med([f['b_ttft_s'] for f in floor]) * 1e3:.0f} ms, B cached "
+          f"{[f.get('b_cached_tokens') for f in floor]}")
+    print(f"{'B loads from':18} {'mode':6} {'B TTFT ms':>10} {'A worst ms':>11} "
+          f"{'worst vs floor':>22} {'median gap vs floor':>22} {'worst vs alone':>16}")
     itl_rows = []
-    for (tier, mode), res in itl.items():
-        ratio = res["a_worst_gap_during_b_s"] / alone["a_worst_gap_s"]
-        print(f"{tier:18} {mode:6} {res['b_ttft_s']:7.3f}s {res['a_median_gap_s']:8.4f}s "
-              f"{res['a_worst_gap_during_b_s']:7.3f}s {ratio:8.1f}x")
-        itl_rows.append({"tier": tier, "mode": mode, "b_ttft_s": res["b_ttft_s"],
-                         "a_median_gap_s": res["a_median_gap_s"],
-                         "a_worst_gap_during_b_s": res["a_worst_gap_during_b_s"],
-                         "worst_vs_alone": ratio, "stats": res["stats"]})
+    for (tier, mode), runs in itl.items():
+        n = len(runs)
+        worst = [r["a_worst_gap_during_b_s"] for r in runs]
+        vs_floor = [w / f for w, f in zip(worst, floor_worst[:n])]
+        median_vs_floor = [r["a_median_gap_s"] / f for r, f in zip(runs, floor_median[:n])]
+        vs_alone = [w / alone_worst[0] for w in worst]
+        print(f"{tier:18} {mode:6} {med([r['b_ttft_s'] for r in runs]) * 1e3:10.0f} "
+              f"{med(worst) * 1e3:11.1f} {spread(vs_floor):>22} "
+              f"{spread(median_vs_floor):>22} {med(vs_alone):15.1f}x")
+        itl_rows.append({"tier": tier, "mode": mode,
+                         "b_ttft_s": [r["b_ttft_s"] for r in runs],
+                         "b_cached_tokens": [r.get("b_cached_tokens") for r in runs],
+                         "a_median_gap_s": [r["a_median_gap_s"] for r in runs],
+                         "a_worst_gap_during_b_s": worst,
+                         "worst_vs_floor": vs_floor, "median_gap_vs_floor": median_vs_floor,
+                         "worst_vs_alone": vs_alone, "stats": runs[-1].get("stats")})
     with open(a.out, "w") as f:
-        json.dump({"prefix_tokens": a.prefix, "ttft": rows, "a_alone": alone, "itl": itl_rows},
-                  f, indent=2)
+        json.dump({"prefix_tokens": a.prefix, "ttft": rows, "a_alone": alone, "floor": floor,
+                   "itl": itl_rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -173,6 +173,29 @@ def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,it
         return json.load(f)
 
 
+def paired_ratios(rounds):
+    """Each configuration's req/s, TTFT p50 and ITL p99 over no connector's in the same round,
+    per workload: ``{name: {workload: {figure: [ratio per round]}}}`` (empty without a no
+    connector run)."""
+    base = rounds.get("no connector")
+    if not base:
+        return {}
+    out = {}
+    for name, rows in rounds.items():
+        if name == "no connector":
+            continue
+        for wname, rs in rows.items():
+            pairs = list(zip(rs, base.get(wname, [])))
+            figures = {}
+            for k in ("req_s", "ttft_p50_ms", "itl_p99_ms"):
+                vals = [r[k] / b[k] for r, b in pairs if r.get(k) and b.get(k)]
+                if vals:
+                    figures[k] = vals
+            if figures:
+                out.setdefault(name, {})[wname] = figures
+    return out
+
+
 def draw_chart(summary, workloads, path):
     import matplotlib
 
@@ -228,6 +251,10 @@ def main():
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--workloads", default=None, help="comma-separated workload names")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds, each starting every configuration afresh in turn (other "
+                         "random prompts and a fresh disk tier per round); ratios to no "
+                         "connector are taken per round, then the median")
     a = ap.parse_args()
     from make_model import make_model
 
@@ -269,44 +296,61 @@ def main():
             "kv_connector_extra_config": {"config": cfg}})]
 
     small_l1 = {"local_cpu": {"max_size": "64MiB"}}
-    configs = {
-        "no connector": ["--no-enable-prefix-caching"],
-        "kvpool L1": kvpool({"local_cpu": {"max_size": "4GiB"}}),
-        "kvpool disk": kvpool({**small_l1, "tier": [{"url": f"file://{scratch}/disk"}]}),
-        "kvpool Redis": kvpool({**small_l1, "tier": [{"url": redis}]}),
-        "vLLM prefix cache": ["--enable-prefix-caching"],
-    }
-    configs = pick(ap, configs, a.only, "configurations")
+
+    def configs_of(rnd):
+        # A disk tier of its own per round: a round's prompts never hit an earlier round's.
+        disk = os.path.join(scratch, "disk" if a.rounds == 1 else f"disk-{rnd}")
+        return pick(ap, {
+            "no connector": ["--no-enable-prefix-caching"],
+            "kvpool L1": kvpool({"local_cpu": {"max_size": "4GiB"}}),
+            "kvpool disk": kvpool({**small_l1, "tier": [{"url": f"file://{disk}"}]}),
+            "kvpool Redis": kvpool({**small_l1, "tier": [{"url": redis}]}),
+            "vLLM prefix cache": ["--enable-prefix-caching"],
+        }, a.only, "configurations")
+
     results_dir = os.path.join(scratch, "results")
     os.makedirs(results_dir, exist_ok=True)
-    summary = {}
+    rounds = {}  # name -> workload -> one row per round
     port = 18000 + os.getpid() % 1000
-    for ci, (name, args) in enumerate(configs.items()):
-        slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
-        server = Server(model, port + ci, os.path.join(scratch, f"{slug}.server.log"), args,
-                        {"MAX_LEN": max_len})
-        try:
-            server.wait_ready()
-            for wname, wargs in workloads.items():
-                before = server.metric("vllm:external_prefix_cache_hits_total")
-                r = run_client(model, server.port, wargs, results_dir,
-                               f"{slug}-{re.sub(r'[^a-z0-9]+', '-', wname)}")
-                served = server.metric("vllm:external_prefix_cache_hits_total") - before
-                summary.setdefault(name, {})[wname] = {
-                    "ttft_p50_ms": r.get("p50_ttft_ms", r.get("median_ttft_ms")),
-                    "ttft_p99_ms": r.get("p99_ttft_ms"),
-                    "itl_p99_ms": r.get("p99_itl_ms"),
-                    "req_s": r.get("request_throughput"),
-                    "output_tok_s": r.get("output_throughput"),
-                    "completed": r.get("completed"),
-                    "prompt_tokens": r.get("total_input_tokens"),
-                    "kvpool_tokens": int(served),
-                }
-                print(name, wname, json.dumps(summary[name][wname]), flush=True)
-        finally:
-            server.stop()
+    for rnd in range(a.rounds):
+        # Other random prompts per round (the same for every configuration of the round).
+        seeded = {w: args + (["--seed", str(1000 + rnd)] if a.rounds > 1 and w == "no reuse"
+                             else []) for w, args in workloads.items()}
+        for ci, (name, args) in enumerate(configs_of(rnd).items()):
+            slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
+            tag = "" if a.rounds == 1 else f"-r{rnd}"
+            server = Server(model, port + ci, os.path.join(scratch, f"{slug}{tag}.server.log"),
+                            args, {"MAX_LEN": max_len})
+            try:
+                server.wait_ready()
+                for wname, wargs in seeded.items():
+                    before = server.metric("vllm:external_prefix_cache_hits_total")
+                    r = run_client(model, server.port, wargs, results_dir,
+                                   f"{slug}-{re.sub(r'[^a-z0-9]+', '-', wname)}{tag}")
+                    served = server.metric("vllm:external_prefix_cache_hits_total") - before
+                    row = {
+                        "ttft_p50_ms": r.get("p50_ttft_ms", r.get("median_ttft_ms")),
+                        "ttft_p99_ms": r.get("p99_ttft_ms"),
+                        "itl_p99_ms": r.get("p99_itl_ms"),
+                        "req_s": r.get("request_throughput"),
+                        "output_tok_s": r.get("output_throughput"),
+                        "completed": r.get("completed"),
+                        "prompt_tokens": r.get("total_input_tokens"),
+                        "kvpool_tokens": int(served),
+                    }
+                    rounds.setdefault(name, {}).setdefault(wname, []).append(row)
+                    print(name, wname, f"round {rnd}", json.dumps(row), flush=True)
+            finally:
+                server.stop()
+    # Each figure's median over the rounds (one round: its figures).
+    summary = {name: {w: {k: (statistics.median(v) if all(x is not None for x in v) else None)
+                          for k, v in ((k, [r[k] for r in rs]) for k in rs[0])}
+                      for w, rs in rows.items()}
+               for name, rows in rounds.items()}
+    ratios = paired_ratios(rounds)
     with open(a.out, "w") as f:
-        json.dump({"workloads": workloads, "rows": summary}, f, indent=2)
+        json.dump({"workloads": workloads, "rounds": a.rounds, "rows": summary,
+                   "per_round": rounds, "vs_no_connector": ratios}, f, indent=2)
     print(f"\n{'configuration':20} {'workload':14} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p99':>8} {'req/s':>6} {'out tok/s':>9} {'kvpool tok':>10}")
     for name, rows in summary.items():
@@ -314,6 +358,16 @@ def main():
             print(f"{name:20} {wname:14} {r['ttft_p50_ms'] or 0:8.0f}ms {r['ttft_p99_ms'] or 0:8.0f}ms"
                   f" {r['itl_p99_ms'] or 0:7.0f}ms {r['req_s'] or 0:6.2f} {r['output_tok_s'] or 0:9.1f}"
                   f" {r['kvpool_tokens']:>10}")
+    if ratios:
+        print(f"\nagainst no connector, per round then the median [range] over {a.rounds} "
+              "round(s)")
+        print(f"{'configuration':20} {'workload':14} {'req/s':>18} {'TTFT p50':>18} "
+              f"{'ITL p99':>18}")
+        for name, rows in ratios.items():
+            for wname, r in rows.items():
+                cells = [f"{statistics.median(r[k]):.2f} [{min(r[k]):.2f}-{max(r[k]):.2f}]"
+                         for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")]
+                print(f"{name:20} {wname:14} " + " ".join(f"{c:>18}" for c in cells))
     draw_chart(summary, list(workloads), a.chart)
     print(f"chart: {a.chart}")
 
