@@ -129,6 +129,8 @@ def main():
                     help="also synchronous loads in the gap runs (once each)")
     ap.add_argument("--scratch", default=None)
     a = ap.parse_args()
+    if a.itl_repeats < 1:
+        ap.error("--itl-repeats must be at least 1")
     from make_model import make_model
     from test_asynchrony import ThrottledProxy
 
@@ -194,6 +196,13 @@ def main():
                  "prompt_b": prompt}, scratch, f"itl-{tier.split()[0]}-sync")]
     proxy.stop()
 
+    # The raw results first: a failure while printing loses nothing.
+    with open(a.out, "w") as f:
+        json.dump({"prefix_tokens": a.prefix,
+                   "ttft": [{"tier": t, "mode": m, "ttft_s": v} for (t, m), v in ttft.items()],
+                   "a_alone": alone, "floor": floor,
+                   "itl_raw": [{"tier": t, "mode": m, "runs": v} for (t, m), v in itl.items()]},
+                  f, indent=2)
     med = statistics.median
     rows = []
     if ttft:
@@ -224,12 +233,16 @@ def main():
     for (tier, mode), runs in itl.items():
         n = len(runs)
         worst = [r["a_worst_gap_during_b_s"] for r in runs]
-        vs_floor = [w / f for w, f in zip(worst, floor_worst[:n])]
-        median_vs_floor = [r["a_median_gap_s"] / f for r, f in zip(runs, floor_median[:n])]
+        # Paired with the floor of the same round; the synchronous rows (run once, after the
+        # rounds) have no floor of their own: no ratio.
+        paired = mode == "async"
+        vs_floor = [w / f for w, f in zip(worst, floor_worst[:n])] if paired else []
+        median_vs_floor = ([r["a_median_gap_s"] / f for r, f in zip(runs, floor_median[:n])]
+                           if paired else [])
         vs_alone = [w / alone_worst[0] for w in worst]
         print(f"{tier:18} {mode:6} {med([r['b_ttft_s'] for r in runs]) * 1e3:10.0f} "
-              f"{med(worst) * 1e3:11.1f} {spread(vs_floor):>22} "
-              f"{spread(median_vs_floor):>22} {med(vs_alone):15.1f}x")
+              f"{med(worst) * 1e3:11.1f} {spread(vs_floor) if paired else '-':>22} "
+              f"{spread(median_vs_floor) if paired else '-':>22} {med(vs_alone):15.1f}x")
         itl_rows.append({"tier": tier, "mode": mode,
                          "b_ttft_s": [r["b_ttft_s"] for r in runs],
                          "b_cached_tokens": [r.get("b_cached_tokens") for r in runs],

@@ -188,6 +188,8 @@ def paired_ratios(rounds):
             pairs = list(zip(rs, base.get(wname, [])))
             figures = {}
             for k in ("req_s", "ttft_p50_ms", "itl_p99_ms"):
+                # A round where either figure is missing or zero gives no ratio (the table
+                # prints "n/a" when no round gave one).
                 vals = [r[k] / b[k] for r, b in pairs if r.get(k) and b.get(k)]
                 if vals:
                     figures[k] = vals
@@ -253,8 +255,9 @@ def main():
     ap.add_argument("--workloads", default=None, help="comma-separated workload names")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds, each starting every configuration afresh in turn (other "
-                         "random prompts and a fresh disk tier per round); ratios to no "
-                         "connector are taken per round, then the median")
+                         "random prompts for no reuse and miss cost, a fresh disk directory "
+                         "and Redis database per round); ratios to no connector are taken "
+                         "per round, then the median")
     a = ap.parse_args()
     from make_model import make_model
 
@@ -300,11 +303,13 @@ def main():
     def configs_of(rnd):
         # A disk tier of its own per round: a round's prompts never hit an earlier round's.
         disk = os.path.join(scratch, "disk" if a.rounds == 1 else f"disk-{rnd}")
+        # And a Redis database of its own (Redis keeps 16: rounds past that share one).
+        tier_redis = redis if a.rounds == 1 else f"{redis}/{rnd % 16}"
         return pick(ap, {
             "no connector": ["--no-enable-prefix-caching"],
             "kvpool L1": kvpool({"local_cpu": {"max_size": "4GiB"}}),
             "kvpool disk": kvpool({**small_l1, "tier": [{"url": f"file://{disk}"}]}),
-            "kvpool Redis": kvpool({**small_l1, "tier": [{"url": redis}]}),
+            "kvpool Redis": kvpool({**small_l1, "tier": [{"url": tier_redis}]}),
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")
 
@@ -314,8 +319,10 @@ def main():
     port = 18000 + os.getpid() % 1000
     for rnd in range(a.rounds):
         # Other random prompts per round (the same for every configuration of the round).
-        seeded = {w: args + (["--seed", str(1000 + rnd)] if a.rounds > 1 and w == "no reuse"
-                             else []) for w, args in workloads.items()}
+        reseed = {"no reuse": 1000, "miss cost": 2000}
+        seeded = {w: args + (["--seed", str(reseed[w] + rnd)]
+                             if a.rounds > 1 and w in reseed else [])
+                  for w, args in workloads.items()}
         for ci, (name, args) in enumerate(configs_of(rnd).items()):
             slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
             tag = "" if a.rounds == 1 else f"-r{rnd}"
@@ -366,7 +373,7 @@ def main():
         for name, rows in ratios.items():
             for wname, r in rows.items():
                 cells = [f"{statistics.median(r[k]):.2f} [{min(r[k]):.2f}-{max(r[k]):.2f}]"
-                         for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")]
+                         if r.get(k) else "n/a" for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")]
                 print(f"{name:20} {wname:14} " + " ".join(f"{c:>18}" for c in cells))
     draw_chart(summary, list(workloads), a.chart)
     print(f"chart: {a.chart}")

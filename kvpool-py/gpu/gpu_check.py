@@ -606,13 +606,58 @@ def daemon_route(report, tmp, transfer="torch"):
         b.shutdown()
 
 
+def timed_loads(report, caches, engines, prompt, tokens, src, dst, pairs, times, phases):
+    """``daemon_vs_l1``'s loads: one warm-up per engine, then ``pairs`` pairs, the order within
+    a pair alternating. Before each load its blocks are overwritten (outside the timed span),
+    and after it they are compared with the blocks saved, byte for byte."""
+    staged, exact = [], {route: [] for route in engines}
+    whole = tokens // BLOCK
+    for i in range(pairs + 1):
+        order = list(engines) if i % 2 == 0 else list(reversed(list(engines)))
+        for route in order:
+            e = engines[route]
+            target = torch.tensor(dst[route], device=DEVICE)
+            for t in caches.values():
+                t.index_fill_(0, target, -7.0)
+            before = dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
+            sync()
+            t0 = time.perf_counter()
+            laps = {} if i else None
+            hit, failed, late = e.load_step(f"{route}{i}", prompt, dst[route], phases=laps)
+            sync()
+            took = time.perf_counter() - t0
+            for phase, t in (laps or {}).items():
+                phases[route].setdefault(phase, []).extend(t)
+            if hit[0] != tokens or failed or late:
+                raise AssertionError(f"{route} load {i}: hit {hit}, failed {len(failed)}, "
+                                     f"late {late}")
+            exact[route].append(all(blocks_equal(caches, src[k], dst[route][k])
+                                    for k in range(whole)))
+            if route == "daemon":
+                staged.append(dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
+                              - before)
+            if i == 0:
+                if route == "daemon" and DEVICE == "cuda":
+                    report["daemon_memory_pinned"] = e.wait_node_memory_pinned(60)
+                continue
+            times[route].append(took)
+    for route in engines:
+        # Every load's blocks, each overwritten before it: byte for byte.
+        report[f"{route}_exact"] = all(exact[route])
+    # Every load of the daemon's engine went through the daemon (none from its own L1).
+    report["daemon_staged_tokens_per_load"] = staged
+    report["every_daemon_load_staged"] = all(s >= tokens for s in staged)
+    report["in_flight_after"] = list(engines["daemon"].worker.in_flight())
+
+
 def daemon_vs_l1(report, tmp, transfer="native"):
     """The time of a hit's load from the node's pool daemon against an L1 hit's of the same
     bytes, in one run: engine A saves a prompt into the daemon and engine L the same prompt
     into its own L1; then B (attached to the daemon, fresh) and L load it in turn, each load a
     whole step as the connector runs it (lookup, copies, checks of staged copies) until the
     blocks are on the device. One warm-up load each (B's first also starts page-locking its
-    mapping of the daemon's memory), then ``KVPOOL_CHECK_DAEMON_LOADS`` timed pairs (7)."""
+    mapping of the daemon's memory), then ``KVPOOL_CHECK_DAEMON_LOADS`` timed pairs (7) of
+    ``KVPOOL_CHECK_DAEMON_TOKENS`` tokens (4,096 on a GPU: 128 MiB; 1,024 on CPU)."""
     binary = kvpool_binary()
     if binary is None:
         report["skipped"] = "no kvpool binary (KVPOOL_BIN, or `kvpool` next to this script)"
@@ -638,42 +683,14 @@ def daemon_vs_l1(report, tmp, transfer="native"):
             e.step([(req, n, [], 2, src, n)])
         a.shutdown()
         b = Engine(caches, tmp, pool=pool, transfer=transfer)
-        engines = {"daemon": b, "l1": local}
         times = {"daemon": [], "l1": []}
         phases = {"daemon": {}, "l1": {}}
-        staged = []
-        for i in range(pairs + 1):
-            for route, e in engines.items():
-                before = dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
-                sync()
-                t0 = time.perf_counter()
-                laps = {} if i else None
-                hit, failed, late = e.load_step(f"{route}{i}", prompt, dst[route],
-                                                phases=laps)
-                sync()
-                took = time.perf_counter() - t0
-                for phase, t in (laps or {}).items():
-                    phases[route].setdefault(phase, []).extend(t)
-                if hit[0] != tokens or failed or late:
-                    raise AssertionError(f"{route} load {i}: hit {hit}, failed {len(failed)}, "
-                                         f"late {late}")
-                if route == "daemon":
-                    staged.append(dict(e.worker.stats()).get("node_memory_staged_tokens", 0)
-                                  - before)
-                if i == 0:
-                    if route == "daemon" and DEVICE == "cuda":
-                        report["daemon_memory_pinned"] = b.wait_node_memory_pinned(60)
-                    continue
-                times[route].append(took)
-        for route in engines:
-            report[f"{route}_exact"] = all(
-                blocks_equal(caches, src[k], dst[route][k]) for k in range(tokens // BLOCK))
-        # Every load of B's went through the daemon (none served from B's own L1).
-        report["daemon_staged_tokens_per_load"] = staged
-        report["every_daemon_load_staged"] = all(s >= tokens for s in staged)
-        report["in_flight_after"] = list(b.worker.in_flight())
-        b.shutdown()
-        local.shutdown()
+        try:
+            timed_loads(report, caches, {"daemon": b, "l1": local}, prompt, tokens, src, dst,
+                        pairs, times, phases)
+        finally:
+            b.shutdown()
+            local.shutdown()
     med = statistics.median
     for route, t in times.items():
         report[f"{route}_load_ms_median"] = med(t) * 1e3

@@ -28,8 +28,9 @@
 //!   SGLang's own `file` backend and a plain copy, GB/s of backups and prefetches.
 //! - `cargo xtask bench-vllm`: TTFT on a repeated 8K-token prefix, recompute vs kvpool vs
 //!   vLLM's ExampleConnector (see docs/benchmarks.md).
-//! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM, side by side:
-//!   TTFT from L1, disk and Redis, and a decoding request's token gaps while another loads.
+//! - `cargo xtask bench-async`: synchronous vs asynchronous loads inside vLLM: TTFT from L1,
+//!   disk and Redis, and a decoding request's token gaps while another loads, against the
+//!   same run with vLLM's own prefix cache serving it (paired rounds).
 //! - `cargo xtask bench-disagg`: a `kv_producer` and a `kv_consumer` `vllm serve` (one core
 //!   each) over the node's pool daemon behind kvpool's proxy, against one `vllm serve` on both
 //!   cores: TTFT and ITL from `vllm bench serve`, rounds interleaved (docs/benchmarks.md).
