@@ -245,13 +245,6 @@ impl CudaCopyEngine {
         self.mode = mode;
     }
 
-    /// Copies a load's staging phase (host to host, on the submitting thread) of 4 MiB or
-    /// more with up to `threads` threads (default: the machine's cores, at most 8).
-    pub fn with_host_threads(mut self, threads: usize) -> Self {
-        self.host_threads = threads.max(1);
-        self
-    }
-
     /// How it moves pages.
     pub fn mode(&self) -> CopyMode {
         self.mode

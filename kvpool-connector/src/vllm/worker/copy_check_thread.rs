@@ -89,13 +89,17 @@ fn check_copies(
     } else {
         1
     };
-    let verdicts = check_each(&copies, threads, check_one);
-    if let Some((index, why)) = verdicts
+    for (index, verdict) in check_each(&copies, threads, check_one)
         .into_iter()
         .enumerate()
-        .find_map(|(index, v)| v.err().map(|why| (index, why)))
     {
-        return CheckVerdict::Mismatch { index, why };
+        match verdict {
+            Some(Ok(())) => {}
+            Some(Err(why)) => return CheckVerdict::Mismatch { index, why },
+            // No verdict (a helper thread gone without one): nothing proven against the
+            // chunk, so it is not deleted, but its blocks and every later one fail.
+            None => return CheckVerdict::Unchecked(format!("copy {index} was not checked")),
+        }
     }
     match unchecked {
         Some(why) => CheckVerdict::Unchecked(why),
@@ -125,20 +129,21 @@ fn check_one((chunk, site): &(&kvpool_core::SharedChunk, CopySite<'_>)) -> Resul
     }
 }
 
-/// `check`'s verdict on each of `items`, in order. On one thread: up to the first that fails
-/// (none after it). On `threads`: each thread takes the next item not yet taken, so every
-/// item gets a verdict; the first failure in order is the caller's to find.
+/// `check`'s verdict on each of `items`, in order (`None`: not checked). On one thread: up
+/// to the first that fails (none after it). On `threads`: each thread takes the next item
+/// not yet taken, so every item gets a verdict; the first failure in order is the caller's
+/// to find.
 fn check_each<T: Sync>(
     items: &[T],
     threads: usize,
     check: impl Fn(&T) -> Result<(), String> + Sync,
-) -> Vec<Result<(), String>> {
+) -> Vec<Option<Result<(), String>>> {
     if threads <= 1 || items.len() <= 1 {
         let mut verdicts = Vec::with_capacity(items.len());
         for item in items {
             let verdict = check(item);
             let failed = verdict.is_err();
-            verdicts.push(verdict);
+            verdicts.push(Some(verdict));
             if failed {
                 break;
             }
@@ -180,9 +185,6 @@ fn check_each<T: Sync>(
         }
     });
     verdicts
-        .into_iter()
-        .map(|v| v.unwrap_or_else(|| Err("the copy was not checked".to_string())))
-        .collect()
 }
 
 impl ConnectorWorker {
@@ -387,7 +389,7 @@ mod tests {
     use super::check_each;
 
     /// Items 0..16, those in `bad` failing; records which were checked.
-    fn run(threads: usize, bad: &[usize]) -> (Vec<Result<(), String>>, Vec<usize>) {
+    fn run(threads: usize, bad: &[usize]) -> (Vec<Option<Result<(), String>>>, Vec<usize>) {
         let checked = std::sync::Mutex::new(Vec::new());
         let items: Vec<usize> = (0..16).collect();
         let verdicts = check_each(&items, threads, |&i| {
@@ -403,11 +405,11 @@ mod tests {
         (verdicts, checked)
     }
 
-    fn first_failure(verdicts: &[Result<(), String>]) -> Option<(usize, String)> {
+    fn first_failure(verdicts: &[Option<Result<(), String>>]) -> Option<(usize, String)> {
         verdicts
             .iter()
             .enumerate()
-            .find_map(|(i, v)| v.clone().err().map(|why| (i, why)))
+            .find_map(|(i, v)| v.clone().expect("checked").err().map(|why| (i, why)))
     }
 
     #[test]
@@ -427,7 +429,7 @@ mod tests {
                 assert_eq!(verdicts.len(), 16);
                 assert_eq!(first_failure(&verdicts), Some((5, "item 5".into())));
                 let (verdicts, _) = run(threads, &[]);
-                assert!(verdicts.iter().all(Result::is_ok));
+                assert!(verdicts.iter().all(|v| matches!(v, Some(Ok(())))));
             }
         }
     }
