@@ -444,3 +444,58 @@ fn a_tier_reading_node_memory_is_loaded_at_lookup_and_leased_so_the_load_is_sync
         }
     }
 }
+
+/// A scheduler in its worker's process (vLLM's EngineCore with its one worker) asks the
+/// worker's lookup server without the socket and gets the socket's answers; once the server
+/// is gone from this process, it asks over the socket again (whose open connection the
+/// server's connection thread still answers).
+#[test]
+fn a_lookup_in_the_servers_process_answers_as_its_socket_does_without_it() {
+    use kvpool_connector::{LookupServer, PoolLookup, SocketLookup};
+    use std::time::Duration;
+
+    let s = setup();
+    store(&s, 48); // three whole chunks of 16 tokens
+    let dir = std::env::temp_dir().join(format!("kvpool-lookup-in-process-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.sock");
+    let server = LookupServer::start(
+        &path,
+        s.engine.clone(),
+        s.runtime.clone(),
+        s.leases.clone(),
+        0,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let connect = || {
+        SocketLookup::connect(
+            std::slice::from_ref(&path),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
+        .unwrap()
+        .0
+    };
+    let mut socket = connect();
+    let mut local = connect().answer_in_process();
+    let mut hasher = s.engine.token_database().hasher(&[]);
+    hasher.extend(&(0..64).collect::<Vec<u32>>());
+    let hashes = hasher.hashes().to_vec();
+    assert_eq!(hashes.len(), 4);
+    for lookup in [&mut socket, &mut local] {
+        assert_eq!(lookup.lookup("", &hashes, false).chunks, 3);
+        assert_eq!(lookup.presence(&hashes), vec![true, true, true, false]);
+    }
+    assert_eq!(local.answered_in_process(), 2);
+    assert_eq!(socket.answered_in_process(), 0);
+
+    drop(server);
+    assert_eq!(local.lookup("", &hashes, false).chunks, 3);
+    assert_eq!(
+        local.answered_in_process(),
+        2,
+        "no server left in this process"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -34,6 +34,13 @@ CALLS = {
 }
 
 
+#: The native worker's calls timed (``native.<name>``): a load's check of chunks copied from
+#: node memory starts in ``copy_done`` and is waited for in ``save_jobs``; ``run_copies``
+#: runs a step's copies on the native copy path (loads before the forward pass, saves after).
+TIMED_NATIVE = ("copy_done", "save_jobs", "failed_blocks", "run_copies", "poll_copies",
+                "settle_copies", "transfer_results", "step_report")
+
+
 def timing(f, label, times):
     """``f`` with each call's duration appended to ``times[label]``; its signature is
     ``f``'s (kvpool checks the connector's signatures against vLLM's at start-up)."""
@@ -64,16 +71,14 @@ def engine(spec_path, out_path):
             setattr(cls, name, timing(getattr(cls, name), f"{module}.{name}", times))
 
     class TimedNative:
-        """The native worker, its ``copy_done`` and ``save_jobs`` timed (a load's check of
-        chunks copied from node memory starts in the first and is waited for in the second,
-        the first call after the forward pass), and ``failed_blocks``."""
+        """The native worker, its calls in ``TIMED_NATIVE`` timed."""
 
         def __init__(self, inner):
             self._inner = inner
 
         def __getattr__(self, name):
             f = getattr(self._inner, name)
-            if name not in ("copy_done", "save_jobs", "failed_blocks"):
+            if name not in TIMED_NATIVE:
                 return f
 
             def timed(*a, **k):
@@ -90,6 +95,9 @@ def engine(spec_path, out_path):
         init(self, *a, **k)
         self.native = TimedNative(self.native)
     worker_side.WorkerSide.__init__ = timed_init
+    atexit.register(lambda: print("THREADS " + json.dumps(thread_cpu_seconds())))
+    atexit.register(lambda: print("SUMS " + json.dumps(
+        {k: [len(v), round(sum(v) * 1e3, 1)] for k, v in times.items()})))
     atexit.register(lambda: print("TIMES " + json.dumps(
         {k: [round(x * 1e3, 2) for x in sorted(v)[-12:]] for k, v in times.items()})))
     # The loads' calls in the order they ran (the measured requests' are the last ones).
@@ -97,6 +105,23 @@ def engine(spec_path, out_path):
         {k: [round(x * 1e3, 1) for x in v if x > 1e-3][-12:] for k, v in times.items()
          if k in ("worker_side.bind", "worker_side.start_load")})))
     bench_vllm.engine_main(spec_path, out_path)
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) this process's live threads used, summed by thread name
+    (``/proc/self/task/*/stat``; threads that already ended are not counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return {k: round(v, 2) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
 
 
 def run(spec, scratch, name):
@@ -114,6 +139,11 @@ def run(spec, scratch, name):
         if line.startswith("TIMES "):
             for call, ms in json.loads(line[6:]).items():
                 print(f"  {call:45} {ms}")
+        if line.startswith("SUMS "):
+            for call, (n, ms) in json.loads(line[5:]).items():
+                print(f"  {call + ', calls and total ms':45} {n} {ms}")
+        if line.startswith("THREADS "):
+            print(f"  CPU seconds by thread: {line[8:]}")
         if line.startswith("ORDER "):
             for call, ms in json.loads(line[6:]).items():
                 print(f"  {call + ', in order, over 1 ms':45} {ms}")
@@ -128,6 +158,35 @@ DISK_ROWS = (
 )
 
 
+def miss_cost(base, scratch, rounds, prompts_per_round):
+    """``--miss``: what a miss costs. Fresh processes, one request at a time (2,048 new tokens,
+    one output token: its time is the prefill and what kvpool does in the same steps), with no
+    connector, kvpool's L1 and kvpool's disk tier (a fresh directory each round), the order
+    reversed each round; each process's connector calls and CPU seconds by thread."""
+    r = random.Random(2)
+    base = {**base, "max_model_len": 4096}
+    medians: dict[str, list[float]] = {}
+    for round_ in range(rounds):
+        warm = [[r.randrange(3, 999) for _ in range(2048)]]
+        prompts = [[r.randrange(3, 999) for _ in range(2048)] for _ in range(prompts_per_round)]
+        rows = [("no connector", {"connector": "none"}),
+                ("kvpool L1", {"connector": "kvpool", "kvpool": {"local_cpu": {"max_size": "4GiB"}}}),
+                ("kvpool disk", {"connector": "kvpool", "kvpool": {
+                    "local_cpu": {"max_size": "64MiB"},
+                    "tier": [{"url": f"file://{os.path.join(scratch, f'disk-{round_}')}"}]}})]
+        if round_ % 2:
+            rows.reverse()
+        for label, spec in rows:
+            out = run({**base, **spec, "warm": warm, "measure": prompts}, scratch,
+                      f"miss, {label}, round {round_}")
+            medians.setdefault(label, []).append(statistics.median(out["ttft_s"]))
+    print("medians of each process's per-request median (range), and vs no connector:")
+    ref = statistics.median(medians["no connector"])
+    for label, m in medians.items():
+        print(f"  {label:15} {statistics.median(m):.3f} s ({min(m):.3f}-{max(m):.3f})"
+              f"  {statistics.median(m) / ref:.2f}x")
+
+
 def main():
     import argparse
 
@@ -140,12 +199,18 @@ def main():
                         help="only the disk rows (no L1 or daemon rows; no KVPOOL_BIN needed)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="the disk rows this many times, their order reversed each round")
+    parser.add_argument("--miss", action="store_true",
+                        help="only the cost of a miss: no connector, L1 and disk, each request new")
+    parser.add_argument("--prompts", type=int, default=12, help="--miss: requests per process")
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="kvpool-time-calls-")
     model = make_model(os.path.join(scratch, "llama-512x4"), hidden=512, layers=4, heads=8,
                        kv_heads=4, intermediate=1408, seed=0)
     r = random.Random(0)
     base = {"model": model, "max_model_len": 8192 + 256}
+    if args.miss:
+        miss_cost(base, scratch, args.rounds, args.prompts)
+        return
     l1 = {"local_cpu": {"max_size": "4GiB"}}
     unrelated = [r.randrange(3, 999) for _ in range(512)]
     prompts = [[r.randrange(3, 999) for _ in range(8192 + 64)] for _ in range(11)]

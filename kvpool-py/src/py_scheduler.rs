@@ -1,5 +1,6 @@
 //! `kvpool._native.Scheduler`: the scheduler half inside vLLM's EngineCore process. It asks
-//! the worker ranks' pools over their lookup sockets and builds each step's metadata.
+//! the worker ranks' pools over their lookup sockets (a worker in this process without it)
+//! and builds each step's metadata.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -18,16 +19,24 @@ use pyo3::types::{PyBytes, PyDict};
 /// computed after the step.
 pub type ScheduledTuple = (String, usize, Vec<u32>, u8, Vec<u32>, usize);
 
-/// Connects to the worker ranks and makes the Rust scheduler (one rank per socket).
+/// Connects to the worker ranks and makes the Rust scheduler (one rank per socket). With
+/// `answer_in_process`, ranks whose worker runs in this process are asked without their socket
+/// ([`SocketLookup::answer_in_process`]).
 pub fn connect_scheduler(
     socket_paths: &[PathBuf],
     config: ConnectorConfig,
     timeout: Duration,
     connect_deadline: Duration,
+    answer_in_process: bool,
 ) -> Result<ConnectorScheduler, String> {
     let block_size = config.block_size;
     let (lookup, info) = SocketLookup::connect(socket_paths, timeout, connect_deadline)
         .map_err(|e| e.to_string())?;
+    let lookup = if answer_in_process {
+        lookup.answer_in_process()
+    } else {
+        lookup
+    };
     let chunk_size = info.chunk_size as usize;
     if chunk_size == 0 || !chunk_size.is_multiple_of(block_size) {
         return Err(format!(
@@ -125,11 +134,14 @@ impl PyScheduler {
         };
         let sched = py
             .detach(|| {
+                // vLLM's EngineCore holds its worker when `tensor_parallel_size` is 1: asked
+                // in this process, without the socket.
                 connect_scheduler(
                     &paths,
                     config,
                     Duration::from_millis(timeout_ms),
                     Duration::from_millis(connect_timeout_ms),
+                    true,
                 )
             })
             .map_err(PyRuntimeError::new_err)?;
@@ -423,6 +435,7 @@ mod tests {
             ConnectorConfig::new(BLOCK),
             Duration::from_secs(5),
             Duration::from_secs(5),
+            false,
         )
         .unwrap();
         (workers, sched)
@@ -443,6 +456,7 @@ mod tests {
             ConnectorConfig::new(BLOCK),
             Duration::from_secs(5),
             Duration::from_secs(5),
+            false,
         )
         .unwrap();
         let prompt: Vec<u32> = (100..117).collect(); // 17 tokens: two 8-token chunks + 1
@@ -630,6 +644,7 @@ mod tests {
             ConnectorConfig::new(BLOCK),
             Duration::from_millis(300),
             Duration::from_secs(5),
+            false,
         )
         .unwrap();
         let prompt: Vec<u32> = (0..17).collect();

@@ -1,243 +1,28 @@
-//! Pool lookups across processes: a Unix-socket server next to the worker's pool, and a
-//! [`PoolLookup`] client for the scheduler process (one socket per tensor-parallel rank).
-//!
-//! vLLM runs the scheduler half of a connector in the EngineCore process and the worker half
-//! in each Worker process. The pool (L1 and the lower tiers) lives in the worker, so the
-//! scheduler asks every worker rank over its socket how much of a prompt it can load and takes
-//! the minimum: every rank must be able to load a chunk for the engine to skip it. Lookups
-//! carry the chunk hashes the scheduler computed (16 bytes per chunk), never token ids.
-//!
-//! Wire format: frames of a little-endian `u32` length followed by a postcard-encoded
-//! [`LookupRequest`] or [`LookupResponse`]. Every rank is asked at once and the whole lookup
-//! is bounded by one deadline: a rank that does not answer in time counts as a miss. A rank
-//! that fails [`BREAKER_FAILURES`] lookups in a row has its circuit breaker opened: lookups
-//! count it as a miss without asking, until a probe (a fresh connection and the hello check,
-//! at most once per [`BREAKER_PROBE_INTERVAL`]) succeeds. Every reconnection re-runs the hello
-//! check, so a worker restarted with other keys is never asked.
+//! The scheduler's side: [`SocketLookup`], every worker rank asked at once under one deadline,
+//! a circuit breaker per rank, over the socket or, for a rank served in this process, without it.
 
 use std::io;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvpool_core::CacheEngine;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
-use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
-use crate::vllm::leases::{LeaseTable, LookupAnswer, lookup_and_lease};
+use super::server::LookupTarget;
+use super::{
+    BREAKER_FAILURES, BREAKER_PROBE_INTERVAL, LookupRequest, LookupResponse, WorkerInfo, io_err,
+    read_frame, write_frame,
+};
+use crate::vllm::leases::LookupAnswer;
 use crate::vllm::scheduler::PoolLookup;
-
-/// Consecutive failed lookups that open a rank's circuit breaker.
-pub const BREAKER_FAILURES: u32 = 3;
-/// How often an open breaker lets a probe through.
-pub const BREAKER_PROBE_INTERVAL: Duration = Duration::from_secs(5);
-
-pub use kvpool_core::frame::{MAX_FRAME_BYTES, read_frame, write_frame};
-
-/// What the scheduler asks a worker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LookupRequest {
-    /// Who are you: the worker's key derivation and chunking.
-    Hello,
-    /// How many leading chunks of these (scheduler-computed chain hashes) the pool holds;
-    /// the ones in memory are leased to the request until it loads them or ends.
-    Lookup {
-        /// The request (empty: no lease).
-        req_id: String,
-        /// Chunk hashes, in order.
-        chunk_hashes: Vec<[u8; 16]>,
-        /// Load and lease a hit the pool daemon completes (see
-        /// [`crate::vllm::leases::lookup_and_lease`]).
-        load_node_memory: bool,
-    },
-    /// Which of these chunk hashes the pool holds, each on its own (a hybrid model's
-    /// recurrent states); nothing is leased.
-    Presence {
-        /// Chunk hashes, in any order.
-        chunk_hashes: Vec<[u8; 16]>,
-    },
-}
-
-/// A worker's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LookupResponse {
-    /// Answer to [`LookupRequest::Hello`].
-    Hello(WorkerInfo),
-    /// Leading chunks the pool holds, and how many of them are leased in memory.
-    Chunks {
-        /// Leading chunks some tier holds.
-        found: u64,
-        /// Leading chunks leased in memory to the request.
-        leased: u64,
-    },
-    /// Answer to [`LookupRequest::Presence`]: one flag per hash asked, in order.
-    Present(Vec<bool>),
-    /// The lookup failed (reported as a miss by the client).
-    Error(String),
-}
-
-/// What a worker tells the scheduler when it connects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    /// The worker's probe hash (see [`crate::probe_hash`]).
-    pub probe_hash: [u8; 16],
-    /// Tokens per chunk.
-    pub chunk_size: u32,
-    /// The chain hash function.
-    pub hash_algorithm: kvpool_core::HashAlgorithm,
-    /// The worker's tensor-parallel rank.
-    pub rank: u32,
-}
-
-fn io_err(msg: impl Into<String>) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, msg.into())
-}
-
-/// Answers lookups against a worker's pool on a Unix socket, on its own threads, until dropped.
-pub struct LookupServer {
-    path: PathBuf,
-    stop: Arc<AtomicBool>,
-    accept_thread: Option<JoinHandle<()>>,
-}
-
-impl LookupServer {
-    /// Binds `path` (replacing a stale socket file) and serves lookups for `engine`, whose
-    /// async calls run on `runtime`, leasing into `leases`. Each connection gets a thread;
-    /// reads time out after `idle_timeout` so abandoned connections do not pin threads for
-    /// ever.
-    pub fn start(
-        path: &Path,
-        engine: Arc<CacheEngine>,
-        runtime: Arc<Runtime>,
-        leases: Arc<LeaseTable>,
-        rank: u32,
-        idle_timeout: Duration,
-    ) -> io::Result<Self> {
-        if path.exists() {
-            std::fs::remove_file(path)?;
-        }
-        let listener = UnixListener::bind(path)?;
-        let info = WorkerInfo {
-            probe_hash: crate::probe_hash(&engine),
-            chunk_size: engine.token_database().chunk_size() as u32,
-            hash_algorithm: engine.token_database().config().hash_algorithm,
-            rank,
-        };
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_accept = stop.clone();
-        let accept_thread = std::thread::Builder::new()
-            .name("kvpool-lookup".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop_accept.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(stream) = conn else { continue };
-                    let (engine, runtime, leases) =
-                        (engine.clone(), runtime.clone(), leases.clone());
-                    let spawned = std::thread::Builder::new()
-                        .name("kvpool-lookup-conn".into())
-                        .spawn(move || {
-                            serve(stream, &engine, &runtime, &leases, info, idle_timeout)
-                        });
-                    if let Err(e) = spawned {
-                        warn!(error = %e, "cannot start a lookup connection thread");
-                    }
-                }
-            })?;
-        info!(path = %path.display(), rank, "kvpool lookup server listening");
-        Ok(LookupServer {
-            path: path.to_path_buf(),
-            stop,
-            accept_thread: Some(accept_thread),
-        })
-    }
-
-    /// The socket path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for LookupServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wake the accept loop so it sees the flag.
-        let _ = UnixStream::connect(&self.path);
-        if let Some(t) = self.accept_thread.take() {
-            let _ = t.join();
-        }
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-fn serve(
-    mut stream: UnixStream,
-    engine: &CacheEngine,
-    runtime: &Runtime,
-    leases: &LeaseTable,
-    info: WorkerInfo,
-    idle_timeout: Duration,
-) {
-    let _ = stream.set_read_timeout(Some(idle_timeout));
-    let _ = stream.set_write_timeout(Some(idle_timeout));
-    loop {
-        let request: LookupRequest = match read_frame(&mut stream) {
-            Ok(r) => r,
-            Err(e) => {
-                if e.kind() != io::ErrorKind::UnexpectedEof {
-                    debug!(error = %e, "lookup connection closed");
-                }
-                return;
-            }
-        };
-        let response = match request {
-            LookupRequest::Hello => LookupResponse::Hello(info),
-            LookupRequest::Lookup {
-                req_id,
-                chunk_hashes,
-                load_node_memory,
-            } => {
-                let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
-                    .into_iter()
-                    .map(kvpool_core::ChunkHash)
-                    .collect();
-                let answer = runtime.block_on(lookup_and_lease(
-                    engine,
-                    leases,
-                    &req_id,
-                    &hashes,
-                    load_node_memory,
-                ));
-                LookupResponse::Chunks {
-                    found: answer.chunks as u64,
-                    leased: answer.leased as u64,
-                }
-            }
-            LookupRequest::Presence { chunk_hashes } => {
-                let hashes: Vec<kvpool_core::ChunkHash> = chunk_hashes
-                    .into_iter()
-                    .map(kvpool_core::ChunkHash)
-                    .collect();
-                LookupResponse::Present(
-                    runtime.block_on(crate::vllm::scheduler::chunks_present(engine, &hashes)),
-                )
-            }
-        };
-        if write_frame(&mut stream, &response).is_err() {
-            return;
-        }
-    }
-}
 
 /// One rank as the scheduler sees it: its connection (locked while a call is on the wire)
 /// and its circuit breaker (never locked across I/O).
 struct Rank {
+    /// Its lookup socket.
+    path: PathBuf,
     conn: Mutex<RankConnection>,
     breaker: Mutex<Breaker>,
 }
@@ -286,6 +71,10 @@ pub struct SocketLookup {
     expected: WorkerInfo,
     timeout: Duration,
     breaker_misses: u64,
+    /// Whether ranks served in this process are asked without the socket.
+    in_process: bool,
+    /// Lookups every rank answered in this process.
+    answered_in_process: u64,
 }
 
 struct RankConnection {
@@ -431,6 +220,7 @@ impl SocketLookup {
                     .into_iter()
                     .map(|conn| {
                         Arc::new(Rank {
+                            path: conn.path.clone(),
                             conn: Mutex::new(conn),
                             breaker: Mutex::new(Breaker::default()),
                         })
@@ -439,60 +229,106 @@ impl SocketLookup {
                 expected: first,
                 timeout,
                 breaker_misses: 0,
+                in_process: false,
+                answered_in_process: 0,
             },
             first,
         ))
     }
 
-    /// Asks one rank; its answer, or `None` (a failure, an error reply or another kind of
-    /// reply than `request` calls for, all logged) for a miss.
+    /// Asks ranks served in this process without their sockets (see the module's docs): the
+    /// same answers, computed on the asking thread and bounded by the same deadline. A rank
+    /// whose server is not in this process (another worker process, or its server stopped) is
+    /// asked over its socket as before.
+    pub fn answer_in_process(mut self) -> Self {
+        self.in_process = true;
+        self
+    }
+
+    /// Lookups every rank answered in this process, without the socket.
+    pub fn answered_in_process(&self) -> u64 {
+        self.answered_in_process
+    }
+
+    /// Asks one rank (`in_process`: without its socket if its server runs in this process
+    /// and derives keys as `expected`); its answer, or `None` (a failure, an error reply or
+    /// another kind of reply than `request` calls for, all logged) for a miss.
     fn ask(
         rank: &Rank,
         request: &LookupRequest,
         deadline: Instant,
         expected: &WorkerInfo,
+        in_process: bool,
     ) -> Option<LookupResponse> {
         let probe = rank.breaker.lock().admits(Instant::now())?;
-        // A rank still busy with an earlier lookup (stuck until its deadline) did not answer.
-        let Some(mut conn) = rank.conn.try_lock() else {
-            rank.breaker.lock().failed(
-                Path::new("(a rank busy with an earlier lookup)"),
-                Instant::now(),
-            );
-            return None;
-        };
-        if probe {
-            conn.stream = None;
-        }
-        let answer = match (request, conn.call(request, deadline, Some(expected))) {
-            (LookupRequest::Lookup { .. }, Ok(reply @ LookupResponse::Chunks { .. })) => {
-                Some(reply)
+        let local = in_process
+            .then(|| LookupTarget::in_process(&rank.path))
+            .flatten()
+            .filter(|target| target.info.agrees_with(expected));
+        let answer = match local {
+            Some(target) => {
+                let reply = target.answer(request.clone(), Some(deadline));
+                Self::accept(request, Ok(reply), &rank.path).0
             }
-            (LookupRequest::Presence { chunk_hashes }, Ok(LookupResponse::Present(flags)))
-                if flags.len() == chunk_hashes.len() =>
-            {
-                Some(LookupResponse::Present(flags))
-            }
-            (_, Ok(LookupResponse::Error(e))) => {
-                warn!(path = %conn.path.display(), error = %e, "lookup failed on a worker; treating as a miss");
-                None
-            }
-            (_, Ok(other)) => {
-                warn!(path = %conn.path.display(), reply = ?other, "unexpected lookup reply; treating as a miss");
-                conn.stream = None;
-                None
-            }
-            (_, Err(e)) => {
-                warn!(path = %conn.path.display(), error = %e, "worker lookup failed; treating as a miss");
-                None
+            None => {
+                // A rank still busy with an earlier lookup (stuck until its deadline) did not
+                // answer.
+                let Some(mut conn) = rank.conn.try_lock() else {
+                    rank.breaker.lock().failed(
+                        Path::new("(a rank busy with an earlier lookup)"),
+                        Instant::now(),
+                    );
+                    return None;
+                };
+                if probe {
+                    conn.stream = None;
+                }
+                let reply = conn.call(request, deadline, Some(expected));
+                let (answer, reconnect) = Self::accept(request, reply, &rank.path);
+                if reconnect {
+                    conn.stream = None;
+                }
+                answer
             }
         };
         let mut breaker = rank.breaker.lock();
         match answer {
-            Some(_) => breaker.succeeded(&conn.path),
-            None => breaker.failed(&conn.path, Instant::now()),
+            Some(_) => breaker.succeeded(&rank.path),
+            None => breaker.failed(&rank.path, Instant::now()),
         }
         answer
+    }
+
+    /// What a rank's `reply` to `request` counts as: the answer, or `None` for a miss (logged);
+    /// and whether the connection must be dropped (a reply of the wrong kind: the next
+    /// request must not read what follows it).
+    fn accept(
+        request: &LookupRequest,
+        reply: io::Result<LookupResponse>,
+        path: &Path,
+    ) -> (Option<LookupResponse>, bool) {
+        match (request, reply) {
+            (LookupRequest::Lookup { .. }, Ok(reply @ LookupResponse::Chunks { .. })) => {
+                (Some(reply), false)
+            }
+            (LookupRequest::Presence { chunk_hashes }, Ok(LookupResponse::Present(flags)))
+                if flags.len() == chunk_hashes.len() =>
+            {
+                (Some(LookupResponse::Present(flags)), false)
+            }
+            (_, Ok(LookupResponse::Error(e))) => {
+                warn!(path = %path.display(), error = %e, "lookup failed on a worker; treating as a miss");
+                (None, false)
+            }
+            (_, Ok(other)) => {
+                warn!(path = %path.display(), reply = ?other, "unexpected lookup reply; treating as a miss");
+                (None, true)
+            }
+            (_, Err(e)) => {
+                warn!(path = %path.display(), error = %e, "worker lookup failed; treating as a miss");
+                (None, false)
+            }
+        }
     }
 
     /// Asks every rank at once, one deadline for all (a hung rank costs the timeout once, not
@@ -502,13 +338,33 @@ impl SocketLookup {
     fn ask_every_rank(&mut self, request: LookupRequest) -> Option<Vec<LookupResponse>> {
         let deadline = Instant::now() + self.timeout;
         let expected = self.expected;
+        let in_process = self.in_process;
+        if in_process
+            && self
+                .ranks
+                .iter()
+                .all(|r| LookupTarget::in_process(&r.path).is_some())
+        {
+            // Every rank in this process: asked on this thread, one after the other.
+            let answers = self
+                .ranks
+                .iter()
+                .map(|rank| SocketLookup::ask(rank, &request, deadline, &expected, true))
+                .collect::<Option<Vec<_>>>();
+            match answers {
+                Some(_) => self.answered_in_process += 1,
+                None => self.breaker_misses += u64::from(self.open_breakers() > 0),
+            }
+            return answers;
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         for rank in &self.ranks {
             let (rank, request, sender) = (rank.clone(), request.clone(), tx.clone());
             let spawned = std::thread::Builder::new()
                 .name("kvpool-lookup-ask".into())
                 .spawn(move || {
-                    let answer = SocketLookup::ask(&rank, &request, deadline, &expected);
+                    let answer =
+                        SocketLookup::ask(&rank, &request, deadline, &expected, in_process);
                     let _ = sender.send(answer);
                 });
             if spawned.is_err() {
