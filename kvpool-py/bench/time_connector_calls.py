@@ -5,11 +5,14 @@ run.
     cargo xtask bench-vllm --daemon   # once: installs the release wheel, builds `kvpool serve`
     KVPOOL_BIN=target/release/kvpool HF_HUB_OFFLINE=1 \\
         target/vllm-venv/bin/python kvpool-py/bench/time_connector_calls.py [--disk-only] [--rounds N]
+    HF_HUB_OFFLINE=1 target/vllm-venv/bin/python kvpool-py/bench/time_connector_calls.py \\
+        --miss [--rounds N] [--prompts N]   # what a miss costs (see ``miss_cost``)
 
 Same model and engine settings as bench_vllm.py. Each engine process serves five 8K-token
 prefixes (an L1 hit: the same prompt again; the daemon: prefixes another process computed)
 and prints, per connector call, its slowest twelve durations in milliseconds (the measured
-requests and the warm-up; the other calls of a process take well under a millisecond).
+requests and the warm-up; the other calls of a process take well under a millisecond), each
+call's count and total, and the CPU seconds of each of the process's threads.
 """
 
 import functools
