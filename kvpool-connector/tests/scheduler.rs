@@ -489,13 +489,79 @@ fn a_lookup_in_the_servers_process_answers_as_its_socket_does_without_it() {
     }
     assert_eq!(local.answered_in_process(), 2);
     assert_eq!(socket.answered_in_process(), 0);
+    // A request's lookup leases what L1 holds, into the worker's lease table, on both routes.
+    for (lookup, req) in [(&mut socket, "over-socket"), (&mut local, "in-process")] {
+        let answer = lookup.lookup(req, &hashes, false);
+        assert_eq!((answer.chunks, answer.leased), (3, 3), "{req}");
+    }
+    assert_eq!(s.leases.stats().leases, 2);
+    assert_eq!(local.answered_in_process(), 3);
 
     drop(server);
     assert_eq!(local.lookup("", &hashes, false).chunks, 3);
     assert_eq!(
         local.answered_in_process(),
-        2,
+        3,
         "no server left in this process"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A lookup server started at the path of one still running takes the path over: the old
+/// one, dropped, stops without touching the new one's socket file or its registration, and
+/// the new one answers on both routes.
+#[test]
+fn a_server_replaced_at_its_path_stops_without_taking_the_new_ones_socket() {
+    use kvpool_connector::{LookupServer, PoolLookup, SocketLookup};
+    use std::time::Duration;
+
+    let s = setup();
+    store(&s, 16);
+    let dir = std::env::temp_dir().join(format!("kvpool-lookup-replaced-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.sock");
+    let start = || {
+        LookupServer::start(
+            &path,
+            s.engine.clone(),
+            s.runtime.clone(),
+            s.leases.clone(),
+            0,
+            Duration::from_secs(60),
+        )
+        .unwrap()
+    };
+    let old = start();
+    let new = start();
+    let (dropped, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(old);
+        let _ = dropped.send(());
+    });
+    done.recv_timeout(Duration::from_secs(10))
+        .expect("the old server stopped");
+    assert!(path.exists(), "the new server's socket file is still there");
+    let mut hasher = s.engine.token_database().hasher(&[]);
+    hasher.extend(&(0..16).collect::<Vec<u32>>());
+    let connect = || {
+        SocketLookup::connect(
+            std::slice::from_ref(&path),
+            Duration::from_secs(5),
+            Duration::from_secs(1),
+        )
+        .expect("the new server answers on its socket")
+        .0
+    };
+    let mut socket = connect();
+    let mut local = connect().answer_in_process();
+    assert_eq!(socket.lookup("", hasher.hashes(), false).chunks, 1);
+    assert_eq!(local.lookup("", hasher.hashes(), false).chunks, 1);
+    assert_eq!(
+        local.answered_in_process(),
+        1,
+        "the new server is still registered"
+    );
+    drop(new);
+    assert!(!path.exists(), "the last server removes its socket file");
     let _ = std::fs::remove_dir_all(&dir);
 }

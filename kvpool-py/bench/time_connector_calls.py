@@ -201,7 +201,8 @@ def main():
     parser.add_argument("--disk-only", action="store_true",
                         help="only the disk rows (no L1 or daemon rows; no KVPOOL_BIN needed)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="the disk rows this many times, their order reversed each round")
+                        help="the disk rows (with --miss: the miss rows) this many times, their "
+                             "order reversed each round")
     parser.add_argument("--miss", action="store_true",
                         help="only the cost of a miss: no connector, L1 and disk, each request new")
     parser.add_argument("--prompts", type=int, default=12, help="--miss: requests per process")

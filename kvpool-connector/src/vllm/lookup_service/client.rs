@@ -237,7 +237,8 @@ impl SocketLookup {
     }
 
     /// Asks ranks served in this process without their sockets (see the module's docs): the
-    /// same answers, computed on the asking thread and bounded by the same deadline. A rank
+    /// same answers, computed on the asking thread, the deadline a timer on the pool's runtime
+    /// (effective at the lookup's await points). A rank
     /// whose server is not in this process (another worker process, or its server stopped) is
     /// asked over its socket as before.
     pub fn answer_in_process(mut self) -> Self {

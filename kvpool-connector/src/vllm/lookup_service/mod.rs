@@ -19,8 +19,11 @@
 //! A scheduler in the same process as its workers (vLLM's EngineCore with its one in-process
 //! worker, `tensor_parallel_size` 1) may ask them without the socket
 //! ([`SocketLookup::answer_in_process`]): the same answer, computed on the asking thread, with
-//! no thread handoff (on a CPU host whose cores the engine's compute threads keep busy, each
-//! handoff can wait milliseconds for a core).
+//! no handoff to the server's threads (on a CPU host whose cores the engine's compute threads
+//! keep busy, each handoff can wait milliseconds for a core; a tier that reads on a blocking
+//! pool, such as the disk tier, still hands its read over). Its deadline is a timer on the
+//! pool's runtime: it ends the lookup at its next await point, where the socket route's
+//! scheduler stopped waiting at once.
 
 use std::io;
 use std::time::Duration;

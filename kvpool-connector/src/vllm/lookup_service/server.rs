@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +27,12 @@ pub struct LookupServer {
     /// What answers (shared with the connection threads, and registered for schedulers in
     /// this process).
     target: Arc<LookupTarget>,
+    /// The listening socket (a second handle): shut down to wake the accept loop, which works
+    /// even when another server has taken `path` over since.
+    listener: UnixListener,
+    /// The socket file this server bound (device, inode): removed at the end only if `path`
+    /// still names it.
+    bound_file: Option<(u64, u64)>,
 }
 
 /// What a lookup server answers from: a worker's pool, its runtime and its leases.
@@ -120,6 +127,8 @@ impl LookupServer {
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
+        let bound_file = socket_file_id(path);
+        let waker = listener.try_clone()?;
         let info = WorkerInfo {
             probe_hash: crate::probe_hash(&engine),
             chunk_size: engine.token_database().chunk_size() as u32,
@@ -161,6 +170,8 @@ impl LookupServer {
             stop,
             accept_thread: Some(accept_thread),
             target,
+            listener: waker,
+            bound_file,
         })
     }
 
@@ -183,13 +194,31 @@ impl Drop for LookupServer {
             }
         }
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop so it sees the flag.
-        let _ = UnixStream::connect(&self.path);
+        // Wake the accept loop so it sees the flag: shutting the listening socket down makes
+        // a blocked `accept` return; a connection through the path also wakes it, but only
+        // while the path is still this server's (another server may have bound it since).
+        // SAFETY: `shutdown` on a descriptor this server owns for as long as `self` lives.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        let still_ours = self.bound_file.is_some() && socket_file_id(&self.path) == self.bound_file;
+        if still_ours {
+            let _ = UnixStream::connect(&self.path);
+        }
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        if still_ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
+}
+
+/// The (device, inode) of the file at `path`, if there is one.
+fn socket_file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 fn serve(mut stream: UnixStream, target: &LookupTarget, idle_timeout: Duration) {
