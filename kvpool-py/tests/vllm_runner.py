@@ -16,7 +16,8 @@ this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank)
 hold_after_batch ({batch index: {"ready": path, "go": path}}: after that batch, create
 ``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile),
 dtype (default float32), disable_hybrid_kv_cache_manager (vLLM's flag; unset: vLLM decides),
-kv_role (vLLM's, default kv_both).
+kv_role (vLLM's, default kv_both), rank_start ("fork": the EngineCore and rank processes are
+forked from this one rather than spawned as the CPU build forces; unset: as vLLM starts them).
 """
 
 import json
@@ -54,17 +55,36 @@ def main(spec_path, out_path):
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("served_model_name"):
         kwargs["served_model_name"] = spec["served_model_name"]
+    # What to put back after the CPU platform's config check has run.
+    after_platform_check = []
     if spec.get("async_scheduling"):
         kwargs["async_scheduling"] = True
+
+        def keep_async(vllm_config):
+            vllm_config.scheduler_config.async_scheduling = True
+
+        after_platform_check.append(keep_async)
+    if spec.get("rank_start") == "fork":
+        # The EngineCore and the rank processes forked from this one (vLLM's default where
+        # CUDA is not initialized) instead of spawned (what the CPU build forces): each skips
+        # vLLM's import, ~35 s on this VM. Forked before any engine exists here: of kvpool's
+        # they inherit only its imported module (vLLM's config check imports the connector
+        # class), no pool, runtime or thread.
+        def fork_ranks(vllm_config):
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+        after_platform_check.append(fork_ranks)
+    if after_platform_check:
         from vllm.platforms import cpu as cpu_platform
 
         check = cpu_platform.CpuPlatform.check_and_update_config.__func__
 
-        def keep_async(cls, vllm_config):
+        def check_then_restore(cls, vllm_config):
             check(cls, vllm_config)
-            vllm_config.scheduler_config.async_scheduling = True
+            for restore in after_platform_check:
+                restore(vllm_config)
 
-        cpu_platform.CpuPlatform.check_and_update_config = classmethod(keep_async)
+        cpu_platform.CpuPlatform.check_and_update_config = classmethod(check_then_restore)
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("disable_hybrid_kv_cache_manager") is not None:
