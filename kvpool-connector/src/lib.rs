@@ -23,7 +23,7 @@ pub use vllm::{
     BlockUpdate, ConnectorConfig, ConnectorError, ConnectorMetadata, ConnectorOutput,
     ConnectorScheduler, ConnectorWorker, CopyDirection, CopyJob, EngineLookup, EngineRequest,
     HostPlanes, LeaseTable, LeasedChunk, LoadLimits, LoadSpec, LoadTiming, LookupAnswer,
-    LookupServer, MetadataError, PoolLookup, ReqMeta, RequestTrace, RequestTracker, SaveDiscard,
-    SaveSpec, ScheduledRequest, SchedulerCounters, SocketLookup, StepReport, TransferResults,
-    WorkerInfo, WorkerStats, probe_hash, probe_hash_of,
+    LookupCounters, LookupServer, MetadataError, PoolLookup, ReqMeta, RequestTrace, RequestTracker,
+    SaveDiscard, SaveSpec, ScheduledRequest, SchedulerCounters, SocketLookup, StepReport,
+    TransferResults, WorkerInfo, WorkerStats, probe_hash, probe_hash_of,
 };

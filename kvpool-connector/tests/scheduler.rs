@@ -487,22 +487,26 @@ fn a_lookup_in_the_servers_process_answers_as_its_socket_does_without_it() {
         assert_eq!(lookup.lookup("", &hashes, false).chunks, 3);
         assert_eq!(lookup.presence(&hashes), vec![true, true, true, false]);
     }
-    assert_eq!(local.answered_in_process(), 2);
-    assert_eq!(socket.answered_in_process(), 0);
+    assert_eq!(local.lookups_in_process(), 2);
+    assert_eq!(socket.lookups_in_process(), 0);
+    assert_eq!(
+        (local.lookups_over_sockets(), socket.lookups_over_sockets()),
+        (0, 2)
+    );
     // A request's lookup leases what L1 holds, into the worker's lease table, on both routes.
     for (lookup, req) in [(&mut socket, "over-socket"), (&mut local, "in-process")] {
         let answer = lookup.lookup(req, &hashes, false);
         assert_eq!((answer.chunks, answer.leased), (3, 3), "{req}");
     }
     assert_eq!(s.leases.stats().leases, 2);
-    assert_eq!(local.answered_in_process(), 3);
+    assert_eq!(local.lookups_in_process(), 3);
 
     drop(server);
     assert_eq!(local.lookup("", &hashes, false).chunks, 3);
     assert_eq!(
-        local.answered_in_process(),
-        3,
-        "no server left in this process"
+        (local.lookups_in_process(), local.lookups_over_sockets()),
+        (3, 1),
+        "no server left in this process: over the socket"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -557,7 +561,7 @@ fn a_server_replaced_at_its_path_stops_without_taking_the_new_ones_socket() {
     assert_eq!(socket.lookup("", hasher.hashes(), false).chunks, 1);
     assert_eq!(local.lookup("", hasher.hashes(), false).chunks, 1);
     assert_eq!(
-        local.answered_in_process(),
+        local.lookups_in_process(),
         1,
         "the new server is still registered"
     );

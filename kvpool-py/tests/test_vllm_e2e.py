@@ -30,7 +30,7 @@ def l1(size="256MiB", **extra):
 
 
 def metric(page, name):
-    """The value of an unlabelled series in a Prometheus text page."""
+    """The value of one series in a Prometheus text page: its name, with its labels as printed."""
     for line in page.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -59,6 +59,9 @@ def test_shared_prefix_identical_outputs_and_external_hits(runner, model_dir):
     assert metric(page, "kvpool_hit_tokens_total") >= 5 * PREFIX
     assert metric(page, "kvpool_lookup_tokens_total") >= metric(page, "kvpool_hit_tokens_total")
     assert 'kvpool_tier_op_seconds_bucket{tier="cpu",op="get"' in page
+    # TP=1: the scheduler asks the worker's pool in its own process, never over the socket.
+    assert metric(page, 'kvpool_scheduler_lookups_total{route="in_process"}') >= 5
+    assert metric(page, 'kvpool_scheduler_lookups_total{route="socket"}') == 0
     ours = got["vllm_metrics"]
     assert ours.get("vllm:kvpool_loaded_tokens_total") == got["stats"]["loaded_tokens"], ours
     assert ours.get("vllm:kvpool_stored_tokens_total", 0) > 0, ours

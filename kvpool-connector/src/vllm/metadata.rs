@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Encoding version, the first byte of every encoded metadata.
-pub const METADATA_VERSION: u8 = 5;
+pub const METADATA_VERSION: u8 = 6;
 
 /// Tokens to load into the engine's blocks for one request: `[gpu_cached_tokens, load_until)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,6 +126,10 @@ pub struct SchedulerCounters {
     pub broken_promises: u64,
     /// Request states dropped at the cap.
     pub trackers_dropped: u64,
+    /// Lookups every worker rank answered in the scheduler's own process (no socket).
+    pub lookups_in_process: u64,
+    /// Lookups sent to the worker ranks over their lookup sockets.
+    pub lookups_over_sockets: u64,
 }
 
 /// Metadata that cannot be used.

@@ -92,8 +92,8 @@ pub use metadata::{
 pub use pool_fit::{VllmEngineFacts, lookup_socket_path, pool_config_for_vllm};
 pub use request_trace::RequestTrace;
 pub use scheduler::{
-    BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, PoolLookup,
-    RequestTracker, ScheduledRequest,
+    BlockUpdate, ConnectorOutput, ConnectorScheduler, EngineLookup, EngineRequest, LookupCounters,
+    PoolLookup, RequestTracker, ScheduledRequest,
 };
 pub use worker::{
     ConnectorWorker, CopyDirection, CopyJob, HostPlanes, LoadLimits, StepReport, TransferResults,

@@ -159,6 +159,9 @@ pub const LOOKUP_BREAKERS_OPEN: &str = "kvpool_lookup_breakers_open";
 pub const BROKEN_PROMISES: &str = "kvpool_broken_promises_total";
 /// Scheduler request states dropped at the cap (reported by TP rank 0's worker).
 pub const TRACKERS_DROPPED: &str = "kvpool_trackers_dropped_total";
+/// The scheduler's lookups of the worker ranks by `route`: `in_process` (every rank's server in
+/// the scheduler's process, asked on its thread) or `socket` (reported by TP rank 0's worker).
+pub const SCHEDULER_LOOKUPS: &str = "kvpool_scheduler_lookups_total";
 /// SGLang storage backend pages by `op` (read, write) and `outcome` (ok, missed, refused).
 pub const SGLANG_PAGES: &str = "kvpool_sglang_pages_total";
 
@@ -223,6 +226,11 @@ pub const METRICS: &[MetricInfo] = &[
         TRACKERS_DROPPED,
         &[],
         "Scheduler request states dropped because too many requests were tracked.",
+    ),
+    counter(
+        SCHEDULER_LOOKUPS,
+        &["route"],
+        "Lookups the scheduler asked of the worker ranks, by route: in_process (every rank served in the scheduler's own process, no socket) or socket.",
     ),
     counter(
         SGLANG_PAGES,

@@ -317,6 +317,8 @@ impl PyScheduler {
         let c = s.counters();
         d.set_item("lookup_breaker_misses", c.breaker_misses)?;
         d.set_item("lookup_breakers_open", c.breakers_open)?;
+        d.set_item("lookups_in_process", c.lookups_in_process)?;
+        d.set_item("lookups_over_sockets", c.lookups_over_sockets)?;
         Ok(d)
     }
 }

@@ -16,7 +16,7 @@ use super::{
     read_frame, write_frame,
 };
 use crate::vllm::leases::LookupAnswer;
-use crate::vllm::scheduler::PoolLookup;
+use crate::vllm::scheduler::{LookupCounters, PoolLookup};
 
 /// One rank as the scheduler sees it: its connection (locked while a call is on the wire)
 /// and its circuit breaker (never locked across I/O).
@@ -73,8 +73,10 @@ pub struct SocketLookup {
     breaker_misses: u64,
     /// Whether ranks served in this process are asked without the socket.
     in_process: bool,
-    /// Lookups every rank answered in this process.
-    answered_in_process: u64,
+    /// Lookups asked of every rank in this process, without the sockets.
+    in_process_lookups: u64,
+    /// Lookups sent to the ranks over their sockets.
+    over_sockets: u64,
 }
 
 struct RankConnection {
@@ -230,7 +232,8 @@ impl SocketLookup {
                 timeout,
                 breaker_misses: 0,
                 in_process: false,
-                answered_in_process: 0,
+                in_process_lookups: 0,
+                over_sockets: 0,
             },
             first,
         ))
@@ -246,9 +249,15 @@ impl SocketLookup {
         self
     }
 
-    /// Lookups every rank answered in this process, without the socket.
-    pub fn answered_in_process(&self) -> u64 {
-        self.answered_in_process
+    /// Lookups asked of every rank in this process, without the sockets.
+    pub fn lookups_in_process(&self) -> u64 {
+        self.in_process_lookups
+    }
+
+    /// Lookups sent to the ranks over their sockets (some rank's server not in this process,
+    /// or [`SocketLookup::answer_in_process`] not asked for).
+    pub fn lookups_over_sockets(&self) -> u64 {
+        self.over_sockets
     }
 
     /// Asks one rank (`in_process`: without its socket if its server runs in this process
@@ -347,17 +356,18 @@ impl SocketLookup {
                 .all(|r| LookupTarget::in_process(&r.path).is_some())
         {
             // Every rank in this process: asked on this thread, one after the other.
+            self.in_process_lookups += 1;
             let answers = self
                 .ranks
                 .iter()
                 .map(|rank| SocketLookup::ask(rank, &request, deadline, &expected, true))
                 .collect::<Option<Vec<_>>>();
-            match answers {
-                Some(_) => self.answered_in_process += 1,
-                None => self.breaker_misses += u64::from(self.open_breakers() > 0),
+            if answers.is_none() {
+                self.breaker_misses += u64::from(self.open_breakers() > 0);
             }
             return answers;
         }
+        self.over_sockets += 1;
         let (tx, rx) = std::sync::mpsc::channel();
         for rank in &self.ranks {
             let (rank, request, sender) = (rank.clone(), request.clone(), tx.clone());
@@ -452,7 +462,12 @@ impl PoolLookup for SocketLookup {
         held
     }
 
-    fn counters(&self) -> (u64, u32) {
-        (self.breaker_misses, self.open_breakers())
+    fn counters(&self) -> LookupCounters {
+        LookupCounters {
+            breaker_misses: self.breaker_misses,
+            breakers_open: self.open_breakers(),
+            in_process: self.in_process_lookups,
+            over_sockets: self.over_sockets,
+        }
     }
 }

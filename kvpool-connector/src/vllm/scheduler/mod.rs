@@ -19,7 +19,7 @@ use crate::ConnectorConfig;
 use crate::vllm::leases::LeaseTable;
 use crate::vllm::metadata::{ConnectorMetadata, LoadSpec, SchedulerCounters};
 pub use engine_io::{BlockUpdate, ConnectorOutput, EngineRequest, ScheduledRequest};
-pub use pool_lookup::{EngineLookup, PoolLookup, chunks_present};
+pub use pool_lookup::{EngineLookup, LookupCounters, PoolLookup, chunks_present};
 pub use step_ledger::STEP_REPORT_TIMEOUT;
 use step_ledger::StepLedger;
 use step_plan::StepPlanner;
@@ -183,10 +183,12 @@ impl ConnectorScheduler {
 
     /// The scheduler's counters, as shipped to the workers.
     pub fn counters(&self) -> SchedulerCounters {
-        let (breaker_misses, breakers_open) = self.lookup.counters();
+        let lookup = self.lookup.counters();
         SchedulerCounters {
-            breaker_misses,
-            breakers_open,
+            breaker_misses: lookup.breaker_misses,
+            breakers_open: lookup.breakers_open,
+            lookups_in_process: lookup.in_process,
+            lookups_over_sockets: lookup.over_sockets,
             broken_promises: self.broken_promises,
             trackers_dropped: self.trackers_dropped,
         }

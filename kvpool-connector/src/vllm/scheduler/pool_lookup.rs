@@ -31,10 +31,23 @@ pub trait PoolLookup: Send {
     /// holds it.
     fn presence(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool>;
 
-    /// The lookup's own counters (breaker misses, ranks whose breaker is open).
-    fn counters(&self) -> (u64, u32) {
-        (0, 0)
+    /// The lookup's own counters (none for a lookup without ranks to ask).
+    fn counters(&self) -> LookupCounters {
+        LookupCounters::default()
     }
+}
+
+/// Counters of a [`PoolLookup`] that asks worker ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LookupCounters {
+    /// Lookups answered as misses because a rank's circuit breaker was open.
+    pub breaker_misses: u64,
+    /// Ranks whose circuit breaker is open now.
+    pub breakers_open: u32,
+    /// Lookups every rank answered in the scheduler's own process, without a socket.
+    pub in_process: u64,
+    /// Lookups sent to the ranks over their lookup sockets.
+    pub over_sockets: u64,
 }
 
 /// Lookups against a cache engine in this process.

@@ -589,6 +589,10 @@ fn record_scheduler_counters(c: &SchedulerCounters) {
     metrics::gauge!(telemetry::LOOKUP_BREAKERS_OPEN).set(f64::from(c.breakers_open));
     metrics::counter!(telemetry::BROKEN_PROMISES).absolute(c.broken_promises);
     metrics::counter!(telemetry::TRACKERS_DROPPED).absolute(c.trackers_dropped);
+    metrics::counter!(telemetry::SCHEDULER_LOOKUPS, "route" => "in_process")
+        .absolute(c.lookups_in_process);
+    metrics::counter!(telemetry::SCHEDULER_LOOKUPS, "route" => "socket")
+        .absolute(c.lookups_over_sockets);
 }
 
 fn hex(b: &[u8; 16]) -> String {
