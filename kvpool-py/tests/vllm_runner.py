@@ -16,8 +16,10 @@ this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank)
 hold_after_batch ({batch index: {"ready": path, "go": path}}: after that batch, create
 ``ready`` and wait, up to 120 s, for ``go`` to exist: the test changes the world meanwhile),
 dtype (default float32), disable_hybrid_kv_cache_manager (vLLM's flag; unset: vLLM decides),
-kv_role (vLLM's, default kv_both), rank_start ("fork": the EngineCore and rank processes are
-forked from this one rather than spawned as the CPU build forces; unset: as vLLM starts them).
+kv_role (vLLM's, default kv_both), rank_start ("fork": the EngineCore is forked from this
+process and the ranks from the EngineCore, rather than spawned as the CPU build forces; unset:
+as vLLM starts them; refused with kv_events_port or check_blocks, whose state here a forked
+EngineCore would inherit).
 """
 
 import json
@@ -65,11 +67,14 @@ def main(spec_path, out_path):
 
         after_platform_check.append(keep_async)
     if spec.get("rank_start") == "fork":
-        # The EngineCore and the rank processes forked from this one (vLLM's default where
-        # CUDA is not initialized) instead of spawned (what the CPU build forces): each skips
-        # vLLM's import, ~35 s on this VM. Forked before any engine exists here: of kvpool's
-        # they inherit only its imported module (vLLM's config check imports the connector
-        # class), no pool, runtime or thread.
+        if spec.get("kv_events_port") or spec.get("check_blocks"):
+            raise SystemExit("rank_start fork: a forked EngineCore would inherit this "
+                             "process's KV-event subscriber or block-recording patch")
+        # The EngineCore forked from this process and the ranks from the EngineCore (vLLM's
+        # default where CUDA is not initialized) instead of spawned (what the CPU build
+        # forces): each skips vLLM's import, ~35 s on this VM. Of kvpool's they inherit only
+        # its imported module (vLLM's config check imports the connector class): no engine
+        # exists here yet, and the EngineCore forks its ranks before it builds its scheduler.
         def fork_ranks(vllm_config):
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 

@@ -126,9 +126,10 @@ pub struct SchedulerCounters {
     pub broken_promises: u64,
     /// Request states dropped at the cap.
     pub trackers_dropped: u64,
-    /// Lookups every worker rank answered in the scheduler's own process (no socket).
+    /// Lookups (and presence checks) asked of every worker rank in the scheduler's own
+    /// process, without a socket.
     pub lookups_in_process: u64,
-    /// Lookups sent to the worker ranks over their lookup sockets.
+    /// Lookups (and presence checks) sent to the worker ranks over their lookup sockets.
     pub lookups_over_sockets: u64,
 }
 

@@ -230,7 +230,7 @@ pub const METRICS: &[MetricInfo] = &[
     counter(
         SCHEDULER_LOOKUPS,
         &["route"],
-        "Lookups the scheduler asked of the worker ranks, by route: in_process (every rank served in the scheduler's own process, no socket) or socket.",
+        "Lookups (and presence checks) the scheduler asked of the worker ranks, by route: in_process (every rank served in the scheduler's own process, no socket) or socket.",
     ),
     counter(
         SGLANG_PAGES,

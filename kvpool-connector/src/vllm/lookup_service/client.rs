@@ -349,11 +349,11 @@ impl SocketLookup {
         let deadline = Instant::now() + self.timeout;
         let expected = self.expected;
         let in_process = self.in_process;
+        // The test `ask` applies to each rank: a server here that derives keys as expected.
         if in_process
-            && self
-                .ranks
-                .iter()
-                .all(|r| LookupTarget::in_process(&r.path).is_some())
+            && self.ranks.iter().all(|r| {
+                LookupTarget::in_process(&r.path).is_some_and(|t| t.info.agrees_with(&expected))
+            })
         {
             // Every rank in this process: asked on this thread, one after the other.
             self.in_process_lookups += 1;

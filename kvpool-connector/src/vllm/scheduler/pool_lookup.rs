@@ -31,7 +31,7 @@ pub trait PoolLookup: Send {
     /// holds it.
     fn presence(&mut self, chunk_hashes: &[ChunkHash]) -> Vec<bool>;
 
-    /// The lookup's own counters (none for a lookup without ranks to ask).
+    /// The lookup's own counters (zero where it keeps none).
     fn counters(&self) -> LookupCounters {
         LookupCounters::default()
     }
@@ -44,9 +44,10 @@ pub struct LookupCounters {
     pub breaker_misses: u64,
     /// Ranks whose circuit breaker is open now.
     pub breakers_open: u32,
-    /// Lookups every rank answered in the scheduler's own process, without a socket.
+    /// Lookups (and presence checks) asked of every rank in the scheduler's own process,
+    /// without a socket, answered or not.
     pub in_process: u64,
-    /// Lookups sent to the ranks over their lookup sockets.
+    /// Lookups (and presence checks) sent to the ranks over their lookup sockets.
     pub over_sockets: u64,
 }
 
