@@ -13,6 +13,7 @@ mod loads;
 mod node_copies;
 mod planning;
 mod reports;
+mod scheduler_counters;
 mod staged;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -31,11 +32,12 @@ pub use staged::STAGED_STEP_TTL;
 
 use crate::ConnectorError;
 use crate::vllm::leases::LeaseTable;
-use crate::vllm::metadata::{ConnectorMetadata, MetadataError, ReqMeta, SchedulerCounters};
+use crate::vllm::metadata::{ConnectorMetadata, MetadataError, ReqMeta};
 use crate::vllm::request_trace::{RequestTrace, RequestTraces};
 use copy_check_thread::CheckingLoad;
 use copy_job::JobMemory;
 use loads::AsyncLoads;
+use scheduler_counters::PublishedSchedulerCounters;
 use staged::StagedSaves;
 
 struct InFlight {
@@ -132,6 +134,8 @@ pub struct ConnectorWorker {
     failed_load_requests: BTreeSet<String>,
     /// Blocks failed with no request named since that call.
     unattributed_load_errors: bool,
+    /// The scheduler's counters as this worker last published them (TP rank 0's).
+    scheduler_counters: PublishedSchedulerCounters,
 }
 
 impl ConnectorWorker {
@@ -179,6 +183,7 @@ impl ConnectorWorker {
             null_block: None,
             failed_load_requests: BTreeSet::new(),
             unattributed_load_errors: false,
+            scheduler_counters: PublishedSchedulerCounters::default(),
         }
     }
 
@@ -326,7 +331,7 @@ impl ConnectorWorker {
             self.unattributed_load_errors = true;
         }
         if self.engine.token_database().scope().rank == 0 {
-            record_scheduler_counters(&meta.scheduler);
+            self.scheduler_counters.publish(&meta.scheduler);
         }
         for r in &meta.requests {
             if let Some(load) = r.load {
@@ -580,19 +585,6 @@ impl ConnectorWorker {
         self.settle_checks();
         std::mem::take(&mut self.load_errors).into_iter().collect()
     }
-}
-
-/// Publishes the scheduler's counters shipped in the metadata (the scheduler process has no
-/// metrics endpoint of its own).
-fn record_scheduler_counters(c: &SchedulerCounters) {
-    metrics::counter!(telemetry::LOOKUP_BREAKER_MISSES).absolute(c.breaker_misses);
-    metrics::gauge!(telemetry::LOOKUP_BREAKERS_OPEN).set(f64::from(c.breakers_open));
-    metrics::counter!(telemetry::BROKEN_PROMISES).absolute(c.broken_promises);
-    metrics::counter!(telemetry::TRACKERS_DROPPED).absolute(c.trackers_dropped);
-    metrics::counter!(telemetry::SCHEDULER_LOOKUPS, "route" => "in_process")
-        .absolute(c.lookups_in_process);
-    metrics::counter!(telemetry::SCHEDULER_LOOKUPS, "route" => "socket")
-        .absolute(c.lookups_over_sockets);
 }
 
 fn hex(b: &[u8; 16]) -> String {
