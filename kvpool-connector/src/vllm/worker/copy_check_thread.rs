@@ -96,8 +96,9 @@ fn check_copies(
         match verdict {
             Some(Ok(())) => {}
             Some(Err(why)) => return CheckVerdict::Mismatch { index, why },
-            // No verdict (a helper thread gone without one): nothing proven against the
-            // chunk, so it is not deleted, but its blocks and every later one fail.
+            // No verdict (its check panicked, or a helper thread is gone): nothing proven
+            // against the chunk, so it is not deleted, but its blocks and every later one
+            // fail. A mismatch earlier in order was returned above.
             None => return CheckVerdict::Unchecked(format!("copy {index} was not checked")),
         }
     }
@@ -129,21 +130,24 @@ fn check_one((chunk, site): &(&kvpool_core::SharedChunk, CopySite<'_>)) -> Resul
     }
 }
 
-/// `check`'s verdict on each of `items`, in order (`None`: not checked). On one thread: up
-/// to the first that fails (none after it). On `threads`: each thread takes the next item
-/// not yet taken, so every item gets a verdict; the first failure in order is the caller's
-/// to find.
+/// `check`'s verdict on each of `items`, in order (`None`: not checked, or its check
+/// panicked). On one thread: up to the first that fails or panics (none after it). On
+/// `threads`: each thread takes the next item not yet taken, so every item gets a verdict;
+/// the first failure in order is the caller's to find. A check that panics costs its own
+/// item's verdict only: a mismatch found before it in order stands.
 fn check_each<T: Sync>(
     items: &[T],
     threads: usize,
     check: impl Fn(&T) -> Result<(), String> + Sync,
 ) -> Vec<Option<Result<(), String>>> {
+    let check_caught =
+        |item: &T| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(item))).ok();
     if threads <= 1 || items.len() <= 1 {
         let mut verdicts = Vec::with_capacity(items.len());
         for item in items {
-            let verdict = check(item);
-            let failed = verdict.is_err();
-            verdicts.push(Some(verdict));
+            let verdict = check_caught(item);
+            let failed = !matches!(verdict, Some(Ok(())));
+            verdicts.push(verdict);
             if failed {
                 break;
             }
@@ -158,7 +162,7 @@ fn check_each<T: Sync>(
             let Some(item) = items.get(index) else {
                 return done;
             };
-            done.push((index, check(item)));
+            done.push((index, check_caught(item)));
         }
     };
     let mut verdicts: Vec<Option<Result<(), String>>> = vec![None; items.len()];
@@ -174,14 +178,13 @@ fn check_each<T: Sync>(
         // This thread checks too (and alone, if no helper started).
         let mut done = work();
         for helper in helpers {
-            match helper.join() {
-                Ok(theirs) => done.extend(theirs),
-                // A check that panicked: raised here, caught by `check_catching_panics`.
-                Err(panic) => std::panic::resume_unwind(panic),
+            // A helper that panicked outside a check leaves its items without a verdict.
+            if let Ok(theirs) = helper.join() {
+                done.extend(theirs);
             }
         }
         for (index, verdict) in done {
-            verdicts[index] = Some(verdict);
+            verdicts[index] = verdict;
         }
     });
     verdicts
@@ -435,14 +438,43 @@ mod tests {
     }
 
     #[test]
-    fn a_check_that_panics_on_another_thread_panics_the_caller() {
+    fn a_check_that_panics_costs_its_own_verdict_and_a_mismatch_before_it_stands() {
         let items: Vec<usize> = (0..16).collect();
-        let outcome = std::panic::catch_unwind(|| {
-            check_each(&items, 4, |&i| {
+        for threads in [1, 4] {
+            let verdicts = check_each(&items, threads, |&i| match i {
+                3 => Err("item 3".to_string()),
+                7 => panic!("check of item 7"),
+                _ => Ok(()),
+            });
+            assert_eq!(
+                first_failure_or_gap(&verdicts),
+                Some((3, Some("item 3".into())))
+            );
+            let verdicts = check_each(&items, threads, |&i| {
                 assert_ne!(i, 7, "check of item 7");
-                Ok(())
-            })
-        });
-        assert!(outcome.is_err());
+                if i == 9 {
+                    Err("item 9".to_string())
+                } else {
+                    Ok(())
+                }
+            });
+            // The panicked check comes first in order: no verdict there, nothing blamed.
+            assert_eq!(
+                first_failure_or_gap(&verdicts),
+                Some((7, None)),
+                "{threads} threads"
+            );
+        }
+    }
+
+    /// The first item, in order, that failed (`Some(why)`) or has no verdict (`None`).
+    fn first_failure_or_gap(
+        verdicts: &[Option<Result<(), String>>],
+    ) -> Option<(usize, Option<String>)> {
+        verdicts.iter().enumerate().find_map(|(i, v)| match v {
+            Some(Ok(())) => None,
+            Some(Err(why)) => Some((i, Some(why.clone()))),
+            None => Some((i, None)),
+        })
     }
 }
