@@ -11,8 +11,8 @@ both, or the ranks' KV would disagree; both ranks can share the node's pool daem
 import os
 import random
 
-from test_vllm_e2e import PREFIX, assert_same_outputs, corrupt, l1
-from conftest import shared_prefix_prompts
+from test_vllm_e2e import PREFIX, assert_same_outputs, corrupt, l1, metric
+from conftest import free_port, shared_prefix_prompts
 
 #: Tokens per chunk in the default config.
 CHUNK = 256
@@ -37,12 +37,19 @@ def test_tp2_with_a_disk_tier_starts_and_a_fresh_engine_is_served_from_disk(runn
     assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
     # One RocksDB per rank under the configured directory, each written.
     assert sorted(os.listdir(disk)) == ["tp2-rank0", "tp2-rank1"]
-    second = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
-                         "batches": [[0], [1, 2]], **TP2})
+    # Rank r serves metrics on the port plus r: rank 0's reports the scheduler's counters.
+    port = free_port()
+    served = l1(tier=[{"url": f"file://{disk}"}], metrics={"listen": f"127.0.0.1:{port}"})
+    second = runner.run({"model": model_dir, "prompts": prompts, "kvpool": served,
+                         "batches": [[0], [1, 2]], "scrape_metrics": port, **TP2})
     assert_same_outputs(base, second, "fresh engine")
     # The fresh engine's first prompt came from disk (its own prefix cache was empty): both
     # ranks held the chunks, or the scheduler would have offered none.
     assert second["results"][0]["num_cached_tokens"] >= PREFIX, second["results"][0]
+    # The ranks run in processes of their own: the scheduler asks them over their sockets.
+    page = second["metrics"]
+    assert metric(page, 'kvpool_scheduler_lookups_total{route="socket"}') >= 3
+    assert metric(page, 'kvpool_scheduler_lookups_total{route="in_process"}') == 0
 
 
 def test_tp2_a_load_failing_on_one_rank_is_recomputed_on_both(runner, model_dir, redis_server):
