@@ -69,6 +69,13 @@ pub async fn build_pool_with_allocator(
         write_behind_quota_bytes: config.write_behind.quota.as_usize(),
         promote_on_hit: config.write_behind.promote_on_hit,
     });
+    if config.write_behind.low_priority
+        && !config.tiers.is_empty()
+        && let Ok(current) = tokio::runtime::Handle::try_current()
+    {
+        builder =
+            builder.write_behind_runtime(crate::background::write_behind_runtime_or(&current));
+    }
     let l1 = if config.local_cpu.enabled {
         let cpu = LocalCpuBackend::with_allocator(
             config.local_cpu.max_size.as_usize(),

@@ -89,6 +89,10 @@ pub struct WriteBehindConfig {
     pub quota: ByteSize,
     /// Whether chunks found in lower tiers are copied into L1.
     pub promote_on_hit: bool,
+    /// Whether write-behind runs on threads of the lowest CPU priority (one runtime per
+    /// process), so that on a host whose cores run the engine's compute it takes what the
+    /// compute leaves; `false`: on the pool's own runtime.
+    pub low_priority: bool,
 }
 
 impl Default for WriteBehindConfig {
@@ -96,6 +100,7 @@ impl Default for WriteBehindConfig {
         WriteBehindConfig {
             quota: ByteSize::gib(1),
             promote_on_hit: true,
+            low_priority: true,
         }
     }
 }

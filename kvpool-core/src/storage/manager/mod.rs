@@ -75,6 +75,7 @@ pub struct StorageManager {
     tiers: Vec<Arc<Tier>>,
     allocator: Arc<dyn ChunkAllocator>,
     config: StorageManagerConfig,
+    /// Where write-behind runs.
     runtime: Handle,
     pending: Arc<Pending>,
     counters: ManagerCounters,
@@ -97,6 +98,7 @@ pub struct StorageManagerBuilder {
     primary: Option<(Arc<dyn StorageBackend>, Arc<dyn ChunkAllocator>)>,
     lower: Vec<Arc<dyn StorageBackend>>,
     config: StorageManagerConfig,
+    write_behind_runtime: Option<Handle>,
 }
 
 impl StorageManagerBuilder {
@@ -122,12 +124,23 @@ impl StorageManagerBuilder {
         self
     }
 
-    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it).
+    /// Where write-behind to the lower tiers runs (a runtime of low-priority threads, say);
+    /// by default the runtime the manager is built in.
+    pub fn write_behind_runtime(mut self, runtime: Handle) -> Self {
+        self.write_behind_runtime = Some(runtime);
+        self
+    }
+
+    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it)
+    /// unless [`StorageManagerBuilder::write_behind_runtime`] named one.
     pub fn build(self) -> Result<StorageManager, ConfigError> {
-        let runtime = Handle::try_current().map_err(|_| ConfigError::Invalid {
-            field: "runtime",
-            reason: "the storage manager must be built inside a tokio runtime".into(),
-        })?;
+        let runtime = match self.write_behind_runtime {
+            Some(runtime) => runtime,
+            None => Handle::try_current().map_err(|_| ConfigError::Invalid {
+                field: "runtime",
+                reason: "the storage manager must be built inside a tokio runtime".into(),
+            })?,
+        };
         if self.primary.is_none() && self.lower.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "tiers",
@@ -173,6 +186,7 @@ impl StorageManager {
             primary: None,
             lower: Vec::new(),
             config: StorageManagerConfig::default(),
+            write_behind_runtime: None,
         }
     }
 

@@ -1,0 +1,134 @@
+//! The process's low-priority runtime, where write-behind to the lower tiers runs
+//! (`[write_behind] low_priority`, on by default): its threads run at the lowest CPU priority,
+//! so that on a host whose cores run the engine's compute (vLLM's CPU build), writing to disk
+//! or a remote tier takes what the compute leaves instead of landing in its steps.
+
+use std::sync::{Mutex, PoisonError};
+
+use tokio::runtime::{Handle, Runtime};
+use tracing::{debug, info, warn};
+
+/// The nice value of the runtime's threads: the lowest priority there is.
+pub const BACKGROUND_NICE: i32 = 19;
+
+/// Blocking threads the runtime may run at once (a tier's file writes, RocksDB).
+const MAX_BLOCKING_THREADS: usize = 8;
+
+/// The runtime, with the process that started it.
+struct Background {
+    pid: u32,
+    runtime: Runtime,
+}
+
+static BACKGROUND: Mutex<Option<Background>> = Mutex::new(None);
+
+/// A handle to the process's low-priority runtime, started on first use: one worker thread and
+/// up to eight blocking threads, each at nice [`BACKGROUND_NICE`] and scheduled as batch work
+/// (not preempting a thread that was running when it wakes). Started again in a process forked
+/// after it was started: a fork has none of its parent's threads.
+pub fn background_runtime() -> std::io::Result<Handle> {
+    let mut slot = BACKGROUND.lock().unwrap_or_else(PoisonError::into_inner);
+    let pid = std::process::id();
+    if let Some(background) = slot.as_ref().filter(|b| b.pid == pid) {
+        return Ok(background.runtime.handle().clone());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .thread_name("kvpool-background")
+        .on_thread_start(lower_this_threads_priority)
+        .enable_all()
+        .build()?;
+    let handle = runtime.handle().clone();
+    if let Some(parents) = slot.replace(Background { pid, runtime }) {
+        // The parent process's runtime: its threads are not in this process, and dropping it
+        // would wait for them for ever.
+        std::mem::forget(parents);
+    }
+    info!(
+        nice = BACKGROUND_NICE,
+        "write-behind runs on low-priority threads"
+    );
+    Ok(handle)
+}
+
+/// [`background_runtime`], or `fallback` (with a warning) where its threads cannot start:
+/// writing behind at normal priority is no reason to refuse to start.
+pub fn write_behind_runtime_or(fallback: &Handle) -> Handle {
+    background_runtime().unwrap_or_else(|e| {
+        warn!(error = %e, "cannot start the low-priority write-behind threads; writing behind on the pool's own runtime");
+        fallback.clone()
+    })
+}
+
+/// The calling thread's nice value (its CPU priority; higher is lower), where the platform
+/// has one per thread.
+pub fn this_threads_nice() -> Option<i32> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid has no preconditions; getpriority only reads the thread's nice value.
+        // -1 is also a valid nice value: errno tells an error apart.
+        unsafe {
+            *libc::__errno_location() = 0;
+            let nice = libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t);
+            (*libc::__errno_location() == 0).then_some(nice)
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
+/// Gives the calling thread the lowest CPU priority: nice [`BACKGROUND_NICE`] and, on Linux,
+/// `SCHED_BATCH`. Linux keeps a nice value per thread; elsewhere this does nothing.
+fn lower_this_threads_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread; priority 0 is the one SCHED_BATCH takes.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } != 0 {
+            debug!(
+                "a background thread keeps the default scheduling: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        // SAFETY: gettid has no preconditions; raising a thread's own nice value (lowering its
+        // priority) needs no privilege.
+        let rc = unsafe {
+            libc::setpriority(
+                libc::PRIO_PROCESS,
+                libc::gettid() as libc::id_t,
+                BACKGROUND_NICE,
+            )
+        };
+        if rc != 0 {
+            debug!(
+                "a background thread keeps its priority: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtimes_tasks_and_blocking_calls_run_at_the_lowest_priority() {
+        let handle = background_runtime().unwrap();
+        let (task, blocking) = handle.block_on(async {
+            let task = tokio::spawn(async { this_threads_nice() }).await.unwrap();
+            let blocking = tokio::task::spawn_blocking(this_threads_nice)
+                .await
+                .unwrap();
+            (task, blocking)
+        });
+        if cfg!(target_os = "linux") {
+            assert_eq!(task, Some(BACKGROUND_NICE));
+            assert_eq!(blocking, Some(BACKGROUND_NICE));
+        }
+        // One runtime per process: the same one again.
+        let again = background_runtime().unwrap();
+        assert_eq!(again.id(), handle.id());
+    }
+}
