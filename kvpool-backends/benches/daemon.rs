@@ -45,7 +45,6 @@ fn daemon_read_into_l1(c: &mut Criterion) {
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,
         write_behind_quota: 64 * MIB,
-        write_behind_low_priority: false,
     };
     let daemon = Arc::new(PoolDaemon::with_tiers(options, vec![], rt.handle().clone()).unwrap());
     let _server = DaemonServer::bind(daemon, &path, SocketAccess::default()).unwrap();

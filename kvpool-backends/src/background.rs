@@ -1,7 +1,7 @@
-//! The process's low-priority runtime, where write-behind to the lower tiers runs
+//! The process's low-priority runtime, where write-behind to disk tiers runs
 //! (`[write_behind] low_priority`, on by default): its threads run at the lowest CPU priority,
-//! so that on a host whose cores run the engine's compute (vLLM's CPU build), writing to disk
-//! or a remote tier takes what the compute leaves instead of landing in its steps.
+//! so that on a host whose cores run the engine's compute (vLLM's CPU build), encoding and
+//! writing values to disk takes what the compute leaves instead of landing in its steps.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -10,6 +10,9 @@ use tracing::{debug, info, warn};
 
 /// The nice value of the runtime's threads: the lowest priority there is.
 pub const BACKGROUND_NICE: i32 = 19;
+
+/// Worker threads (encoding values) at most: one per core up to this.
+const MAX_WORKER_THREADS: usize = 4;
 
 /// Blocking threads the runtime may run at once (a tier's file writes, RocksDB).
 const MAX_BLOCKING_THREADS: usize = 8;
@@ -22,9 +25,9 @@ struct Background {
 
 static BACKGROUND: Mutex<Option<Background>> = Mutex::new(None);
 
-/// A handle to the process's low-priority runtime, started on first use: one worker thread and
-/// up to eight blocking threads, each at nice [`BACKGROUND_NICE`] and scheduled as batch work
-/// (not preempting a thread that was running when it wakes). Started again in a process forked
+/// A handle to the process's low-priority runtime, started on first use: a worker thread per
+/// core (up to four) and up to eight blocking threads, each at nice [`BACKGROUND_NICE`] and
+/// scheduled as batch work (not preempting a thread that was running when it wakes). Started again in a process forked
 /// after it was started: a fork has none of its parent's threads.
 pub fn background_runtime() -> std::io::Result<Handle> {
     let mut slot = BACKGROUND.lock().unwrap_or_else(PoisonError::into_inner);
@@ -33,7 +36,9 @@ pub fn background_runtime() -> std::io::Result<Handle> {
         return Ok(background.runtime.handle().clone());
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_WORKER_THREADS)),
+        )
         .max_blocking_threads(MAX_BLOCKING_THREADS)
         .thread_name("kvpool-background")
         .on_thread_start(lower_this_threads_priority)
@@ -47,7 +52,7 @@ pub fn background_runtime() -> std::io::Result<Handle> {
     }
     info!(
         nice = BACKGROUND_NICE,
-        "write-behind runs on low-priority threads"
+        "write-behind to disk runs on low-priority threads"
     );
     Ok(handle)
 }
@@ -66,11 +71,12 @@ pub fn write_behind_runtime_or(fallback: &Handle) -> Handle {
 pub fn this_threads_nice() -> Option<i32> {
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: gettid has no preconditions; getpriority only reads the thread's nice value.
-        // -1 is also a valid nice value: errno tells an error apart.
+        // SAFETY: getpriority only reads a nice value; `who` 0 with PRIO_PROCESS is the
+        // calling thread on Linux (not `gettid`, which glibc has only from 2.30: the wheel
+        // targets 2.28). -1 is also a valid nice value: errno tells an error apart.
         unsafe {
             *libc::__errno_location() = 0;
-            let nice = libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t);
+            let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
             (*libc::__errno_location() == 0).then_some(nice)
         }
     }
@@ -91,15 +97,10 @@ fn lower_this_threads_priority() {
                 std::io::Error::last_os_error()
             );
         }
-        // SAFETY: gettid has no preconditions; raising a thread's own nice value (lowering its
-        // priority) needs no privilege.
-        let rc = unsafe {
-            libc::setpriority(
-                libc::PRIO_PROCESS,
-                libc::gettid() as libc::id_t,
-                BACKGROUND_NICE,
-            )
-        };
+        // SAFETY: `who` 0 with PRIO_PROCESS is the calling thread on Linux (see
+        // `this_threads_nice`); raising its own nice value (lowering its priority) needs no
+        // privilege.
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, BACKGROUND_NICE) };
         if rc != 0 {
             debug!(
                 "a background thread keeps its priority: {}",

@@ -69,13 +69,6 @@ pub async fn build_pool_with_allocator(
         write_behind_quota_bytes: config.write_behind.quota.as_usize(),
         promote_on_hit: config.write_behind.promote_on_hit,
     });
-    if config.write_behind.low_priority
-        && !config.tiers.is_empty()
-        && let Ok(current) = tokio::runtime::Handle::try_current()
-    {
-        builder =
-            builder.write_behind_runtime(crate::background::write_behind_runtime_or(&current));
-    }
     let l1 = if config.local_cpu.enabled {
         let cpu = LocalCpuBackend::with_allocator(
             config.local_cpu.max_size.as_usize(),
@@ -98,17 +91,60 @@ pub async fn build_pool_with_allocator(
         .clone()
         .map(|cpu| cpu as Arc<dyn kvpool_core::ChunkAllocator>);
     for tier in &config.tiers {
-        builder = builder.lower(
-            crate::registry::open_tier_with_allocator(
-                tier,
-                config.codec,
-                max_chunk_bytes,
-                allocator.clone(),
-            )
-            .await?,
-        );
+        let backend = crate::registry::open_tier_with_allocator(
+            tier,
+            config.codec,
+            max_chunk_bytes,
+            allocator.clone(),
+        )
+        .await?;
+        builder = match background_runtime_for(config, tier) {
+            Some(runtime) => builder.lower_written_behind_on(backend, runtime),
+            None => builder.lower(backend),
+        };
     }
     let manager = Arc::new(builder.build()?);
     let engine = Arc::new(CacheEngine::new(layout, db, manager)?);
     Ok(Pool { engine, l1 })
+}
+
+/// Where `tier`'s write-behind runs when not on the pool's own runtime: the process's
+/// low-priority runtime, for a disk tier (`file://`) under `[write_behind] low_priority`.
+/// Its writes are the process's own CPU work (encoding, files, RocksDB). Network and
+/// node-memory tiers stay on the pool's runtime: their connections and sessions serve the
+/// engine's reads too, and must not be driven by threads the engine's compute starves.
+fn background_runtime_for(
+    config: &PoolConfig,
+    tier: &kvpool_core::TierConfig,
+) -> Option<tokio::runtime::Handle> {
+    let scheme = tier.url.split_once("://").map(|(scheme, _)| scheme);
+    if !config.write_behind.low_priority || scheme != Some("file") {
+        return None;
+    }
+    let current = tokio::runtime::Handle::try_current().ok()?;
+    Some(crate::background::write_behind_runtime_or(&current))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn only_a_disk_tier_is_written_behind_at_low_priority_and_only_when_asked() {
+        let mut config = PoolConfig::default();
+        let on = |config: &PoolConfig, url: &str| {
+            background_runtime_for(config, &kvpool_core::TierConfig::new(url)).is_some()
+        };
+        assert!(on(&config, "file:///var/cache/kvpool"));
+        for url in [
+            "redis://127.0.0.1:6379",
+            "s3://bucket/prefix",
+            "kvpool+unix:///run/kvpool.sock",
+            "memory://",
+        ] {
+            assert!(!on(&config, url), "{url}");
+        }
+        config.write_behind.low_priority = false;
+        assert!(!on(&config, "file:///var/cache/kvpool"));
+    }
 }

@@ -1,5 +1,6 @@
-//! `[write_behind] low_priority`: a pool built by `build_pool` writes to its lower tiers on the
-//! process's low-priority threads (nice 19), or, with it off, on the pool's own runtime.
+//! Write-behind on the process's low-priority threads (nice 19): a lower tier added with
+//! `lower_written_behind_on` is written there, another on the pool's own runtime; `build_pool`
+//! puts a disk tier there under `[write_behind] low_priority` (unit tests in pool_builder.rs).
 
 mod common;
 
@@ -7,14 +8,19 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use kvpool_backends::InMemoryConnector;
+use kvpool_backends::background::background_runtime;
 use kvpool_backends::background::{BACKGROUND_NICE, this_threads_nice};
-use kvpool_backends::{BackendFactory, InMemoryConnector, TierRequest, register_scheme};
-use kvpool_core::{BackendError, ByteSize, ConfigError, PoolConfig, RemoteConnector, TierConfig};
+use kvpool_core::{
+    BackendError, CacheEngine, ChunkCodec, ChunkedTokenDatabase, ChunkingConfig, KeyScope,
+    RemoteBackend, RemoteConnector, StorageManager,
+};
 
 /// The nice value of each thread a `batch_put` ran on.
 type PutNices = Arc<Mutex<Vec<Option<i32>>>>;
 
 /// Process memory that records the priority of the thread each write runs on.
+#[derive(Clone)]
 struct RecordsPutPriority {
     store: InMemoryConnector,
     nices: PutNices,
@@ -43,60 +49,65 @@ impl RemoteConnector for RecordsPutPriority {
     }
 }
 
-struct Factory(PutNices);
-
-#[async_trait]
-impl BackendFactory for Factory {
-    fn example(&self) -> String {
-        "putpriority://".into()
-    }
-    async fn open(&self, _: &TierRequest<'_>) -> Result<Box<dyn RemoteConnector>, ConfigError> {
-        Ok(Box::new(RecordsPutPriority {
-            store: InMemoryConnector::default(),
-            nices: self.0.clone(),
-        }))
-    }
+fn recorder() -> (Arc<RemoteBackend<RecordsPutPriority>>, PutNices) {
+    let nices = PutNices::default();
+    let connector = RecordsPutPriority {
+        store: InMemoryConnector::default(),
+        nices: nices.clone(),
+    };
+    (
+        Arc::new(RemoteBackend::new(
+            connector,
+            ChunkCodec::default(),
+            1 << 20,
+        )),
+        nices,
+    )
 }
 
 #[test]
-fn write_behind_runs_on_low_priority_threads_unless_turned_off() {
-    let nices = PutNices::default();
-    register_scheme("putpriority", Factory(nices.clone())).unwrap();
+fn a_tier_written_behind_on_the_background_runtime_is_written_at_the_lowest_priority() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
-    let pools_own = runtime.block_on(async { tokio::spawn(async { this_threads_nice() }).await });
-    let pools_own = pools_own.unwrap();
+    let pools_own = runtime
+        .block_on(async { tokio::spawn(async { this_threads_nice() }).await })
+        .unwrap();
     assert_ne!(
         pools_own,
         Some(BACKGROUND_NICE),
-        "the test runs at the lowest priority"
+        "run this test at a normal priority"
     );
-    for (low_priority, expected) in [(true, Some(BACKGROUND_NICE)), (false, pools_own)] {
-        let mut config = PoolConfig::default();
-        config.local_cpu.max_size = ByteSize::mib(16);
-        config.layout = common::tiered::layout();
-        config.chunking.chunk_size = common::tiered::CHUNK;
-        config.tiers.push(TierConfig::new("putpriority://"));
-        config.write_behind.low_priority = low_priority;
-        runtime.block_on(async {
-            let pool = kvpool_backends::build_pool(&config).await.unwrap();
-            let tokens: Vec<u32> = (0..32).map(|i| i * 7 + u32::from(low_priority)).collect();
-            let slots: Vec<i64> = (0..32).collect();
-            let kv = common::filled_cache(common::tiered::layout(), 8, 1);
-            let report = pool.engine.store(&tokens, None, &kv, &slots).await.unwrap();
-            assert_eq!(report.stored_chunks, 2);
-            pool.engine.storage().flush().await.unwrap();
-        });
-        let seen = std::mem::take(&mut *nices.lock().unwrap());
-        assert!(!seen.is_empty(), "the lower tier was written");
-        if cfg!(target_os = "linux") {
-            assert!(
-                seen.iter().all(|&nice| nice == expected),
-                "low_priority = {low_priority}: {seen:?}"
-            );
-        }
+    let (low, low_nices) = recorder();
+    let (normal, normal_nices) = recorder();
+    runtime.block_on(async {
+        let manager = StorageManager::builder()
+            .lower_written_behind_on(low, background_runtime().unwrap())
+            .lower(normal)
+            .build()
+            .unwrap();
+        let layout = common::tiered::layout();
+        let scope = KeyScope::new("test-model", 1, 0, 0, layout.fingerprint()).unwrap();
+        let chunking = ChunkingConfig {
+            chunk_size: common::tiered::CHUNK,
+            ..Default::default()
+        };
+        let db = ChunkedTokenDatabase::new(chunking, scope).unwrap();
+        let engine = CacheEngine::new(layout, db, Arc::new(manager)).unwrap();
+        let tokens = common::tiered::tokens(2 * common::tiered::CHUNK, 3);
+        let (slots, _) = common::tiered::slots(tokens.len());
+        let kv = common::filled_cache(layout, 100, 1);
+        let report = engine.store(&tokens, None, &kv, &slots).await.unwrap();
+        assert_eq!(report.stored_chunks, 2);
+        engine.storage().flush().await.unwrap();
+    });
+    let low = std::mem::take(&mut *low_nices.lock().unwrap());
+    let normal = std::mem::take(&mut *normal_nices.lock().unwrap());
+    assert!(!low.is_empty() && !normal.is_empty(), "both tiers written");
+    if cfg!(target_os = "linux") {
+        assert!(low.iter().all(|&n| n == Some(BACKGROUND_NICE)), "{low:?}");
+        assert!(normal.iter().all(|&n| n == pools_own), "{normal:?}");
     }
 }

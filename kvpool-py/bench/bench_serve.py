@@ -309,6 +309,11 @@ def main():
             "no connector": ["--no-enable-prefix-caching"],
             "kvpool L1": kvpool({"local_cpu": {"max_size": "4GiB"}}),
             "kvpool disk": kvpool({**small_l1, "tier": [{"url": f"file://{disk}"}]}),
+            # The same with write-behind on the pool's own runtime threads (normal priority),
+            # to a directory of its own: the baseline of `[write_behind] low_priority`.
+            "kvpool disk normal-priority": kvpool({
+                **small_l1, "write_behind": {"low_priority": False},
+                "tier": [{"url": f"file://{disk}-normal-priority"}]}),
             "kvpool Redis": kvpool({**small_l1, "tier": [{"url": tier_redis}]}),
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")

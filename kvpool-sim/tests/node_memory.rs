@@ -42,7 +42,6 @@ fn daemon_lending_for(lease_ttl: std::time::Duration) -> Daemon {
         eviction: EvictionKind::Lru,
         lease_ttl,
         write_behind_quota: 16 << 20,
-        write_behind_low_priority: false,
     };
     let daemon =
         Arc::new(PoolDaemon::with_tiers(options, Vec::new(), runtime.handle().clone()).unwrap());

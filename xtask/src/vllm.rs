@@ -504,7 +504,8 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
 }
 
 /// `cargo xtask bench-serve`: `vllm serve` driven by vLLM's own client (`vllm bench serve`), one
-/// fresh server per configuration (no connector, kvpool L1, disk, Redis, vLLM's prefix cache),
+/// fresh server per configuration (no connector, kvpool L1, disk, disk with write-behind at
+/// normal priority, Redis, vLLM's prefix cache),
 /// on no reuse, shared prefixes and a Mooncake-format trace (`kvpool gen-trace` unless
 /// `--trace PATH` is given); a table, `target/bench-serve.json` and `target/bench-serve.png`
 /// (release wheel; a loopback Redis started and stopped here).

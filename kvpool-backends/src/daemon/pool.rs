@@ -55,10 +55,6 @@ pub struct DaemonOptions {
     /// Bytes of committed values being written to the lower tiers at once; more are not
     /// written (counted).
     pub write_behind_quota: usize,
-    /// Whether those writes run on the process's low-priority threads
-    /// ([`crate::background`]), so that they take what the engines' compute leaves of the
-    /// node's cores.
-    pub write_behind_low_priority: bool,
 }
 
 impl DaemonOptions {
@@ -83,7 +79,6 @@ impl DaemonOptions {
             eviction: config.local_cpu.eviction,
             lease_ttl: DEFAULT_LEASE_TTL,
             write_behind_quota: config.write_behind.quota.as_usize(),
-            write_behind_low_priority: config.write_behind.low_priority,
         })
     }
 }
@@ -117,8 +112,6 @@ pub struct PoolDaemon {
     pub(super) store: SharedStore,
     tiers: Vec<Arc<dyn RemoteConnector>>,
     runtime: Handle,
-    /// Where write-behind runs: the low-priority runtime, or `runtime`.
-    write_behind_runtime: Handle,
     options: DaemonOptions,
     pub(super) daemon_id: u64,
     next_session: AtomicU64,
@@ -152,16 +145,10 @@ impl PoolDaemon {
     ) -> Result<Self, PoolError> {
         let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
         let daemon_id = rand_id();
-        let write_behind_runtime = if options.write_behind_low_priority && !tiers.is_empty() {
-            crate::background::write_behind_runtime_or(&runtime)
-        } else {
-            runtime.clone()
-        };
         Ok(PoolDaemon {
             store,
             tiers,
             runtime,
-            write_behind_runtime,
             options,
             daemon_id,
             next_session: AtomicU64::new(1),
@@ -513,7 +500,7 @@ impl PoolDaemon {
         };
         let tiers = self.tiers.clone();
         let tenant = self.options.tenant.clone();
-        self.write_behind_runtime.spawn(async move {
+        self.runtime.spawn(async move {
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
             // a good copy a lower tier already holds.

@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
 
 use crate::keys::cache_key::CacheKey;
@@ -19,16 +20,24 @@ pub(crate) struct Tier {
     pub(crate) in_flight: Mutex<HashSet<CacheKey>>,
     /// Write-behind byte quota.
     pub(crate) quota: Arc<Semaphore>,
+    /// Where this tier's write-behind runs (`None`: the manager's runtime).
+    pub(crate) write_behind_runtime: Option<Handle>,
 }
 
 impl Tier {
-    /// `backend` with `quota_bytes` of write-behind in flight at most.
-    pub(crate) fn new(backend: Arc<dyn StorageBackend>, quota_bytes: usize) -> Self {
+    /// `backend` with `quota_bytes` of write-behind in flight at most, written behind on
+    /// `write_behind_runtime` (`None`: the manager's runtime).
+    pub(crate) fn new(
+        backend: Arc<dyn StorageBackend>,
+        quota_bytes: usize,
+        write_behind_runtime: Option<Handle>,
+    ) -> Self {
         Tier {
             counters: TierCounters::new(backend.name()),
             backend,
             in_flight: Mutex::new(HashSet::new()),
             quota: Arc::new(Semaphore::new(quota_bytes)),
+            write_behind_runtime,
         }
     }
 }

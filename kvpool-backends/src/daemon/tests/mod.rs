@@ -30,7 +30,6 @@ fn options(capacity: usize) -> DaemonOptions {
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,
         write_behind_quota: 64 * MIB,
-        write_behind_low_priority: false,
     }
 }
 

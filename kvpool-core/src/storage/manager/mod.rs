@@ -75,7 +75,7 @@ pub struct StorageManager {
     tiers: Vec<Arc<Tier>>,
     allocator: Arc<dyn ChunkAllocator>,
     config: StorageManagerConfig,
-    /// Where write-behind runs.
+    /// Where write-behind runs, unless a tier names its own runtime.
     runtime: Handle,
     pending: Arc<Pending>,
     counters: ManagerCounters,
@@ -96,9 +96,8 @@ impl std::fmt::Debug for StorageManager {
 /// Builds a [`StorageManager`].
 pub struct StorageManagerBuilder {
     primary: Option<(Arc<dyn StorageBackend>, Arc<dyn ChunkAllocator>)>,
-    lower: Vec<Arc<dyn StorageBackend>>,
+    lower: Vec<(Arc<dyn StorageBackend>, Option<Handle>)>,
     config: StorageManagerConfig,
-    write_behind_runtime: Option<Handle>,
 }
 
 impl StorageManagerBuilder {
@@ -114,7 +113,18 @@ impl StorageManagerBuilder {
 
     /// A lower tier (disk, remote), written behind; tiers are looked up in the order added.
     pub fn lower(mut self, backend: Arc<dyn StorageBackend>) -> Self {
-        self.lower.push(backend);
+        self.lower.push((backend, None));
+        self
+    }
+
+    /// A lower tier as [`StorageManagerBuilder::lower`] adds, whose write-behind runs on
+    /// `runtime` (a runtime of low-priority threads, say) instead of the manager's.
+    pub fn lower_written_behind_on(
+        mut self,
+        backend: Arc<dyn StorageBackend>,
+        runtime: Handle,
+    ) -> Self {
+        self.lower.push((backend, Some(runtime)));
         self
     }
 
@@ -124,23 +134,12 @@ impl StorageManagerBuilder {
         self
     }
 
-    /// Where write-behind to the lower tiers runs (a runtime of low-priority threads, say);
-    /// by default the runtime the manager is built in.
-    pub fn write_behind_runtime(mut self, runtime: Handle) -> Self {
-        self.write_behind_runtime = Some(runtime);
-        self
-    }
-
-    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it)
-    /// unless [`StorageManagerBuilder::write_behind_runtime`] named one.
+    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it).
     pub fn build(self) -> Result<StorageManager, ConfigError> {
-        let runtime = match self.write_behind_runtime {
-            Some(runtime) => runtime,
-            None => Handle::try_current().map_err(|_| ConfigError::Invalid {
-                field: "runtime",
-                reason: "the storage manager must be built inside a tokio runtime".into(),
-            })?,
-        };
+        let runtime = Handle::try_current().map_err(|_| ConfigError::Invalid {
+            field: "runtime",
+            reason: "the storage manager must be built inside a tokio runtime".into(),
+        })?;
         if self.primary.is_none() && self.lower.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "tiers",
@@ -151,16 +150,22 @@ impl StorageManagerBuilder {
             .config
             .write_behind_quota_bytes
             .min(Semaphore::MAX_PERMITS);
-        let mk = |backend: Arc<dyn StorageBackend>| Arc::new(Tier::new(backend, quota));
+        let mk = |backend: Arc<dyn StorageBackend>, write_behind_runtime: Option<Handle>| {
+            Arc::new(Tier::new(backend, quota, write_behind_runtime))
+        };
         let mut tiers = Vec::new();
         let (primary, allocator): (Option<usize>, Arc<dyn ChunkAllocator>) = match self.primary {
             Some((backend, allocator)) => {
-                tiers.push(mk(backend));
+                tiers.push(mk(backend, None));
                 (Some(0), allocator)
             }
             None => (None, Arc::new(HeapChunkAllocator)),
         };
-        tiers.extend(self.lower.into_iter().map(mk));
+        tiers.extend(
+            self.lower
+                .into_iter()
+                .map(|(backend, runtime)| mk(backend, runtime)),
+        );
         let events = Arc::new(TierEventLog::default());
         for tier in &tiers {
             tier.backend.set_event_log(events.clone());
@@ -186,7 +191,6 @@ impl StorageManager {
             primary: None,
             lower: Vec::new(),
             config: StorageManagerConfig::default(),
-            write_behind_runtime: None,
         }
     }
 
@@ -515,7 +519,8 @@ impl StorageManager {
     }
 
     fn schedule_write_behind(&self, tier: &Arc<Tier>, entries: &[(CacheKey, Chunk)]) {
-        write_behind::schedule(tier, entries, &self.pending, &self.events, &self.runtime);
+        let runtime = tier.write_behind_runtime.as_ref().unwrap_or(&self.runtime);
+        write_behind::schedule(tier, entries, &self.pending, &self.events, runtime);
     }
 
     /// Removes keys from every tier (e.g. a chunk found corrupt). Returns how many existed.
