@@ -27,8 +27,8 @@ static BACKGROUND: Mutex<Option<Background>> = Mutex::new(None);
 
 /// A handle to the process's low-priority runtime, started on first use: a worker thread per
 /// core (up to four) and up to eight blocking threads, each at nice [`BACKGROUND_NICE`] and
-/// scheduled as batch work (not preempting a thread that was running when it wakes). Started again in a process forked
-/// after it was started: a fork has none of its parent's threads.
+/// scheduled as batch work (not preempting a thread that was running when it wakes). Started
+/// again in a process forked after it was started: a fork has none of its parent's threads.
 pub fn background_runtime() -> std::io::Result<Handle> {
     let mut slot = BACKGROUND.lock().unwrap_or_else(PoisonError::into_inner);
     let pid = std::process::id();

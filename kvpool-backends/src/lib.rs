@@ -19,8 +19,8 @@
 //! at start-up (a miss) and opens it in the background once it can. [`metrics_endpoint`] serves every metric kvpool records to
 //! Prometheus (`[metrics] listen`). [`allocator_trim`] hands the C allocator's free pages back
 //! to the operating system now and then (`[allocator] release_free_pages_secs`).
-//! [`background`] is the runtime of low-priority threads write-behind runs on
-//! (`[write_behind] low_priority`).
+//! [`background`] is the runtime of low-priority threads that write-behind to disk tiers runs
+//! on (`[write_behind] low_priority`).
 
 #![warn(missing_docs)]
 

@@ -67,7 +67,17 @@ struct DiskInner {
     closed: AtomicBool,
     /// Where capacity evictions are announced (KV events), once the manager hands it over.
     events: std::sync::OnceLock<Arc<TierEventLog>>,
+    /// Bytes of writes waiting for a blocking thread or being written, at most
+    /// [`QUEUED_WRITE_BYTES`]: a write holds its share from before it is queued until it
+    /// ends, so writes whose caller's timeout gave up on them (they run on) stay bounded.
+    queued_writes: Arc<tokio::sync::Semaphore>,
 }
+
+/// Bytes of writes queued or running at once (a larger batch waits for all of them).
+/// Write-behind runs at the lowest CPU priority on an engine's host, where writes may wait
+/// longer than the tier's timeout: without this bound each one given up on would leave its
+/// encoded values queued while the write-behind quota admitted more.
+const QUEUED_WRITE_BYTES: u32 = 1 << 30;
 
 fn join_error(e: tokio::task::JoinError) -> BackendError {
     BackendError::Unavailable {
@@ -115,6 +125,7 @@ impl DiskInner {
             index: Mutex::new(index),
             closed: AtomicBool::new(false),
             events: std::sync::OnceLock::new(),
+            queued_writes: Arc::new(tokio::sync::Semaphore::new(QUEUED_WRITE_BYTES as usize)),
         };
         connector.serialized(|db| connector.evict_to(db, connector.config.capacity_bytes))?;
         Ok(connector)
@@ -548,8 +559,24 @@ impl RemoteConnector for DiskConnector {
         if admitted.is_empty() {
             return self.inner.check();
         }
+        let bytes: usize = admitted.iter().map(|(_, v)| v.len()).sum();
+        let share = u32::try_from(bytes.max(1))
+            .unwrap_or(u32::MAX)
+            .min(QUEUED_WRITE_BYTES);
+        // Waited for here, where the caller's timeout can still cut the wait short; held by
+        // the write itself until it ends.
+        let room = self
+            .inner
+            .queued_writes
+            .clone()
+            .acquire_many_owned(share)
+            .await
+            .map_err(|_| BackendError::Closed("disk".into()))?;
         self.inner
-            .blocking(move |d| d.write_entries(&admitted))
+            .blocking(move |d| {
+                let _room = room;
+                d.write_entries(&admitted)
+            })
             .await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {

@@ -17,6 +17,43 @@ async fn a_stuck_disk_call_does_not_hold_its_caller_past_a_timeout() {
     assert!(outcome.is_err(), "the timeout did not fire: {outcome:?}");
 }
 
+/// Writes queued or running are bounded in bytes (`QUEUED_WRITE_BYTES`): a write given up
+/// on by its caller's timeout while it waits for room never runs, so its values are not kept
+/// queued behind the others (write-behind at low priority can wait past the timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_given_up_on_while_waiting_for_room_is_never_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    // The room taken, as by writes still running.
+    let taken = disk
+        .inner
+        .queued_writes
+        .clone()
+        .acquire_many_owned(QUEUED_WRITE_BYTES)
+        .await
+        .unwrap();
+    let put = disk.batch_put(vec![("late".to_string(), Bytes::from_static(b"value"))]);
+    let outcome = tokio::time::timeout(Duration::from_millis(100), put).await;
+    assert!(
+        outcome.is_err(),
+        "the write did not wait for room: {outcome:?}"
+    );
+    drop(taken);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        disk.batch_get(&["late".to_string()]).await.unwrap(),
+        vec![None]
+    );
+    // With room, a write goes through and gives its room back.
+    disk.batch_put(vec![("next".to_string(), Bytes::from_static(b"value"))])
+        .await
+        .unwrap();
+    assert_eq!(
+        disk.inner.queued_writes.available_permits(),
+        QUEUED_WRITE_BYTES as usize
+    );
+}
+
 /// The index and RocksDB agree after puts, evictions and deletes of the same few keys race
 /// each other from several tasks: every indexed key is stored with its indexed size, every
 /// stored key is indexed, and the byte count is the sum and within capacity. (The defect:

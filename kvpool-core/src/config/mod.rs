@@ -89,9 +89,10 @@ pub struct WriteBehindConfig {
     pub quota: ByteSize,
     /// Whether chunks found in lower tiers are copied into L1.
     pub promote_on_hit: bool,
-    /// Whether write-behind runs on threads of the lowest CPU priority (one runtime per
-    /// process), so that on a host whose cores run the engine's compute it takes what the
-    /// compute leaves; `false`: on the pool's own runtime.
+    /// Whether write-behind to a disk tier (`file://`) runs on threads of the lowest CPU
+    /// priority (one runtime per process), so that on a host whose cores run the engine's
+    /// compute it takes what the compute leaves; `false`: on the pool's own runtime. Network
+    /// and node-memory tiers are written from the pool's own runtime either way.
     pub low_priority: bool,
 }
 

@@ -134,7 +134,8 @@ impl StorageManagerBuilder {
         self
     }
 
-    /// Builds the manager; must run inside a tokio runtime (write-behind tasks spawn on it).
+    /// Builds the manager; must run inside a tokio runtime (write-behind to a tier added
+    /// without a runtime of its own spawns on it).
     pub fn build(self) -> Result<StorageManager, ConfigError> {
         let runtime = Handle::try_current().map_err(|_| ConfigError::Invalid {
             field: "runtime",
