@@ -5,6 +5,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use kvpool_core::{PoolConfig, TierConfig};
 use tokio::runtime::{Handle, Runtime};
 use tracing::{debug, info, warn};
 
@@ -64,6 +65,24 @@ pub fn write_behind_runtime_or(fallback: &Handle) -> Handle {
         warn!(error = %e, "cannot start the low-priority write-behind threads; writing behind on the pool's own runtime");
         fallback.clone()
     })
+}
+
+/// Where a pool's write-behind to `tier` runs when not on the pool's own runtime
+/// (`pool_runtime`): the process's low-priority runtime for a disk tier (`file://`) under
+/// `[write_behind] low_priority`, as its writes are the process's own CPU work (encoding,
+/// files, RocksDB). Network and node-memory tiers stay on the pool's runtime: their
+/// connections and sessions serve reads too, and must not be driven by threads the engine's
+/// compute starves. Used by `build_pool` and by `kvpool serve` for its lower tiers.
+pub fn write_behind_runtime_for(
+    config: &PoolConfig,
+    tier: &TierConfig,
+    pool_runtime: &Handle,
+) -> Option<Handle> {
+    let scheme = tier.url.split_once("://").map(|(scheme, _)| scheme);
+    if !config.write_behind.low_priority || scheme != Some("file") {
+        return None;
+    }
+    Some(write_behind_runtime_or(pool_runtime))
 }
 
 /// The calling thread's nice value (its CPU priority; higher is lower), where the platform
@@ -131,5 +150,26 @@ mod tests {
         // One runtime per process: the same one again.
         let again = background_runtime().unwrap();
         assert_eq!(again.id(), handle.id());
+    }
+
+    #[tokio::test]
+    async fn only_a_disk_tier_is_written_behind_at_low_priority_and_only_when_asked() {
+        let mut config = PoolConfig::default();
+        let pool_runtime = Handle::current();
+        let on = |config: &PoolConfig, url: &str| {
+            write_behind_runtime_for(config, &TierConfig::new(url), &pool_runtime)
+                .is_some_and(|runtime| runtime.id() != pool_runtime.id())
+        };
+        assert!(on(&config, "file:///var/cache/kvpool"));
+        for url in [
+            "redis://127.0.0.1:6379",
+            "s3://bucket/prefix",
+            "kvpool+unix:///run/kvpool.sock",
+            "memory://",
+        ] {
+            assert!(!on(&config, url), "{url}");
+        }
+        config.write_behind.low_priority = false;
+        assert!(!on(&config, "file:///var/cache/kvpool"));
     }
 }

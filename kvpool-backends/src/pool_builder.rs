@@ -98,7 +98,8 @@ pub async fn build_pool_with_allocator(
             allocator.clone(),
         )
         .await?;
-        builder = match background_runtime_for(config, tier) {
+        let pool_runtime = tokio::runtime::Handle::current();
+        builder = match crate::background::write_behind_runtime_for(config, tier, &pool_runtime) {
             Some(runtime) => builder.lower_written_behind_on(backend, runtime),
             None => builder.lower(backend),
         };
@@ -106,45 +107,4 @@ pub async fn build_pool_with_allocator(
     let manager = Arc::new(builder.build()?);
     let engine = Arc::new(CacheEngine::new(layout, db, manager)?);
     Ok(Pool { engine, l1 })
-}
-
-/// Where `tier`'s write-behind runs when not on the pool's own runtime: the process's
-/// low-priority runtime, for a disk tier (`file://`) under `[write_behind] low_priority`.
-/// Its writes are the process's own CPU work (encoding, files, RocksDB). Network and
-/// node-memory tiers stay on the pool's runtime: their connections and sessions serve the
-/// engine's reads too, and must not be driven by threads the engine's compute starves.
-fn background_runtime_for(
-    config: &PoolConfig,
-    tier: &kvpool_core::TierConfig,
-) -> Option<tokio::runtime::Handle> {
-    let scheme = tier.url.split_once("://").map(|(scheme, _)| scheme);
-    if !config.write_behind.low_priority || scheme != Some("file") {
-        return None;
-    }
-    let current = tokio::runtime::Handle::try_current().ok()?;
-    Some(crate::background::write_behind_runtime_or(&current))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn only_a_disk_tier_is_written_behind_at_low_priority_and_only_when_asked() {
-        let mut config = PoolConfig::default();
-        let on = |config: &PoolConfig, url: &str| {
-            background_runtime_for(config, &kvpool_core::TierConfig::new(url)).is_some()
-        };
-        assert!(on(&config, "file:///var/cache/kvpool"));
-        for url in [
-            "redis://127.0.0.1:6379",
-            "s3://bucket/prefix",
-            "kvpool+unix:///run/kvpool.sock",
-            "memory://",
-        ] {
-            assert!(!on(&config, url), "{url}");
-        }
-        config.write_behind.low_priority = false;
-        assert!(!on(&config, "file:///var/cache/kvpool"));
-    }
 }

@@ -59,6 +59,25 @@ impl ServeArgs {
     }
 }
 
+/// `daemon` with the writes to its disk tiers on the process's low-priority runtime, under
+/// `[write_behind] low_priority` (on by default): the daemon shares its host with the engines,
+/// whose compute must not wait for encoding and writing values to disk. Its tiers are
+/// `cfg.tiers`, in order (a tenant's views of them too).
+fn writing_disk_tiers_at_low_priority(
+    mut daemon: PoolDaemon,
+    cfg: &PoolConfig,
+    rt: &Runtime,
+) -> PoolDaemon {
+    for (i, tier) in cfg.tiers.iter().enumerate() {
+        if let Some(runtime) =
+            kvpool_backends::background::write_behind_runtime_for(cfg, tier, rt.handle())
+        {
+            daemon = daemon.write_tier_behind_on(i, runtime);
+        }
+    }
+    daemon
+}
+
 /// One tenant's daemon and its socket.
 struct Served {
     name: String,
@@ -96,10 +115,9 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
         .collect();
     let mut served = Vec::new();
     if cfg.tenants.is_empty() {
-        let daemon = Arc::new(
-            PoolDaemon::with_tiers(base, tiers.clone(), rt.handle().clone())
-                .context("cannot create the shared arena ([local_cpu] max_size)")?,
-        );
+        let daemon = PoolDaemon::with_tiers(base, tiers.clone(), rt.handle().clone())
+            .context("cannot create the shared arena ([local_cpu] max_size)")?;
+        let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, &cfg, rt));
         let access = match &args.group {
             Some(g) => SocketAccess::group(g)?,
             None => SocketAccess::default(),
@@ -149,11 +167,11 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
                     Arc::new(view) as Arc<dyn RemoteConnector>
                 })
                 .collect();
-            let daemon = Arc::new(
-                PoolDaemon::with_tiers(options, namespaced, rt.handle().clone()).with_context(
-                    || format!("cannot create tenant `{}`'s shared arena", tenant.name),
-                )?,
-            );
+            let daemon = PoolDaemon::with_tiers(options, namespaced, rt.handle().clone())
+                .with_context(|| {
+                    format!("cannot create tenant `{}`'s shared arena", tenant.name)
+                })?;
+            let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, &cfg, rt));
             let access = match &tenant.group {
                 Some(g) => SocketAccess::group(g)?,
                 None => SocketAccess::default(),

@@ -2,12 +2,13 @@
 //! time (lookups, pins, saves, promotion and write-behind to the lower tiers).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpool_core::memory::{EvictionKind, MemoryObj};
 use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::write_behind::{AdmittedBatch, Pending, WriteBehindAdmission};
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
@@ -83,27 +84,33 @@ impl DaemonOptions {
     }
 }
 
-#[derive(Default)]
+/// The daemon's writes to its lower tiers: admitted against the byte quota as the engines'
+/// pools admit theirs, every value written to every tier.
 struct WriteBehind {
-    bytes: AtomicUsize,
-    batches: AtomicUsize,
+    admission: Arc<WriteBehindAdmission<String>>,
+    pending: Arc<Pending>,
     dropped: AtomicU64,
     /// Values every tier accepted.
     written: AtomicU64,
 }
 
-/// One batch admitted to the write-behind: its bytes and its count, given back on drop.
-struct WriteBehindBatch {
+/// One admitted batch's writes to the lower tiers (a task per tier, each holding this): once
+/// the last ends, the values count as written if every tier accepted them, and the batch's
+/// keys and bytes are given back (also when a task is never run or panics).
+struct BatchWrites {
     write_behind: Arc<WriteBehind>,
-    bytes: usize,
+    values: u64,
+    failed: AtomicBool,
+    _admitted: AdmittedBatch<String>,
 }
 
-impl Drop for WriteBehindBatch {
+impl Drop for BatchWrites {
     fn drop(&mut self) {
-        self.write_behind
-            .bytes
-            .fetch_sub(self.bytes, Ordering::AcqRel);
-        self.write_behind.batches.fetch_sub(1, Ordering::AcqRel);
+        if !self.failed.load(Ordering::Acquire) {
+            self.write_behind
+                .written
+                .fetch_add(self.values, Ordering::Relaxed);
+        }
     }
 }
 
@@ -111,6 +118,8 @@ impl Drop for WriteBehindBatch {
 pub struct PoolDaemon {
     pub(super) store: SharedStore,
     tiers: Vec<Arc<dyn RemoteConnector>>,
+    /// Where each tier's writes run (the daemon's runtime unless set otherwise).
+    tier_write_runtimes: Vec<Handle>,
     runtime: Handle,
     options: DaemonOptions,
     pub(super) daemon_id: u64,
@@ -145,8 +154,10 @@ impl PoolDaemon {
     ) -> Result<Self, PoolError> {
         let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
         let daemon_id = rand_id();
+        let write_behind_quota = options.write_behind_quota;
         Ok(PoolDaemon {
             store,
+            tier_write_runtimes: vec![runtime.clone(); tiers.len()],
             tiers,
             runtime,
             options,
@@ -154,9 +165,26 @@ impl PoolDaemon {
             next_session: AtomicU64::new(1),
             sessions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            write_behind: Arc::default(),
+            write_behind: Arc::new(WriteBehind {
+                admission: Arc::new(WriteBehindAdmission::new(write_behind_quota)),
+                pending: Arc::default(),
+                dropped: AtomicU64::new(0),
+                written: AtomicU64::new(0),
+            }),
             request_bytes: AtomicUsize::new(0),
         })
+    }
+
+    /// Runs the writes to lower tier `tier` (its position in `with_tiers`) on `runtime`: the
+    /// process's low-priority runtime for a disk tier (see
+    /// [`crate::background::write_behind_runtime_for`]). Reads stay on the daemon's runtime.
+    ///
+    /// # Panics
+    ///
+    /// If the daemon has no tier at `tier`.
+    pub fn write_tier_behind_on(mut self, tier: usize, runtime: Handle) -> Self {
+        self.tier_write_runtimes[tier] = runtime;
+        self
     }
 
     /// The daemon's counters.
@@ -187,7 +215,7 @@ impl PoolDaemon {
         metrics::gauge!(telemetry::DAEMON_CAPACITY_BYTES, "tenant" => t.clone())
             .set(s.capacity_bytes as f64);
         metrics::gauge!(telemetry::DAEMON_WRITE_BEHIND_BYTES, "tenant" => t.clone())
-            .set(self.write_behind.bytes.load(Ordering::Relaxed) as f64);
+            .set(self.write_behind.admission.bytes_in_flight() as f64);
         metrics::counter!(telemetry::DAEMON_WRITE_BEHIND_DROPPED, "tenant" => t.clone())
             .absolute(self.write_behind_dropped());
         metrics::gauge!(telemetry::DAEMON_SESSIONS, "tenant" => t.clone()).set(s.sessions as f64);
@@ -215,16 +243,15 @@ impl PoolDaemon {
 
     /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.
     pub async fn close(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while self.write_behind.batches.load(Ordering::Acquire) > 0 {
-            if Instant::now() >= deadline {
-                warn!(
-                    batches = self.write_behind.batches.load(Ordering::Acquire),
-                    "closing with writes to lower tiers unfinished"
-                );
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let pending = &self.write_behind.pending;
+        if tokio::time::timeout(limit, pending.wait_idle())
+            .await
+            .is_err()
+        {
+            warn!(
+                batches = pending.batches(),
+                "closing with writes to lower tiers unfinished"
+            );
         }
         for tier in &self.tiers {
             if let Err(e) = tier.close().await {
@@ -470,35 +497,41 @@ impl PoolDaemon {
         }
     }
 
-    /// Hands committed values to every lower tier in the background, within the quota.
+    /// Hands committed values to every lower tier in the background, within the quota (a
+    /// value past it, or whose key is being written already, is not written: counted).
     fn write_behind(&self, committed: Vec<(String, MemoryObj)>) {
         if self.tiers.is_empty() || committed.is_empty() {
             return;
         }
-        let bytes: usize = committed.iter().map(|(_, v)| v.len()).sum();
         let wb = &self.write_behind;
-        let admitted = wb
-            .bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
-                (b + bytes <= self.options.write_behind_quota).then_some(b + bytes)
-            })
-            .is_ok();
-        if !admitted {
-            wb.dropped
-                .fetch_add(committed.len() as u64, Ordering::Relaxed);
+        let admission = wb.admission.admit(
+            committed.iter().map(|(k, v)| (k.clone(), v.len())),
+            &wb.pending,
+        );
+        if admission.dropped > 0 {
+            wb.dropped.fetch_add(admission.dropped, Ordering::Relaxed);
             debug!(
-                values = committed.len(),
+                values = admission.dropped,
                 "write-behind quota full; not written below"
             );
-            return;
         }
-        wb.batches.fetch_add(1, Ordering::AcqRel);
-        // Returns the quota and the count however the task ends (even never run, or panicking).
-        let admitted = WriteBehindBatch {
-            write_behind: self.write_behind.clone(),
-            bytes,
+        let Some(admitted) = admission.batch else {
+            return;
         };
-        let tiers = self.tiers.clone();
+        let mut committed: Vec<Option<(String, MemoryObj)>> =
+            committed.into_iter().map(Some).collect();
+        let committed: Vec<(String, MemoryObj)> = admission
+            .admitted
+            .iter()
+            .filter_map(|&i| committed[i].take())
+            .collect();
+        let tiers: Vec<(Arc<dyn RemoteConnector>, Handle)> = self
+            .tiers
+            .iter()
+            .cloned()
+            .zip(self.tier_write_runtimes.iter().cloned())
+            .collect();
+        let write_behind = self.write_behind.clone();
         let tenant = self.options.tenant.clone();
         self.runtime.spawn(async move {
             // Copied out of the arena (which every attached engine can write) and checked on
@@ -522,24 +555,34 @@ impl PoolDaemon {
                     }
                 })
                 .collect();
-            let mut all_ok = true;
-            for tier in &tiers {
-                let started = Instant::now();
-                let written = tier.batch_put(entries.clone()).await;
-                tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
-                if let Err(e) = written {
-                    warn!(tier = tier.name(), "write-behind failed: {e}");
-                    all_ok = false;
-                }
+            if entries.is_empty() {
+                return;
             }
-            if all_ok {
-                admitted
-                    .write_behind
-                    .written
-                    .fetch_add(entries.len() as u64, Ordering::Relaxed);
+            let batch = Arc::new(BatchWrites {
+                write_behind,
+                values: entries.len() as u64,
+                failed: AtomicBool::new(false),
+                _admitted: admitted,
+            });
+            // A task per tier, on that tier's runtime: a disk tier's writes at low priority
+            // do not hold up a network tier's.
+            for (tier, runtime) in tiers {
+                let batch = batch.clone();
+                let entries = entries.clone();
+                let tenant = tenant.clone();
+                runtime.spawn(async move {
+                    let started = Instant::now();
+                    let written = tier.batch_put(entries).await;
+                    tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
+                    if let Err(e) = written {
+                        warn!(tier = tier.name(), "write-behind failed: {e}");
+                        batch.failed.store(true, Ordering::Release);
+                    }
+                    // The tier first, then the batch (see `kvpool_core`'s write-behind).
+                    drop(tier);
+                    drop(batch);
+                });
             }
-            drop(entries);
-            drop(admitted);
         });
     }
 }

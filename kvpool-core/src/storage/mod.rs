@@ -12,7 +12,7 @@ pub mod save_slot;
 mod tier;
 pub mod tier_events;
 mod tier_stats;
-mod write_behind;
+pub mod write_behind;
 
 pub use backend::{
     BackendCounters, BackendStats, Chunk, ChunkAllocator, ChunkVisit, HeapChunkAllocator,

@@ -1,25 +1,21 @@
 //! `Tier`: one tier of the storage manager with its counters and write-behind state.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use tokio::runtime::Handle;
-use tokio::sync::Semaphore;
 
 use crate::keys::cache_key::CacheKey;
 use crate::storage::backend::StorageBackend;
 use crate::storage::tier_stats::TierCounters;
+use crate::storage::write_behind::WriteBehindAdmission;
 
 /// One tier as the storage manager drives it: the backend, its counters, and its write-behind
 /// state (keys in flight, byte quota).
 pub(crate) struct Tier {
     pub(crate) backend: Arc<dyn StorageBackend>,
     pub(crate) counters: TierCounters,
-    /// Keys whose write-behind to this tier is in flight.
-    pub(crate) in_flight: Mutex<HashSet<CacheKey>>,
-    /// Write-behind byte quota.
-    pub(crate) quota: Arc<Semaphore>,
+    /// Which write-behind may start: the byte quota and the keys in flight.
+    pub(crate) write_behind: Arc<WriteBehindAdmission<CacheKey>>,
     /// Where this tier's write-behind runs (`None`: the manager's runtime).
     pub(crate) write_behind_runtime: Option<Handle>,
 }
@@ -35,8 +31,7 @@ impl Tier {
         Tier {
             counters: TierCounters::new(backend.name()),
             backend,
-            in_flight: Mutex::new(HashSet::new()),
-            quota: Arc::new(Semaphore::new(quota_bytes)),
+            write_behind: Arc::new(WriteBehindAdmission::new(quota_bytes)),
             write_behind_runtime,
         }
     }

@@ -127,10 +127,10 @@ impl TierCounters {
         self.metrics.errors.increment(1);
     }
 
-    /// A write-behind entry was dropped: the in-flight quota was full.
-    pub(crate) fn dropped_write(&self) {
-        self.dropped_writes.add(1);
-        self.metrics.dropped.increment(1);
+    /// `n` write-behind entries were dropped: the in-flight quota was full.
+    pub(crate) fn dropped_writes(&self, n: u64) {
+        self.dropped_writes.add(n);
+        self.metrics.dropped.increment(n);
     }
 
     /// `n` write-behind entries were lost to a failed put.
@@ -139,10 +139,10 @@ impl TierCounters {
         self.metrics.failed.increment(n);
     }
 
-    /// A write-behind entry was skipped: the same key was already in flight.
-    pub(crate) fn deduplicated_write(&self) {
-        self.deduplicated_writes.add(1);
-        self.metrics.deduplicated.increment(1);
+    /// `n` write-behind entries were skipped: the same key was already in flight.
+    pub(crate) fn deduplicated_writes(&self, n: u64) {
+        self.deduplicated_writes.add(n);
+        self.metrics.deduplicated.increment(n);
     }
 
     /// A snapshot, with the backend's own counters.

@@ -20,6 +20,7 @@ use crate::memory::InMemoryConnector;
 mod bounds;
 mod in_place;
 mod tenants;
+mod write_behind;
 
 const MIB: usize = 1 << 20;
 

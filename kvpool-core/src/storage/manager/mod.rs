@@ -2,6 +2,7 @@
 
 mod get_each;
 mod node_memory;
+mod write_behind;
 
 pub use node_memory::LentSaveSlots;
 
@@ -24,7 +25,7 @@ use crate::storage::tier::Tier;
 use crate::storage::tier_events::{TierEventKind, TierEventLog};
 use crate::storage::tier_stats::{ManagerCounters, TierOp};
 pub use crate::storage::tier_stats::{ManagerStats, TierStats};
-use crate::storage::write_behind::{self, Pending};
+use crate::storage::write_behind::Pending;
 
 /// Knobs of the storage manager.
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,96 @@
+//! The daemon's writes to its lower tiers: a tier set apart (a disk tier under
+//! `[write_behind] low_priority`) written on the low-priority threads, the others on the
+//! daemon's runtime, and `close` waiting for both.
+
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use kvpool_core::BackendError;
+
+use super::*;
+use crate::background::{BACKGROUND_NICE, background_runtime, this_threads_nice};
+
+/// Process memory whose writes take a while and record the nice value of their thread.
+#[derive(Clone, Default)]
+struct SlowRecordingTier {
+    store: InMemoryConnector,
+    put_nices: Arc<Mutex<Vec<Option<i32>>>>,
+}
+
+#[async_trait]
+impl RemoteConnector for SlowRecordingTier {
+    fn name(&self) -> &str {
+        "slow-recording"
+    }
+    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.store.batch_exists(keys).await
+    }
+    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        self.store.batch_get(keys).await
+    }
+    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+        self.put_nices.lock().unwrap().push(this_threads_nice());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.store.batch_put(entries).await
+    }
+    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+        self.store.batch_delete(keys).await
+    }
+    async fn close(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let (disk, redis) = (SlowRecordingTier::default(), SlowRecordingTier::default());
+    let tiers: Vec<Arc<dyn RemoteConnector>> =
+        vec![Arc::new(disk.clone()), Arc::new(redis.clone())];
+    let daemon =
+        PoolDaemon::with_tiers(options(16 * MIB), tiers, tokio::runtime::Handle::current())
+            .unwrap()
+            .write_tier_behind_on(0, background_runtime().unwrap());
+    let daemon = Arc::new(daemon);
+    let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+    let (key, bytes) = chunk_value(3, &[3u8; 4096]);
+    client(&path)
+        .batch_put(vec![(key.clone(), bytes.clone())])
+        .await
+        .unwrap();
+
+    // The commit was admitted before its reply; both writes are still sleeping.
+    server.shutdown();
+    daemon.close(Duration::from_secs(30)).await;
+    for tier in [&disk, &redis] {
+        let held = tier
+            .store
+            .batch_get(std::slice::from_ref(&key))
+            .await
+            .unwrap();
+        assert_eq!(
+            held[0].as_deref(),
+            Some(&bytes[..]),
+            "written before close returned"
+        );
+    }
+    assert_eq!(
+        daemon.stats().tier_writes,
+        1,
+        "every tier accepted the value"
+    );
+    let (low, normal) = (
+        disk.put_nices.lock().unwrap().clone(),
+        redis.put_nices.lock().unwrap().clone(),
+    );
+    assert_eq!((low.len(), normal.len()), (1, 1), "one write to each tier");
+    if cfg!(target_os = "linux") {
+        assert_eq!(low[0], Some(BACKGROUND_NICE));
+        assert_ne!(
+            normal[0],
+            Some(BACKGROUND_NICE),
+            "the daemon's runtime keeps its priority"
+        );
+    }
+}
