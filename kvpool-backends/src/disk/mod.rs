@@ -71,6 +71,10 @@ struct DiskInner {
     /// [`QUEUED_WRITE_BYTES`]: a write holds its share from before it is queued until it
     /// ends, so writes whose caller's timeout gave up on them (they run on) stay bounded.
     queued_writes: Arc<tokio::sync::Semaphore>,
+    /// Where a test pauses a reopen: after the old database is closed, before the new one
+    /// opens (two waits).
+    #[cfg(test)]
+    reopen_pause: Mutex<Option<Arc<std::sync::Barrier>>>,
 }
 
 /// Bytes of writes queued or running at once (a larger batch waits for all of them).
@@ -126,6 +130,8 @@ impl DiskInner {
             closed: AtomicBool::new(false),
             events: std::sync::OnceLock::new(),
             queued_writes: Arc::new(tokio::sync::Semaphore::new(QUEUED_WRITE_BYTES as usize)),
+            #[cfg(test)]
+            reopen_pause: Mutex::new(None),
         };
         connector.serialized(|db| connector.evict_to(db, connector.config.capacity_bytes))?;
         Ok(connector)
@@ -168,27 +174,39 @@ impl DiskInner {
     }
 
     /// Reopens the database if a write failed at least a second ago and no call holds it.
+    /// Only writers wait for a reopen (they would fail meanwhile anyway): the old database is
+    /// let go and the new one opened without holding the locks reads take, so a read meanwhile
+    /// is a miss at once instead of waiting on the caller's thread for RocksDB to open and the
+    /// index to load.
     fn recover_if_broken(&self) {
+        let due = |since: &Option<Instant>| {
+            since.is_some_and(|since| since.elapsed() >= Duration::from_secs(1))
+        };
         // A cheap check first: healthy calls must not queue behind the write lock.
-        if !self
-            .broken_since
-            .lock()
-            .is_some_and(|since| since.elapsed() >= Duration::from_secs(1))
-        {
+        if !due(&self.broken_since.lock()) {
             return;
         }
         // Same order as writers: the write lock, then the flag.
         let _alone = self.write_lock.lock();
-        let mut broken = self.broken_since.lock();
-        if !broken.is_some_and(|since| since.elapsed() >= Duration::from_secs(1)) {
-            return; // another call reopened it meanwhile, or tried a moment ago
+        {
+            let mut broken = self.broken_since.lock();
+            if !due(&broken) {
+                return; // another call reopened it meanwhile, or tried a moment ago
+            }
+            *broken = Some(Instant::now());
         }
-        *broken = Some(Instant::now());
-        let mut slot = self.db.write();
-        if slot.as_ref().is_some_and(|db| Arc::strong_count(db) > 1) {
-            return; // a call in flight (or a value handed out) still uses it: try later
+        {
+            let mut slot = self.db.write();
+            if slot.as_ref().is_some_and(|db| Arc::strong_count(db) > 1) {
+                return; // a call in flight (or a value handed out) still uses it: try later
+            }
+            drop(slot.take()); // closes RocksDB and releases its lock file
         }
-        drop(slot.take()); // closes RocksDB and releases its lock file
+        #[cfg(test)]
+        if let Some(pause) = self.reopen_pause.lock().clone() {
+            pause.wait(); // the old database is closed
+            pause.wait(); // the test lets the reopen go on
+        }
         let reopened = open_database(&self.config)
             .and_then(|db| load_index(&db, &self.config).map(|index| (db, index)));
         match reopened {
@@ -205,8 +223,8 @@ impl DiskInner {
                 }
                 info!(path = %self.config.path.display(), entries = index.sizes.len(), "reopened the disk tier");
                 *self.index.lock() = index;
-                *slot = Some(Arc::new(db));
-                *broken = None;
+                *self.db.write() = Some(Arc::new(db));
+                *self.broken_since.lock() = None;
             }
             Err(e) => {
                 warn!(path = %self.config.path.display(), error = %e, "reopening the disk tier failed; trying again later")

@@ -500,3 +500,46 @@ async fn a_key_put_twice_in_one_batch_keeps_its_last_value() {
     assert!(value_files(&disk.inner).is_empty());
     assert_eq!(disk.usage(), (1, 1000));
 }
+
+/// A read while the database is reopened after a failed write is a miss at once. Before, the
+/// reopen held the broken flag's lock (and the database's) while RocksDB opened and the
+/// index loaded, and a read that memory could answer took that lock on the caller's thread:
+/// an engine's step waited for the whole reopen, past any timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_during_a_reopen_is_a_miss_at_once_and_a_hit_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
+    let keys = vec!["k".to_string()];
+    disk.batch_put(vec![("k".to_string(), Bytes::from_static(b"value"))])
+        .await
+        .unwrap();
+    let pause = Arc::new(std::sync::Barrier::new(2));
+    *disk.inner.reopen_pause.lock() = Some(pause.clone());
+    *disk.inner.broken_since.lock() = Some(Instant::now() - Duration::from_secs(2));
+    let reopen = std::thread::spawn({
+        let inner = disk.inner.clone();
+        move || inner.recover_if_broken()
+    });
+    pause.wait(); // the old database is closed; the new one is not open yet
+    let (sent, answer) = std::sync::mpsc::channel();
+    std::thread::spawn({
+        let inner = disk.inner.clone();
+        let keys = keys.clone();
+        move || {
+            let memory = inner.read_cached(&keys);
+            let read = inner.read_entries(&keys).map_err(|e| e.to_string());
+            sent.send((memory, read)).unwrap();
+        }
+    });
+    let outcome = answer.recv_timeout(Duration::from_secs(5));
+    pause.wait(); // the reopen goes on
+    reopen.join().unwrap();
+    let (memory, read) = outcome.expect("the read waited for the reopen");
+    assert!(memory.is_none(), "not answered from memory while reopening");
+    assert!(read.is_err(), "the database is not there yet: {read:?}");
+    assert!(disk.inner.broken_since.lock().is_none(), "reopened");
+    assert_eq!(
+        disk.batch_get(&keys).await.unwrap(),
+        vec![Some(Bytes::from_static(b"value"))]
+    );
+}
