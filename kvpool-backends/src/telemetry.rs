@@ -27,7 +27,7 @@ pub const DAEMON_GETS: &str = "kvpool_daemon_gets_total";
 pub const DAEMON_COMMITS: &str = "kvpool_daemon_commits_total";
 /// Values evicted from the daemon's shared memory.
 pub const DAEMON_EVICTIONS: &str = "kvpool_daemon_evictions_total";
-/// Values the daemon wrote to every lower tier.
+/// Values the daemon wrote to a lower tier (one per tier that accepted it).
 pub const DAEMON_TIER_WRITES: &str = "kvpool_daemon_tier_writes_total";
 /// Pins and allocations reclaimed because their engine left or forgot them.
 pub const DAEMON_LEASES_RECLAIMED: &str = "kvpool_daemon_leases_reclaimed_total";
@@ -36,10 +36,14 @@ pub const DAEMON_REQUESTS_REFUSED: &str = "kvpool_daemon_requests_refused_total"
 
 /// The pool daemon's shared arena size.
 pub const DAEMON_CAPACITY_BYTES: &str = "kvpool_daemon_capacity_bytes";
-/// Bytes of committed values the daemon is writing to its lower tiers now.
+/// Bytes of committed values the daemon is writing to its lower tiers now (summed over tiers).
 pub const DAEMON_WRITE_BEHIND_BYTES: &str = "kvpool_daemon_write_behind_bytes";
-/// Committed values the daemon did not write to its lower tiers: the write-behind quota was full.
+/// Committed values the daemon did not write to a lower tier: that tier's write-behind quota
+/// was full.
 pub const DAEMON_WRITE_BEHIND_DROPPED: &str = "kvpool_daemon_write_behind_dropped_total";
+/// Committed values the daemon did not write to a lower tier: that tier was writing the key
+/// already.
+pub const DAEMON_WRITE_BEHIND_DEDUPLICATED: &str = "kvpool_daemon_write_behind_deduplicated_total";
 /// Latency of the daemon's calls to its lower tiers, by tier and call.
 pub const DAEMON_TIER_OP_SECONDS: &str = "kvpool_daemon_tier_op_seconds";
 /// Every metric this crate's backends record.
@@ -102,7 +106,7 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
     counter(
         DAEMON_TIER_WRITES,
         &["tenant"],
-        "Values the pool daemon wrote to every lower tier.",
+        "Values the pool daemon wrote to a lower tier (one per tier that accepted it).",
     ),
     counter(
         DAEMON_LEASES_RECLAIMED,
@@ -122,7 +126,12 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
     counter(
         DAEMON_WRITE_BEHIND_DROPPED,
         &["tenant"],
-        "Committed values the pool daemon did not write to its lower tiers because the write-behind quota was full.",
+        "Committed values the pool daemon did not write to a lower tier because that tier's write-behind quota was full (one per tier).",
+    ),
+    counter(
+        DAEMON_WRITE_BEHIND_DEDUPLICATED,
+        &["tenant"],
+        "Committed values the pool daemon did not write to a lower tier because that tier was writing the same key already (one per tier).",
     ),
     histogram(
         DAEMON_TIER_OP_SECONDS,

@@ -2,13 +2,13 @@
 //! time (lookups, pins, saves, promotion and write-behind to the lower tiers).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpool_core::memory::{EvictionKind, MemoryObj};
 use kvpool_core::storage::remote::RemoteConnector;
-use kvpool_core::storage::write_behind::{AdmittedBatch, Pending, WriteBehindAdmission};
+use kvpool_core::storage::write_behind::{Pending, WriteBehindAdmission};
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
@@ -84,42 +84,32 @@ impl DaemonOptions {
     }
 }
 
-/// The daemon's writes to its lower tiers: admitted against the byte quota as the engines'
-/// pools admit theirs, every value written to every tier.
+/// The daemon's writes to its lower tiers, counted.
+#[derive(Default)]
 struct WriteBehind {
-    admission: Arc<WriteBehindAdmission<String>>,
     pending: Arc<Pending>,
+    /// Values (one per tier) not written: that tier's quota was full.
     dropped: AtomicU64,
-    /// Values every tier accepted.
+    /// Values (one per tier) not written: the key was being written to that tier already.
+    deduplicated: AtomicU64,
+    /// Values (one per tier) a tier accepted.
     written: AtomicU64,
 }
 
-/// One admitted batch's writes to the lower tiers (a task per tier, each holding this): once
-/// the last ends, the values count as written if every tier accepted them, and the batch's
-/// keys and bytes are given back (also when a task is never run or panics).
-struct BatchWrites {
-    write_behind: Arc<WriteBehind>,
-    values: u64,
-    failed: AtomicBool,
-    _admitted: AdmittedBatch<String>,
-}
-
-impl Drop for BatchWrites {
-    fn drop(&mut self) {
-        if !self.failed.load(Ordering::Acquire) {
-            self.write_behind
-                .written
-                .fetch_add(self.values, Ordering::Relaxed);
-        }
-    }
+/// How one lower tier is written behind: on which runtime, and what may start (its own byte
+/// quota and keys in flight, as each lower tier of an engine's pool has: a slow tier fills
+/// only its own quota).
+struct TierWrites {
+    runtime: Handle,
+    admission: Arc<WriteBehindAdmission<String>>,
 }
 
 /// The node's pool: shared memory over the lower tiers, answering engines' requests.
 pub struct PoolDaemon {
     pub(super) store: SharedStore,
     tiers: Vec<Arc<dyn RemoteConnector>>,
-    /// Where each tier's writes run (the daemon's runtime unless set otherwise).
-    tier_write_runtimes: Vec<Handle>,
+    /// How each of `tiers` is written behind, in the same order.
+    tier_writes: Vec<TierWrites>,
     runtime: Handle,
     options: DaemonOptions,
     pub(super) daemon_id: u64,
@@ -154,10 +144,16 @@ impl PoolDaemon {
     ) -> Result<Self, PoolError> {
         let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
         let daemon_id = rand_id();
-        let write_behind_quota = options.write_behind_quota;
+        let tier_writes = tiers
+            .iter()
+            .map(|_| TierWrites {
+                runtime: runtime.clone(),
+                admission: Arc::new(WriteBehindAdmission::new(options.write_behind_quota)),
+            })
+            .collect();
         Ok(PoolDaemon {
             store,
-            tier_write_runtimes: vec![runtime.clone(); tiers.len()],
+            tier_writes,
             tiers,
             runtime,
             options,
@@ -165,12 +161,7 @@ impl PoolDaemon {
             next_session: AtomicU64::new(1),
             sessions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            write_behind: Arc::new(WriteBehind {
-                admission: Arc::new(WriteBehindAdmission::new(write_behind_quota)),
-                pending: Arc::default(),
-                dropped: AtomicU64::new(0),
-                written: AtomicU64::new(0),
-            }),
+            write_behind: Arc::default(),
             request_bytes: AtomicUsize::new(0),
         })
     }
@@ -183,7 +174,7 @@ impl PoolDaemon {
     ///
     /// If the daemon has no tier at `tier`.
     pub fn write_tier_behind_on(mut self, tier: usize, runtime: Handle) -> Self {
-        self.tier_write_runtimes[tier] = runtime;
+        self.tier_writes[tier].runtime = runtime;
         self
     }
 
@@ -197,10 +188,25 @@ impl PoolDaemon {
         }
     }
 
-    /// Committed values not written to the lower tiers because the write-behind quota was
-    /// full.
+    /// Committed values not written to a lower tier because that tier's write-behind quota
+    /// was full (one per tier).
     pub fn write_behind_dropped(&self) -> u64 {
         self.write_behind.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Committed values not written to a lower tier because its write to that tier was in
+    /// flight already (one per tier).
+    pub fn write_behind_deduplicated(&self) -> u64 {
+        self.write_behind.deduplicated.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of committed values being written to the lower tiers now (a value written to
+    /// two tiers counts in each).
+    fn write_behind_bytes(&self) -> usize {
+        self.tier_writes
+            .iter()
+            .map(|t| t.admission.bytes_in_flight())
+            .sum()
     }
 
     /// Records one call to a lower tier in `kvpool_daemon_tier_op_seconds`.
@@ -215,9 +221,11 @@ impl PoolDaemon {
         metrics::gauge!(telemetry::DAEMON_CAPACITY_BYTES, "tenant" => t.clone())
             .set(s.capacity_bytes as f64);
         metrics::gauge!(telemetry::DAEMON_WRITE_BEHIND_BYTES, "tenant" => t.clone())
-            .set(self.write_behind.admission.bytes_in_flight() as f64);
+            .set(self.write_behind_bytes() as f64);
         metrics::counter!(telemetry::DAEMON_WRITE_BEHIND_DROPPED, "tenant" => t.clone())
             .absolute(self.write_behind_dropped());
+        metrics::counter!(telemetry::DAEMON_WRITE_BEHIND_DEDUPLICATED, "tenant" => t.clone())
+            .absolute(self.write_behind_deduplicated());
         metrics::gauge!(telemetry::DAEMON_SESSIONS, "tenant" => t.clone()).set(s.sessions as f64);
         metrics::gauge!(telemetry::DAEMON_USED_BYTES, "tenant" => t.clone())
             .set(s.used_bytes as f64);
@@ -497,39 +505,48 @@ impl PoolDaemon {
         }
     }
 
-    /// Hands committed values to every lower tier in the background, within the quota (a
-    /// value past it, or whose key is being written already, is not written: counted).
+    /// Hands committed values to every lower tier in the background, within each tier's quota
+    /// (a value past it, or whose key that tier is writing already, is not written there:
+    /// counted).
     fn write_behind(&self, committed: Vec<(String, MemoryObj)>) {
         if self.tiers.is_empty() || committed.is_empty() {
             return;
         }
+        // A key committed twice in one request: its last value, the one shared memory keeps.
+        let committed = last_value_of_each_key(committed);
         let wb = &self.write_behind;
-        let admission = wb.admission.admit(
-            committed.iter().map(|(k, v)| (k.clone(), v.len())),
-            &wb.pending,
-        );
-        if admission.dropped > 0 {
-            wb.dropped.fetch_add(admission.dropped, Ordering::Relaxed);
-            debug!(
-                values = admission.dropped,
-                "write-behind quota full; not written below"
+        let mut wanted = vec![false; committed.len()];
+        let mut writes = Vec::new();
+        for (tier, how) in self.tiers.iter().zip(&self.tier_writes) {
+            let admission = how.admission.admit(
+                committed.iter().map(|(k, v)| (k.clone(), v.len())),
+                &wb.pending,
             );
+            wb.dropped.fetch_add(admission.dropped, Ordering::Relaxed);
+            wb.deduplicated
+                .fetch_add(admission.deduplicated, Ordering::Relaxed);
+            if admission.dropped > 0 {
+                debug!(
+                    tier = tier.name(),
+                    values = admission.dropped,
+                    "write-behind quota full; not written to this tier"
+                );
+            }
+            let Some(batch) = admission.batch else {
+                continue;
+            };
+            for &i in &admission.admitted {
+                wanted[i] = true;
+            }
+            writes.push((tier.clone(), how.runtime.clone(), admission.admitted, batch));
         }
-        let Some(admitted) = admission.batch else {
+        if writes.is_empty() {
             return;
-        };
-        let mut committed: Vec<Option<(String, MemoryObj)>> =
-            committed.into_iter().map(Some).collect();
-        let committed: Vec<(String, MemoryObj)> = admission
-            .admitted
-            .iter()
-            .filter_map(|&i| committed[i].take())
-            .collect();
-        let tiers: Vec<(Arc<dyn RemoteConnector>, Handle)> = self
-            .tiers
-            .iter()
-            .cloned()
-            .zip(self.tier_write_runtimes.iter().cloned())
+        }
+        let committed: Vec<Option<(String, MemoryObj)>> = committed
+            .into_iter()
+            .zip(wanted)
+            .map(|(value, wanted)| wanted.then_some(value))
             .collect();
         let write_behind = self.write_behind.clone();
         let tenant = self.options.tenant.clone();
@@ -537,46 +554,31 @@ impl PoolDaemon {
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
             // a good copy a lower tier already holds.
-            let entries: Vec<(String, Bytes)> = committed
+            let values: Vec<Option<(String, Bytes)>> = committed
                 .into_iter()
-                .filter_map(|(k, v)| {
-                    if !is_kvpool_key(&k) {
-                        debug!(key = %k, "not a kvpool key: kept in shared memory, not written below");
-                        return None;
-                    }
-                    let copy = Bytes::copy_from_slice(v.as_slice());
-                    drop(v);
-                    match check_stored_value(&k, &copy) {
-                        Ok(()) => Some((k, copy)),
-                        Err(e) => {
-                            warn!(key = %k, error = %e, "a committed value failed its check; not written below");
-                            None
-                        }
-                    }
-                })
+                .map(|value| value.and_then(|(k, v)| checked_copy(k, v)))
                 .collect();
-            if entries.is_empty() {
-                return;
-            }
-            let batch = Arc::new(BatchWrites {
-                write_behind,
-                values: entries.len() as u64,
-                failed: AtomicBool::new(false),
-                _admitted: admitted,
-            });
-            // A task per tier, on that tier's runtime: a disk tier's writes at low priority
-            // do not hold up a network tier's.
-            for (tier, runtime) in tiers {
-                let batch = batch.clone();
-                let entries = entries.clone();
+            // A task per tier, on that tier's runtime, holding that tier's admitted batch: a
+            // disk tier written at low priority holds up neither another tier's writes nor
+            // its quota.
+            for (tier, runtime, admitted, batch) in writes {
+                let entries: Vec<(String, Bytes)> =
+                    admitted.iter().filter_map(|&i| values[i].clone()).collect();
+                if entries.is_empty() {
+                    continue; // `batch` given back here
+                }
+                let write_behind = write_behind.clone();
                 let tenant = tenant.clone();
                 runtime.spawn(async move {
                     let started = Instant::now();
+                    let values = entries.len() as u64;
                     let written = tier.batch_put(entries).await;
                     tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
-                    if let Err(e) = written {
-                        warn!(tier = tier.name(), "write-behind failed: {e}");
-                        batch.failed.store(true, Ordering::Release);
+                    match written {
+                        Ok(()) => {
+                            write_behind.written.fetch_add(values, Ordering::Relaxed);
+                        }
+                        Err(e) => warn!(tier = tier.name(), "write-behind failed: {e}"),
                     }
                     // The tier first, then the batch (see `kvpool_core`'s write-behind).
                     drop(tier);
@@ -584,6 +586,44 @@ impl PoolDaemon {
                 });
             }
         });
+    }
+}
+
+/// `committed` with each key once, at its last value.
+fn last_value_of_each_key(committed: Vec<(String, MemoryObj)>) -> Vec<(String, MemoryObj)> {
+    let last: std::collections::HashMap<&str, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| (k.as_str(), i))
+        .collect();
+    if last.len() == committed.len() {
+        return committed;
+    }
+    let keep: Vec<bool> = (0..committed.len())
+        .map(|i| last[committed[i].0.as_str()] == i)
+        .collect();
+    committed
+        .into_iter()
+        .zip(keep)
+        .filter_map(|(value, keep)| keep.then_some(value))
+        .collect()
+}
+
+/// A committed value copied out of the arena and checked on that copy, or `None` (logged)
+/// when it is not a kvpool key (kept in shared memory only) or fails its check.
+fn checked_copy(key: String, value: MemoryObj) -> Option<(String, Bytes)> {
+    if !is_kvpool_key(&key) {
+        debug!(key = %key, "not a kvpool key: kept in shared memory, not written below");
+        return None;
+    }
+    let copy = Bytes::copy_from_slice(value.as_slice());
+    drop(value);
+    match check_stored_value(&key, &copy) {
+        Ok(()) => Some((key, copy)),
+        Err(e) => {
+            warn!(key = %key, error = %e, "a committed value failed its check; not written below");
+            None
+        }
     }
 }
 

@@ -209,7 +209,8 @@ pub struct DaemonStats {
     pub commits: u64,
     /// Values evicted from shared memory.
     pub evictions: u64,
-    /// Values written to every lower tier (after their commit, in the background).
+    /// Values written to a lower tier, one per tier that accepted it (after their commit, in
+    /// the background).
     pub tier_writes: u64,
     /// Pins and allocations dropped because their session ended or their time ran out.
     pub leases_reclaimed: u64,

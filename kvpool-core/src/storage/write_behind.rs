@@ -81,7 +81,7 @@ pub struct Admission<K: Hash + Eq> {
 pub struct AdmittedBatch<K: Hash + Eq> {
     admission: Arc<WriteBehindAdmission<K>>,
     keys: Vec<K>,
-    permits: u32,
+    permits: usize,
     pending: Arc<Pending>,
 }
 
@@ -100,14 +100,15 @@ impl<K: Hash + Eq> Drop for AdmittedBatch<K> {
                 in_flight.remove(k);
             }
         }
-        self.admission.quota.add_permits(self.permits as usize);
+        self.admission.quota.add_permits(self.permits);
         self.pending.finish();
     }
 }
 
 impl<K: Hash + Eq + Clone> WriteBehindAdmission<K> {
-    /// Admission with `quota_bytes` in flight at most.
+    /// Admission with `quota_bytes` in flight at most (at most [`Semaphore::MAX_PERMITS`]).
     pub fn new(quota_bytes: usize) -> Self {
+        let quota_bytes = quota_bytes.min(Semaphore::MAX_PERMITS);
         WriteBehindAdmission {
             in_flight: Mutex::new(HashSet::new()),
             quota: Semaphore::new(quota_bytes),
@@ -135,7 +136,7 @@ impl<K: Hash + Eq + Clone> WriteBehindAdmission<K> {
             batch: None,
         };
         let mut keys = Vec::new();
-        let mut permits = 0u32;
+        let mut permits = 0usize;
         {
             let mut in_flight = self.in_flight.lock();
             for (i, (key, len)) in offered.into_iter().enumerate() {
@@ -147,7 +148,7 @@ impl<K: Hash + Eq + Clone> WriteBehindAdmission<K> {
                 match self.quota.try_acquire_many(need) {
                     Ok(p) => {
                         p.forget();
-                        permits += need;
+                        permits += need as usize;
                         in_flight.insert(key.clone());
                         keys.push(key);
                         admission.admitted.push(i);

@@ -1,6 +1,6 @@
 //! The daemon's writes to its lower tiers: a tier set apart (a disk tier under
 //! `[write_behind] low_priority`) written on the low-priority threads, the others on the
-//! daemon's runtime, and `close` waiting for both.
+//! daemon's runtime, and `close` waiting for both; each tier's quota its own.
 
 use std::sync::Mutex;
 
@@ -10,11 +10,30 @@ use kvpool_core::BackendError;
 use super::*;
 use crate::background::{BACKGROUND_NICE, background_runtime, this_threads_nice};
 
-/// Process memory whose writes take a while and record the nice value of their thread.
-#[derive(Clone, Default)]
+/// Process memory whose writes take a while (300 ms, and each waits for a permit of `gate`)
+/// and record the nice value of their thread.
+#[derive(Clone)]
 struct SlowRecordingTier {
     store: InMemoryConnector,
     put_nices: Arc<Mutex<Vec<Option<i32>>>>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for SlowRecordingTier {
+    fn default() -> Self {
+        SlowRecordingTier::gated(tokio::sync::Semaphore::MAX_PERMITS)
+    }
+}
+
+impl SlowRecordingTier {
+    /// A tier whose first `writes` writes may start; later ones wait for `gate` permits.
+    fn gated(writes: usize) -> Self {
+        SlowRecordingTier {
+            store: InMemoryConnector::default(),
+            put_nices: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(writes)),
+        }
+    }
 }
 
 #[async_trait]
@@ -30,6 +49,7 @@ impl RemoteConnector for SlowRecordingTier {
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.put_nices.lock().unwrap().push(this_threads_nice());
+        self.gate.acquire().await.unwrap().forget();
         tokio::time::sleep(Duration::from_millis(300)).await;
         self.store.batch_put(entries).await
     }
@@ -77,8 +97,8 @@ async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_
     }
     assert_eq!(
         daemon.stats().tier_writes,
-        1,
-        "every tier accepted the value"
+        2,
+        "one per tier that accepted the value"
     );
     let (low, normal) = (
         disk.put_nices.lock().unwrap().clone(),
@@ -93,4 +113,75 @@ async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_
             "the daemon's runtime keeps its priority"
         );
     }
+}
+
+/// Each lower tier has its own quota: while a slow tier (a disk tier at low priority under
+/// load) holds its quota, another tier still takes the next values. Before, one quota over
+/// every tier was held until the slowest tier's write ended, and the next value was written
+/// to no tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tier_fills_only_its_own_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let (stuck, quick) = (SlowRecordingTier::gated(0), SlowRecordingTier::default());
+    let tiers: Vec<Arc<dyn RemoteConnector>> =
+        vec![Arc::new(stuck.clone()), Arc::new(quick.clone())];
+    let (first, first_bytes) = chunk_value(1, &[1u8; 4096]);
+    let (second, second_bytes) = chunk_value(2, &[2u8; 4096]);
+    let quota = first_bytes.len() + first_bytes.len() / 2; // one value in flight, not two
+    let daemon = Arc::new(
+        PoolDaemon::with_tiers(
+            DaemonOptions {
+                write_behind_quota: quota,
+                ..options(16 * MIB)
+            },
+            tiers,
+            tokio::runtime::Handle::current(),
+        )
+        .unwrap(),
+    );
+    let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+    let engine = client(&path);
+    engine
+        .batch_put(vec![(first.clone(), first_bytes.clone())])
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        if quick.store.exists(&first).await.unwrap() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        quick.store.exists(&first).await.unwrap(),
+        "the quick tier wrote the first value"
+    );
+    engine
+        .batch_put(vec![(second.clone(), second_bytes.clone())])
+        .await
+        .unwrap();
+    stuck.gate.add_permits(2);
+    server.shutdown();
+    daemon.close(Duration::from_secs(30)).await;
+    let held = |tier: &SlowRecordingTier, key: &String| {
+        let store = tier.store.clone();
+        let key = key.clone();
+        async move { store.exists(&key).await.unwrap() }
+    };
+    assert!(
+        held(&quick, &second).await,
+        "the quick tier wrote the second value too"
+    );
+    assert!(held(&stuck, &first).await);
+    assert!(!held(&stuck, &second).await, "past the stuck tier's quota");
+    assert_eq!(
+        daemon.write_behind_dropped(),
+        1,
+        "dropped for the stuck tier only"
+    );
+    assert_eq!(
+        daemon.stats().tier_writes,
+        3,
+        "one per tier that accepted a value"
+    );
 }
