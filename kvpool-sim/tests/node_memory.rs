@@ -33,6 +33,14 @@ fn daemon() -> Daemon {
 
 /// A daemon whose pins and allocations live `lease_ttl` (engines use them for half of it).
 fn daemon_lending_for(lease_ttl: std::time::Duration) -> Daemon {
+    daemon_over(lease_ttl, Vec::new())
+}
+
+/// A daemon over the lower tiers `tiers`.
+fn daemon_over(
+    lease_ttl: std::time::Duration,
+    tiers: Vec<Arc<dyn kvpool_core::RemoteConnector>>,
+) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvpool.sock");
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -44,7 +52,7 @@ fn daemon_lending_for(lease_ttl: std::time::Duration) -> Daemon {
         write_behind_quota: 16 << 20,
     };
     let daemon =
-        Arc::new(PoolDaemon::with_tiers(options, Vec::new(), runtime.handle().clone()).unwrap());
+        Arc::new(PoolDaemon::with_tiers(options, tiers, runtime.handle().clone()).unwrap());
     let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
     Daemon {
         daemon,
@@ -564,5 +572,46 @@ fn a_staged_first_chunk_entered_part_way_is_checked_whole() {
         a_staged_load_past_held_blocks_fails_from_the_changed_chunk(1),
         (30 + per_chunk as u32..30 + 2 * per_chunk as u32).collect::<Vec<_>>(),
         "chunk 1 changed: its blocks, not chunk 0's"
+    );
+}
+
+/// `kvpool sim` through a daemon over a lower tier: a chunk the simulator removes between
+/// lookup and load (the daemon's `Delete` drops shared memory's copy only) is loaded from the
+/// lower tier, not lost. Before, the simulator counted its blocks as lost and, as no load
+/// failed, reported them as failures never reported (16 for 200 requests).
+#[test]
+fn the_simulator_through_a_daemon_over_a_lower_tier_counts_only_chunks_really_lost() {
+    let lower: Arc<dyn kvpool_core::RemoteConnector> =
+        Arc::new(kvpool_backends::InMemoryConnector::new());
+    let d = daemon_over(kvpool_backends::daemon::DEFAULT_LEASE_TTL, vec![lower]);
+    let mut settings = kvpool_sim::vllm_shaped::SimSettings {
+        requests: 200,
+        cpu_size: kvpool_core::ByteSize(8 << 20),
+        ..Default::default()
+    };
+    settings
+        .pool
+        .tiers
+        .push(kvpool_core::TierConfig::new(&d.url));
+    let layout = kvpool_core::KvLayout::new(
+        2,
+        2,
+        8,
+        kvpool_core::Dtype::F16,
+        kvpool_core::KvKind::KeyValue,
+        16,
+    )
+    .unwrap();
+    let report = kvpool_sim::vllm_shaped::run(&settings, layout, 64).unwrap();
+    assert!(report.injected_failures > 0, "{report:?}");
+    assert!(report.pool_hit_tokens > 0, "{report:?}");
+    assert_eq!(
+        (
+            report.unreported_failed_blocks,
+            report.wrong_tokens,
+            report.leaked_request_states
+        ),
+        (0, 0, 0),
+        "{report:?}"
     );
 }

@@ -234,14 +234,22 @@ impl Sim {
                     engine.token_database().scope().clone(),
                     kvpool_core::ChunkHash(rm.chunk_hashes[c]),
                 );
-                self.runtime.block_on(engine.storage().remove(&[key]));
+                self.runtime
+                    .block_on(engine.storage().remove(std::slice::from_ref(&key)));
                 self.ranks[rank].worker.leases().release(&rm.req_id);
                 self.r.injected_failures += 1;
+                // A tier may keep its copy: the pool daemon's `Delete` drops shared memory's
+                // copy only, never its lower tiers' (durable) ones, and the load then finds
+                // the chunk there.
+                let still_held = !self
+                    .runtime
+                    .block_on(engine.storage().lookup(std::slice::from_ref(&key)))
+                    .is_empty();
                 // An asynchronous load fetches later, and another request may store the chunk
                 // again meanwhile (a load that then succeeds): only a synchronous load's lost
                 // blocks are certain to be reported. A lost block never reported shows up as
                 // wrong rows either way.
-                if !load.asynchronous {
+                if !load.asynchronous && !still_held {
                     for t in (c * cs).max(from)..(c + 1) * cs {
                         self.sabotaged.insert(rm.block_ids[t / bs]);
                     }
