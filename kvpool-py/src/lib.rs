@@ -13,6 +13,7 @@ mod py_sglang;
 mod py_state_values;
 mod py_tier;
 mod py_worker;
+mod worker_core;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -21,7 +22,8 @@ pub use py_copies::PyCopyEngine;
 pub use py_scheduler::PyScheduler;
 pub use py_sglang::PyHiCacheStore;
 pub use py_tier::PyOffloadTier;
-pub use py_worker::{PyWorker, WorkerSpec};
+pub use py_worker::PyWorker;
+pub use worker_core::WorkerSpec;
 
 /// Parses the user's pool config: `format` is `"toml"` (text of a TOML file), `"json"` (a
 /// JSON object, as vLLM's `kv_connector_extra_config` gives it) or `"default"` (embedded

@@ -2,7 +2,7 @@
 //! processes: loads, tensor-parallel ranks, recurrent states, a hung rank.
 
 use super::*;
-use crate::py_worker::{WorkerCore, WorkerSpec};
+use crate::worker_core::{WorkerCore, WorkerSpec};
 use kvpool_connector::host_blocks::run_copy_job;
 use kvpool_connector::vllm::VllmEngineFacts;
 use kvpool_core::{Dtype, HostPagedKvCache, KvKind};
