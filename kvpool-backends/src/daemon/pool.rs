@@ -53,8 +53,8 @@ pub struct DaemonOptions {
     pub eviction: EvictionKind,
     /// See [`DEFAULT_LEASE_TTL`].
     pub lease_ttl: Duration,
-    /// Bytes of committed values being written to the lower tiers at once; more are not
-    /// written (counted).
+    /// Bytes of committed values being written to each lower tier at once; more are not
+    /// written to that tier (counted).
     pub write_behind_quota: usize,
 }
 
@@ -202,7 +202,7 @@ impl PoolDaemon {
 
     /// Bytes of committed values being written to the lower tiers now (a value written to
     /// two tiers counts in each).
-    fn write_behind_bytes(&self) -> usize {
+    pub(super) fn write_behind_bytes(&self) -> usize {
         self.tier_writes
             .iter()
             .map(|t| t.admission.bytes_in_flight())

@@ -173,11 +173,12 @@ impl DiskInner {
         db_error(e)
     }
 
-    /// Reopens the database if a write failed at least a second ago and no call holds it.
-    /// Only writers wait for a reopen (they would fail meanwhile anyway): the old database is
-    /// let go and the new one opened without holding the locks reads take, so a read meanwhile
-    /// is a miss at once instead of waiting on the caller's thread for RocksDB to open and the
-    /// index to load.
+    /// Reopens the database if a write failed at least a second ago and no call holds it
+    /// (each call on the blocking pool asks first, so the call that finds it due reopens it,
+    /// bounded for its caller by the tier's timeout). Writers wait for a reopen (they would
+    /// fail meanwhile anyway); the new database is opened and its index loaded without
+    /// holding the broken flag's lock or the database's, so another read meanwhile fails at
+    /// once (the tier is unavailable: a miss) instead of waiting on the caller's thread.
     fn recover_if_broken(&self) {
         let due = |since: &Option<Instant>| {
             since.is_some_and(|since| since.elapsed() >= Duration::from_secs(1))

@@ -146,12 +146,15 @@ async fn a_slow_tier_fills_only_its_own_quota() {
         .batch_put(vec![(first.clone(), first_bytes.clone())])
         .await
         .unwrap();
+    // The quick tier's write ended and gave its quota back: only the stuck tier's share of
+    // the first value is in flight.
     for _ in 0..500 {
-        if quick.store.exists(&first).await.unwrap() {
+        if daemon.write_behind_bytes() == first_bytes.len() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    assert_eq!(daemon.write_behind_bytes(), first_bytes.len());
     assert!(
         quick.store.exists(&first).await.unwrap(),
         "the quick tier wrote the first value"
