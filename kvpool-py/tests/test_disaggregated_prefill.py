@@ -29,17 +29,23 @@ BLOCK = bench_serve.BLOCK
 MAX_TOKENS = 6
 
 
-class Serve:
-    """`vllm serve` on loopback with kvpool in `role`, pinned to one core, stopped by PID."""
+#: vLLM's command line with its EngineCore and worker forked (``vllm_cli_forked.py``).
+VLLM_CLI_FORKED = [sys.executable, os.path.join(HERE, "vllm_cli_forked.py")]
 
-    def __init__(self, model, role, shared, scratch, core):
+
+class Serve:
+    """`vllm serve` on loopback with kvpool in `role`, pinned to one core, stopped by PID; its
+    engine's processes spawned as the CPU build starts them, or forked (``forked``)."""
+
+    def __init__(self, model, role, shared, scratch, core, forked=False):
         self.port = free_port()
         self.log = open(os.path.join(scratch, f"serve-{role}.log"), "w")
         transfer = {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.vllm",
                     "kv_role": role, "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {
                         **shared, "lookup_timeout_ms": 2000, "handoff_timeout_ms": 5000}}
-        args = [*bench_serve.VLLM_CLI, "serve", model, "--host", "127.0.0.1",
+        cli = VLLM_CLI_FORKED if forked else bench_serve.VLLM_CLI
+        args = [*cli, "serve", model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK),
                 "--enforce-eager", "--seed", "0", "--max-model-len", "2048",
                 "--kv-transfer-config", json.dumps(transfer)]
@@ -139,16 +145,18 @@ def pd_model(model_dir, scratch):
 
 @pytest.fixture(params=["pool daemon", "redis"])
 def shared_tier(request, scratch):
-    """(the instances' shared kvpool options, the PID that kills the shared tier)."""
+    """(the instances' shared kvpool options, the PID that kills the shared tier, whether the
+    servers' engine processes are forked). With the pool daemon they are (each server starts
+    ~70 s sooner: CI's time budget); with Redis they are spawned, as an operator's are."""
     l1 = {"local_cpu": {"max_size": "256MiB"}}
     if request.param == "pool daemon":
         daemon = PoolDaemon(scratch, "pd-daemon")
-        yield {"pool": daemon.url, "config": l1}, daemon.pid
+        yield {"pool": daemon.url, "config": l1}, daemon.pid, True
         daemon.stop()
     else:
         redis = request.getfixturevalue("redis_server")
         yield {"config": {**l1, "tier": [{"url": redis.url, "timeout_ms": 500}]}}, \
-            redis.proc.pid
+            redis.proc.pid, False
 
 
 def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
@@ -163,10 +171,10 @@ def test_prefill_and_decode_instances_hand_off_through_a_shared_tier(
     late = shared_prefix_prompts(1, prefix_len=300, suffix_len=17, seed=44)[0]
     base = runner.baseline(pd_model, prompts + [late], max_tokens=MAX_TOKENS,
                            batches=[[0], [1], [2], [3]])
-    shared, tier_pid = shared_tier
+    shared, tier_pid, forked = shared_tier
     # One core each, as two hosts would have their own.
-    prefill = Serve(pd_model, "kv_producer", shared, scratch, core=0)
-    decode = Serve(pd_model, "kv_consumer", shared, scratch, core=1)
+    prefill = Serve(pd_model, "kv_producer", shared, scratch, core=0, forked=forked)
+    decode = Serve(pd_model, "kv_consumer", shared, scratch, core=1, forked=forked)
     proxy = None
     try:
         prefill.wait_ready()

@@ -14,6 +14,13 @@ from test_vllm_e2e import PREFIX, assert_same_outputs
 #: Tokens per chunk in the default config.
 CHUNK = 256
 
+#: vLLM's multi-process mode with the EngineCore forked (vLLM's default off the CPU build),
+#: not spawned as the CPU build forces: each engine starts ~40 s sooner here (CI's time
+#: budget). What these tests check (the worker's route to the daemon) does not depend on how
+#: the EngineCore's process starts; spawned multi-process engines are test_tensor_parallel's
+#: and test_vllm_e2e's.
+MULTIPROCESS_FORKED = {"multiprocess": True, "rank_start": "fork"}
+
 
 def pick(run, indexes):
     """The results of `run` for the prompts at `indexes` (one baseline run serves every
@@ -29,7 +36,7 @@ def attach(daemon, size="256MiB"):
 def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
         runner, model_dir, pool_daemon):
     """Engine A computes a prompt, saved with one copy into the daemon's shared memory;
-    engine B (another process, another engine id, vLLM's default multi-process mode) is
+    engine B (another process, another engine id, vLLM's multi-process mode) is
     served every prompt sharing it from the daemon. Then A is killed with SIGKILL right after
     a batch (places the daemon lent it may be uncommitted): the daemon ends A's session and
     reclaims what it held; A restarted is served its
@@ -47,7 +54,7 @@ def test_two_engines_share_the_daemon_and_an_engine_killed_leaks_nothing(
     daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
 
     b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
-                    "multiprocess": True, "vllm_metrics": True})
+                    "vllm_metrics": True, **MULTIPROCESS_FORKED})
     assert_same_outputs(base, b, "B")
     for i, r in enumerate(b["results"]):
         assert r["num_cached_tokens"] >= PREFIX, (i, r["num_cached_tokens"])
@@ -90,8 +97,7 @@ def test_the_gpu_route_on_cpu_tensors_reads_the_daemons_chunks_once_and_checks_t
     pin the daemon's chunks where they lie, the transfer path reads each once from the
     daemon's shared memory into a buffer of the worker's and fills vLLM's blocks from it (on a
     GPU: one copy to the device, read back into the buffer), and the worker checks the buffer
-    behind the forward pass. B runs in vLLM's default multi-process mode, as GPU serving
-    does."""
+    behind the forward pass. B runs in vLLM's multi-process mode, as GPU serving does."""
     daemon = pool_daemon("staged")
     prompts = shared_prefix_prompts(3, seed=40)
     base = runner.baseline(model_dir, prompts)
@@ -101,7 +107,7 @@ def test_the_gpu_route_on_cpu_tensors_reads_the_daemons_chunks_once_and_checks_t
     daemon.wait(lambda s: s.get("commits_total", 0) >= PREFIX // CHUNK, "A's chunks committed")
 
     b = runner.run({"model": model_dir, "prompts": prompts, "kvpool": cfg,
-                    "multiprocess": True, "vllm_metrics": True})
+                    "vllm_metrics": True, **MULTIPROCESS_FORKED})
     assert_same_outputs(base, b, "B, staged")
     for i, r in enumerate(b["results"]):
         assert r["num_cached_tokens"] >= PREFIX, (i, r["num_cached_tokens"])

@@ -23,7 +23,8 @@ TP2 = {"tensor_parallel_size": 2, "multiprocess": True,
 #: The same with the EngineCore and the ranks forked (vLLM's default off the CPU build): each
 #: TP=2 engine starts ~70 s sooner here. What these tests check (keys per rank, a failure on one
 #: rank, the daemon shared by ranks) does not depend on how a rank's process starts; the spawned
-#: start is the first test's.
+#: start is the first test's fresh engine (the one served from disk), and the baselines are
+#: forked (CI's time budget).
 TP2_FORKED = {**TP2, "rank_start": "fork"}
 
 
@@ -32,8 +33,8 @@ def test_tp2_with_a_disk_tier_starts_and_a_fresh_engine_is_served_from_disk(runn
     disk = os.path.join(scratch, "disk-tp2")
     cfg = l1(tier=[{"url": f"file://{disk}"}])
     prompts = shared_prefix_prompts(3, seed=21)
-    base = runner.baseline(model_dir, prompts, **TP2)
-    first = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg, **TP2})
+    base = runner.baseline(model_dir, prompts, **TP2_FORKED)
+    first = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg, **TP2_FORKED})
     assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
     # One RocksDB per rank under the configured directory, each written.
     assert sorted(os.listdir(disk)) == ["tp2-rank0", "tp2-rank1"]
@@ -58,7 +59,7 @@ def test_tp2_a_load_failing_on_one_rank_is_recomputed_on_both(runner, model_dir,
     both ranks, and the output matches TP=2 without kvpool."""
     cfg = l1(tier=[{"url": redis_server.url}])
     prompts = shared_prefix_prompts(3, seed=21)  # the first test's: its TP=2 baseline is reused
-    base = runner.baseline(model_dir, prompts, **TP2)
+    base = runner.baseline(model_dir, prompts, **TP2_FORKED)
     runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg, **TP2_FORKED})
     keys = redis_server.keys()
     rank1 = [k for k in keys if "rank1" in k]
@@ -78,7 +79,7 @@ def test_tp2_through_the_pool_daemon_a_fresh_engine_is_served_by_the_daemon(runn
     daemon = pool_daemon("tp2")
     cfg = {"config": {"local_cpu": {"max_size": "256MiB"}}, "pool": daemon.url}
     prompts = shared_prefix_prompts(3, seed=21)  # the first test's: its TP=2 baseline is reused
-    base = runner.baseline(model_dir, prompts, **TP2)
+    base = runner.baseline(model_dir, prompts, **TP2_FORKED)
     first = runner.run({"model": model_dir, "prompts": prompts[:1], "kvpool": cfg, **TP2_FORKED})
     assert_same_outputs({"results": base["results"][:1]}, first, "first engine")
     # Each rank's chunks, committed under its own keys.

@@ -393,7 +393,7 @@ pub(crate) fn run_pytest(
         "-p".into(),
         "no:cacheprovider".into(),
         // The slowest tests, so CI's log says where its time goes.
-        "--durations=15".into(),
+        "--durations=40".into(),
         tests.into(),
     ];
     args.extend(pytest_args.iter().cloned());
