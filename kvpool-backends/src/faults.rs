@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::storage::remote::node_memory_of;
+use kvpool_core::storage::remote::{lends_node_memory, node_memory_mapping_of, node_memory_of};
 use kvpool_core::{
     BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
 };
@@ -128,12 +128,10 @@ impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for FaultInjector<C> {
     fn lends(&self) -> bool {
-        self.inner.node_memory().is_some_and(|tier| tier.lends())
+        lends_node_memory(&self.inner)
     }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        self.inner
-            .node_memory()
-            .and_then(|tier| tier.node_memory_mapping())
+        node_memory_mapping_of(&self.inner)
     }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         self.injected_get_failure()?;
@@ -365,12 +363,10 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
     fn lends(&self) -> bool {
-        self.inner.node_memory().is_some_and(|tier| tier.lends())
+        lends_node_memory(&self.inner)
     }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        self.inner
-            .node_memory()
-            .and_then(|tier| tier.node_memory_mapping())
+        node_memory_mapping_of(&self.inner)
     }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
         self.ask(keys.len()).await?;

@@ -4,6 +4,8 @@
 //! - `protocol.rs`: the requests and replies on the Unix socket;
 //! - `store.rs`: the values in shared memory, with per-session pins and allocations;
 //! - `pool.rs`: the daemon's pool (the store over the lower tiers), answering requests;
+//! - `write_behind.rs`: committed values written to the lower tiers in the background;
+//! - `lower_tiers.rs`: what may cross to and from a lower tier (kvpool keys, checked values);
 //! - `server.rs`: the daemon's socket and the engines' sessions;
 //! - `client.rs`: the engine's `kvpool+unix://` tier;
 //! - `namespace.rs`: a tenant's view of the lower tiers (its keys under its prefix).
@@ -19,11 +21,13 @@
 //! value holds for the daemon's. docs/design/pool-daemon.md has the design.
 
 mod client;
+mod lower_tiers;
 mod namespace;
 mod pool;
 mod protocol;
 mod server;
 mod store;
+mod write_behind;
 
 pub use client::{
     DaemonConnector, DaemonFactory, RECONNECT_INTERVAL, SCHEMES, SESSIONS_PER_CONNECTOR,

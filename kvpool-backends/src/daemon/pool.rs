@@ -1,6 +1,6 @@
 //! The daemon's pool: shared memory over the lower tiers, answering one engine's request at a
-//! time (lookups, pins, saves, promotion and write-behind to the lower tiers).
-
+//! time (lookups, pins, saves, promotion from the lower tiers; `write_behind.rs` writes
+//! committed values down).
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvpool_core::memory::{EvictionKind, MemoryObj};
 use kvpool_core::storage::remote::RemoteConnector;
-use kvpool_core::storage::write_behind::{Pending, WriteBehindAdmission};
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
+use super::lower_tiers::{check_stored_value, is_kvpool_key, tier_op_seconds};
 use super::protocol::{DaemonStats, Reply, Request};
 use super::store::{SessionId, SharedStore};
+use super::write_behind::DaemonWriteBehind;
 use crate::telemetry;
 
 /// How long a pin or uncommitted allocation lives when its engine neither ends it nor
@@ -84,39 +85,18 @@ impl DaemonOptions {
     }
 }
 
-/// The daemon's writes to its lower tiers, counted.
-#[derive(Default)]
-struct WriteBehind {
-    pending: Arc<Pending>,
-    /// Values (one per tier) not written: that tier's quota was full.
-    dropped: AtomicU64,
-    /// Values (one per tier) not written: the key was being written to that tier already.
-    deduplicated: AtomicU64,
-    /// Values (one per tier) a tier accepted.
-    written: AtomicU64,
-}
-
-/// How one lower tier is written behind: on which runtime, and what may start (its own byte
-/// quota and keys in flight, as each lower tier of an engine's pool has: a slow tier fills
-/// only its own quota).
-struct TierWrites {
-    runtime: Handle,
-    admission: Arc<WriteBehindAdmission<String>>,
-}
-
 /// The node's pool: shared memory over the lower tiers, answering engines' requests.
 pub struct PoolDaemon {
     pub(super) store: SharedStore,
     tiers: Vec<Arc<dyn RemoteConnector>>,
-    /// How each of `tiers` is written behind, in the same order.
-    tier_writes: Vec<TierWrites>,
+    /// Writes committed values to `tiers`.
+    write_behind: DaemonWriteBehind,
     runtime: Handle,
     options: DaemonOptions,
     pub(super) daemon_id: u64,
     next_session: AtomicU64,
     sessions: AtomicU64,
     pub(super) refused: AtomicU64,
-    write_behind: Arc<WriteBehind>,
     /// Bytes of requests being read and decoded now, over all sessions.
     request_bytes: AtomicUsize,
 }
@@ -144,16 +124,15 @@ impl PoolDaemon {
     ) -> Result<Self, PoolError> {
         let store = SharedStore::new(options.capacity, options.eviction, options.lease_ttl)?;
         let daemon_id = rand_id();
-        let tier_writes = tiers
-            .iter()
-            .map(|_| TierWrites {
-                runtime: runtime.clone(),
-                admission: Arc::new(WriteBehindAdmission::new(options.write_behind_quota)),
-            })
-            .collect();
+        let write_behind = DaemonWriteBehind::new(
+            &tiers,
+            options.write_behind_quota,
+            runtime.clone(),
+            options.tenant.clone(),
+        );
         Ok(PoolDaemon {
             store,
-            tier_writes,
+            write_behind,
             tiers,
             runtime,
             options,
@@ -161,7 +140,6 @@ impl PoolDaemon {
             next_session: AtomicU64::new(1),
             sessions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            write_behind: Arc::default(),
             request_bytes: AtomicUsize::new(0),
         })
     }
@@ -174,7 +152,7 @@ impl PoolDaemon {
     ///
     /// If the daemon has no tier at `tier`.
     pub fn write_tier_behind_on(mut self, tier: usize, runtime: Handle) -> Self {
-        self.tier_writes[tier].runtime = runtime;
+        self.write_behind.write_tier_on(tier, runtime);
         self
     }
 
@@ -183,7 +161,7 @@ impl PoolDaemon {
         DaemonStats {
             sessions: self.sessions.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
-            tier_writes: self.write_behind.written.load(Ordering::Relaxed),
+            tier_writes: self.write_behind.written(),
             ..self.store.stats()
         }
     }
@@ -191,22 +169,19 @@ impl PoolDaemon {
     /// Committed values not written to a lower tier because that tier's write-behind quota
     /// was full (one per tier).
     pub fn write_behind_dropped(&self) -> u64 {
-        self.write_behind.dropped.load(Ordering::Relaxed)
+        self.write_behind.dropped()
     }
 
     /// Committed values not written to a lower tier because its write to that tier was in
     /// flight already (one per tier).
     pub fn write_behind_deduplicated(&self) -> u64 {
-        self.write_behind.deduplicated.load(Ordering::Relaxed)
+        self.write_behind.deduplicated()
     }
 
     /// Bytes of committed values being written to the lower tiers now (a value written to
     /// two tiers counts in each).
     pub(super) fn write_behind_bytes(&self) -> usize {
-        self.tier_writes
-            .iter()
-            .map(|t| t.admission.bytes_in_flight())
-            .sum()
+        self.write_behind.bytes_in_flight()
     }
 
     /// Records one call to a lower tier in `kvpool_daemon_tier_op_seconds`.
@@ -251,16 +226,7 @@ impl PoolDaemon {
 
     /// Waits (at most `limit`) for writes to the lower tiers to end, then closes the tiers.
     pub async fn close(&self, limit: Duration) {
-        let pending = &self.write_behind.pending;
-        if tokio::time::timeout(limit, pending.wait_idle())
-            .await
-            .is_err()
-        {
-            warn!(
-                batches = pending.batches(),
-                "closing with writes to lower tiers unfinished"
-            );
-        }
+        self.write_behind.wait_idle(limit).await;
         for tier in &self.tiers {
             if let Err(e) = tier.close().await {
                 warn!(tier = tier.name(), "closing a lower tier failed: {e}");
@@ -343,7 +309,7 @@ impl PoolDaemon {
                     })
                     .collect();
                 let n = committed.len() as u64;
-                self.write_behind(committed);
+                self.write_behind.write(committed);
                 Reply::Committed(n)
             }
             Request::Release { ids } => {
@@ -504,133 +470,6 @@ impl PoolDaemon {
             warn!(tier = tier.name(), "could not delete corrupt values: {e}");
         }
     }
-
-    /// Hands committed values to every lower tier in the background, within each tier's quota
-    /// (a value past it, or whose key that tier is writing already, is not written there:
-    /// counted).
-    fn write_behind(&self, committed: Vec<(String, MemoryObj)>) {
-        if self.tiers.is_empty() || committed.is_empty() {
-            return;
-        }
-        // A key committed twice in one request: its last value, the one shared memory keeps.
-        let committed = last_value_of_each_key(committed);
-        let wb = &self.write_behind;
-        let mut wanted = vec![false; committed.len()];
-        let mut writes = Vec::new();
-        for (tier, how) in self.tiers.iter().zip(&self.tier_writes) {
-            let admission = how.admission.admit(
-                committed.iter().map(|(k, v)| (k.clone(), v.len())),
-                &wb.pending,
-            );
-            wb.dropped.fetch_add(admission.dropped, Ordering::Relaxed);
-            wb.deduplicated
-                .fetch_add(admission.deduplicated, Ordering::Relaxed);
-            if admission.dropped > 0 {
-                debug!(
-                    tier = tier.name(),
-                    values = admission.dropped,
-                    "write-behind quota full; not written to this tier"
-                );
-            }
-            let Some(batch) = admission.batch else {
-                continue;
-            };
-            for &i in &admission.admitted {
-                wanted[i] = true;
-            }
-            writes.push((tier.clone(), how.runtime.clone(), admission.admitted, batch));
-        }
-        if writes.is_empty() {
-            return;
-        }
-        let committed: Vec<Option<(String, MemoryObj)>> = committed
-            .into_iter()
-            .zip(wanted)
-            .map(|(value, wanted)| wanted.then_some(value))
-            .collect();
-        let write_behind = self.write_behind.clone();
-        let tenant = self.options.tenant.clone();
-        self.runtime.spawn(async move {
-            // Copied out of the arena (which every attached engine can write) and checked on
-            // that private copy: a stray write after the commit costs this value's write, never
-            // a good copy a lower tier already holds.
-            let values: Vec<Option<(String, Bytes)>> = committed
-                .into_iter()
-                .map(|value| value.and_then(|(k, v)| checked_copy(k, v)))
-                .collect();
-            // A task per tier, on that tier's runtime, holding that tier's admitted batch: a
-            // disk tier written at low priority holds up neither another tier's writes nor
-            // its quota.
-            for (tier, runtime, admitted, batch) in writes {
-                let entries: Vec<(String, Bytes)> =
-                    admitted.iter().filter_map(|&i| values[i].clone()).collect();
-                if entries.is_empty() {
-                    continue; // `batch` given back here
-                }
-                let write_behind = write_behind.clone();
-                let tenant = tenant.clone();
-                runtime.spawn(async move {
-                    let started = Instant::now();
-                    let values = entries.len() as u64;
-                    let written = tier.batch_put(entries).await;
-                    tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
-                    match written {
-                        Ok(()) => {
-                            write_behind.written.fetch_add(values, Ordering::Relaxed);
-                        }
-                        Err(e) => warn!(tier = tier.name(), "write-behind failed: {e}"),
-                    }
-                    // The tier first, then the batch (see `kvpool_core`'s write-behind).
-                    drop(tier);
-                    drop(batch);
-                });
-            }
-        });
-    }
-}
-
-/// `committed` with each key once, at its last value.
-fn last_value_of_each_key(committed: Vec<(String, MemoryObj)>) -> Vec<(String, MemoryObj)> {
-    let last: std::collections::HashMap<&str, usize> = committed
-        .iter()
-        .enumerate()
-        .map(|(i, (k, _))| (k.as_str(), i))
-        .collect();
-    if last.len() == committed.len() {
-        return committed;
-    }
-    let keep: Vec<bool> = (0..committed.len())
-        .map(|i| last[committed[i].0.as_str()] == i)
-        .collect();
-    committed
-        .into_iter()
-        .zip(keep)
-        .filter_map(|(value, keep)| keep.then_some(value))
-        .collect()
-}
-
-/// A committed value copied out of the arena and checked on that copy, or `None` (logged)
-/// when it is not a kvpool key (kept in shared memory only) or fails its check.
-fn checked_copy(key: String, value: MemoryObj) -> Option<(String, Bytes)> {
-    if !is_kvpool_key(&key) {
-        debug!(key = %key, "not a kvpool key: kept in shared memory, not written below");
-        return None;
-    }
-    let copy = Bytes::copy_from_slice(value.as_slice());
-    drop(value);
-    match check_stored_value(&key, &copy) {
-        Ok(()) => Some((key, copy)),
-        Err(e) => {
-            warn!(key = %key, error = %e, "a committed value failed its check; not written below");
-            None
-        }
-    }
-}
-
-/// The daemon's latency histogram for one call kind to one lower tier.
-fn tier_op_seconds(tenant: &str, tier: &str, op: &'static str) -> metrics::Histogram {
-    metrics::histogram!(telemetry::DAEMON_TIER_OP_SECONDS, "tenant" => tenant.to_string(),
-        "tier" => tier.to_string(), "op" => op)
 }
 
 /// `keys` without repeats, in first-seen order, and each key's position among them.
@@ -648,32 +487,6 @@ fn distinct_keys(keys: &[String]) -> (Vec<String>, Vec<usize>) {
         })
         .collect();
     (distinct, index)
-}
-
-/// Whether `key` is a kvpool key (a [`kvpool_core::CacheKey`]'s text): only such keys reach the
-/// lower tiers. Engines may name anything in shared memory, which holds only what engines
-/// committed; the lower tiers may be shared with other programs (one Redis, one bucket), whose
-/// keys an engine that can attach must not read, write, probe or have deleted as corrupt.
-fn is_kvpool_key(key: &str) -> bool {
-    key.parse::<kvpool_core::CacheKey>().is_ok()
-}
-
-/// Checks a value under `key` before it crosses between shared memory and a lower tier: a value
-/// under a chunk key of kvpool's (every key an engine's pool writes, and the only keys that
-/// reach a lower tier: [`is_kvpool_key`]) must be a whole chunk in the chunk format, its
-/// checksum right, bound to that key and its layout.
-fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
-    use kvpool_core::format::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
-    let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {
-        return Ok(());
-    };
-    let expect = DecodeExpectation {
-        max_raw_len: u64::MAX,
-        layout_fingerprint: Some(parsed.scope.layout_fingerprint),
-        bytes_per_token: None,
-        key: Some(KeyBinding::of(&parsed)),
-    };
-    decode_header(bytes, &expect).map(drop)
 }
 
 fn rand_id() -> u64 {

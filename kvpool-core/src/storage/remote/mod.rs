@@ -4,7 +4,9 @@ mod connector;
 mod node_memory;
 
 pub use connector::RemoteConnector;
-pub use node_memory::{CopyIn, CopyOut, NodeMemoryConnector, node_memory_of};
+pub use node_memory::{
+    CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory, node_memory_mapping_of, node_memory_of,
+};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -394,16 +396,11 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
     }
 
     fn lends_node_memory(&self) -> bool {
-        self.connector
-            .node_memory()
-            .is_some_and(|tier| tier.lends())
-            && !self.codec.compresses()
+        lends_node_memory(&self.connector) && !self.codec.compresses()
     }
 
     fn node_memory_mapping(&self) -> Option<Arc<crate::memory::SharedMapping>> {
-        self.connector
-            .node_memory()
-            .and_then(|tier| tier.node_memory_mapping())
+        node_memory_mapping_of(&self.connector)
     }
 
     /// Pins the values node memory holds and checks each one's header where it lies

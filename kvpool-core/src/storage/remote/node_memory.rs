@@ -97,3 +97,20 @@ pub fn node_memory_of<C: RemoteConnector + ?Sized>(
             reason: "the tier does not lie in node memory".into(),
         })
 }
+
+/// Whether the tier `connector` wraps lends its node memory ([`NodeMemoryConnector::lends`]);
+/// `false` when it has no node-memory side. A wrapper's `lends`.
+pub fn lends_node_memory<C: RemoteConnector + ?Sized>(connector: &C) -> bool {
+    connector.node_memory().is_some_and(|tier| tier.lends())
+}
+
+/// The mapping of the node memory of the tier `connector` wraps
+/// ([`NodeMemoryConnector::node_memory_mapping`]); `None` when it has no node-memory side. A
+/// wrapper's `node_memory_mapping`.
+pub fn node_memory_mapping_of<C: RemoteConnector + ?Sized>(
+    connector: &C,
+) -> Option<Arc<SharedMapping>> {
+    connector
+        .node_memory()
+        .and_then(|tier| tier.node_memory_mapping())
+}
