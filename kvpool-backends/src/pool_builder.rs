@@ -80,7 +80,7 @@ pub async fn build_pool_with_allocator(
             reason: e.to_string(),
         })?;
         let cpu = Arc::new(cpu);
-        builder = builder.primary(cpu.clone(), cpu.clone());
+        builder = builder.l1(cpu.clone(), cpu.clone());
         Some(cpu)
     } else {
         None

@@ -148,7 +148,7 @@ async fn a_guard_attached_to_l1s_memory_ends_when_that_memory_is_freed() {
     }
     let cpu = Arc::new(LocalCpuBackend::new(64 * REGION_ALIGN, EvictionKind::Lru).unwrap());
     let manager = kvpool_core::StorageManager::builder()
-        .primary(cpu.clone(), cpu.clone())
+        .l1(cpu.clone(), cpu.clone())
         .build()
         .unwrap();
     assert_eq!(manager.host_region(), cpu.host_region());

@@ -154,7 +154,7 @@ async fn engine_over_l1_and_disk_recovers_from_disk_and_rejects_garbage() {
     let disk = DiskConnector::open(DiskConfig::new(dir.path())).unwrap();
     let l1 = Arc::new(LocalCpuBackend::new(64 << 20, EvictionKind::Lru).unwrap());
     let manager = StorageManager::builder()
-        .primary(l1.clone(), l1.clone())
+        .l1(l1.clone(), l1.clone())
         .lower(Arc::new(backend(disk.clone())))
         .config(StorageManagerConfig::default())
         .build()

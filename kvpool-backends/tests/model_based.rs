@@ -99,7 +99,7 @@ fn run(ops: Vec<Op>) -> Vec<usize> {
         ));
         let l1 = Arc::new(LocalCpuBackend::new(4 * CHUNK_BYTES, EvictionKind::Lru).unwrap());
         let manager = StorageManager::builder()
-            .primary(l1.clone(), l1)
+            .l1(l1.clone(), l1)
             .lower(lower)
             .build()
             .unwrap();

@@ -71,7 +71,7 @@ async fn a_hung_lower_tier_does_not_hold_up_a_lookup_another_tier_answers() {
         kvpool_backends::LocalCpuBackend::new(1 << 20, kvpool_core::EvictionKind::Lru).unwrap(),
     );
     let manager = kvpool_core::StorageManager::builder()
-        .primary(cpu.clone(), cpu)
+        .l1(cpu.clone(), cpu)
         .lower(Arc::new(RemoteBackend::new(
             hung(),
             ChunkCodec::default(),
@@ -110,7 +110,7 @@ async fn tier_events_follow_chunks_into_and_out_of_each_tier() {
         1 << 20,
     ));
     let manager = kvpool_core::StorageManager::builder()
-        .primary(l1.clone(), l1)
+        .l1(l1.clone(), l1)
         .lower(lower)
         .build()
         .unwrap();

@@ -50,7 +50,7 @@ pub fn setup_with(
         let cpu = Arc::new(
             LocalCpuBackend::new(n * layout.chunk_bytes(CHUNK), EvictionKind::Lru).unwrap(),
         );
-        b = std::mem::replace(&mut b, StorageManager::builder()).primary(cpu.clone(), cpu.clone());
+        b = std::mem::replace(&mut b, StorageManager::builder()).l1(cpu.clone(), cpu.clone());
         cpu
     });
     let manager = Arc::new(b.lower(lower).build().unwrap());

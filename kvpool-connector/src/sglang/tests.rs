@@ -56,7 +56,7 @@ fn fixture(model: &str, rank: u32, l1_pages: Option<usize>, lower: Lower, writer
     let mut builder = StorageManager::builder();
     if let Some(pages) = l1_pages {
         let cpu = Arc::new(LocalCpuBackend::new(pages * PAGE, EvictionKind::Lru).unwrap());
-        builder = builder.primary(cpu.clone(), cpu);
+        builder = builder.l1(cpu.clone(), cpu);
     }
     let storage = {
         let _inside = runtime.enter();

@@ -256,16 +256,12 @@ pub async fn lookup_and_lease(
     let chunk = engine.token_database().chunk_size();
     kvpool_core::cache_engine::record_lookup(keys.len() * chunk, found.len() * chunk);
     let storage = engine.storage();
-    let primary = storage.primary_tier();
-    let in_l1 = found
-        .tiers
-        .iter()
-        .take_while(|t| Some(**t) == primary)
-        .count();
+    let l1 = storage.l1_tier();
+    let in_l1 = found.tiers.iter().take_while(|t| Some(**t) == l1).count();
     let node_tier = found.tiers[in_l1..]
         .first()
         .copied()
-        .filter(|&t| load_node_memory && primary.is_some() && storage.tier_reads_node_memory(t));
+        .filter(|&t| load_node_memory && l1.is_some() && storage.tier_reads_node_memory(t));
     let in_node_memory = node_tier.map_or(0, |t| {
         found.tiers[in_l1..].iter().take_while(|&&x| x == t).count()
     });
@@ -275,7 +271,7 @@ pub async fn lookup_and_lease(
             leased: 0,
         };
     }
-    let held = storage.primary_get_prefix(&keys[..in_l1]).await;
+    let held = storage.l1_get_prefix(&keys[..in_l1]).await;
     let got = held.len();
     let room = leases
         .room_for(req_id)

@@ -359,15 +359,15 @@ impl OffloadTier {
             return TierLookup::Miss;
         }
         let key = self.key_of(offload_key);
-        if self.storage.primary_tier().is_some()
+        if self.storage.l1_tier().is_some()
             && self
                 .runtime
-                .block_on(self.storage.primary_prefix(std::slice::from_ref(&key)))
+                .block_on(self.storage.l1_prefix(std::slice::from_ref(&key)))
                 == 1
         {
             return TierLookup::Hit;
         }
-        if self.storage.tier_count() <= usize::from(self.storage.primary_tier().is_some()) {
+        if self.storage.tier_count() <= usize::from(self.storage.l1_tier().is_some()) {
             return TierLookup::Miss;
         }
         let mut lookups = self.shared.lookups.lock();

@@ -45,7 +45,7 @@ fn fixture(model: &str, l1_rows: Option<usize>, lower: Lower) -> Fixture {
     let mut builder = StorageManager::builder();
     if let Some(rows) = l1_rows {
         let cpu = Arc::new(LocalCpuBackend::new(rows * ROW, EvictionKind::Lru).unwrap());
-        builder = builder.primary(cpu.clone(), cpu);
+        builder = builder.l1(cpu.clone(), cpu);
     }
     let _inside = runtime.enter();
     let storage = Arc::new(

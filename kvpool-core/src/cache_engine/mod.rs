@@ -255,7 +255,7 @@ impl CacheEngine {
         let keys: Vec<_> = spans.iter().map(|s| s.key.clone()).collect();
         // Only L1 is asked: a save must not wait on a remote tier, and write-behind skips
         // what is already in flight.
-        let present = self.manager.primary_prefix(&keys).await;
+        let present = self.manager.l1_prefix(&keys).await;
         let mut report = StoreReport {
             already_present: present,
             ..Default::default()
@@ -363,16 +363,16 @@ impl CacheEngine {
     pub async fn fetch_spans(&self, spans: &[ChunkSpan], in_memory: Vec<Chunk>) -> FetchedChunks {
         let held = in_memory.len().min(spans.len());
         let names = self.manager.tier_names();
-        let primary = self
+        let l1_name = self
             .manager
-            .primary_tier()
+            .l1_tier()
             .map_or_else(|| "memory".to_string(), |p| names[p].clone());
-        let primary_index = self.manager.primary_tier();
+        let l1 = self.manager.l1_tier();
         // (tier index, if known; tier name; chunk)
         let mut candidates: Vec<(Option<usize>, String, Chunk)> = in_memory
             .into_iter()
             .take(held)
-            .map(|c| (primary_index, primary.clone(), c))
+            .map(|c| (l1, l1_name.clone(), c))
             .collect();
         if held < spans.len() {
             let keys: Vec<_> = spans[held..].iter().map(|s| s.key.clone()).collect();
@@ -395,7 +395,7 @@ impl CacheEngine {
                 if let Some(t) = index {
                     self.manager.remove_from(t, key).await;
                 }
-                if let Some(p) = primary_index.filter(|&p| Some(p) != index) {
+                if let Some(p) = l1.filter(|&p| Some(p) != index) {
                     self.manager.remove_from(p, key).await;
                 }
                 self.manager.remove_from_node_memory(key).await;

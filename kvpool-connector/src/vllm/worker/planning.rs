@@ -373,7 +373,7 @@ impl ConnectorWorker {
         // check, it is deleted, and its blocks recomputed and saved by a later step).
         let in_l1 = self
             .runtime
-            .block_on(self.engine.storage().primary_prefix(&keys));
+            .block_on(self.engine.storage().l1_prefix(&keys));
         let present = in_l1
             + keys[in_l1..]
                 .iter()

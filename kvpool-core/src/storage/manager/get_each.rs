@@ -36,7 +36,7 @@ impl StorageManager {
         if self.ensure_open().is_err() || keys.is_empty() {
             return 0;
         }
-        if self.primary.is_some() && self.config.promote_on_hit {
+        if self.l1.is_some() && self.config.promote_on_hit {
             let chunks = self.get(keys).await;
             for (i, chunk) in chunks.iter().enumerate() {
                 visit(i, &chunk.meta, chunk.data.as_slice());

@@ -66,13 +66,13 @@ impl PrefixLookup {
     }
 }
 
-/// Drives an ordered list of tiers: the primary (L1, written synchronously and the target of
+/// Drives an ordered list of tiers: L1 (written synchronously and the target of
 /// promotion) and lower tiers (written behind, in the background).
 ///
 /// Lookups stop at the first key no tier has: chunk keys are prefix-chained, so every later
 /// chunk is unusable anyway.
 pub struct StorageManager {
-    primary: Option<usize>,
+    l1: Option<usize>,
     tiers: Vec<Arc<Tier>>,
     allocator: Arc<dyn ChunkAllocator>,
     config: StorageManagerConfig,
@@ -89,26 +89,26 @@ impl std::fmt::Debug for StorageManager {
         let names: Vec<&str> = self.tiers.iter().map(|t| t.backend.name()).collect();
         f.debug_struct("StorageManager")
             .field("tiers", &names)
-            .field("has_primary", &self.primary.is_some())
+            .field("has_l1", &self.l1.is_some())
             .finish()
     }
 }
 
 /// Builds a [`StorageManager`].
 pub struct StorageManagerBuilder {
-    primary: Option<(Arc<dyn StorageBackend>, Arc<dyn ChunkAllocator>)>,
+    l1: Option<(Arc<dyn StorageBackend>, Arc<dyn ChunkAllocator>)>,
     lower: Vec<(Arc<dyn StorageBackend>, Option<Handle>)>,
     config: StorageManagerConfig,
 }
 
 impl StorageManagerBuilder {
     /// The L1 tier, written synchronously, and the allocator that hands out its buffers.
-    pub fn primary(
+    pub fn l1(
         mut self,
         backend: Arc<dyn StorageBackend>,
         allocator: Arc<dyn ChunkAllocator>,
     ) -> Self {
-        self.primary = Some((backend, allocator));
+        self.l1 = Some((backend, allocator));
         self
     }
 
@@ -142,7 +142,7 @@ impl StorageManagerBuilder {
             field: "runtime",
             reason: "the storage manager must be built inside a tokio runtime".into(),
         })?;
-        if self.primary.is_none() && self.lower.is_empty() {
+        if self.l1.is_none() && self.lower.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "tiers",
                 reason: "no storage tier configured: enable local_cpu or add a lower tier".into(),
@@ -156,7 +156,7 @@ impl StorageManagerBuilder {
             Arc::new(Tier::new(backend, quota, write_behind_runtime))
         };
         let mut tiers = Vec::new();
-        let (primary, allocator): (Option<usize>, Arc<dyn ChunkAllocator>) = match self.primary {
+        let (l1, allocator): (Option<usize>, Arc<dyn ChunkAllocator>) = match self.l1 {
             Some((backend, allocator)) => {
                 tiers.push(mk(backend, None));
                 (Some(0), allocator)
@@ -173,7 +173,7 @@ impl StorageManagerBuilder {
             tier.backend.set_event_log(events.clone());
         }
         Ok(StorageManager {
-            primary,
+            l1,
             tiers,
             allocator,
             config: self.config,
@@ -190,7 +190,7 @@ impl StorageManager {
     /// Starts building a manager.
     pub fn builder() -> StorageManagerBuilder {
         StorageManagerBuilder {
-            primary: None,
+            l1: None,
             lower: Vec::new(),
             config: StorageManagerConfig::default(),
         }
@@ -316,10 +316,10 @@ impl StorageManager {
         }
     }
 
-    /// How many leading `keys` the primary tier (L1) holds: what a store checks before writing,
-    /// so a save never waits on a remote tier. Without a primary tier, every tier is asked.
-    pub async fn primary_prefix(&self, keys: &[CacheKey]) -> usize {
-        let Some(p) = self.primary else {
+    /// How many leading `keys` L1 holds: what a store checks before writing,
+    /// so a save never waits on a remote tier. Without L1, every tier is asked.
+    pub async fn l1_prefix(&self, keys: &[CacheKey]) -> usize {
+        let Some(p) = self.l1 else {
             return self.lookup(keys).await.len();
         };
         let tier = &self.tiers[p];
@@ -333,17 +333,17 @@ impl StorageManager {
         }
     }
 
-    /// Index of the primary tier (L1) in [`StorageManager::tier_names`], if there is one.
-    pub fn primary_tier(&self) -> Option<usize> {
-        self.primary
+    /// Index of L1 in [`StorageManager::tier_names`], if there is one.
+    pub fn l1_tier(&self) -> Option<usize> {
+        self.l1
     }
 
-    /// The chunks the primary tier (L1) holds for the leading `keys`, stopping at the first
-    /// it lacks (their recency is refreshed; nothing is promoted). Empty without a primary
+    /// The chunks L1 holds for the leading `keys`, stopping at the first
+    /// it lacks (their recency is refreshed; nothing is promoted). Empty without L1
     /// tier or when it fails. Holding the returned chunks keeps their memory alive even if
     /// L1 evicts them: what a lookup lease pins.
-    pub async fn primary_get_prefix(&self, keys: &[CacheKey]) -> Vec<Chunk> {
-        let Some(p) = self.primary else {
+    pub async fn l1_get_prefix(&self, keys: &[CacheKey]) -> Vec<Chunk> {
+        let Some(p) = self.l1 else {
             return Vec::new();
         };
         self.leading_run(p, keys, |b| b.get(keys)).await
@@ -450,11 +450,11 @@ impl StorageManager {
             let tier = &self.tiers[*t];
             tier.counters
                 .hit(u64::from(c.meta.token_count), c.data.len() as u64);
-            if Some(*t) != self.primary && self.primary.is_some() && self.config.promote_on_hit {
+            if Some(*t) != self.l1 && self.l1.is_some() && self.config.promote_on_hit {
                 promote.push((key.clone(), c.clone()));
             }
         }
-        if let (Some(p), false) = (self.primary, promote.is_empty()) {
+        if let (Some(p), false) = (self.l1, promote.is_empty()) {
             let n = promote.len() as u64;
             let tier = &self.tiers[p];
             match tier.backend.put(promote).await {
@@ -481,7 +481,7 @@ impl StorageManager {
             stored: entries.len(),
             skipped: 0,
         };
-        if let Some(p) = self.primary {
+        if let Some(p) = self.l1 {
             let tier = &self.tiers[p];
             let bytes: u64 = entries.iter().map(|(_, c)| c.data.len() as u64).sum();
             let t0 = Instant::now();
@@ -512,7 +512,7 @@ impl StorageManager {
             }
         }
         for (t, tier) in self.tiers.iter().enumerate() {
-            if Some(t) != self.primary {
+            if Some(t) != self.l1 {
                 self.schedule_write_behind(tier, &entries);
             }
         }

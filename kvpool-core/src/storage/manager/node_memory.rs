@@ -106,7 +106,7 @@ impl StorageManager {
     /// and one that lends node memory (the pool daemon's). With other tiers below L1, saves go
     /// through L1, which writes each of them behind.
     pub fn save_slot_tier(&self) -> Option<usize> {
-        let mut lower = (0..self.tiers.len()).filter(|&t| Some(t) != self.primary);
+        let mut lower = (0..self.tiers.len()).filter(|&t| Some(t) != self.l1);
         match (lower.next(), lower.next()) {
             (Some(t), None) if self.tier_lends_node_memory(t) => Some(t),
             _ => None,
