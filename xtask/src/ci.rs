@@ -5,8 +5,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use crate::{
-    WORKSPACE_TEST_TARGETS, ensure_system_packages, fuzz, matrix, module_cycles, run, run_with_env,
-    sanitize, sglang, soak_command, system, third_party, vllm, wheel,
+    WORKSPACE_TEST_TARGETS, ensure_system_packages, fuzz, gpu_bundle, matrix, module_cycles,
+    python_env, run, run_with_env, sanitize, sglang, soak_command, system, third_party, vllm,
+    wheel,
 };
 
 fn has_nextest() -> bool {
@@ -164,14 +165,14 @@ pub(crate) fn ci() -> Result<(), String> {
     // checked by auditwheel and tried in fresh virtualenvs without Rust; the vLLM and SGLang
     // suites below then run against that wheel, as an operator installs it.
     let wheel = clock.stage_value("wheel", || wheel::wheel(&[]))?;
-    vllm::test_the_release_wheel(wheel);
+    python_env::test_the_release_wheel(wheel);
     // The GPU bundle, as a lent GPU machine gets it but carrying the wheel the vLLM suite
     // installs (the release wheel), is dry-run on CPU tensors by the vLLM suite's
     // `test_gpu_check.py`.
     let bundle = clock.stage_value("gpu bundle", || {
-        vllm::build_gpu_bundle("dev", vllm::BundleWheel::AsTested)
+        gpu_bundle::build_gpu_bundle("dev", gpu_bundle::BundleWheel::AsTested)
     })?;
-    let bundle = vllm::path_str(&bundle)?.to_string();
+    let bundle = python_env::path_str(&bundle)?.to_string();
     clock.stage("vllm", || {
         vllm::vllm_with_env(&[], &[("KVPOOL_GPU_BUNDLE", bundle.as_str())])
     })?;

@@ -51,8 +51,10 @@ mod bench;
 mod ci;
 mod diagrams;
 mod fuzz;
+mod gpu_bundle;
 mod matrix;
 mod module_cycles;
+mod python_env;
 mod sanitize;
 mod servers;
 mod sglang;
@@ -60,6 +62,7 @@ mod soak;
 mod system;
 mod third_party;
 mod vllm;
+mod vllm_bench;
 mod wheel;
 
 pub(crate) use system::ensure_system_packages;
@@ -143,7 +146,7 @@ fn main() -> ExitCode {
             bench::bench_mooncake(env::args().nth(2).as_deref() == Some("--in-namespace"))
         }
         Some("gpu-bundle") => {
-            vllm::gpu_bundle(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ())
+            gpu_bundle::gpu_bundle(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ())
         }
         Some("sanitize") => sanitize::sanitize(),
         Some("module-cycles") => module_cycles::module_cycles(),
@@ -153,10 +156,10 @@ fn main() -> ExitCode {
         Some("vllm") => vllm::vllm(&env::args().skip(2).collect::<Vec<_>>()),
         Some("sglang") => sglang::sglang(&env::args().skip(2).collect::<Vec<_>>()),
         Some("bench-sglang") => sglang::bench_sglang(&env::args().skip(2).collect::<Vec<_>>()),
-        Some("bench-vllm") => vllm::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
-        Some("bench-async") => vllm::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
-        Some("bench-disagg") => vllm::bench_disagg(&env::args().skip(2).collect::<Vec<_>>()),
-        Some("bench-serve") => vllm::bench_serve(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-vllm") => vllm_bench::bench_vllm(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-async") => vllm_bench::bench_async(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-disagg") => vllm_bench::bench_disagg(&env::args().skip(2).collect::<Vec<_>>()),
+        Some("bench-serve") => vllm_bench::bench_serve(&env::args().skip(2).collect::<Vec<_>>()),
         Some("wheel") => wheel::wheel(&env::args().skip(2).collect::<Vec<_>>()).map(|_| ()),
         Some("fmt") => run("cargo", &["fmt", "--all"]),
         _ => {

@@ -183,7 +183,7 @@ fn ensure_venv(venv: &Path, requirement: &str, marker: &str) -> Result<(), Strin
         return Ok(());
     }
     let python = which("python3")?;
-    let tools = crate::vllm::ensure_tools(&crate::vllm::python312()?)?;
+    let tools = crate::python_env::ensure_tools(&crate::python_env::python312()?)?;
     let uv = tools.join("uv").display().to_string();
     let venv_str = venv.display().to_string();
     run(

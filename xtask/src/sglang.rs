@@ -11,9 +11,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::vllm::{
-    ensure_tools, ensure_venv, install_wheel, path_str, python312, run_pytest, target_dir,
+use crate::python_env::{
+    ensure_tools, ensure_venv, install_wheel, path_str, python312, target_dir,
 };
+use crate::vllm::run_pytest;
 use crate::{ensure_system_packages, run_with_env};
 
 /// The SGLang release whose storage interface kvpool supports; installed with `--no-deps`.

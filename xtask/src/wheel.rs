@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use crate::vllm::{ensure_tools, path_str, python312, target_dir};
+use crate::python_env::{ensure_tools, path_str, python312, target_dir};
 use crate::workspace_root;
 
 /// The manylinux policy the wheel must meet.
@@ -157,7 +157,7 @@ fn check_policy(tools: &Path, wheel: &Path) -> Result<(), String> {
 /// import, `kvpool serve` over a disk tier, which is RocksDB inside the wheel, and the same
 /// install's `kvpool bench` through that daemon), run by that virtualenv's pytest.
 fn smoke_test(tools: &Path, wheel: &Path, version: &str) -> Result<(), String> {
-    let interpreter = crate::vllm::python_version(version)?;
+    let interpreter = crate::python_env::python_version(version)?;
     let venv = target_dir().join(format!("wheel-smoke-{version}"));
     let uv = tools.join("uv");
     crate::run(
