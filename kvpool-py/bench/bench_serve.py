@@ -297,11 +297,19 @@ def main():
     workloads = pick(ap, workloads, a.workloads, "workloads")
     redis = f"redis://127.0.0.1:{a.redis_port}"
 
-    def kvpool(cfg):
+    def kvpool(cfg, pool=None):
+        extra = {"config": cfg, **({"pool": pool} if pool else {})}
         return ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps({
             "kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config": cfg}})]
+            "kv_connector_extra_config": extra})]
+
+    def daemon_name(rnd):
+        return "daemon" if a.rounds == 1 else f"daemon-{rnd}"
+
+    def daemon_url(rnd):
+        # Where `PoolDaemon` puts the socket of the daemon named so (started with the server).
+        return f"unix://{os.path.join(scratch, daemon_name(rnd), 'kvpool.sock')}"
 
     small_l1 = {"local_cpu": {"max_size": "64MiB"}}
 
@@ -320,6 +328,10 @@ def main():
                 **small_l1, "write_behind": {"low_priority": False},
                 "tier": [{"url": f"file://{disk}-normal-priority"}]}),
             "kvpool Redis": kvpool({**small_l1, "tier": [{"url": tier_redis}]}),
+            # The node's pool daemon (`kvpool serve`, 256 MiB of shared memory) over a disk
+            # tier of its own, the daemon's disk writes on its low-priority threads (the
+            # default): the engine's L1 as small as the disk configuration's.
+            "kvpool daemon disk": kvpool(small_l1, pool=daemon_url(rnd)),
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")
 
@@ -336,6 +348,13 @@ def main():
         for ci, (name, args) in enumerate(configs_of(rnd).items()):
             slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
             tag = "" if a.rounds == 1 else f"-r{rnd}"
+            daemon = None
+            if name == "kvpool daemon disk":
+                from pool_daemon import PoolDaemon
+
+                disk = os.path.join(scratch, daemon_name(rnd) + "-disk")
+                daemon = PoolDaemon(scratch, daemon_name(rnd), size="256MiB",
+                                    tiers=[f"file://{disk}"])
             server = Server(model, port + ci, os.path.join(scratch, f"{slug}{tag}.server.log"),
                             args, {"MAX_LEN": max_len})
             try:
@@ -359,6 +378,8 @@ def main():
                     print(name, wname, f"round {rnd}", json.dumps(row), flush=True)
             finally:
                 server.stop()
+                if daemon is not None:
+                    daemon.stop()
     # Each figure's median over the rounds (one round: its figures).
     summary = {name: {w: {k: (statistics.median(v) if all(x is not None for x in v) else None)
                           for k, v in ((k, [r[k] for r in rs]) for k in rs[0])}

@@ -91,7 +91,7 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
 
 /// `cargo xtask bench-serve`: `vllm serve` driven by vLLM's own client (`vllm bench serve`), one
 /// fresh server per configuration (no connector, kvpool L1, disk, disk with write-behind at
-/// normal priority, Redis, vLLM's prefix cache),
+/// normal priority, Redis, the pool daemon over disk, vLLM's prefix cache),
 /// on no reuse, shared prefixes and a Mooncake-format trace (`kvpool gen-trace` unless
 /// `--trace PATH` is given); a table, `target/bench-serve.json` and `target/bench-serve.png`
 /// (release wheel; a loopback Redis started and stopped here).
@@ -133,12 +133,14 @@ pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
         "--redis-port".into(),
         port.to_string(),
     ];
+    // The `kvpool daemon disk` configuration's `kvpool serve`: the wheel's command.
+    let kvpool = venv_python.with_file_name("kvpool");
     let out = run_bench_script(
         &venv_python,
         "bench_serve.py",
         "bench-serve.json",
         before.into_iter().chain(args),
-        &[],
+        &[("KVPOOL_BIN", path_str(&kvpool)?)],
     )?;
     eprintln!("results in {} and {}", out.display(), chart.display());
     Ok(())
