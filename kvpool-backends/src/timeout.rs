@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use kvpool_core::storage::remote::{lends_node_memory, node_memory_mapping_of, node_memory_of};
+use kvpool_core::storage::remote::{lends_node_memory_of, node_memory_mapping_of, node_memory_of};
 use kvpool_core::{
     BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
 };
@@ -139,7 +139,7 @@ impl<C: RemoteConnector> RemoteConnector for TimeoutConnector<C> {
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for TimeoutConnector<C> {
     fn lends(&self) -> bool {
-        lends_node_memory(&self.inner)
+        lends_node_memory_of(&self.inner)
     }
     fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
         node_memory_mapping_of(&self.inner)

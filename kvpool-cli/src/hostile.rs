@@ -18,7 +18,7 @@ use bytes::Bytes;
 use clap::Args;
 use kvpool_backends::daemon::DaemonConnector;
 use kvpool_core::format::chunk_format::KeyBinding;
-use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::remote::{RemoteConnector, node_memory_mapping_of};
 use kvpool_core::{CacheKey, ChunkCodec, ChunkHash, ChunkMeta, Dtype, KeyScope};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -104,10 +104,7 @@ pub fn run(args: HostileArgs, rt: &Runtime) -> anyhow::Result<()> {
                 let _ = rt.block_on(connector.batch_put(entries));
             }
             4 => {
-                if let Some(mapping) = connector
-                    .node_memory()
-                    .and_then(|tier| tier.node_memory_mapping())
-                {
+                if let Some(mapping) = node_memory_mapping_of(connector.as_ref()) {
                     punch_hole(mapping.as_ptr().as_ptr(), mapping.len(), &mut rng);
                 }
             }

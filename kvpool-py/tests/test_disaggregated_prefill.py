@@ -4,7 +4,9 @@ pool daemon; Redis, the cross-node case, behind each instance's own L1), driven 
 through `python -m kvpool.disagg_proxy`. Each request reaches the decode instance the moment
 the prefill instance answers (the hand-off must be waited for, not missed); the decode instance
 loads the prompt and computes at most its last block; outputs equal an engine doing both; with
-the shared tier killed, requests complete by recomputation."""
+the shared tier killed, requests complete by recomputation. The Redis pair starts its engine
+processes as an operator's `vllm serve` does (spawned, on the CPU build); the pool-daemon pair
+forks them (`vllm_cli_forked.py`, CI's time budget)."""
 
 import json
 import os

@@ -14,11 +14,13 @@ from test_vllm_e2e import PREFIX, assert_same_outputs
 #: Tokens per chunk in the default config.
 CHUNK = 256
 
-#: vLLM's multi-process mode with the EngineCore forked (vLLM's default off the CPU build),
-#: not spawned as the CPU build forces: each engine starts ~40 s sooner here (CI's time
-#: budget). What these tests check (the worker's route to the daemon) does not depend on how
-#: the EngineCore's process starts; spawned multi-process engines are test_tensor_parallel's
-#: and test_vllm_e2e's.
+#: vLLM's multi-process mode with the EngineCore and its worker forked (vLLM's default off the
+#: CPU build), not spawned as the CPU build forces: each engine starts ~70 s sooner here (CI's
+#: time budget). The worker still builds its own kvpool worker, pool and session with the
+#: daemon after the fork: nothing of kvpool's but its imported module exists in the runner
+#: then (see ``vllm_runner.py``'s ``rank_start``). Spawned multi-process engines are
+#: test_tensor_parallel's fresh TP=2 engine, test_vllm_e2e's multi-process run and the Redis
+#: pair of test_disaggregated_prefill.
 MULTIPROCESS_FORKED = {"multiprocess": True, "rank_start": "fork"}
 
 

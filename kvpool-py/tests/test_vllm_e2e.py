@@ -177,8 +177,9 @@ def test_async_scheduling_with_random_load_failures(runner, model_dir, redis_ser
     (scheduler in EngineCore, worker in its own process; vLLM's default on a GPU): every load
     is asynchronous, failed blocks are recomputed, and the outputs match the baseline's. In the
     multi-process run KV events are on and must cross from the worker to EngineCore's
-    publisher. (vLLM's default CPU mode, multi-process with synchronous scheduling, runs in
-    test_pool_daemon.py's two-engine test.)"""
+    publisher. (vLLM's default CPU mode, multi-process with its processes spawned and synchronous
+    scheduling, runs in the Redis pair of test_disaggregated_prefill.py's `vllm serve`s and in
+    test_tensor_parallel.py's fresh TP=2 engine.)"""
     cfg = l1(tier=[{"url": redis_server.url}])
     prompts = shared_prefix_prompts(3, seed=13)
     base = runner.baseline(model_dir, prompts)

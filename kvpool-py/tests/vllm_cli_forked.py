@@ -2,7 +2,7 @@
 worker forked from the process that starts them (vLLM's default off the CPU build) rather than
 spawned (what the CPU build forces): a `vllm serve` then imports vLLM once instead of three
 times, ~70 s sooner on the CI machine. For tests whose subject does not depend on how vLLM's
-processes start; spawned servers are test_bench_serve's.
+processes start; the spawned servers are the Redis pair of test_disaggregated_prefill.py.
 
     python vllm_cli_forked.py serve MODEL ...
 """

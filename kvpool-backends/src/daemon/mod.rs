@@ -7,7 +7,7 @@
 //! - `write_behind.rs`: committed values written to the lower tiers in the background;
 //! - `lower_tiers.rs`: what may cross to and from a lower tier (kvpool keys, checked values);
 //! - `server.rs`: the daemon's socket and the engines' sessions;
-//! - `client.rs`: the engine's `kvpool+unix://` tier;
+//! - `client/`: the engine's `kvpool+unix://` tier;
 //! - `namespace.rs`: a tenant's view of the lower tiers (its keys under its prefix).
 //!
 //! Trust: one daemon (one socket, one arena) is one trust domain: every engine that can

@@ -1,6 +1,7 @@
 //! The daemon's pool: shared memory over the lower tiers, answering one engine's request at a
 //! time (lookups, pins, saves, promotion from the lower tiers; `write_behind.rs` writes
 //! committed values down).
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

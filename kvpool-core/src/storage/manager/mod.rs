@@ -338,10 +338,10 @@ impl StorageManager {
         self.l1
     }
 
-    /// The chunks L1 holds for the leading `keys`, stopping at the first
-    /// it lacks (their recency is refreshed; nothing is promoted). Empty without L1
-    /// tier or when it fails. Holding the returned chunks keeps their memory alive even if
-    /// L1 evicts them: what a lookup lease pins.
+    /// The chunks L1 holds for the leading `keys`, stopping at the first it lacks (their
+    /// recency is refreshed; nothing is promoted). Empty without L1 or when it fails. Holding
+    /// the returned chunks keeps their memory alive even if L1 evicts them: what a lookup
+    /// lease pins.
     pub async fn l1_get_prefix(&self, keys: &[CacheKey]) -> Vec<Chunk> {
         let Some(p) = self.l1 else {
             return Vec::new();

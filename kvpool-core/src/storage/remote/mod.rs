@@ -5,7 +5,8 @@ mod node_memory;
 
 pub use connector::RemoteConnector;
 pub use node_memory::{
-    CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory, node_memory_mapping_of, node_memory_of,
+    CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory_of, node_memory_mapping_of,
+    node_memory_of,
 };
 
 use std::sync::Arc;
@@ -396,7 +397,7 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
     }
 
     fn lends_node_memory(&self) -> bool {
-        lends_node_memory(&self.connector) && !self.codec.compresses()
+        lends_node_memory_of(&self.connector) && !self.codec.compresses()
     }
 
     fn node_memory_mapping(&self) -> Option<Arc<crate::memory::SharedMapping>> {

@@ -98,15 +98,15 @@ pub fn node_memory_of<C: RemoteConnector + ?Sized>(
         })
 }
 
-/// Whether the tier `connector` wraps lends its node memory ([`NodeMemoryConnector::lends`]);
-/// `false` when it has no node-memory side. A wrapper's `lends`.
-pub fn lends_node_memory<C: RemoteConnector + ?Sized>(connector: &C) -> bool {
+/// Whether `connector`'s node-memory side lends ([`NodeMemoryConnector::lends`]); `false` when
+/// it has none. What a wrapper's `lends` answers for the tier it wraps.
+pub fn lends_node_memory_of<C: RemoteConnector + ?Sized>(connector: &C) -> bool {
     connector.node_memory().is_some_and(|tier| tier.lends())
 }
 
-/// The mapping of the node memory of the tier `connector` wraps
-/// ([`NodeMemoryConnector::node_memory_mapping`]); `None` when it has no node-memory side. A
-/// wrapper's `node_memory_mapping`.
+/// `connector`'s node-memory mapping ([`NodeMemoryConnector::node_memory_mapping`]); `None`
+/// when it has no node-memory side. What a wrapper's `node_memory_mapping` answers for the
+/// tier it wraps.
 pub fn node_memory_mapping_of<C: RemoteConnector + ?Sized>(
     connector: &C,
 ) -> Option<Arc<SharedMapping>> {
