@@ -13,10 +13,7 @@ use crate::{ensure_system_packages, run, run_with_env};
 /// `cargo xtask bench-vllm`: TTFT and throughput on a repeated 8K-token prefix, with and
 /// without kvpool and against vLLM's ExampleConnector, each in a fresh process (release wheel).
 pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
-    let python = python312()?;
-    let tools = ensure_tools(&python)?;
-    let venv_python = ensure_vllm_venv(&python, &tools)?;
-    install_wheel(&tools, &venv_python, "release")?;
+    let (_, venv_python) = release_venv()?;
     // `--daemon` measures `kvpool serve`: a release build of the command.
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     crate::run(&cargo, &["build", "--release", "-p", "kvpool-cli"])?;
@@ -37,10 +34,7 @@ pub(crate) fn bench_vllm(args: &[String]) -> Result<(), String> {
 /// `kvpool.disagg_proxy`) against one `vllm serve` on both cores, TTFT and ITL from
 /// `vllm bench serve`, rounds interleaved (release wheel; its `kvpool` command as the daemon).
 pub(crate) fn bench_disagg(args: &[String]) -> Result<(), String> {
-    let python = python312()?;
-    let tools = ensure_tools(&python)?;
-    let venv_python = ensure_vllm_venv(&python, &tools)?;
-    install_wheel(&tools, &venv_python, "release")?;
+    let (_, venv_python) = release_venv()?;
     let kvpool = venv_python.with_file_name("kvpool");
     let out = run_bench_script(
         &venv_python,
@@ -72,10 +66,7 @@ fn loopback_redis() -> Result<(u16, kvpool_testservers::Server), String> {
 /// with a loopback Redis started and stopped here (release wheel).
 pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
     ensure_system_packages(PACKAGES)?;
-    let python = python312()?;
-    let tools = ensure_tools(&python)?;
-    let venv_python = ensure_vllm_venv(&python, &tools)?;
-    install_wheel(&tools, &venv_python, "release")?;
+    let (_, venv_python) = release_venv()?;
     let (port, _redis) = loopback_redis()?;
     let redis = ["--redis-port".to_string(), port.to_string()];
     let out = run_bench_script(
@@ -97,10 +88,7 @@ pub(crate) fn bench_async(args: &[String]) -> Result<(), String> {
 /// (release wheel; a loopback Redis started and stopped here).
 pub(crate) fn bench_serve(args: &[String]) -> Result<(), String> {
     ensure_system_packages(PACKAGES)?;
-    let python = python312()?;
-    let tools = ensure_tools(&python)?;
-    let venv_python = ensure_vllm_venv(&python, &tools)?;
-    install_wheel(&tools, &venv_python, "release")?;
+    let (tools, venv_python) = release_venv()?;
     // The chart; only this benchmark needs it.
     uv_pip_install(&tools, &venv_python, &["matplotlib==3.10.9"])?;
     let mut args = args.to_vec();
@@ -169,4 +157,14 @@ fn run_bench_script(
         &[&[("HF_HUB_OFFLINE", "1")], env].concat(),
     )?;
     Ok(out)
+}
+
+/// The vLLM virtualenv with the release wheel installed, as every benchmark runs: the tool
+/// virtualenv's `bin` and the benchmark's python.
+fn release_venv() -> Result<(std::path::PathBuf, std::path::PathBuf), String> {
+    let python = python312()?;
+    let tools = ensure_tools(&python)?;
+    let venv_python = ensure_vllm_venv(&python, &tools)?;
+    install_wheel(&tools, &venv_python, "release")?;
+    Ok((tools, venv_python))
 }
