@@ -1,8 +1,7 @@
-//! Fault behaviour as wrappers around any `RemoteConnector`, never a second store (the
-//! `testkit` feature: for tests, not for production): [`FaultInjector`] fails and corrupts at
-//! fixed rates;
-//! [`ControlledFaults`] has switches a test flips at run time (a dead server, slow writes, a
-//! panicking backend) and counts what was asked.
+//! Fault behaviour as one wrapper around any `RemoteConnector`, never a second store (the
+//! `testkit` feature: for tests, not for production): [`ControlledFaults`] fails and corrupts
+//! at fixed rates ([`ControlledFaults::at_rates`]) and has switches a test flips at run time
+//! (a dead server, slow writes, a panicking backend), and counts what was asked.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,181 +14,6 @@ use kvpool_core::storage::remote::{lends_node_memory_of, node_memory_mapping_of,
 use kvpool_core::{
     BackendError, CopyIn, CopyOut, LentBytes, NodeMemoryConnector, PinnedBytes, RemoteConnector,
 };
-
-/// Fails every `fail_get_every`-th batch get (as an unreachable server would) and corrupts
-/// every `corrupt_put_every`-th value it stores (one flipped byte). Zero turns a fault off.
-pub struct FaultInjector<C> {
-    inner: C,
-    fail_get_every: u64,
-    corrupt_put_every: u64,
-    gets: AtomicU64,
-    puts: AtomicU64,
-}
-
-impl<C: RemoteConnector> FaultInjector<C> {
-    /// Wraps `inner`.
-    pub fn new(inner: C, fail_get_every: u64, corrupt_put_every: u64) -> Self {
-        FaultInjector {
-            inner,
-            fail_get_every,
-            corrupt_put_every,
-            gets: AtomicU64::new(0),
-            puts: AtomicU64::new(0),
-        }
-    }
-
-    fn nth(counter: &AtomicU64, every: u64) -> bool {
-        every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(every)
-    }
-
-    /// Fails every `fail_get_every`-th get.
-    fn injected_get_failure(&self) -> Result<(), BackendError> {
-        if Self::nth(&self.gets, self.fail_get_every) {
-            return Err(BackendError::Unavailable {
-                backend: self.inner.name().to_string(),
-                reason: "injected failure".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-// Every method, forwarded or faulted, by construction: a wrapper that left one to the
-// trait's default would silently change what the wrapped tier does (a daemon tier that stops
-// lending node memory).
-#[async_trait]
-#[deny(clippy::missing_trait_methods)]
-impl<C: RemoteConnector> RemoteConnector for FaultInjector<C> {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
-        self.inner
-            .node_memory()
-            .map(|_| self as &dyn NodeMemoryConnector)
-    }
-    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        self.injected_get_failure()?;
-        self.inner.get(key).await
-    }
-    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
-        // Through `batch_put`, which corrupts.
-        self.batch_put(vec![(key.to_string(), value)]).await
-    }
-    fn set_event_log(
-        &self,
-        events: std::sync::Arc<kvpool_core::storage::tier_events::TierEventLog>,
-    ) {
-        self.inner.set_event_log(events);
-    }
-    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
-        self.inner.exists(key).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
-        self.inner.delete(key).await
-    }
-    async fn close(&self) -> Result<(), BackendError> {
-        self.inner.close().await
-    }
-    async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
-        self.inner.batch_exists(keys).await
-    }
-    async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.injected_get_failure()?;
-        self.inner.batch_get(keys).await
-    }
-    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
-        self.injected_get_failure()?;
-        self.inner.batch_get_each(keys, visit).await
-    }
-    async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
-        let entries = entries
-            .into_iter()
-            .map(|(k, v)| {
-                if Self::nth(&self.puts, self.corrupt_put_every) && !v.is_empty() {
-                    let mut b = v.to_vec();
-                    let mid = b.len() / 2;
-                    b[mid] ^= 0x5a;
-                    (k, Bytes::from(b))
-                } else {
-                    (k, v)
-                }
-            })
-            .collect();
-        self.inner.batch_put(entries).await
-    }
-    async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
-        self.inner.batch_delete(keys).await
-    }
-}
-
-// The node-memory side faulted like the rest: pins and copies out fail as gets do, values
-// written in place or lent are corrupted as puts are.
-#[async_trait]
-impl<C: RemoteConnector> NodeMemoryConnector for FaultInjector<C> {
-    fn lends(&self) -> bool {
-        lends_node_memory_of(&self.inner)
-    }
-    fn node_memory_mapping(&self) -> Option<std::sync::Arc<kvpool_core::memory::SharedMapping>> {
-        node_memory_mapping_of(&self.inner)
-    }
-    async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.injected_get_failure()?;
-        node_memory_of(&self.inner)?.batch_pin(keys).await
-    }
-    async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
-        node_memory_of(&self.inner)?.batch_lend(lens).await
-    }
-    /// Corrupts every `corrupt_put_every`-th value where it lies before committing it, as
-    /// `batch_copy_in` does to what it writes.
-    async fn batch_commit_lent(
-        &self,
-        entries: Vec<(String, LentBytes)>,
-    ) -> Result<usize, BackendError> {
-        for (_, bytes) in &entries {
-            if bytes.usable() && Self::nth(&self.puts, self.corrupt_put_every) && !bytes.is_empty()
-            {
-                // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
-                // writable, and no reader sees before the commit below.
-                unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };
-            }
-        }
-        node_memory_of(&self.inner)?
-            .batch_commit_lent(entries)
-            .await
-    }
-    async fn batch_copy_out(
-        &self,
-        keys: &[String],
-        resident_only: bool,
-        copy_out: CopyOut,
-    ) -> Result<(), BackendError> {
-        self.injected_get_failure()?;
-        node_memory_of(&self.inner)?
-            .batch_copy_out(keys, resident_only, copy_out)
-            .await
-    }
-    async fn batch_copy_in(
-        &self,
-        entries: Vec<(String, usize)>,
-        copy_in: CopyIn,
-    ) -> Result<(), BackendError> {
-        let corrupt: Vec<bool> = entries
-            .iter()
-            .map(|(_, len)| Self::nth(&self.puts, self.corrupt_put_every) && *len > 0)
-            .collect();
-        let copy_in: CopyIn = Arc::new(move |i, dst| {
-            copy_in(i, dst);
-            if corrupt.get(i) == Some(&true) {
-                let mid = dst.len() / 2;
-                dst[mid] ^= 0x5a;
-            }
-        });
-        node_memory_of(&self.inner)?
-            .batch_copy_in(entries, copy_in)
-            .await
-    }
-}
 
 /// Switches shared by every clone of a [`ControlledFaults`] wrapper.
 #[derive(Clone, Default, Debug)]
@@ -219,14 +43,66 @@ pub struct FaultSwitches {
 pub struct ControlledFaults<C> {
     inner: C,
     switches: FaultSwitches,
+    rates: Arc<FaultRates>,
+}
+
+/// Faults at fixed rates, fixed when the wrapper is made: every n-th get fails, every n-th
+/// value written is corrupted. Zero turns a fault off.
+#[derive(Default)]
+struct FaultRates {
+    fail_get_every: u64,
+    corrupt_put_every: u64,
+    gets: AtomicU64,
+    values: AtomicU64,
+}
+
+impl FaultRates {
+    fn nth(counter: &AtomicU64, every: u64) -> bool {
+        every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(every)
+    }
+
+    /// Whether this get call is one that fails.
+    fn fails_this_get(&self) -> bool {
+        Self::nth(&self.gets, self.fail_get_every)
+    }
+
+    /// Whether the next value written (of `len` bytes) is one that is corrupted; an empty
+    /// value has no byte to flip and is not counted.
+    fn corrupts_next_value(&self, len: usize) -> bool {
+        len > 0 && Self::nth(&self.values, self.corrupt_put_every)
+    }
+
+    /// `value`, with its middle byte flipped when it is one to corrupt.
+    fn maybe_corrupt(&self, value: Bytes) -> Bytes {
+        if !self.corrupts_next_value(value.len()) {
+            return value;
+        }
+        let mut bytes = value.to_vec();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x5a;
+        Bytes::from(bytes)
+    }
 }
 
 impl<C: RemoteConnector> ControlledFaults<C> {
     /// Wraps `inner` with every switch off.
     pub fn new(inner: C) -> Self {
+        Self::at_rates(inner, 0, 0)
+    }
+
+    /// Wraps `inner` with every switch off, failing every `fail_get_every`-th get call (a
+    /// `get`, batch get, pin or copy out, as an unreachable server would) and corrupting every
+    /// `corrupt_put_every`-th value written (one flipped byte, whether put, written in place or
+    /// committed from a loan). Zero turns a fault off.
+    pub fn at_rates(inner: C, fail_get_every: u64, corrupt_put_every: u64) -> Self {
         ControlledFaults {
             inner,
             switches: FaultSwitches::default(),
+            rates: Arc::new(FaultRates {
+                fail_get_every,
+                corrupt_put_every,
+                ..FaultRates::default()
+            }),
         }
     }
 
@@ -258,6 +134,18 @@ impl<C: RemoteConnector> ControlledFaults<C> {
         self.check().await
     }
 
+    /// An ask that reads values: fails as well when it is the get the rate picks.
+    async fn ask_to_read(&self, keys: usize) -> Result<(), BackendError> {
+        self.ask(keys).await?;
+        if self.rates.fails_this_get() {
+            return Err(BackendError::Unavailable {
+                backend: self.inner.name().to_string(),
+                reason: "injected failure".into(),
+            });
+        }
+        Ok(())
+    }
+
     async fn before_put(&self, values: usize) -> Result<(), BackendError> {
         let delay = self.switches.put_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
@@ -275,9 +163,9 @@ impl<C: RemoteConnector> ControlledFaults<C> {
     }
 }
 
-// Every method, forwarded or faulted, by construction (see `FaultInjector`'s impl). Before,
-// this one left the node-memory methods to the trait's defaults, so a daemon tier wrapped in
-// it silently stopped lending.
+// Every method, forwarded or faulted, by construction: a wrapper that left one to the trait's
+// default would silently change what the wrapped tier does (before, this one left the
+// node-memory methods to the defaults, so a daemon tier wrapped in it stopped lending).
 #[async_trait]
 #[deny(clippy::missing_trait_methods)]
 impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
@@ -300,12 +188,12 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.inner.exists(key).await
     }
     async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
-        self.ask(1).await?;
+        self.ask_to_read(1).await?;
         self.inner.get(key).await
     }
     async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
         self.before_put(1).await?;
-        self.inner.put(key, value).await
+        self.inner.put(key, self.rates.maybe_corrupt(value)).await
     }
     async fn delete(&self, key: &str) -> Result<bool, BackendError> {
         self.check().await?;
@@ -319,11 +207,11 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
         self.inner.batch_exists(keys).await
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        self.ask(keys.len()).await?;
+        self.ask_to_read(keys.len()).await?;
         self.inner.batch_get(keys).await
     }
     async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
-        self.ask(keys.len()).await?;
+        self.ask_to_read(keys.len()).await?;
         let late = self.switches.late_visit_ms.load(Ordering::SeqCst);
         if late == 0 {
             return self.inner.batch_get_each(keys, visit).await;
@@ -350,6 +238,10 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;
+        let entries = entries
+            .into_iter()
+            .map(|(key, value)| (key, self.rates.maybe_corrupt(value)))
+            .collect();
         self.inner.batch_put(entries).await
     }
     async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
@@ -358,8 +250,9 @@ impl<C: RemoteConnector> RemoteConnector for ControlledFaults<C> {
     }
 }
 
-// The node-memory side behind the same switches: pins and copies out are asks, loans and
-// writes in place are puts.
+// The node-memory side behind the same switches and rates: pins and copies out are reads,
+// loans and writes in place are puts, and values written in place or committed from a loan
+// are corrupted as puts are.
 #[async_trait]
 impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
     fn lends(&self) -> bool {
@@ -369,17 +262,26 @@ impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
         node_memory_mapping_of(&self.inner)
     }
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        self.ask(keys.len()).await?;
+        self.ask_to_read(keys.len()).await?;
         node_memory_of(&self.inner)?.batch_pin(keys).await
     }
     async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
         self.before_put(lens.len()).await?;
         node_memory_of(&self.inner)?.batch_lend(lens).await
     }
+    /// Corrupts the values the rate picks where they lie before committing them, as
+    /// `batch_copy_in` does to what it writes.
     async fn batch_commit_lent(
         &self,
         entries: Vec<(String, LentBytes)>,
     ) -> Result<usize, BackendError> {
+        for (_, bytes) in &entries {
+            if bytes.usable() && self.rates.corrupts_next_value(bytes.len()) {
+                // SAFETY: a byte inside the lent memory, which the loan keeps mapped and
+                // writable, and no reader sees before the commit below.
+                unsafe { *((bytes.ptr() + bytes.len() / 2) as *mut u8) ^= 0xff };
+            }
+        }
         node_memory_of(&self.inner)?
             .batch_commit_lent(entries)
             .await
@@ -390,7 +292,7 @@ impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
         resident_only: bool,
         copy_out: CopyOut,
     ) -> Result<(), BackendError> {
-        self.ask(keys.len()).await?;
+        self.ask_to_read(keys.len()).await?;
         node_memory_of(&self.inner)?
             .batch_copy_out(keys, resident_only, copy_out)
             .await
@@ -401,6 +303,17 @@ impl<C: RemoteConnector> NodeMemoryConnector for ControlledFaults<C> {
         copy_in: CopyIn,
     ) -> Result<(), BackendError> {
         self.before_put(entries.len()).await?;
+        let corrupt: Vec<bool> = entries
+            .iter()
+            .map(|(_, len)| self.rates.corrupts_next_value(*len))
+            .collect();
+        let copy_in: CopyIn = Arc::new(move |i, dst| {
+            copy_in(i, dst);
+            if corrupt.get(i) == Some(&true) {
+                let mid = dst.len() / 2;
+                dst[mid] ^= 0x5a;
+            }
+        });
         node_memory_of(&self.inner)?
             .batch_copy_in(entries, copy_in)
             .await
@@ -416,7 +329,7 @@ mod tests {
     /// value, one byte flipped after it was written.
     #[tokio::test]
     async fn in_place_writes_are_corrupted_like_puts() {
-        let store = FaultInjector::new(InMemoryNodeMemory::default(), 0, 2);
+        let store = ControlledFaults::at_rates(InMemoryNodeMemory::default(), 0, 2);
         let entries = (0..4).map(|i| (format!("k{i}"), 64)).collect();
         store
             .node_memory()
@@ -438,8 +351,7 @@ mod tests {
     #[test]
     fn wrappers_offer_node_memory_exactly_when_their_tier_does() {
         let limit = std::time::Duration::from_secs(1);
-        let bytes_only: [Box<dyn RemoteConnector>; 3] = [
-            Box::new(FaultInjector::new(InMemoryConnector::new(), 0, 0)),
+        let bytes_only: [Box<dyn RemoteConnector>; 2] = [
             Box::new(ControlledFaults::new(InMemoryConnector::new())),
             Box::new(crate::TimeoutConnector::new(
                 InMemoryConnector::new(),
@@ -447,8 +359,7 @@ mod tests {
             )),
         ];
         assert!(bytes_only.iter().all(|c| c.node_memory().is_none()));
-        let node_memory: [Box<dyn RemoteConnector>; 3] = [
-            Box::new(FaultInjector::new(InMemoryNodeMemory::default(), 0, 0)),
+        let node_memory: [Box<dyn RemoteConnector>; 2] = [
             Box::new(ControlledFaults::new(InMemoryNodeMemory::default())),
             Box::new(crate::TimeoutConnector::new(
                 InMemoryNodeMemory::default(),

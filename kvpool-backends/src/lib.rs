@@ -53,7 +53,7 @@ mod tls;
 
 pub use cpu::LocalCpuBackend;
 #[cfg(feature = "testkit")]
-pub use faults::{ControlledFaults, FaultInjector, FaultSwitches};
+pub use faults::{ControlledFaults, FaultSwitches};
 pub use memory::InMemoryConnector;
 #[cfg(feature = "testkit")]
 pub use memory::InMemoryNodeMemory;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use common::MapConnector;
-use kvpool_backends::{FaultInjector, LocalCpuBackend};
+use kvpool_backends::{ControlledFaults, LocalCpuBackend};
 use kvpool_core::{
     CacheKey, Chunk, ChunkCodec, ChunkHash, ChunkMeta, Dtype, EvictionKind, KeyScope, MemoryObj,
     RemoteBackend, StorageManager,
@@ -93,7 +93,7 @@ fn run(ops: Vec<Op>) -> Vec<usize> {
         let map = MapConnector::default();
         // Every 3rd value written to the lower tier is corrupted on its way in.
         let lower = Arc::new(RemoteBackend::new(
-            FaultInjector::new(map.clone(), 0, 3),
+            ControlledFaults::at_rates(map.clone(), 0, 3),
             ChunkCodec::default(),
             1 << 20,
         ));
