@@ -157,6 +157,17 @@ impl PoolDaemon {
         self
     }
 
+    /// The nice value of each thread that copied committed values out of the arena for the
+    /// lower tiers, in order.
+    #[cfg(test)]
+    pub(super) fn copying_thread_nices(&self) -> Vec<Option<i32>> {
+        self.write_behind
+            .copying_thread_nices
+            .lock()
+            .unwrap()
+            .clone()
+    }
+
     /// The daemon's counters.
     pub fn stats(&self) -> DaemonStats {
         DaemonStats {

@@ -32,7 +32,9 @@ struct Counters {
 /// fills only its own quota).
 struct TierWrites {
     tier: Arc<dyn RemoteConnector>,
-    runtime: Handle,
+    /// The runtime the tier is written on: its own (the low-priority threads) or, when
+    /// `None`, the daemon's.
+    own_runtime: Option<Handle>,
     admission: Arc<WriteBehindAdmission<String>>,
 }
 
@@ -42,10 +44,16 @@ pub(super) struct DaemonWriteBehind {
     /// Batches in flight over all tiers (what `close` waits for).
     pending: Arc<Pending>,
     counters: Arc<Counters>,
-    /// The daemon's runtime: committed values are copied out of the arena and checked there.
+    /// The daemon's runtime: where tiers without a runtime of their own are written, and where
+    /// committed values are copied out of the arena and checked unless every tier writing
+    /// them has one.
     runtime: Handle,
     /// The daemon's tenant, a label of the tier latency histogram.
     tenant: String,
+    /// The nice value of each thread that copied committed values out of the arena, for tests
+    /// of where that work runs.
+    #[cfg(test)]
+    pub(super) copying_thread_nices: Arc<std::sync::Mutex<Vec<Option<i32>>>>,
 }
 
 impl DaemonWriteBehind {
@@ -61,7 +69,7 @@ impl DaemonWriteBehind {
                 .iter()
                 .map(|tier| TierWrites {
                     tier: tier.clone(),
-                    runtime: runtime.clone(),
+                    own_runtime: None,
                     admission: Arc::new(WriteBehindAdmission::new(quota)),
                 })
                 .collect(),
@@ -69,6 +77,8 @@ impl DaemonWriteBehind {
             counters: Arc::default(),
             runtime,
             tenant,
+            #[cfg(test)]
+            copying_thread_nices: Arc::default(),
         }
     }
 
@@ -78,7 +88,7 @@ impl DaemonWriteBehind {
     ///
     /// If there is no tier at `tier`.
     pub(super) fn write_tier_on(&mut self, tier: usize, runtime: Handle) {
-        self.tiers[tier].runtime = runtime;
+        self.tiers[tier].own_runtime = Some(runtime);
     }
 
     /// Values not written to a tier because its quota was full (one per tier).
@@ -157,7 +167,7 @@ impl DaemonWriteBehind {
             }
             writes.push((
                 how.tier.clone(),
-                how.runtime.clone(),
+                how.own_runtime.clone(),
                 admission.admitted,
                 batch,
             ));
@@ -165,6 +175,18 @@ impl DaemonWriteBehind {
         if writes.is_empty() {
             return;
         }
+        // The copy and check (a full pass over each value, CPU the engines' steps want) run
+        // where the writes do when every tier writing them has a runtime of its own (a disk
+        // tier on the low-priority threads): nothing of a write behind to such tiers runs at
+        // the daemon's priority beside the engines. Otherwise on the daemon's runtime, so a
+        // tier written there is not held behind low-priority threads.
+        let copy_runtime = writes
+            .iter()
+            .map(|(_, own_runtime, _, _)| own_runtime.clone())
+            .collect::<Option<Vec<Handle>>>()
+            .and_then(|own_runtimes| own_runtimes.into_iter().next())
+            .unwrap_or_else(|| self.runtime.clone());
+        let daemon_runtime = self.runtime.clone();
         let committed: Vec<Option<(String, MemoryObj)>> = committed
             .into_iter()
             .zip(wanted)
@@ -172,7 +194,14 @@ impl DaemonWriteBehind {
             .collect();
         let counters = self.counters.clone();
         let tenant = self.tenant.clone();
-        self.runtime.spawn(async move {
+        #[cfg(test)]
+        let copying_thread_nices = self.copying_thread_nices.clone();
+        copy_runtime.spawn(async move {
+            #[cfg(test)]
+            copying_thread_nices
+                .lock()
+                .unwrap()
+                .push(crate::background::this_threads_nice());
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
             // a good copy a lower tier already holds.
@@ -183,7 +212,7 @@ impl DaemonWriteBehind {
             // A task per tier, on that tier's runtime, holding that tier's admitted batch: a
             // disk tier written at low priority holds up neither another tier's writes nor
             // its quota.
-            for (tier, runtime, admitted, batch) in writes {
+            for (tier, own_runtime, admitted, batch) in writes {
                 let entries: Vec<(String, Bytes)> =
                     admitted.iter().filter_map(|&i| values[i].clone()).collect();
                 if entries.is_empty() {
@@ -191,21 +220,24 @@ impl DaemonWriteBehind {
                 }
                 let counters = counters.clone();
                 let tenant = tenant.clone();
-                runtime.spawn(async move {
-                    let started = Instant::now();
-                    let values = entries.len() as u64;
-                    let written = tier.batch_put(entries).await;
-                    tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
-                    match written {
-                        Ok(()) => {
-                            counters.written.fetch_add(values, Ordering::Relaxed);
+                own_runtime
+                    .as_ref()
+                    .unwrap_or(&daemon_runtime)
+                    .spawn(async move {
+                        let started = Instant::now();
+                        let values = entries.len() as u64;
+                        let written = tier.batch_put(entries).await;
+                        tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
+                        match written {
+                            Ok(()) => {
+                                counters.written.fetch_add(values, Ordering::Relaxed);
+                            }
+                            Err(e) => warn!(tier = tier.name(), "write-behind failed: {e}"),
                         }
-                        Err(e) => warn!(tier = tier.name(), "write-behind failed: {e}"),
-                    }
-                    // The tier first, then the batch (see `kvpool_core`'s write-behind).
-                    drop(tier);
-                    drop(batch);
-                });
+                        // The tier first, then the batch (see `kvpool_core`'s write-behind).
+                        drop(tier);
+                        drop(batch);
+                    });
             }
         });
     }

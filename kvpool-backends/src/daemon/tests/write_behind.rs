@@ -115,6 +115,49 @@ async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_
     }
 }
 
+/// Where the copy and check of committed values run: beside the tier's writes, at the lowest
+/// priority, when every tier written has low-priority threads of its own (nothing of a write
+/// behind to disk then competes with the engines' steps at the daemon's priority; before, the
+/// copy ran on the daemon's runtime); on the daemon's runtime when some tier is written there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_written_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let (disk, redis) = (SlowRecordingTier::default(), SlowRecordingTier::default());
+    let disk_only: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone())];
+    let both: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone()), Arc::new(redis.clone())];
+    let mut nices = Vec::new();
+    for (name, tiers) in [("disk-only", disk_only), ("both", both)] {
+        let path = dir.path().join(format!("{name}.sock"));
+        let daemon = Arc::new(
+            PoolDaemon::with_tiers(options(16 * MIB), tiers, tokio::runtime::Handle::current())
+                .unwrap()
+                .write_tier_behind_on(0, background_runtime().unwrap()),
+        );
+        let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+        let (key, bytes) = chunk_value(5, &[5u8; 4096]);
+        client(&path).batch_put(vec![(key, bytes)]).await.unwrap();
+        server.shutdown();
+        daemon.close(Duration::from_secs(30)).await;
+        nices.push(daemon.copying_thread_nices());
+    }
+    let [disk_only, both] = &nices[..] else {
+        unreachable!()
+    };
+    assert_eq!((disk_only.len(), both.len()), (1, 1), "one copy per commit");
+    if cfg!(target_os = "linux") {
+        assert_eq!(
+            disk_only[0],
+            Some(BACKGROUND_NICE),
+            "copied at low priority"
+        );
+        assert_ne!(
+            both[0],
+            Some(BACKGROUND_NICE),
+            "a tier written on the daemon's runtime is not held behind low-priority threads"
+        );
+    }
+}
+
 /// Each lower tier has its own quota: while a slow tier (a disk tier at low priority under
 /// load) holds its quota, another tier still takes the next values. Before, one quota over
 /// every tier was held until the slowest tier's write ended, and the next value was written
