@@ -37,7 +37,8 @@ pub struct FaultSwitches {
     pub asks: Arc<AtomicU64>,
 }
 
-/// `inner` behind run-time [`FaultSwitches`]. Clones share the switches and, when `C`'s clones
+/// `inner` behind run-time [`FaultSwitches`] and fixed fault rates. Clones share the switches
+/// and the rates' counts (the n-th value is counted over every clone) and, when `C`'s clones
 /// share their store (as [`crate::InMemoryConnector`]'s do), the store too.
 #[derive(Clone, Default)]
 pub struct ControlledFaults<C> {
@@ -67,9 +68,9 @@ impl FaultRates {
     }
 
     /// Whether the next value written (of `len` bytes) is one that is corrupted; an empty
-    /// value has no byte to flip and is not counted.
+    /// value is counted but has no byte to flip.
     fn corrupts_next_value(&self, len: usize) -> bool {
-        len > 0 && Self::nth(&self.values, self.corrupt_put_every)
+        Self::nth(&self.values, self.corrupt_put_every) && len > 0
     }
 
     /// `value`, with its middle byte flipped when it is one to corrupt.

@@ -8,7 +8,7 @@
 //! | `s3` | `s3` | `s3://bucket/prefix`: S3 and S3-compatible servers through object_store |
 //! | `mooncake` | `mooncake` (folder; the Python client in `mooncake/python.rs`) | `mooncakestore://master:port`: Mooncake Store through its Python client, embedded |
 //! | (always) | [`memory`] | `memory://`: a process-local `RemoteConnector` |
-//! | `testkit` | `conformance`, `faults`, `InMemoryNodeMemory` | for tests, not for production: the conformance kit every backend runs, fault wrappers over any connector, the in-memory store with a node-memory side |
+//! | `testkit` | `conformance`, `faults`, `InMemoryNodeMemory` | for tests, not for production: the conformance kit every backend runs, a fault wrapper over any connector, the in-memory store with a node-memory side |
 //!
 //! [`registry`] maps URL schemes to backends: each backend module registers its own schemes
 //! and parses its own `[[tier]]` options, and a third-party crate adds a backend the same way

@@ -128,6 +128,7 @@ impl PoolDaemon {
         let write_behind = DaemonWriteBehind::new(
             &tiers,
             options.write_behind_quota,
+            options.capacity,
             runtime.clone(),
             options.tenant.clone(),
         );

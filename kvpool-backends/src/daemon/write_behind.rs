@@ -3,7 +3,7 @@
 //! runtime, counted.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -38,6 +38,49 @@ struct TierWrites {
     admission: Arc<WriteBehindAdmission<String>>,
 }
 
+/// Arena memory held by committed values waiting to be copied on low-priority threads, which
+/// the engines' steps may starve: at most a share of the arena, so that the values waiting
+/// never hold the room the engines' next saves need.
+struct ArenaHeldForCopies {
+    bytes: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl ArenaHeldForCopies {
+    /// A quarter of an arena of `capacity` bytes.
+    fn new(capacity: usize) -> Self {
+        ArenaHeldForCopies {
+            bytes: Arc::default(),
+            limit: capacity / 4,
+        }
+    }
+
+    /// Holds `bytes` more, or `None` when that would pass the limit.
+    fn hold(&self, bytes: usize) -> Option<HeldForCopy> {
+        self.bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&sum| sum <= self.limit)
+            })
+            .ok()?;
+        Some(HeldForCopy {
+            bytes,
+            held: self.bytes.clone(),
+        })
+    }
+}
+
+/// Bytes counted in [`ArenaHeldForCopies`] until dropped (once their values are copied).
+struct HeldForCopy {
+    bytes: usize,
+    held: Arc<AtomicUsize>,
+}
+
+impl Drop for HeldForCopy {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// The daemon's writes to its lower tiers.
 pub(super) struct DaemonWriteBehind {
     tiers: Vec<TierWrites>,
@@ -50,6 +93,8 @@ pub(super) struct DaemonWriteBehind {
     runtime: Handle,
     /// The daemon's tenant, a label of the tier latency histogram.
     tenant: String,
+    /// Arena memory held by values waiting for a low-priority copy, bounded.
+    held_for_copies: ArenaHeldForCopies,
     /// The nice value of each thread that copied committed values out of the arena, for tests
     /// of where that work runs.
     #[cfg(test)]
@@ -57,10 +102,12 @@ pub(super) struct DaemonWriteBehind {
 }
 
 impl DaemonWriteBehind {
-    /// Writes behind to each of `tiers` on `runtime`, within `quota` bytes per tier.
+    /// Writes behind to each of `tiers` on `runtime`, within `quota` bytes per tier, out of an
+    /// arena of `arena_capacity` bytes.
     pub(super) fn new(
         tiers: &[Arc<dyn RemoteConnector>],
         quota: usize,
+        arena_capacity: usize,
         runtime: Handle,
         tenant: String,
     ) -> Self {
@@ -77,6 +124,7 @@ impl DaemonWriteBehind {
             counters: Arc::default(),
             runtime,
             tenant,
+            held_for_copies: ArenaHeldForCopies::new(arena_capacity),
             #[cfg(test)]
             copying_thread_nices: Arc::default(),
         }
@@ -175,23 +223,41 @@ impl DaemonWriteBehind {
         if writes.is_empty() {
             return;
         }
-        // The copy and check (a full pass over each value, CPU the engines' steps want) run
-        // where the writes do when every tier writing them has a runtime of its own (a disk
-        // tier on the low-priority threads): nothing of a write behind to such tiers runs at
-        // the daemon's priority beside the engines. Otherwise on the daemon's runtime, so a
-        // tier written there is not held behind low-priority threads.
-        let copy_runtime = writes
-            .iter()
-            .map(|(_, own_runtime, _, _)| own_runtime.clone())
-            .collect::<Option<Vec<Handle>>>()
-            .and_then(|own_runtimes| own_runtimes.into_iter().next())
-            .unwrap_or_else(|| self.runtime.clone());
         let daemon_runtime = self.runtime.clone();
         let committed: Vec<Option<(String, MemoryObj)>> = committed
             .into_iter()
             .zip(wanted)
             .map(|(value, wanted)| wanted.then_some(value))
             .collect();
+        // The copy and check (a full pass over each value, CPU the engines' steps want) run
+        // where the writes do when every tier writing them has a runtime of its own (a disk
+        // tier on the low-priority threads): nothing of a write behind to such tiers then runs
+        // at the daemon's priority beside the engines. Otherwise they run on the daemon's
+        // runtime at once: when some tier is written there (not to hold it behind
+        // low-priority threads), and when values waiting for such threads, which may wait
+        // long, would hold more than a quarter of the arena (each holds its arena memory until
+        // copied).
+        let low_priority = writes
+            .iter()
+            .map(|(_, own_runtime, _, _)| own_runtime.clone())
+            .collect::<Option<Vec<Handle>>>()
+            .and_then(|own_runtimes| own_runtimes.into_iter().next());
+        let wanted_bytes = committed.iter().flatten().map(|(_, v)| v.len()).sum();
+        let copy_at_low_priority =
+            low_priority.and_then(|runtime| match self.held_for_copies.hold(wanted_bytes) {
+                Some(held) => Some((runtime, held)),
+                None => {
+                    debug!(
+                        bytes = wanted_bytes,
+                        "arena held for low-priority copies at its limit; copied at once"
+                    );
+                    None
+                }
+            });
+        let (copy_runtime, held_for_copy) = match copy_at_low_priority {
+            Some((runtime, held)) => (runtime, Some(held)),
+            None => (self.runtime.clone(), None),
+        };
         let counters = self.counters.clone();
         let tenant = self.tenant.clone();
         #[cfg(test)]
@@ -209,6 +275,7 @@ impl DaemonWriteBehind {
                 .into_iter()
                 .map(|value| value.and_then(|(k, v)| checked_copy(k, v)))
                 .collect();
+            drop(held_for_copy);
             // A task per tier, on that tier's runtime, holding that tier's admitted batch: a
             // disk tier written at low priority holds up neither another tier's writes nor
             // its quota.

@@ -118,7 +118,8 @@ async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_
 /// Where the copy and check of committed values run: beside the tier's writes, at the lowest
 /// priority, when every tier written has low-priority threads of its own (nothing of a write
 /// behind to disk then competes with the engines' steps at the daemon's priority; before, the
-/// copy ran on the daemon's runtime); on the daemon's runtime when some tier is written there.
+/// copy ran on the daemon's runtime); on the daemon's runtime when some tier is written there,
+/// and when the values would hold more than a quarter of the arena waiting for those threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_written_there() {
     let dir = tempfile::tempdir().unwrap();
@@ -126,7 +127,13 @@ async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_w
     let disk_only: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone())];
     let both: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone()), Arc::new(redis.clone())];
     let mut nices = Vec::new();
-    for (name, tiers) in [("disk-only", disk_only), ("both", both)] {
+    let small = vec![5u8; 4096];
+    let past_a_quarter = vec![6u8; 4 * MIB + 1]; // of the 16 MiB arena
+    for (name, tiers, payload) in [
+        ("disk-only", disk_only.clone(), &small),
+        ("both", both, &small),
+        ("disk-only-large", disk_only, &past_a_quarter),
+    ] {
         let path = dir.path().join(format!("{name}.sock"));
         let daemon = Arc::new(
             PoolDaemon::with_tiers(options(16 * MIB), tiers, tokio::runtime::Handle::current())
@@ -134,16 +141,20 @@ async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_w
                 .write_tier_behind_on(0, background_runtime().unwrap()),
         );
         let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
-        let (key, bytes) = chunk_value(5, &[5u8; 4096]);
+        let (key, bytes) = chunk_value(5, payload);
         client(&path).batch_put(vec![(key, bytes)]).await.unwrap();
         server.shutdown();
         daemon.close(Duration::from_secs(30)).await;
         nices.push(daemon.copying_thread_nices());
     }
-    let [disk_only, both] = &nices[..] else {
+    let [disk_only, both, large] = &nices[..] else {
         unreachable!()
     };
-    assert_eq!((disk_only.len(), both.len()), (1, 1), "one copy per commit");
+    assert_eq!(
+        (disk_only.len(), both.len(), large.len()),
+        (1, 1, 1),
+        "one copy per commit"
+    );
     if cfg!(target_os = "linux") {
         assert_eq!(
             disk_only[0],
@@ -154,6 +165,11 @@ async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_w
             both[0],
             Some(BACKGROUND_NICE),
             "a tier written on the daemon's runtime is not held behind low-priority threads"
+        );
+        assert_ne!(
+            large[0],
+            Some(BACKGROUND_NICE),
+            "values past a quarter of the arena are not left waiting for low-priority threads"
         );
     }
 }
