@@ -171,14 +171,24 @@ def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,it
             f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
             "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
             "--percentile-metrics", percentiles, "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", result_dir, "--result-filename", f"{name}.json",
-            *dataset_args]
+            "--save-result", "--save-detailed", "--result-dir", result_dir,
+            "--result-filename", f"{name}.json", *dataset_args]
     # Python's str hash seeds the trace's token blocks: the same prompts for every server.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     with open(os.path.join(result_dir, f"{name}.client.log"), "w") as log:
         subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
     with open(os.path.join(result_dir, f"{name}.json")) as f:
         return json.load(f)
+
+
+def worst_gaps(result, n=3):
+    """The `n` longest inter-token gaps of a client run (saved detailed), longest first, each
+    as ``[ms, position in its request]`` (0: the gap after the first token, the step that
+    runs right after the request's prefill and its save): where a tail comes from."""
+    # Failed requests' gaps left out, as vLLM leaves them out of its ITL percentiles.
+    runs = zip(result.get("itls") or [], result.get("errors") or [])
+    gaps = [(gap * 1000, i) for itls, error in runs if not error for i, gap in enumerate(itls)]
+    return [[round(ms, 1), i] for ms, i in sorted(gaps, reverse=True)[:n]]
 
 
 def paired_ratios(rounds):
@@ -307,12 +317,17 @@ def main():
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra})]
 
-    def daemon_name(rnd):
-        return "daemon" if a.rounds == 1 else f"daemon-{rnd}"
+    # The configurations attached to a pool daemon started with their server, and the lower
+    # tiers it has (a disk tier of its own, or none: what the disk tier's writes cost).
+    daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True}
 
-    def daemon_url(rnd):
+    def daemon_name(rnd, config):
+        base = re.sub(r"[^a-z0-9]+", "-", config)
+        return base if a.rounds == 1 else f"{base}-{rnd}"
+
+    def daemon_url(rnd, config):
         # Where `PoolDaemon` puts the socket of the daemon named so (started with the server).
-        return f"unix://{os.path.join(scratch, daemon_name(rnd), 'kvpool.sock')}"
+        return f"unix://{os.path.join(scratch, daemon_name(rnd, config), 'kvpool.sock')}"
 
     small_l1 = {"local_cpu": {"max_size": "64MiB"}}
 
@@ -334,11 +349,14 @@ def main():
             # The node's pool daemon (`kvpool serve`, 256 MiB of shared memory) over a disk
             # tier of its own, the daemon's disk writes on its low-priority threads (the
             # default): the engine's L1 as small as the disk configuration's.
-            "kvpool daemon disk": kvpool(small_l1, pool=daemon_url(rnd)),
+            "kvpool daemon disk": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon disk")),
+            # The same daemon without a lower tier: saves into its memory, nothing written
+            # behind.
+            "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")
 
-    if "kvpool daemon disk" in configs_of(0):
+    if daemon_configs.keys() & configs_of(0).keys():
         from pool_daemon import kvpool_bin
 
         kvpool_bin()  # fails now, not after the other configurations ran
@@ -357,13 +375,14 @@ def main():
             tag = "" if a.rounds == 1 else f"-r{rnd}"
             daemon = server = None
             try:
-                if name == "kvpool daemon disk":
+                if name in daemon_configs:
                     from pool_daemon import PoolDaemon
 
-                    disk = os.path.join(scratch, daemon_name(rnd) + "-disk")
-                    daemon = PoolDaemon(scratch, daemon_name(rnd), size="256MiB",
-                                        tiers=[f"file://{disk}"])
-                    assert daemon.url == daemon_url(rnd), (daemon.url, daemon_url(rnd))
+                    disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
+                    daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
+                                        tiers=[f"file://{disk}"] if daemon_configs[name] else [])
+                    url = daemon_url(rnd, name)
+                    assert daemon.url == url, (daemon.url, url)
                 server = Server(model, port + ci,
                                 os.path.join(scratch, f"{slug}{tag}.server.log"), args,
                                 {"MAX_LEN": max_len})
@@ -382,6 +401,7 @@ def main():
                         "completed": r.get("completed"),
                         "prompt_tokens": r.get("total_input_tokens"),
                         "kvpool_tokens": int(served),
+                        "worst_gaps": worst_gaps(r),
                     }
                     rounds.setdefault(name, {}).setdefault(wname, []).append(row)
                     print(name, wname, f"round {rnd}", json.dumps(row), flush=True)
@@ -392,7 +412,8 @@ def main():
                     daemon.stop()
     # Each figure's median over the rounds (one round: its figures).
     summary = {name: {w: {k: (statistics.median(v) if all(x is not None for x in v) else None)
-                          for k, v in ((k, [r[k] for r in rs]) for k in rs[0])}
+                          for k, v in ((k, [r[k] for r in rs]) for k in rs[0]
+                                       if k != "worst_gaps")}
                       for w, rs in rows.items()}
                for name, rows in rounds.items()}
     ratios = paired_ratios(rounds)

@@ -55,3 +55,13 @@ def test_pick_keeps_the_named_entries_in_order_and_refuses_unknown_names():
     assert list(bench_serve.pick(ap, named, "c,a", "things")) == ["a", "c"]
     with pytest.raises(SystemExit):
         bench_serve.pick(ap, named, "a,z", "things")
+
+
+def test_worst_gaps_are_the_longest_of_the_successful_requests_with_their_position():
+    detailed = {
+        # Seconds between tokens, per request; the second request failed.
+        "itls": [[0.030, 0.120, 0.031], [0.500], [0.045, 0.029]],
+        "errors": ["", "connection reset", ""],
+    }
+    assert bench_serve.worst_gaps(detailed) == [[120.0, 1], [45.0, 0], [31.0, 2]]
+    assert bench_serve.worst_gaps({}) == []  # a result saved without --save-detailed
