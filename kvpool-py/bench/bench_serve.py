@@ -378,9 +378,12 @@ def main():
                 if name in daemon_configs:
                     from pool_daemon import PoolDaemon
 
-                    disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
+                    tiers = []
+                    if daemon_configs[name]:  # a disk tier of its own
+                        disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
+                        tiers.append(f"file://{disk}")
                     daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
-                                        tiers=[f"file://{disk}"] if daemon_configs[name] else [])
+                                        tiers=tiers)
                     url = daemon_url(rnd, name)
                     assert daemon.url == url, (daemon.url, url)
                 server = Server(model, port + ci,

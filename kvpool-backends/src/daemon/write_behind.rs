@@ -1,6 +1,7 @@
-//! The daemon's writes of committed values to its lower tiers: each tier admitted by the
-//! core's write-behind admission (its own byte quota and keys in flight), written on its own
-//! runtime, counted.
+//! The daemon's writes of committed values to its lower tiers: each value copied out of the
+//! arena and checked (on the low-priority threads when every tier writing it is written there,
+//! holding at most a quarter of the arena), each tier admitted by the core's write-behind
+//! admission (its own byte quota and keys in flight), written on its own runtime, counted.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

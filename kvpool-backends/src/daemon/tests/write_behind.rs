@@ -120,6 +120,7 @@ async fn a_tier_set_apart_is_written_at_the_lowest_priority_and_close_waits_for_
 /// behind to disk then competes with the engines' steps at the daemon's priority; before, the
 /// copy ran on the daemon's runtime); on the daemon's runtime when some tier is written there,
 /// and when the values would hold more than a quarter of the arena waiting for those threads.
+/// (Off Linux, where threads have no nice value here, only the count of copies is checked.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_values_are_copied_at_the_lowest_priority_when_every_tier_is_written_there() {
     let dir = tempfile::tempdir().unwrap();
