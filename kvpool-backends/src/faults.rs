@@ -347,6 +347,24 @@ mod tests {
         assert_eq!(intact, [true, false, true, false]);
     }
 
+    /// Reads fail at the rate asked, counted over every kind of read call (get, batch get,
+    /// pin, copy out) and shared by clones; `exists` is no read and never fails so.
+    #[tokio::test]
+    async fn every_nth_read_call_fails_whatever_its_kind() {
+        let store = ControlledFaults::at_rates(InMemoryNodeMemory::default(), 2, 0);
+        let clone = store.clone();
+        let keys = vec!["k".to_string()];
+        let node_memory = store.node_memory().expect("a node-memory tier");
+        let failed = [
+            store.get("k").await.is_err(),
+            clone.batch_get(&keys).await.is_err(),
+            node_memory.batch_pin(&keys).await.is_err(),
+            store.exists("k").await.is_err(),
+            clone.get("k").await.is_err(),
+        ];
+        assert_eq!(failed, [false, true, false, false, true]);
+    }
+
     /// Each wrapper offers its tier's node-memory side exactly when the tier has one: a
     /// wrapped daemon tier keeps lending, a wrapped store of bytes does not start to.
     #[test]
