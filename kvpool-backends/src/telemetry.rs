@@ -46,6 +46,11 @@ pub const DAEMON_WRITE_BEHIND_DROPPED: &str = "kvpool_daemon_write_behind_droppe
 pub const DAEMON_WRITE_BEHIND_DEDUPLICATED: &str = "kvpool_daemon_write_behind_deduplicated_total";
 /// Latency of the daemon's calls to its lower tiers, by tier and call.
 pub const DAEMON_TIER_OP_SECONDS: &str = "kvpool_daemon_tier_op_seconds";
+/// Time the daemon took to answer one engine request, by kind.
+pub const DAEMON_REQUEST_SECONDS: &str = "kvpool_daemon_request_seconds";
+/// Time the daemon took to copy and check one commit's values out of its arena for its lower
+/// tiers, by the priority it ran at.
+pub const DAEMON_ARENA_COPY_SECONDS: &str = "kvpool_daemon_arena_copy_seconds";
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
     gauge(
@@ -137,6 +142,16 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         DAEMON_TIER_OP_SECONDS,
         &["tenant", "tier", "op"],
         "Latency of one call of the pool daemon to a lower tier (get, put, contains).",
+    ),
+    histogram(
+        DAEMON_REQUEST_SECONDS,
+        &["tenant", "kind"],
+        "Time the pool daemon took to answer one engine request, from decoded request to reply (kind: exists, get, get_resident, prepare_save, commit, release, delete, stats).",
+    ),
+    histogram(
+        DAEMON_ARENA_COPY_SECONDS,
+        &["tenant", "priority"],
+        "Time the pool daemon took to copy and check one commit's values out of its shared memory for its lower tiers, by priority: low (the disk tiers' low-priority threads) or daemon (the daemon's own threads, beside the engines' requests).",
     ),
     counter(
         DAEMON_REQUESTS_REFUSED,

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use kvpool_connector::vllm::VllmEngineFacts;
+use kvpool_connector::vllm::step_timing::StepTimer;
 use kvpool_connector::{CopyDirection, CopyJob};
 use kvpool_core::{Dtype, KvKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -67,6 +68,8 @@ pub struct PyWorker {
     /// where the Python side ends the arena's page-locking (`kvpool.transfer.HostMemoryPin`).
     /// A weak-reference finalizer would be too late: pyo3 drops the Rust value first.
     before_free: Mutex<Option<Py<PyAny>>>,
+    /// kvpool's time in each call of vLLM's hooks, and per engine step (`kvpool::step`).
+    steps: StepTimer,
 }
 
 impl Drop for PyWorker {
@@ -178,6 +181,7 @@ impl PyWorker {
         Ok(PyWorker {
             core: Mutex::new(core),
             before_free: Mutex::new(None),
+            steps: StepTimer::default(),
         })
     }
 
@@ -187,17 +191,24 @@ impl PyWorker {
     fn bind(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
         let meta = meta.to_vec();
         py.detach(|| {
-            core_guard(self)?
-                .worker
-                .bind_connector_metadata(&meta)
-                .map_err(runtime_err)
+            self.steps.time("bind", || {
+                core_guard(self)?
+                    .worker
+                    .bind_connector_metadata(&meta)
+                    .map_err(runtime_err)
+            })
         })
     }
 
-    /// Unbinds the step.
+    /// Unbinds the step (vLLM's last hook of each step): ends the step's timing, logged at
+    /// `debug` on `kvpool::step`.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| {
-            core_guard(self)?.worker.clear_connector_metadata();
+            self.steps.time("clear", || -> PyResult<()> {
+                core_guard(self)?.worker.clear_connector_metadata();
+                Ok(())
+            })?;
+            self.steps.end_step();
             Ok(())
         })
     }
@@ -206,12 +217,14 @@ impl PyWorker {
     /// asynchronous loads whose chunks arrived. Each is a tuple (see `PyCopyJob`).
     fn load_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
         py.detach(|| {
-            Ok(core_guard(self)?
-                .worker
-                .take_load_jobs()
-                .into_iter()
-                .map(py_job)
-                .collect())
+            self.steps.time("load_jobs", || {
+                Ok(core_guard(self)?
+                    .worker
+                    .take_load_jobs()
+                    .into_iter()
+                    .map(py_job)
+                    .collect())
+            })
         })
     }
 
@@ -219,12 +232,14 @@ impl PyWorker {
     fn save_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
         // Waits for the checks of the step's loads first (the GIL released meanwhile).
         py.detach(|| {
-            Ok(core_guard(self)?
-                .worker
-                .take_save_jobs()
-                .into_iter()
-                .map(py_job)
-                .collect())
+            self.steps.time("save_jobs", || {
+                Ok(core_guard(self)?
+                    .worker
+                    .take_save_jobs()
+                    .into_iter()
+                    .map(py_job)
+                    .collect())
+            })
         })
     }
 
@@ -240,15 +255,22 @@ impl PyWorker {
         load: bool,
         stream: usize,
     ) -> PyResult<usize> {
+        let call = if load { "run_loads" } else { "run_saves" };
         py.detach(|| {
-            let mut core = core_guard(self)?;
-            engine.get().run_worker_jobs(&mut core.worker, load, stream)
+            self.steps.time(call, || {
+                let mut core = core_guard(self)?;
+                engine.get().run_worker_jobs(&mut core.worker, load, stream)
+            })
         })
     }
 
     /// Reports the jobs `engine` finished since the last call (a GPU's; on CPU none pend).
     fn poll_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
-        py.detach(|| engine.get().poll_into(&mut core_guard(self)?.worker))
+        py.detach(|| {
+            self.steps.time("poll", || {
+                engine.get().poll_into(&mut core_guard(self)?.worker)
+            })
+        })
     }
 
     /// Waits on the host for the synchronous loads whose staged copies are in flight (a
@@ -256,7 +278,11 @@ impl PyWorker {
     /// step's results leave the worker, as vLLM uses their blocks in this step and a staged
     /// copy that fails its check must be reported as failed blocks of this step.
     fn settle_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
-        py.detach(|| engine.get().settle_into(&mut core_guard(self)?.worker))
+        py.detach(|| {
+            self.steps.time("settle", || {
+                engine.get().settle_into(&mut core_guard(self)?.worker)
+            })
+        })
     }
 
     /// Makes `stream` wait for the copies still in flight on these requests' blocks (vLLM's
@@ -301,8 +327,10 @@ impl PyWorker {
     /// A copy job ended (`ok`: it copied everything; else its blocks hold nothing usable).
     fn copy_done(&self, py: Python<'_>, job_id: u64, ok: bool) -> PyResult<()> {
         py.detach(|| {
-            core_guard(self)?.worker.copy_done(job_id, ok);
-            Ok(())
+            self.steps.time("copy_done", || {
+                core_guard(self)?.worker.copy_done(job_id, ok);
+                Ok(())
+            })
         })
     }
 
@@ -318,28 +346,40 @@ impl PyWorker {
         finished_req_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
         py.detach(|| {
-            let r = core_guard(self)?.worker.transfer_results(&finished_req_ids);
-            Ok((r.finished_sending, r.finished_recving))
+            self.steps.time("transfer_results", || {
+                let r = core_guard(self)?.worker.transfer_results(&finished_req_ids);
+                Ok((r.finished_sending, r.finished_recving))
+            })
         })
     }
 
     /// Engine block ids whose load failed since the last call.
     fn failed_blocks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        py.detach(|| Ok(core_guard(self)?.worker.get_block_ids_with_load_errors()))
+        py.detach(|| {
+            self.steps.time("failed_blocks", || {
+                Ok(core_guard(self)?.worker.get_block_ids_with_load_errors())
+            })
+        })
     }
 
     /// `(request ids, unattributed)`: requests whose load failed since the last call, and
     /// whether blocks failed that no request was named for (then every load in flight must
     /// be taken as failed). For vLLM's `failed_recving`, under its hybrid KV cache manager.
     fn failed_load_requests(&self, py: Python<'_>) -> PyResult<(Vec<String>, bool)> {
-        py.detach(|| Ok(core_guard(self)?.worker.take_failed_load_requests()))
+        py.detach(|| {
+            self.steps.time("failed_load_requests", || {
+                Ok(core_guard(self)?.worker.take_failed_load_requests())
+            })
+        })
     }
 
     /// `(executed_steps, copied_steps)` since the last call, for the scheduler.
     fn step_report(&self, py: Python<'_>) -> PyResult<(Vec<u64>, Vec<u64>)> {
         py.detach(|| {
-            let r = core_guard(self)?.worker.step_report();
-            Ok((r.executed, r.copied))
+            self.steps.time("step_report", || {
+                let r = core_guard(self)?.worker.step_report();
+                Ok((r.executed, r.copied))
+            })
         })
     }
 
@@ -448,42 +488,44 @@ impl PyWorker {
 
     /// Counters since the worker started, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let core = core_guard(self)?;
-        let w = core.worker.stats();
-        let engine = core.worker.engine().clone();
-        let e = engine.stats();
-        let leases = core.worker.leases().stats();
-        let corrupt: u64 = engine
-            .storage()
-            .backend_stats()
-            .iter()
-            .map(|t| t.corrupt)
-            .sum();
-        let d = PyDict::new(py);
-        d.set_item("steps", w.steps)?;
-        d.set_item("load_requested_tokens", w.load_requested_tokens)?;
-        d.set_item("loaded_tokens", w.loaded_tokens)?;
-        d.set_item("async_loads", w.async_loads)?;
-        d.set_item("sync_loads", w.sync_loads)?;
-        d.set_item("failed_load_blocks", w.failed_load_blocks)?;
-        d.set_item("node_memory_tokens", w.node_memory_tokens)?;
-        d.set_item("node_memory_staged_tokens", w.node_memory_staged_tokens)?;
-        d.set_item("node_memory_saved_tokens", w.node_memory_saved_tokens)?;
-        d.set_item("saved_tokens", w.saved_tokens)?;
-        d.set_item("stored_tokens", w.stored_tokens)?;
-        // The KV bytes of those tokens in this worker's layout (chunk headers aside).
-        d.set_item(
-            "stored_bytes",
-            w.stored_tokens * engine.layout().bytes_per_token() as u64,
-        )?;
-        d.set_item("save_errors", w.save_errors)?;
-        d.set_item("saves_discarded", w.saves_discarded)?;
-        d.set_item("heap_buffers", w.heap_buffers)?;
-        d.set_item("lookups", e.lookups)?;
-        d.set_item("rejected_chunks", e.rejected_chunks)?;
-        d.set_item("corrupt_chunks", corrupt + e.rejected_chunks)?;
-        d.set_item("leases_expired", leases.expired)?;
-        Ok(d)
+        self.steps.time("stats", || {
+            let core = core_guard(self)?;
+            let w = core.worker.stats();
+            let engine = core.worker.engine().clone();
+            let e = engine.stats();
+            let leases = core.worker.leases().stats();
+            let corrupt: u64 = engine
+                .storage()
+                .backend_stats()
+                .iter()
+                .map(|t| t.corrupt)
+                .sum();
+            let d = PyDict::new(py);
+            d.set_item("steps", w.steps)?;
+            d.set_item("load_requested_tokens", w.load_requested_tokens)?;
+            d.set_item("loaded_tokens", w.loaded_tokens)?;
+            d.set_item("async_loads", w.async_loads)?;
+            d.set_item("sync_loads", w.sync_loads)?;
+            d.set_item("failed_load_blocks", w.failed_load_blocks)?;
+            d.set_item("node_memory_tokens", w.node_memory_tokens)?;
+            d.set_item("node_memory_staged_tokens", w.node_memory_staged_tokens)?;
+            d.set_item("node_memory_saved_tokens", w.node_memory_saved_tokens)?;
+            d.set_item("saved_tokens", w.saved_tokens)?;
+            d.set_item("stored_tokens", w.stored_tokens)?;
+            // The KV bytes of those tokens in this worker's layout (chunk headers aside).
+            d.set_item(
+                "stored_bytes",
+                w.stored_tokens * engine.layout().bytes_per_token() as u64,
+            )?;
+            d.set_item("save_errors", w.save_errors)?;
+            d.set_item("saves_discarded", w.saves_discarded)?;
+            d.set_item("heap_buffers", w.heap_buffers)?;
+            d.set_item("lookups", e.lookups)?;
+            d.set_item("rejected_chunks", e.rejected_chunks)?;
+            d.set_item("corrupt_chunks", corrupt + e.rejected_chunks)?;
+            d.set_item("leases_expired", leases.expired)?;
+            Ok(d)
+        })
     }
 
     /// The stored chunk payloads for `tokens` (inspection and tests; copies the bytes).

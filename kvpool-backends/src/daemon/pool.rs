@@ -44,6 +44,10 @@ pub const DEFAULT_TENANT: &str = "default";
 /// daemon's engines.
 pub const TENANT_PREFIX: &str = "tenant/";
 
+/// A request answered this slowly or slower is logged at `debug` (`kvpool_daemon_request_seconds`
+/// times every request).
+const SLOW_REQUEST: Duration = Duration::from_millis(10);
+
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
 #[derive(Debug, Clone)]
 pub struct DaemonOptions {
@@ -278,8 +282,30 @@ impl PoolDaemon {
         }
     }
 
-    /// Answers one request of `session` (anything but `Attach`).
+    /// Answers one request of `session` (anything but `Attach`), timed by kind
+    /// (`kvpool_daemon_request_seconds`; one taking 10 ms or more is logged at `debug`).
     pub fn handle(&self, session: SessionId, request: Request) -> Reply {
+        let started = Instant::now();
+        let kind = request.kind();
+        let items = request.item_count();
+        let reply = self.answer(session, request);
+        let took = started.elapsed();
+        metrics::histogram!(telemetry::DAEMON_REQUEST_SECONDS,
+            "tenant" => self.options.tenant.clone(), "kind" => kind)
+        .record(took);
+        if took >= SLOW_REQUEST {
+            debug!(
+                session,
+                kind,
+                items,
+                ms = took.as_secs_f64() * 1e3,
+                "slow request"
+            );
+        }
+        reply
+    }
+
+    fn answer(&self, session: SessionId, request: Request) -> Reply {
         let items = request.item_count();
         if items > MAX_ITEMS_PER_REQUEST {
             return self.refuse(&format!(

@@ -105,6 +105,21 @@ pub enum Precheck {
 }
 
 impl Request {
+    /// The request's kind, as the `kind` label of `kvpool_daemon_request_seconds`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Attach { .. } => "attach",
+            Request::Exists { .. } => "exists",
+            Request::Get { .. } => "get",
+            Request::GetResident { .. } => "get_resident",
+            Request::PrepareSave { .. } => "prepare_save",
+            Request::Commit { .. } => "commit",
+            Request::Release { .. } => "release",
+            Request::Delete { .. } => "delete",
+            Request::Stats => "stats",
+        }
+    }
+
     /// How many items (keys, lengths, entries, ids) the request carries: what
     /// [`Self::precheck`] bounds before decoding and the daemon checks again after.
     pub fn item_count(&self) -> usize {

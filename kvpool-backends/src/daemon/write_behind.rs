@@ -15,6 +15,7 @@ use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
 use super::lower_tiers::{check_stored_value, is_kvpool_key, tier_op_seconds};
+use crate::telemetry;
 
 /// What the daemon's write-behind counts, per tier: a value written to two tiers counts in
 /// each.
@@ -272,10 +273,19 @@ impl DaemonWriteBehind {
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
             // a good copy a lower tier already holds.
+            let started = Instant::now();
             let values: Vec<Option<(String, Bytes)>> = committed
                 .into_iter()
                 .map(|value| value.and_then(|(k, v)| checked_copy(k, v)))
                 .collect();
+            let priority = if held_for_copy.is_some() {
+                "low"
+            } else {
+                "daemon"
+            };
+            metrics::histogram!(telemetry::DAEMON_ARENA_COPY_SECONDS,
+                "tenant" => tenant.clone(), "priority" => priority)
+            .record(started.elapsed());
             drop(held_for_copy);
             // A task per tier, on that tier's runtime, holding that tier's admitted batch: a
             // disk tier written at low priority holds up neither another tier's writes nor

@@ -1,7 +1,7 @@
 //! vLLM's KVConnector V1 in Rust: the scheduler side ([`scheduler`]), the worker side
 //! ([`worker`]), the per-step metadata between them ([`metadata`]), lookup leases
 //! ([`leases`]), the lookup socket between processes ([`lookup_service`]), per-request traces
-//! ([`request_trace`]), recurrent states of hybrid models ([`state_values`]) and fitting a
+//! ([`request_trace`]), per-step timing ([`step_timing`]), recurrent states of hybrid models ([`state_values`]) and fitting a
 //! pool to the engine ([`pool_fit`]); the Python side is `kvpool.vllm` (kvpool-py).
 //!
 //! The protocol has two roles in different processes. The scheduler decides, per step, what
@@ -79,6 +79,7 @@ pub mod pool_fit;
 pub mod request_trace;
 pub mod scheduler;
 pub mod state_values;
+pub mod step_timing;
 pub mod worker;
 
 use kvpool_core::CacheEngine;

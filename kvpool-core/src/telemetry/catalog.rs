@@ -130,6 +130,8 @@ pub const LOAD_ERROR_BLOCKS: &str = "kvpool_load_error_blocks_total";
 pub const CONNECTOR_LOADED_TOKENS: &str = "kvpool_connector_loaded_tokens_total";
 /// Tokens the connector stored from the engine's cache.
 pub const CONNECTOR_STORED_TOKENS: &str = "kvpool_connector_stored_tokens_total";
+/// Time of one call of the vLLM connector's worker into kvpool, by `call`.
+pub const CONNECTOR_CALL_SECONDS: &str = "kvpool_connector_call_seconds";
 /// KV events dropped because the engine did not drain them in time.
 pub const TIER_EVENTS_DROPPED: &str = "kvpool_tier_events_dropped_total";
 /// Bytes of L1 chunks held under lookup leases (promised, not yet loaded).
@@ -333,6 +335,11 @@ pub const METRICS: &[MetricInfo] = &[
         CONNECTOR_STORED_TOKENS,
         &[],
         "Tokens the connector stored from the engine's KV cache.",
+    ),
+    histogram(
+        CONNECTOR_CALL_SECONDS,
+        &["call"],
+        "Time of one call of vLLM's worker hooks into kvpool (call: bind, run_loads, run_saves, load_jobs, save_jobs, poll, settle, copy_done, transfer_results, failed_blocks, step_report, clear, ...): kvpool's share of each engine step.",
     ),
     counter(
         TIER_EVENTS_DROPPED,

@@ -19,6 +19,7 @@ use crate::memory::InMemoryConnector;
 
 mod bounds;
 mod in_place;
+mod request_timing;
 mod tenants;
 mod write_behind;
 
