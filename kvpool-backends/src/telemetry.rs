@@ -146,7 +146,7 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
     histogram(
         DAEMON_REQUEST_SECONDS,
         &["tenant", "kind"],
-        "Time the pool daemon took to answer one engine request, from decoded request to reply (kind: exists, get, get_resident, prepare_save, commit, release, delete, stats).",
+        "Time the pool daemon took to answer one engine request, from decoded request to reply (kind: exists, get, get_resident, prepare_save, commit, release, delete, stats; attach: a second attach, refused).",
     ),
     histogram(
         DAEMON_ARENA_COPY_SECONDS,

@@ -179,9 +179,9 @@ impl PyWorker {
         core.worker.set_null_block(null_block);
         core.share_load_bound(parts);
         Ok(PyWorker {
+            steps: StepTimer::new(spec.facts.kv_format.clone()),
             core: Mutex::new(core),
             before_free: Mutex::new(None),
-            steps: StepTimer::default(),
         })
     }
 
@@ -204,12 +204,13 @@ impl PyWorker {
     /// `debug` on `kvpool::step`.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| {
-            self.steps.time("clear", || -> PyResult<()> {
+            let cleared = self.steps.time("clear", || -> PyResult<()> {
                 core_guard(self)?.worker.clear_connector_metadata();
                 Ok(())
-            })?;
+            });
+            // The step ends whether or not the clear failed: its calls are not the next's.
             self.steps.end_step();
-            Ok(())
+            cleared
         })
     }
 
@@ -295,8 +296,10 @@ impl PyWorker {
         stream: usize,
     ) -> PyResult<()> {
         py.detach(|| {
-            let jobs = core_guard(self)?.worker.jobs_in_flight_for(&req_ids);
-            engine.get().order_before(&jobs, stream)
+            self.steps.time("order_copies_before", || {
+                let jobs = core_guard(self)?.worker.jobs_in_flight_for(&req_ids);
+                engine.get().order_before(&jobs, stream)
+            })
         })
     }
 
@@ -315,12 +318,14 @@ impl PyWorker {
     /// GPU's; each new mapping once, on a thread), with guards the mappings own.
     fn pin_node_memory(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
         py.detach(|| {
-            let mappings = core_guard(self)?
-                .worker
-                .engine()
-                .storage()
-                .node_memory_mappings();
-            engine.get().pin_node_memory(mappings)
+            self.steps.time("pin_node_memory", || {
+                let mappings = core_guard(self)?
+                    .worker
+                    .engine()
+                    .storage()
+                    .node_memory_mappings();
+                engine.get().pin_node_memory(mappings)
+            })
         })
     }
 
@@ -336,7 +341,11 @@ impl PyWorker {
 
     /// Copy jobs still in flight on these requests' blocks (vLLM `handle_preemptions`).
     fn jobs_in_flight_for(&self, py: Python<'_>, req_ids: Vec<String>) -> PyResult<Vec<u64>> {
-        py.detach(|| Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids)))
+        py.detach(|| {
+            self.steps.time("jobs_in_flight_for", || {
+                Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids))
+            })
+        })
     }
 
     /// `(finished_sending, finished_recving)` for vLLM's `get_finished`.
@@ -464,26 +473,28 @@ impl PyWorker {
     /// This worker's chunks that entered or left a tier since the last call: a list of
     /// `(tier, stored, [chunk hash bytes])`, `stored` false for a removal or eviction.
     fn take_tier_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyTierEvent<'py>>> {
-        let core = core_guard(self)?;
-        let engine = core.worker.engine();
-        // This worker's own chunks: a hybrid model's parts share the pool (and its log).
-        let events = engine
-            .storage()
-            .tier_events()
-            .drain_scope(engine.token_database().scope().digest());
-        Ok(events
-            .into_iter()
-            .map(|e| {
-                (
-                    e.tier,
-                    e.kind == kvpool_core::storage::tier_events::TierEventKind::Stored,
-                    e.chunk_hashes
-                        .iter()
-                        .map(|h| PyBytes::new(py, &h.0))
-                        .collect(),
-                )
-            })
-            .collect())
+        self.steps.time("take_tier_events", || {
+            let core = core_guard(self)?;
+            let engine = core.worker.engine();
+            // This worker's own chunks: a hybrid model's parts share the pool (and its log).
+            let events = engine
+                .storage()
+                .tier_events()
+                .drain_scope(engine.token_database().scope().digest());
+            Ok(events
+                .into_iter()
+                .map(|e| {
+                    (
+                        e.tier,
+                        e.kind == kvpool_core::storage::tier_events::TierEventKind::Stored,
+                        e.chunk_hashes
+                            .iter()
+                            .map(|h| PyBytes::new(py, &h.0))
+                            .collect(),
+                    )
+                })
+                .collect())
+        })
     }
 
     /// Counters since the worker started, as a dict.

@@ -1,7 +1,10 @@
-//! How long kvpool's calls from vLLM's worker hooks take: a histogram per call
-//! (`kvpool_connector_call_seconds{call}`) and, per engine step, one `debug` event (target
-//! `kvpool::step`) with the step's interval beside kvpool's share of it, so that a long gap
-//! between two decode steps is either put down to kvpool or cleared of it.
+//! How long kvpool's native calls from vLLM's worker hooks take: a histogram per call
+//! (`kvpool_connector_call_seconds{call}`) and, per engine step and worker, one `debug` event
+//! (target `kvpool::step`) with the step's interval beside kvpool's native time in it, so
+//! that a long gap between two decode steps can be put down to kvpool or cleared of it. A
+//! hybrid model's attention groups each have a worker, so a step logs one event per group
+//! (`part`); the Python side's own work (torch copies when no native copy engine runs, the
+//! recurrent-state parts' reads and writes) is not in it.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -54,10 +57,20 @@ impl StepSummary {
 /// counted in the step they end in.
 #[derive(Debug, Default)]
 pub struct StepTimer {
+    /// Which worker's steps these are (a hybrid model's KV cache group), logged with each.
+    part: String,
     step: Mutex<StepCalls>,
 }
 
 impl StepTimer {
+    /// A timer for the worker of `part` (its KV format, which names a hybrid model's group).
+    pub fn new(part: impl Into<String>) -> Self {
+        Self {
+            part: part.into(),
+            step: Mutex::default(),
+        }
+    }
+
     /// Runs `f` as the call named `call`, records its time in the histogram and in this step.
     pub fn time<T>(&self, call: &'static str, f: impl FnOnce() -> T) -> T {
         let start = Instant::now();
@@ -92,6 +105,7 @@ impl StepTimer {
         };
         tracing::debug!(
             target: STEP_TARGET,
+            part = %self.part,
             interval_ms = summary.interval.map(|i| i.as_secs_f64() * 1e3),
             kvpool_ms = summary.in_kvpool.as_secs_f64() * 1e3,
             calls = %summary.calls_summary(),

@@ -339,7 +339,7 @@ pub const METRICS: &[MetricInfo] = &[
     histogram(
         CONNECTOR_CALL_SECONDS,
         &["call"],
-        "Time of one call of vLLM's worker hooks into kvpool (call: bind, run_loads, run_saves, load_jobs, save_jobs, poll, settle, copy_done, transfer_results, failed_blocks, step_report, clear, ...): kvpool's share of each engine step.",
+        "Time of one native call of vLLM's worker hooks into kvpool (call: bind, run_loads, run_saves, load_jobs, save_jobs, copy_done, poll, settle, order_copies_before, jobs_in_flight_for, pin_node_memory, transfer_results, failed_blocks, failed_load_requests, step_report, take_tier_events, stats, clear): kvpool's share of each engine step.",
     ),
     counter(
         TIER_EVENTS_DROPPED,
