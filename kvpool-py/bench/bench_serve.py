@@ -164,9 +164,11 @@ class Server:
         self.log.close()
 
 
-def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,itl"):
-    """`vllm bench serve` against the server, reporting p50 and p99 of `percentiles`;
-    returns its saved result."""
+def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,itl", nice=0):
+    """`vllm bench serve` against the server, reporting p50 and p99 of `percentiles`, at
+    `nice` (below 0: ahead of the servers on the CPU, so that on a small machine the client
+    measuring the gaps does not wait for a core behind the processes it measures); returns
+    its saved result."""
     args = [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url",
             f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
             "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
@@ -176,7 +178,8 @@ def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,it
     # Python's str hash seeds the trace's token blocks: the same prompts for every server.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     with open(os.path.join(result_dir, f"{name}.client.log"), "w") as log:
-        subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
+        subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=True,
+                       preexec_fn=(lambda: os.nice(nice)) if nice else None)
     with open(os.path.join(result_dir, f"{name}.json")) as f:
         return json.load(f)
 
@@ -276,7 +279,12 @@ def main():
                          "random prompts for no reuse and miss cost, a fresh disk directory "
                          "and Redis database per round); ratios to no connector are taken "
                          "per round, then the median")
+    ap.add_argument("--client-nice", type=int, default=0,
+                    help="the benchmark client's nice value (-5: ahead of the servers, so a gap "
+                         "is not the client waiting for a core; below 0 needs root)")
     a = ap.parse_args()
+    if a.client_nice < 0 and os.geteuid() != 0:
+        ap.error("--client-nice below 0 needs root")
     from make_model import make_model
 
     scratch = a.scratch or tempfile.mkdtemp(prefix="kvpool-bench-serve-")
@@ -393,7 +401,8 @@ def main():
                 for wname, wargs in seeded.items():
                     before = server.metric("vllm:external_prefix_cache_hits_total")
                     r = run_client(model, server.port, wargs, results_dir,
-                                   f"{slug}-{re.sub(r'[^a-z0-9]+', '-', wname)}{tag}")
+                                   f"{slug}-{re.sub(r'[^a-z0-9]+', '-', wname)}{tag}",
+                                   nice=a.client_nice)
                     served = server.metric("vllm:external_prefix_cache_hits_total") - before
                     row = {
                         "ttft_p50_ms": r.get("p50_ttft_ms", r.get("median_ttft_ms")),
