@@ -179,7 +179,8 @@ def run_client(model, port, dataset_args, result_dir, name, percentiles="ttft,it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     with open(os.path.join(result_dir, f"{name}.client.log"), "w") as log:
         subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=True,
-                       preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                       preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
+                       if nice else None)
     with open(os.path.join(result_dir, f"{name}.json")) as f:
         return json.load(f)
 
