@@ -1,8 +1,9 @@
 //! vLLM's KVConnector V1 in Rust: the scheduler side ([`scheduler`]), the worker side
 //! ([`worker`]), the per-step metadata between them ([`metadata`]), lookup leases
 //! ([`leases`]), the lookup socket between processes ([`lookup_service`]), per-request traces
-//! ([`request_trace`]), per-step timing ([`step_timing`]), recurrent states of hybrid models ([`state_values`]) and fitting a
-//! pool to the engine ([`pool_fit`]); the Python side is `kvpool.vllm` (kvpool-py).
+//! ([`request_trace`]), per-step timing ([`step_timing`]), recurrent states of hybrid models
+//! ([`state_values`]) and fitting a pool to the engine ([`pool_fit`]); the Python side is
+//! `kvpool.vllm` (kvpool-py).
 //!
 //! The protocol has two roles in different processes. The scheduler decides, per step, what
 //! to load from the pool and what to save; the worker moves the bytes. They talk only through
