@@ -137,13 +137,13 @@ mod tests {
 
     /// Binds the calling thread to `cpu` alone.
     fn bind_to(cpu: usize) {
-        // SAFETY: an all-zero cpu_set_t is the empty set; `cpu` is below CPU_SETSIZE.
+        // SAFETY: an all-zero cpu_set_t is the empty set.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `cpu` came from a set, below CPU_SETSIZE.
         unsafe { libc::CPU_SET(cpu, &mut set) };
         // SAFETY: pid 0 is the calling thread; `set` is a valid set of its size.
-        let rc = unsafe {
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-        };
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
     }
 
@@ -158,18 +158,21 @@ mod tests {
             bind_to(engine_cpu);
             assert_eq!(this_threads_cpus(), [engine_cpu]);
             let runtime = engine_side_runtime("kvpool-test", 1).unwrap();
-            let worker = runtime.block_on(async {
-                tokio::spawn(async { this_threads_cpus() }).await.unwrap()
-            });
+            let worker = runtime
+                .block_on(async { tokio::spawn(async { this_threads_cpus() }).await.unwrap() });
             let blocking = runtime
-                .block_on(tokio::task::spawn_blocking(this_threads_cpus))
+                .block_on(async { tokio::task::spawn_blocking(this_threads_cpus).await })
                 .unwrap();
             (worker, blocking)
         })
         .join()
         .unwrap();
         let expected: Vec<usize> = if allowed.len() > 1 {
-            allowed.iter().copied().filter(|&c| c != engine_cpu).collect()
+            allowed
+                .iter()
+                .copied()
+                .filter(|&c| c != engine_cpu)
+                .collect()
         } else {
             allowed.clone()
         };
