@@ -91,6 +91,16 @@ struct Served {
 /// who can attach to `--socket`.
 pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
     let cfg = args.load()?;
+    // Caught from before the first socket exists: a SIGTERM sent as soon as a socket appears
+    // (a supervisor's, a test's) drains and removes them instead of killing the process
+    // with its sockets left behind.
+    let (mut term, mut int) = {
+        let _in_runtime = rt.enter();
+        (
+            signal(SignalKind::terminate()).context("cannot catch SIGTERM")?,
+            signal(SignalKind::interrupt()).context("cannot catch SIGINT")?,
+        )
+    };
     if let Some(addr) = cfg.metrics.listen_addr()? {
         if kvpool_backends::serve_metrics(addr)? {
             eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
@@ -211,13 +221,11 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
         }
     }
     let signal_name = rt.block_on(async {
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
-                _ = term.recv() => return Ok::<_, std::io::Error>("SIGTERM"),
-                _ = int.recv() => return Ok("SIGINT"),
+                _ = term.recv() => return "SIGTERM",
+                _ = int.recv() => return "SIGINT",
                 _ = tick.tick() => {
                     for s in &served {
                         s.daemon.record_metrics();
@@ -225,7 +233,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
                 }
             }
         }
-    })?;
+    });
     eprintln!("kvpool serve: {signal_name}; draining writes to the lower tiers");
     let tenants = !cfg.tenants.is_empty();
     for s in served {

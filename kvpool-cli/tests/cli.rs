@@ -266,3 +266,38 @@ fn serve_with_tenants_listens_on_one_socket_per_tenant() {
         "both sockets removed at shutdown"
     );
 }
+
+/// A SIGTERM sent the moment `kvpool serve`'s socket appears (as a supervisor or a test may)
+/// stops it cleanly: the daemon catches the signal from before it binds, drains, removes its
+/// socket and exits 0. (Caught only after binding, such a signal killed the process and left
+/// the socket behind.)
+#[test]
+fn serve_stopped_as_soon_as_its_socket_appears_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("small.toml");
+    std::fs::write(&config, "[local_cpu]\nmax_size = \"16MiB\"\n").unwrap();
+    for attempt in 0..10 {
+        let socket = dir.path().join(format!("{attempt}.sock"));
+        let serve = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args(["serve", "--config", config.to_str().unwrap(), "--socket"])
+            .arg(&socket)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !socket.exists() && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert!(socket.exists(), "attempt {attempt}: no socket after 30 s");
+        // SAFETY: signals the child this test started.
+        unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
+        let out = serve.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "attempt {attempt}: {:?}\n{}",
+            out.status,
+            stderr(&out)
+        );
+        assert!(!socket.exists(), "attempt {attempt}: socket left behind");
+    }
+}
