@@ -245,6 +245,18 @@ def draw_chart(summary, workloads, path):
     fig.savefig(path, dpi=100)
 
 
+def round_order(configs, rnd):
+    """The configurations of round `rnd` in the order they run, each as (its index in
+    `configs`, name, args): as given in even rounds, reversed in odd ones, so that no
+    configuration always runs first (after the model's files were just read, with the
+    machine cool) or always last; a paired ratio over an even number of rounds sees each
+    order equally often."""
+    order = list(enumerate(configs.items()))
+    if rnd % 2:
+        order.reverse()
+    return [(i, name, args) for i, (name, args) in order]
+
+
 def pick(ap, named, wanted, what):
     """The entries of ``named`` listed in ``wanted`` (comma-separated; all when empty), in
     ``named``'s order; an unknown name is a usage error."""
@@ -276,7 +288,8 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--workloads", default=None, help="comma-separated workload names")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="rounds, each starting every configuration afresh in turn (other "
+                    help="rounds, each starting every configuration afresh in turn, the "
+                         "order reversed every other round (other "
                          "random prompts for no reuse and miss cost, a fresh disk directory "
                          "and Redis database per round); ratios to no connector are taken "
                          "per round, then the median")
@@ -379,7 +392,7 @@ def main():
         seeded = {w: args + (["--seed", str(reseed[w] + rnd)]
                              if a.rounds > 1 and w in reseed else [])
                   for w, args in workloads.items()}
-        for ci, (name, args) in enumerate(configs_of(rnd).items()):
+        for ci, name, args in round_order(configs_of(rnd), rnd):
             slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
             tag = "" if a.rounds == 1 else f"-r{rnd}"
             daemon = server = None

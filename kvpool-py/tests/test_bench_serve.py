@@ -65,3 +65,14 @@ def test_worst_gaps_are_the_longest_of_the_successful_requests_with_their_positi
     }
     assert bench_serve.worst_gaps(detailed) == [[120.0, 1], [45.0, 0], [31.0, 2]]
     assert bench_serve.worst_gaps({}) == []  # a result saved without --save-detailed
+
+
+def test_rounds_alternate_the_order_of_configurations():
+    configs = {"no connector": ["a"], "kvpool L1": ["b"], "kvpool daemon": ["c"]}
+    even = bench_serve.round_order(configs, 0)
+    odd = bench_serve.round_order(configs, 1)
+    assert [name for _, name, _ in even] == ["no connector", "kvpool L1", "kvpool daemon"]
+    assert [name for _, name, _ in odd] == ["kvpool daemon", "kvpool L1", "no connector"]
+    # Each configuration keeps its index (its server's port) and its arguments in every round.
+    assert sorted(odd) == sorted(even) == [(0, "no connector", ["a"]), (1, "kvpool L1", ["b"]),
+                                           (2, "kvpool daemon", ["c"])]
