@@ -98,6 +98,19 @@ pub(crate) fn core_guard(w: &PyWorker) -> PyResult<std::sync::MutexGuard<'_, Wor
     crate::lock(&w.core)
 }
 
+impl PyWorker {
+    /// Runs `f`, one of vLLM's hooks into kvpool, with the GIL released, timed as `call` in
+    /// the step's timing (`kvpool_connector_call_seconds`, the `kvpool::step` event).
+    fn timed<R: Send>(
+        &self,
+        py: Python<'_>,
+        call: &'static str,
+        f: impl FnOnce() -> R + Send,
+    ) -> R {
+        py.detach(|| self.steps.time(call, f))
+    }
+}
+
 #[pymethods]
 impl PyWorker {
     /// Builds the pool for this worker and starts answering lookups on `socket_path`.
@@ -190,13 +203,11 @@ impl PyWorker {
     /// asynchronous ones.
     fn bind(&self, py: Python<'_>, meta: &[u8]) -> PyResult<()> {
         let meta = meta.to_vec();
-        py.detach(|| {
-            self.steps.time("bind", || {
-                core_guard(self)?
-                    .worker
-                    .bind_connector_metadata(&meta)
-                    .map_err(runtime_err)
-            })
+        self.timed(py, "bind", || {
+            core_guard(self)?
+                .worker
+                .bind_connector_metadata(&meta)
+                .map_err(runtime_err)
         })
     }
 
@@ -217,30 +228,26 @@ impl PyWorker {
     /// Loads to copy into the engine's blocks now: the step's synchronous loads, then
     /// asynchronous loads whose chunks arrived. Each is a tuple (see `PyCopyJob`).
     fn load_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
-        py.detach(|| {
-            self.steps.time("load_jobs", || {
-                Ok(core_guard(self)?
-                    .worker
-                    .take_load_jobs()
-                    .into_iter()
-                    .map(py_job)
-                    .collect())
-            })
+        self.timed(py, "load_jobs", || {
+            Ok(core_guard(self)?
+                .worker
+                .take_load_jobs()
+                .into_iter()
+                .map(py_job)
+                .collect())
         })
     }
 
     /// Saves to copy out of the engine's blocks now (after the forward pass).
     fn save_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
         // Waits for the checks of the step's loads first (the GIL released meanwhile).
-        py.detach(|| {
-            self.steps.time("save_jobs", || {
-                Ok(core_guard(self)?
-                    .worker
-                    .take_save_jobs()
-                    .into_iter()
-                    .map(py_job)
-                    .collect())
-            })
+        self.timed(py, "save_jobs", || {
+            Ok(core_guard(self)?
+                .worker
+                .take_save_jobs()
+                .into_iter()
+                .map(py_job)
+                .collect())
         })
     }
 
@@ -257,20 +264,16 @@ impl PyWorker {
         stream: usize,
     ) -> PyResult<usize> {
         let call = if load { "run_loads" } else { "run_saves" };
-        py.detach(|| {
-            self.steps.time(call, || {
-                let mut core = core_guard(self)?;
-                engine.get().run_worker_jobs(&mut core.worker, load, stream)
-            })
+        self.timed(py, call, || {
+            let mut core = core_guard(self)?;
+            engine.get().run_worker_jobs(&mut core.worker, load, stream)
         })
     }
 
     /// Reports the jobs `engine` finished since the last call (a GPU's; on CPU none pend).
     fn poll_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
-        py.detach(|| {
-            self.steps.time("poll", || {
-                engine.get().poll_into(&mut core_guard(self)?.worker)
-            })
+        self.timed(py, "poll", || {
+            engine.get().poll_into(&mut core_guard(self)?.worker)
         })
     }
 
@@ -279,10 +282,8 @@ impl PyWorker {
     /// step's results leave the worker, as vLLM uses their blocks in this step and a staged
     /// copy that fails its check must be reported as failed blocks of this step.
     fn settle_copies(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
-        py.detach(|| {
-            self.steps.time("settle", || {
-                engine.get().settle_into(&mut core_guard(self)?.worker)
-            })
+        self.timed(py, "settle", || {
+            engine.get().settle_into(&mut core_guard(self)?.worker)
         })
     }
 
@@ -295,11 +296,9 @@ impl PyWorker {
         req_ids: Vec<String>,
         stream: usize,
     ) -> PyResult<()> {
-        py.detach(|| {
-            self.steps.time("order_copies_before", || {
-                let jobs = core_guard(self)?.worker.jobs_in_flight_for(&req_ids);
-                engine.get().order_before(&jobs, stream)
-            })
+        self.timed(py, "order_copies_before", || {
+            let jobs = core_guard(self)?.worker.jobs_in_flight_for(&req_ids);
+            engine.get().order_before(&jobs, stream)
         })
     }
 
@@ -317,34 +316,28 @@ impl PyWorker {
     /// Starts page-locking the node daemon's shared memory as this process maps it now (a
     /// GPU's; each new mapping once, on a thread), with guards the mappings own.
     fn pin_node_memory(&self, py: Python<'_>, engine: Py<PyCopyEngine>) -> PyResult<()> {
-        py.detach(|| {
-            self.steps.time("pin_node_memory", || {
-                let mappings = core_guard(self)?
-                    .worker
-                    .engine()
-                    .storage()
-                    .node_memory_mappings();
-                engine.get().pin_node_memory(mappings)
-            })
+        self.timed(py, "pin_node_memory", || {
+            let mappings = core_guard(self)?
+                .worker
+                .engine()
+                .storage()
+                .node_memory_mappings();
+            engine.get().pin_node_memory(mappings)
         })
     }
 
     /// A copy job ended (`ok`: it copied everything; else its blocks hold nothing usable).
     fn copy_done(&self, py: Python<'_>, job_id: u64, ok: bool) -> PyResult<()> {
-        py.detach(|| {
-            self.steps.time("copy_done", || {
-                core_guard(self)?.worker.copy_done(job_id, ok);
-                Ok(())
-            })
+        self.timed(py, "copy_done", || {
+            core_guard(self)?.worker.copy_done(job_id, ok);
+            Ok(())
         })
     }
 
     /// Copy jobs still in flight on these requests' blocks (vLLM `handle_preemptions`).
     fn jobs_in_flight_for(&self, py: Python<'_>, req_ids: Vec<String>) -> PyResult<Vec<u64>> {
-        py.detach(|| {
-            self.steps.time("jobs_in_flight_for", || {
-                Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids))
-            })
+        self.timed(py, "jobs_in_flight_for", || {
+            Ok(core_guard(self)?.worker.jobs_in_flight_for(&req_ids))
         })
     }
 
@@ -354,20 +347,16 @@ impl PyWorker {
         py: Python<'_>,
         finished_req_ids: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
-        py.detach(|| {
-            self.steps.time("transfer_results", || {
-                let r = core_guard(self)?.worker.transfer_results(&finished_req_ids);
-                Ok((r.finished_sending, r.finished_recving))
-            })
+        self.timed(py, "transfer_results", || {
+            let r = core_guard(self)?.worker.transfer_results(&finished_req_ids);
+            Ok((r.finished_sending, r.finished_recving))
         })
     }
 
     /// Engine block ids whose load failed since the last call.
     fn failed_blocks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        py.detach(|| {
-            self.steps.time("failed_blocks", || {
-                Ok(core_guard(self)?.worker.get_block_ids_with_load_errors())
-            })
+        self.timed(py, "failed_blocks", || {
+            Ok(core_guard(self)?.worker.get_block_ids_with_load_errors())
         })
     }
 
@@ -375,20 +364,16 @@ impl PyWorker {
     /// whether blocks failed that no request was named for (then every load in flight must
     /// be taken as failed). For vLLM's `failed_recving`, under its hybrid KV cache manager.
     fn failed_load_requests(&self, py: Python<'_>) -> PyResult<(Vec<String>, bool)> {
-        py.detach(|| {
-            self.steps.time("failed_load_requests", || {
-                Ok(core_guard(self)?.worker.take_failed_load_requests())
-            })
+        self.timed(py, "failed_load_requests", || {
+            Ok(core_guard(self)?.worker.take_failed_load_requests())
         })
     }
 
     /// `(executed_steps, copied_steps)` since the last call, for the scheduler.
     fn step_report(&self, py: Python<'_>) -> PyResult<(Vec<u64>, Vec<u64>)> {
-        py.detach(|| {
-            self.steps.time("step_report", || {
-                let r = core_guard(self)?.worker.step_report();
-                Ok((r.executed, r.copied))
-            })
+        self.timed(py, "step_report", || {
+            let r = core_guard(self)?.worker.step_report();
+            Ok((r.executed, r.copied))
         })
     }
 
