@@ -192,7 +192,7 @@ impl PyWorker {
         core.worker.set_null_block(null_block);
         core.share_load_bound(parts);
         Ok(PyWorker {
-            steps: StepTimer::new(spec.facts.kv_format.clone()),
+            steps: StepTimer::new(spec.facts.kv_format.clone(), spec.facts.tp_rank),
             core: Mutex::new(core),
             before_free: Mutex::new(None),
         })

@@ -3,7 +3,7 @@
 //! (target `kvpool::step`) with the step's interval beside kvpool's native time in it, so
 //! that a long gap between two decode steps can be put down to kvpool or cleared of it. A
 //! hybrid model's attention groups each have a worker, so a step logs one event per group
-//! (`part`); the Python side's own work (torch copies when no native copy engine runs, the
+//! (`part`), and each tensor-parallel rank logs its own (`rank`); the Python side's own work (torch copies when no native copy engine runs, the
 //! recurrent-state parts' reads and writes) is not in it.
 
 use std::sync::Mutex;
@@ -59,14 +59,18 @@ impl StepSummary {
 pub struct StepTimer {
     /// Which worker's steps these are (a hybrid model's KV cache group), logged with each.
     part: String,
+    /// The worker's tensor-parallel rank, logged with each step.
+    rank: u32,
     step: Mutex<StepCalls>,
 }
 
 impl StepTimer {
-    /// A timer for the worker of `part` (its KV format, which names a hybrid model's group).
-    pub fn new(part: impl Into<String>) -> Self {
+    /// A timer for the worker of `part` (its KV format, which names a hybrid model's group)
+    /// at tensor-parallel rank `rank`.
+    pub fn new(part: impl Into<String>, rank: u32) -> Self {
         Self {
             part: part.into(),
+            rank,
             step: Mutex::default(),
         }
     }
@@ -105,6 +109,7 @@ impl StepTimer {
         };
         tracing::debug!(
             target: STEP_TARGET,
+            rank = self.rank,
             part = %self.part,
             interval_ms = summary.interval.map(|i| i.as_secs_f64() * 1e3),
             kvpool_ms = summary.in_kvpool.as_secs_f64() * 1e3,
@@ -125,7 +130,7 @@ mod tests {
     fn a_step_sums_its_calls_and_the_histogram_records_each() {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let timer = StepTimer::default();
+        let timer = StepTimer::new("fmt|kv", 3);
         let first = metrics::with_local_recorder(&recorder, || {
             timer.time("bind", || std::thread::sleep(Duration::from_millis(2)));
             let loaded = timer.time("run_loads", || 7);
@@ -172,5 +177,38 @@ mod tests {
         assert!(second.calls.is_empty());
         assert_eq!(second.in_kvpool, Duration::ZERO);
         assert!(second.interval.expect("an interval") >= Duration::from_millis(2));
+    }
+    /// Each step's event names the worker's part and tensor-parallel rank beside its
+    /// interval and calls, so two ranks' lines can be told apart.
+    #[test]
+    fn a_steps_event_names_its_part_and_rank() {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let timer = StepTimer::new("llama|kv=bf16", 1);
+            timer.time("bind", || ());
+            timer.end_step();
+        });
+        let logged = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("kvpool::step"), "{logged}");
+        assert!(logged.contains("rank=1"), "{logged}");
+        assert!(logged.contains("part=llama|kv=bf16"), "{logged}");
+        assert!(logged.contains("calls=bind"), "{logged}");
     }
 }
