@@ -69,6 +69,9 @@ impl SocketAccess {
 pub struct DaemonServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    /// Dropped to wake the accept thread, which sleeps in `poll` until an engine connects
+    /// or this end closes (an idle daemon never wakes on a timer).
+    wake_accept: Option<UnixStream>,
     accept_thread: Option<JoinHandle<()>>,
     connections: Arc<Mutex<Connections>>,
 }
@@ -150,15 +153,17 @@ impl DaemonServer {
         info!(socket = %path.display(), arena_bytes = daemon.store.arena().len(), "kvpool daemon listening");
         let stop = Arc::new(AtomicBool::new(false));
         let connections: Arc<Mutex<Connections>> = Arc::default();
+        let (woken, wake_accept) = UnixStream::pair()?;
         let accept_thread = {
             let (stop, connections) = (stop.clone(), connections.clone());
             std::thread::Builder::new()
                 .name("kvpool-daemon-accept".into())
-                .spawn(move || accept_loop(listener, daemon, stop, connections))?
+                .spawn(move || accept_loop(listener, woken, daemon, stop, connections))?
         };
         Ok(DaemonServer {
             path: path.to_path_buf(),
             stop,
+            wake_accept: Some(wake_accept),
             accept_thread: Some(accept_thread),
             connections,
         })
@@ -176,6 +181,8 @@ impl DaemonServer {
 
     fn stop_now(&mut self) {
         self.stop.store(true, Ordering::Release);
+        // Its peer reads the end of the stream: the accept thread wakes and sees `stop`.
+        drop(self.wake_accept.take());
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
@@ -204,13 +211,39 @@ impl Drop for DaemonServer {
     }
 }
 
+/// Sleeps until `listener` has an engine to accept or `woken` is readable (the server's end
+/// of it closed at shutdown); `false` when only `woken` is.
+fn wait_for_connection(listener: &UnixListener, woken: &UnixStream) -> bool {
+    let mut fds = [
+        libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: woken.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: `fds` holds two initialised pollfds on descriptors this function borrows, and
+    // its length is passed with it.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+    // On EINTR (or any failure) the caller tries a non-blocking accept and comes back.
+    ready < 0 || fds[0].revents != 0
+}
+
 fn accept_loop(
     listener: UnixListener,
+    woken: UnixStream,
     daemon: Arc<PoolDaemon>,
     stop: Arc<AtomicBool>,
     connections: Arc<Mutex<Connections>>,
 ) {
     while !stop.load(Ordering::Acquire) {
+        if !wait_for_connection(&listener, &woken) {
+            continue; // woken for shutdown: `stop` is set
+        }
         match listener.accept() {
             Ok((mut stream, _)) => {
                 let _ = stream.set_nonblocking(false);
@@ -266,9 +299,8 @@ fn accept_loop(
                     Err(e) => warn!("could not start a session thread: {e}"),
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            // Another wake-up with no engine waiting (the connection went away meanwhile).
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 warn!("accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(100));
