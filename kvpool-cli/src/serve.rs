@@ -91,16 +91,6 @@ struct Served {
 /// who can attach to `--socket`.
 pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
     let cfg = args.load()?;
-    // Caught from before the first socket exists: a SIGTERM sent as soon as a socket appears
-    // (a supervisor's, a test's) drains and removes them instead of killing the process
-    // with its sockets left behind.
-    let (mut term, mut int) = {
-        let _in_runtime = rt.enter();
-        (
-            signal(SignalKind::terminate()).context("cannot catch SIGTERM")?,
-            signal(SignalKind::interrupt()).context("cannot catch SIGINT")?,
-        )
-    };
     if let Some(addr) = cfg.metrics.listen_addr()? {
         if kvpool_backends::serve_metrics(addr)? {
             eprintln!("kvpool serve: Prometheus metrics on http://{addr}/metrics");
@@ -123,6 +113,17 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
         .iter()
         .map(|t| kvpool_core::redact_url(&t.url))
         .collect();
+    // Caught from here on, before the first socket exists: a SIGTERM sent as soon as a
+    // socket appears (a supervisor's, a test's) drains and removes the sockets instead of
+    // killing the process with them left behind. (Before this point, while the lower tiers
+    // open, a signal still stops the process at once.)
+    let (mut term, mut int) = {
+        let _in_runtime = rt.enter();
+        (
+            signal(SignalKind::terminate()).context("cannot catch SIGTERM")?,
+            signal(SignalKind::interrupt()).context("cannot catch SIGINT")?,
+        )
+    };
     let mut served = Vec::new();
     if cfg.tenants.is_empty() {
         let daemon = PoolDaemon::with_tiers(base, tiers.clone(), rt.handle().clone())

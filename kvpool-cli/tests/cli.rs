@@ -267,6 +267,18 @@ fn serve_with_tenants_listens_on_one_socket_per_tenant() {
     );
 }
 
+/// A child process killed if the test ends (or fails) before taking it back.
+struct KilledOnDrop(Option<std::process::Child>);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// A SIGTERM sent the moment `kvpool serve`'s socket appears (as a supervisor or a test may)
 /// stops it cleanly: the daemon catches the signal from before it binds, drains, removes its
 /// socket and exits 0. (Caught only after binding, such a signal killed the process and left
@@ -278,17 +290,21 @@ fn serve_stopped_as_soon_as_its_socket_appears_exits_cleanly() {
     std::fs::write(&config, "[local_cpu]\nmax_size = \"16MiB\"\n").unwrap();
     for attempt in 0..10 {
         let socket = dir.path().join(format!("{attempt}.sock"));
-        let serve = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-            .args(["serve", "--config", config.to_str().unwrap(), "--socket"])
-            .arg(&socket)
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut serve = KilledOnDrop(Some(
+            Command::new(env!("CARGO_BIN_EXE_kvpool"))
+                .args(["serve", "--config", config.to_str().unwrap(), "--socket"])
+                .arg(&socket)
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // Looked for without sleeping: the signal must come right after the socket appears.
         while !socket.exists() && std::time::Instant::now() < deadline {
             std::thread::yield_now();
         }
         assert!(socket.exists(), "attempt {attempt}: no socket after 30 s");
+        let serve = serve.0.take().unwrap();
         // SAFETY: signals the child this test started.
         unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
         let out = serve.wait_with_output().unwrap();

@@ -289,7 +289,8 @@ def main():
     ap.add_argument("--workloads", default=None, help="comma-separated workload names")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds, each starting every configuration afresh in turn, the "
-                         "order reversed every other round (other "
+                         "order reversed every other round, so an even count sees each "
+                         "order equally often (other "
                          "random prompts for no reuse and miss cost, a fresh disk directory "
                          "and Redis database per round); ratios to no connector are taken "
                          "per round, then the median")

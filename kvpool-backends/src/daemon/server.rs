@@ -69,8 +69,8 @@ impl SocketAccess {
 pub struct DaemonServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
-    /// Dropped to wake the accept thread, which sleeps in `poll` until an engine connects
-    /// or this end closes (an idle daemon never wakes on a timer).
+    /// Written to and closed to wake the accept thread, which sleeps in `poll` until an
+    /// engine connects or this end speaks (an idle daemon never wakes on a timer).
     wake_accept: Option<UnixStream>,
     accept_thread: Option<JoinHandle<()>>,
     connections: Arc<Mutex<Connections>>,
@@ -181,8 +181,11 @@ impl DaemonServer {
 
     fn stop_now(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Its peer reads the end of the stream: the accept thread wakes and sees `stop`.
-        drop(self.wake_accept.take());
+        // A byte, then the end of the stream, for the accept thread to wake on and see
+        // `stop` (the byte even if a forked child still holds this end open).
+        if let Some(mut wake) = self.wake_accept.take() {
+            let _ = io::Write::write_all(&mut wake, &[1]);
+        }
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
@@ -212,7 +215,7 @@ impl Drop for DaemonServer {
 }
 
 /// Sleeps until `listener` has an engine to accept or `woken` is readable (the server's end
-/// of it closed at shutdown); `false` when only `woken` is.
+/// of it written to at shutdown); `false` when only `woken` is.
 fn wait_for_connection(listener: &UnixListener, woken: &UnixStream) -> bool {
     let mut fds = [
         libc::pollfd {

@@ -55,7 +55,7 @@ impl StepSummary {
 
 /// Times a worker's calls and ends its steps. One per worker; calls from several threads are
 /// counted in the step they end in.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct StepTimer {
     /// Which worker's steps these are (a hybrid model's KV cache group), logged with each.
     part: String,
@@ -178,6 +178,7 @@ mod tests {
         assert_eq!(second.in_kvpool, Duration::ZERO);
         assert!(second.interval.expect("an interval") >= Duration::from_millis(2));
     }
+
     /// Each step's event names the worker's part and tensor-parallel rank beside its
     /// interval and calls, so two ranks' lines can be told apart.
     #[test]
