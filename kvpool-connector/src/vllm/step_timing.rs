@@ -3,8 +3,9 @@
 //! (target `kvpool::step`) with the step's interval beside kvpool's native time in it, so
 //! that a long gap between two decode steps can be put down to kvpool or cleared of it. A
 //! hybrid model's attention groups each have a worker, so a step logs one event per group
-//! (`part`), and each tensor-parallel rank logs its own (`rank`); the Python side's own work (torch copies when no native copy engine runs, the
-//! recurrent-state parts' reads and writes) is not in it.
+//! (`part`), and each tensor-parallel rank logs its own (`rank`); the Python side's own work
+//! (torch copies when no native copy engine runs, the recurrent-state parts' reads and
+//! writes) is not in it.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
