@@ -154,6 +154,12 @@ async fn an_engine_unmaps_a_dead_daemons_arena_at_its_next_call() {
     // The call that finds the daemon gone ends the session and lets its arena go.
     assert!(connector.batch_get(&["k".into()]).await.is_err());
     assert!(connector.node_memory_mapping().is_none());
+    // The connector's watch thread may be ending the old session in its own slot at this
+    // moment (it drops the session with the slot locked, and a loaded machine can preempt
+    // it there): once every slot has been locked, no such drop is in flight.
+    for slot in &connector.inner.sessions {
+        drop(slot.lock());
+    }
     assert!(
         old.upgrade().is_none(),
         "the engine still maps the dead daemon's arena"
