@@ -5,6 +5,7 @@
 //! - `store.rs`: the values in shared memory, with per-session pins and allocations;
 //! - `pool.rs`: the daemon's pool (the store over the lower tiers), answering requests;
 //! - `write_behind.rs`: committed values written to the lower tiers in the background;
+//! - `copy_buffers.rs`: the reused buffers those values are copied into out of the arena;
 //! - `lower_tiers.rs`: what may cross to and from a lower tier (kvpool keys, checked values);
 //! - `server.rs`: the daemon's socket and the engines' sessions;
 //! - `client/`: the engine's `kvpool+unix://` tier;
@@ -21,6 +22,7 @@
 //! value holds for the daemon's. docs/design/pool-daemon.md has the design.
 
 mod client;
+mod copy_buffers;
 mod lower_tiers;
 mod namespace;
 mod pool;

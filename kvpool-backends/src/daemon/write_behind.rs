@@ -14,6 +14,7 @@ use kvpool_core::storage::write_behind::{Pending, WriteBehindAdmission};
 use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
+use super::copy_buffers::{CopyBuffers, DEFAULT_FREE_BYTES};
 use super::lower_tiers::{check_stored_value, is_kvpool_key, tier_op_seconds};
 use crate::telemetry;
 
@@ -97,6 +98,8 @@ pub(super) struct DaemonWriteBehind {
     tenant: String,
     /// Arena memory held by values waiting for a low-priority copy, bounded.
     held_for_copies: ArenaHeldForCopies,
+    /// Buffers the copies out of the arena reuse.
+    copy_buffers: CopyBuffers,
     /// The nice value of each thread that copied committed values out of the arena, for tests
     /// of where that work runs.
     #[cfg(test)]
@@ -127,6 +130,7 @@ impl DaemonWriteBehind {
             runtime,
             tenant,
             held_for_copies: ArenaHeldForCopies::new(arena_capacity),
+            copy_buffers: CopyBuffers::new(DEFAULT_FREE_BYTES),
             #[cfg(test)]
             copying_thread_nices: Arc::default(),
         }
@@ -262,6 +266,7 @@ impl DaemonWriteBehind {
         };
         let counters = self.counters.clone();
         let tenant = self.tenant.clone();
+        let copy_buffers = self.copy_buffers.clone();
         #[cfg(test)]
         let copying_thread_nices = self.copying_thread_nices.clone();
         copy_runtime.spawn(async move {
@@ -276,7 +281,7 @@ impl DaemonWriteBehind {
             let started = Instant::now();
             let values: Vec<Option<(String, Bytes)>> = committed
                 .into_iter()
-                .map(|value| value.and_then(|(k, v)| checked_copy(k, v)))
+                .map(|value| value.and_then(|(k, v)| checked_copy(&copy_buffers, k, v)))
                 .collect();
             let priority = if held_for_copy.is_some() {
                 "low"
@@ -341,14 +346,15 @@ fn last_value_of_each_key(committed: Vec<(String, MemoryObj)>) -> Vec<(String, M
         .collect()
 }
 
-/// A committed value copied out of the arena and checked on that copy, or `None` (logged)
-/// when it is not a kvpool key (kept in shared memory only) or fails its check.
-fn checked_copy(key: String, value: MemoryObj) -> Option<(String, Bytes)> {
+/// A committed value copied out of the arena (into one of `buffers`) and checked on that copy,
+/// or `None` (logged) when it is not a kvpool key (kept in shared memory only) or fails its
+/// check.
+fn checked_copy(buffers: &CopyBuffers, key: String, value: MemoryObj) -> Option<(String, Bytes)> {
     if !is_kvpool_key(&key) {
         debug!(key = %key, "not a kvpool key: kept in shared memory, not written below");
         return None;
     }
-    let copy = Bytes::copy_from_slice(value.as_slice());
+    let copy = buffers.copy_of(value.as_slice());
     drop(value);
     match check_stored_value(&key, &copy) {
         Ok(()) => Some((key, copy)),

@@ -1,0 +1,165 @@
+//! Reused buffers for the daemon's copies of committed values out of its arena: a copy lands
+//! in memory an earlier copy has already faulted in, instead of pages fresh from the kernel.
+//!
+//! A value written behind is copied out of the arena, checked on that copy and handed to the
+//! lower tiers as [`Bytes`]. Allocated anew each time, a 1 MiB value costs 256 page faults
+//! and the zeroing of 256 pages before the copy itself: about a quarter of the daemon's CPU in
+//! a serving run (docs/benchmarks.md, "where the daemon's CPU goes"). Here the buffer goes
+//! back to a free list when the last [`Bytes`] made from it is dropped (once every tier has
+//! written it), and the next copy reuses it. The free list holds at most
+//! [`CopyBuffers::new`]'s byte bound; a buffer past it is freed as before.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+/// Free buffers kept between copies, in bytes of capacity, by default: room for a few prompts'
+/// values of a small model, a small share of any arena.
+pub(super) const DEFAULT_FREE_BYTES: usize = 64 << 20;
+
+/// A bounded free list of copy buffers, shared by every copy of one daemon.
+#[derive(Clone)]
+pub(super) struct CopyBuffers {
+    free: Arc<Mutex<FreeList>>,
+}
+
+struct FreeList {
+    buffers: Vec<Vec<u8>>,
+    /// Sum of the free buffers' capacities.
+    bytes: usize,
+    /// Most bytes of capacity kept free.
+    limit: usize,
+}
+
+impl FreeList {
+    /// A free buffer of at least `len` bytes of capacity (the smallest such), if one is kept.
+    fn take(&mut self, len: usize) -> Option<Vec<u8>> {
+        let (position, _) = self
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, buffer)| buffer.capacity() >= len)
+            .min_by_key(|(_, buffer)| buffer.capacity())?;
+        let buffer = self.buffers.swap_remove(position);
+        self.bytes -= buffer.capacity();
+        Some(buffer)
+    }
+
+    /// Keeps `buffer` for a later copy when it fits under the bound; frees it otherwise.
+    fn give_back(&mut self, mut buffer: Vec<u8>) {
+        if self.bytes + buffer.capacity() <= self.limit {
+            buffer.clear();
+            self.bytes += buffer.capacity();
+            self.buffers.push(buffer);
+        }
+    }
+}
+
+/// The bytes of one copy; its buffer goes back to the free list when dropped.
+struct RecycledBuffer {
+    buffer: Vec<u8>,
+    free: Arc<Mutex<FreeList>>,
+}
+
+impl AsRef<[u8]> for RecycledBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for RecycledBuffer {
+    fn drop(&mut self) {
+        self.free.lock().give_back(std::mem::take(&mut self.buffer));
+    }
+}
+
+impl CopyBuffers {
+    /// A free list keeping at most `free_bytes` bytes of buffers between copies.
+    pub(super) fn new(free_bytes: usize) -> Self {
+        CopyBuffers {
+            free: Arc::new(Mutex::new(FreeList {
+                buffers: Vec::new(),
+                bytes: 0,
+                limit: free_bytes,
+            })),
+        }
+    }
+
+    /// A copy of `source`, in a kept buffer where one is large enough (a new one otherwise).
+    pub(super) fn copy_of(&self, source: &[u8]) -> Bytes {
+        let taken = self.free.lock().take(source.len());
+        let mut buffer = taken.unwrap_or_else(|| Vec::with_capacity(source.len()));
+        buffer.extend_from_slice(source);
+        Bytes::from_owner(RecycledBuffer {
+            buffer,
+            free: self.free.clone(),
+        })
+    }
+
+    /// Bytes of capacity kept free now.
+    #[cfg(test)]
+    pub(super) fn free_bytes(&self) -> usize {
+        self.free.lock().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_copy_gives_its_buffer_to_the_next_copy() {
+        let buffers = CopyBuffers::new(1 << 20);
+        let first = buffers.copy_of(&[7u8; 4096]);
+        let first_address = first.as_ptr();
+        assert_eq!(&first[..], &[7u8; 4096][..]);
+        assert_eq!(buffers.free_bytes(), 0, "a buffer in use is not free");
+        drop(first);
+        assert_eq!(buffers.free_bytes(), 4096);
+        // A smaller value fits the kept buffer and reads back as itself, none of the old bytes.
+        let second = buffers.copy_of(&[9u8; 1000]);
+        assert_eq!(second.as_ptr(), first_address, "the kept buffer is reused");
+        assert_eq!(&second[..], &[9u8; 1000][..]);
+        assert_eq!(buffers.free_bytes(), 0);
+    }
+
+    #[test]
+    fn a_buffer_lives_until_its_last_clone_is_dropped() {
+        let buffers = CopyBuffers::new(1 << 20);
+        let copy = buffers.copy_of(b"value");
+        let clone = copy.clone(); // one per tier written
+        drop(copy);
+        assert_eq!(buffers.free_bytes(), 0, "still read by a tier");
+        assert_eq!(&clone[..], b"value");
+        drop(clone);
+        assert_eq!(buffers.free_bytes(), 5);
+    }
+
+    #[test]
+    fn the_free_list_keeps_no_more_than_its_bound_and_picks_the_smallest_fit() {
+        let buffers = CopyBuffers::new(3000);
+        let small = buffers.copy_of(&[1u8; 1000]);
+        let large = buffers.copy_of(&[2u8; 2000]);
+        let past_bound = buffers.copy_of(&[3u8; 1500]);
+        let (small_address, large_address) = (small.as_ptr(), large.as_ptr());
+        drop(small);
+        drop(large);
+        drop(past_bound); // 3,000 bytes kept already: freed
+        assert_eq!(buffers.free_bytes(), 3000);
+        let fits_small = buffers.copy_of(&[4u8; 900]);
+        assert_eq!(
+            fits_small.as_ptr(),
+            small_address,
+            "the smallest buffer that fits"
+        );
+        let fits_large = buffers.copy_of(&[5u8; 1200]);
+        assert_eq!(fits_large.as_ptr(), large_address);
+        let too_large = buffers.copy_of(&[6u8; 4000]);
+        assert_eq!(
+            &too_large[..],
+            &[6u8; 4000][..],
+            "a new buffer when none fits"
+        );
+    }
+}
