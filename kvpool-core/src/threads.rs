@@ -1,5 +1,5 @@
 //! Where kvpool's own threads run inside an engine's process: off the cores the engine bound
-//! its forward pass to.
+//! the thread that started them to.
 //!
 //! vLLM's CPU worker binds its OpenMP threads, the thread that calls kvpool's hooks among
 //! them, to the cores it keeps for the forward pass (`VLLM_CPU_OMP_THREADS_BIND`), and keeps
