@@ -169,6 +169,34 @@ mod linux {
 mod tests {
     use super::*;
 
+    /// Runs the test named `name` (this module's) in a process of its own and asserts it
+    /// passed: each test here sets thread affinities, and the per-process target set is
+    /// worked out once, so tests sharing a process (`cargo test`, as the sanitizer stage
+    /// runs them) would see each other's. Returns `true` in that process, where the test's
+    /// body runs.
+    fn in_own_process(name: &str) -> bool {
+        const CHILD: &str = "KVPOOL_THREADS_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                &format!("threads::tests::{name}"),
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{name} did not pass in its own process:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        false
+    }
+
     /// Binds the calling thread to `cpu` alone.
     fn bind_to(cpu: usize) {
         // SAFETY: an all-zero cpu_set_t is the empty set.
@@ -186,6 +214,9 @@ mod tests {
     /// one CPU allowed, on that one.
     #[test]
     fn runtime_threads_leave_the_cpu_their_builder_was_bound_to() {
+        if !in_own_process("runtime_threads_leave_the_cpu_their_builder_was_bound_to") {
+            return;
+        }
         let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
         let engine_cpu = allowed[0];
         let (worker_cpus, blocking_cpus, from_worker_cpus) = std::thread::spawn(move || {
@@ -234,6 +265,9 @@ mod tests {
     /// A thread that inherited every allowed CPU keeps them all.
     #[test]
     fn a_thread_nothing_bound_keeps_every_allowed_cpu() {
+        if !in_own_process("a_thread_nothing_bound_keeps_every_allowed_cpu") {
+            return;
+        }
         let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
         let after = std::thread::spawn(|| {
             leave_inherited_cores();
@@ -245,10 +279,14 @@ mod tests {
     }
     /// Where the engine bound every thread of the process to its core (vLLM's worker on a
     /// small machine), kvpool's threads get every CPU the process is allowed, for the
-    /// scheduler to place, not the engine's core alone. (It binds the whole process: nextest
-    /// runs each test in a process of its own.)
+    /// scheduler to place, not the engine's core alone. (It binds the whole process, its own.)
     #[test]
     fn with_every_thread_bound_to_the_engines_core_kvpool_may_use_every_allowed_cpu() {
+        if !in_own_process(
+            "with_every_thread_bound_to_the_engines_core_kvpool_may_use_every_allowed_cpu",
+        ) {
+            return;
+        }
         let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
         let engine_cpu = allowed[0];
         for entry in std::fs::read_dir("/proc/self/task").unwrap() {
