@@ -1,5 +1,5 @@
 //! Where kvpool's own threads run inside an engine's process: off the cores the engine bound
-//! its forward pass to.
+//! the thread that started them to.
 //!
 //! vLLM's CPU worker binds its OpenMP threads, the thread that calls kvpool's hooks among
 //! them, to the cores it keeps for the forward pass (`VLLM_CPU_OMP_THREADS_BIND`), and keeps
@@ -7,14 +7,19 @@
 //! the binding of the thread that starts it, so left alone every kvpool thread started from a
 //! hook (its runtime's workers, the lookup server, the daemon client's watch) would share the
 //! forward pass's core and take it whenever it woke. [`leave_inherited_cores`] moves the calling
-//! thread to the other CPUs the process's threads may use: the union of every thread's CPUs,
-//! so that a `taskset` or `numactl` binding of the whole engine is kept.
+//! thread to one set of CPUs per process, worked out by its first caller (a thread started
+//! from the engine's bound thread): the other CPUs the process's threads may use (the union
+//! of every thread's CPUs, so that a `taskset` or `numactl` binding of the whole engine is
+//! kept), or, when the engine bound every thread of the process to the same cores (vLLM's
+//! worker with `VLLM_CPU_OMP_THREADS_BIND=auto` on a small machine), every CPU the process is
+//! allowed, for the scheduler to place. A thread already on that set stays: a thread started
+//! by one kvpool moved inherits it.
 
-/// Moves the calling thread off the CPUs it inherited, onto the others the process's threads
-/// may use (the union of every thread's CPUs), when there are others: an engine bound the
-/// thread that started this one to its cores. Otherwise (nothing was bound, or the process
-/// has no other CPU) the thread stays where it is. Never fails: a thread it cannot move stays
-/// (logged at `debug`). A no-op off Linux.
+/// Moves the calling thread onto the process's set for kvpool's threads (see the module
+/// docs), worked out once, by the first call, from the CPUs that caller inherited: when an
+/// engine bound the thread that started it. Nothing moves when nothing was bound (the first
+/// caller may use every CPU the process is allowed), nor a thread already on the set.
+/// Never fails: a thread it cannot move stays (logged at `debug`). A no-op off Linux.
 pub fn leave_inherited_cores() {
     #[cfg(target_os = "linux")]
     linux::leave_inherited_cores();
@@ -107,21 +112,50 @@ mod linux {
         }
     }
 
-    pub(super) fn leave_inherited_cores() {
-        let inherited = cpus_of(&affinity());
-        let Some(process) = process_cpus() else {
-            return;
-        };
-        let others: Vec<usize> = process
+    /// Every CPU the kernel lets this process use (its cpuset), read on a thread of its own
+    /// that asks for every CPU; `None` if that thread cannot be started.
+    fn allowed_cpus() -> Option<Vec<usize>> {
+        std::thread::Builder::new()
+            .name("kvpool-cpus".into())
+            .spawn(|| {
+                // The kernel narrows the request to the cpuset; a refusal leaves the set.
+                let _ = set_affinity(&every_cpu());
+                cpus_of(&affinity())
+            })
+            .ok()?
+            .join()
+            .ok()
+    }
+
+    /// The CPUs kvpool's threads go to, from what the first caller `inherited`: `None` when
+    /// nothing was bound (it may use every allowed CPU).
+    fn target_for(inherited: &[usize]) -> Option<Vec<usize>> {
+        let allowed = allowed_cpus()?;
+        if allowed.iter().all(|cpu| inherited.contains(cpu)) {
+            return None;
+        }
+        let others: Vec<usize> = process_cpus()
+            .unwrap_or_default()
             .into_iter()
             .filter(|cpu| !inherited.contains(cpu))
             .collect();
-        if others.is_empty() {
+        Some(if others.is_empty() { allowed } else { others })
+    }
+
+    /// The process's set for kvpool's threads, worked out by the first caller.
+    static TARGET: std::sync::OnceLock<Option<Vec<usize>>> = std::sync::OnceLock::new();
+
+    pub(super) fn leave_inherited_cores() {
+        let current = cpus_of(&affinity());
+        let Some(target) = TARGET.get_or_init(|| target_for(&current)) else {
             return;
+        };
+        if current == *target {
+            return; // already there: started by a thread that moved
         }
         // SAFETY: an all-zero cpu_set_t is the empty set.
         let mut set: libc::cpu_set_t = unsafe { zeroed() };
-        for &cpu in &others {
+        for &cpu in target {
             // SAFETY: `cpu` came from a set, below CPU_SETSIZE.
             unsafe { libc::CPU_SET(cpu, &mut set) };
         }
@@ -134,6 +168,34 @@ mod linux {
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
+
+    /// Runs the test named `name` (this module's) in a process of its own and asserts it
+    /// passed: each test here sets thread affinities, and the per-process target set is
+    /// worked out once, so tests sharing a process (`cargo test`, as the sanitizer stage
+    /// runs them) would see each other's. Returns `true` in that process, where the test's
+    /// body runs.
+    fn in_own_process(name: &str) -> bool {
+        const CHILD: &str = "KVPOOL_THREADS_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                &format!("threads::tests::{name}"),
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{name} did not pass in its own process:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        false
+    }
 
     /// Binds the calling thread to `cpu` alone.
     fn bind_to(cpu: usize) {
@@ -152,9 +214,12 @@ mod tests {
     /// one CPU allowed, on that one.
     #[test]
     fn runtime_threads_leave_the_cpu_their_builder_was_bound_to() {
+        if !in_own_process("runtime_threads_leave_the_cpu_their_builder_was_bound_to") {
+            return;
+        }
         let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
         let engine_cpu = allowed[0];
-        let (worker_cpus, blocking_cpus) = std::thread::spawn(move || {
+        let (worker_cpus, blocking_cpus, from_worker_cpus) = std::thread::spawn(move || {
             bind_to(engine_cpu);
             assert_eq!(this_threads_cpus(), [engine_cpu]);
             let runtime = engine_side_runtime("kvpool-test", 1).unwrap();
@@ -163,7 +228,23 @@ mod tests {
             let blocking = runtime
                 .block_on(async { tokio::task::spawn_blocking(this_threads_cpus).await })
                 .unwrap();
-            (worker, blocking)
+            // A blocking thread started by a worker (one that moved already), while the
+            // first blocking thread is busy: it must not move back onto the builder's CPU.
+            let from_worker = runtime.block_on(async {
+                let (busy, release) = std::sync::mpsc::channel::<()>();
+                let held = tokio::task::spawn_blocking(move || release.recv());
+                let cpus = tokio::spawn(async {
+                    tokio::task::spawn_blocking(this_threads_cpus)
+                        .await
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                drop(busy);
+                held.await.unwrap().ok();
+                cpus
+            });
+            (worker, blocking, from_worker)
         })
         .join()
         .unwrap();
@@ -178,11 +259,15 @@ mod tests {
         };
         assert_eq!(worker_cpus, expected, "allowed {allowed:?}");
         assert_eq!(blocking_cpus, expected, "allowed {allowed:?}");
+        assert_eq!(from_worker_cpus, expected, "allowed {allowed:?}");
     }
 
     /// A thread that inherited every allowed CPU keeps them all.
     #[test]
     fn a_thread_nothing_bound_keeps_every_allowed_cpu() {
+        if !in_own_process("a_thread_nothing_bound_keeps_every_allowed_cpu") {
+            return;
+        }
         let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
         let after = std::thread::spawn(|| {
             leave_inherited_cores();
@@ -191,5 +276,41 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(after, allowed);
+    }
+    /// Where the engine bound every thread of the process to its core (vLLM's worker on a
+    /// small machine), kvpool's threads get every CPU the process is allowed, for the
+    /// scheduler to place, not the engine's core alone. (It binds the whole process, its own.)
+    #[test]
+    fn with_every_thread_bound_to_the_engines_core_kvpool_may_use_every_allowed_cpu() {
+        if !in_own_process(
+            "with_every_thread_bound_to_the_engines_core_kvpool_may_use_every_allowed_cpu",
+        ) {
+            return;
+        }
+        let allowed = std::thread::spawn(this_threads_cpus).join().unwrap();
+        let engine_cpu = allowed[0];
+        for entry in std::fs::read_dir("/proc/self/task").unwrap() {
+            let tid: libc::pid_t = entry
+                .unwrap()
+                .file_name()
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            // SAFETY: an all-zero cpu_set_t is the empty set.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `engine_cpu` came from a set, below CPU_SETSIZE.
+            unsafe { libc::CPU_SET(engine_cpu, &mut set) };
+            // SAFETY: `tid` is a thread of this process; `set` is a valid set of its size.
+            unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        }
+        let worker_cpus = std::thread::spawn(move || {
+            assert_eq!(this_threads_cpus(), [engine_cpu]);
+            let runtime = engine_side_runtime("kvpool-test", 1).unwrap();
+            runtime.block_on(async { tokio::spawn(async { this_threads_cpus() }).await.unwrap() })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(worker_cpus, allowed);
     }
 }
