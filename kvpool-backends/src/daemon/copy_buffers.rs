@@ -7,16 +7,13 @@
 //! a serving run (docs/benchmarks.md, "where the daemon's CPU goes"). Here the buffer goes
 //! back to a free list when the last [`Bytes`] made from it is dropped (once every tier has
 //! written it), and the next copy reuses it. The free list holds at most
-//! [`CopyBuffers::new`]'s byte bound; a buffer past it is freed as before.
+//! [`CopyBuffers::new`]'s byte bound (`DaemonOptions::copy_buffer_bytes`); a buffer past it is
+//! freed as before.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-
-/// Free buffers kept between copies, in bytes of capacity, by default: room for a few prompts'
-/// values of a small model, a small share of any arena.
-pub(super) const DEFAULT_FREE_BYTES: usize = 64 << 20;
 
 /// A bounded free list of copy buffers, shared by every copy of one daemon.
 #[derive(Clone)]

@@ -48,6 +48,10 @@ pub const TENANT_PREFIX: &str = "tenant/";
 /// times every request).
 const SLOW_REQUEST: Duration = Duration::from_millis(10);
 
+/// Bytes of copy buffers a daemon keeps by default ([`DaemonOptions::copy_buffer_bytes`]):
+/// room for a few prompts' values of a small model, a small share of any arena.
+pub const DEFAULT_COPY_BUFFER_BYTES: usize = 64 << 20;
+
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
 #[derive(Debug, Clone)]
 pub struct DaemonOptions {
@@ -62,6 +66,10 @@ pub struct DaemonOptions {
     /// Bytes of committed values being written to each lower tier at once; more are not
     /// written to that tier (counted).
     pub write_behind_quota: usize,
+    /// Bytes of buffers kept between the copies of committed values out of the arena for the
+    /// lower tiers ([`DEFAULT_COPY_BUFFER_BYTES`]); `0` allocates a fresh buffer for each
+    /// copy (its pages faulted in and zeroed by the kernel each time).
+    pub copy_buffer_bytes: usize,
 }
 
 impl DaemonOptions {
@@ -86,6 +94,7 @@ impl DaemonOptions {
             eviction: config.local_cpu.eviction,
             lease_ttl: DEFAULT_LEASE_TTL,
             write_behind_quota: config.write_behind.quota.as_usize(),
+            copy_buffer_bytes: DEFAULT_COPY_BUFFER_BYTES,
         })
     }
 }
@@ -133,6 +142,7 @@ impl PoolDaemon {
             &tiers,
             options.write_behind_quota,
             options.capacity,
+            options.copy_buffer_bytes,
             runtime.clone(),
             options.tenant.clone(),
         );

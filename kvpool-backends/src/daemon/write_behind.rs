@@ -14,7 +14,7 @@ use kvpool_core::storage::write_behind::{Pending, WriteBehindAdmission};
 use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
-use super::copy_buffers::{CopyBuffers, DEFAULT_FREE_BYTES};
+use super::copy_buffers::CopyBuffers;
 use super::lower_tiers::{check_stored_value, is_kvpool_key, tier_op_seconds};
 use crate::telemetry;
 
@@ -108,11 +108,12 @@ pub(super) struct DaemonWriteBehind {
 
 impl DaemonWriteBehind {
     /// Writes behind to each of `tiers` on `runtime`, within `quota` bytes per tier, out of an
-    /// arena of `arena_capacity` bytes.
+    /// arena of `arena_capacity` bytes, keeping `copy_buffer_bytes` of buffers between copies.
     pub(super) fn new(
         tiers: &[Arc<dyn RemoteConnector>],
         quota: usize,
         arena_capacity: usize,
+        copy_buffer_bytes: usize,
         runtime: Handle,
         tenant: String,
     ) -> Self {
@@ -130,7 +131,7 @@ impl DaemonWriteBehind {
             runtime,
             tenant,
             held_for_copies: ArenaHeldForCopies::new(arena_capacity),
-            copy_buffers: CopyBuffers::new(DEFAULT_FREE_BYTES),
+            copy_buffers: CopyBuffers::new(copy_buffer_bytes),
             #[cfg(test)]
             copying_thread_nices: Arc::default(),
         }
