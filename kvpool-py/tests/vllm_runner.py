@@ -184,6 +184,21 @@ def main(spec_path, out_path):
            "preempted_requests": len(preempted),
            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
     if subscriber is not None:
+        if use_kvpool:
+            # A tier's event for a write that ends after the engine's last step (a disk
+            # tier's write-behind of the last batch's values) reaches vLLM's publisher only
+            # with a later step. Step on with a prompt too short to fill a block (nothing of
+            # its own to announce) until two steps in a row publish nothing new.
+            short = SamplingParams(temperature=0, detokenize=False, max_tokens=1)
+            quiet = 0
+            for _ in range(20):
+                published = subscriber.batches_received()
+                time.sleep(0.25)
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], short, use_tqdm=False)
+                time.sleep(0.25)  # the publisher's send and the subscriber's receive
+                quiet = quiet + 1 if subscriber.batches_received() == published else 0
+                if quiet == 2:
+                    break
         out["kv_events"] = subscriber.stop()
     if spec.get("vllm_metrics"):
         from prometheus_client import REGISTRY
@@ -247,6 +262,10 @@ class EventSubscriber:
             except zmq.Again:
                 continue
             self._payloads.append(payload)
+
+    def batches_received(self):
+        """How many event batches have arrived so far."""
+        return len(self._payloads)
 
     def stop(self):
         """Waits for late batches, then returns every event as a dict."""
