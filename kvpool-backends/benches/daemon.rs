@@ -8,7 +8,8 @@
 //! copied once into a place the daemon lends (`lend_save_slots`). Last, the first copy out of
 //! an arena an engine has just mapped: faulting page by page, or with its pages mapped ahead.
 //! With the `disk` feature, a daemon writing committed values behind to a disk tier: its copy
-//! out of the arena into a fresh buffer for each value, or into reused buffers.
+//! out of the arena into a fresh buffer for each value, or into reused buffers, for small
+//! values and for values past glibc's largest mmap threshold.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -17,8 +18,8 @@ use std::time::Duration;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvpool_backends::LocalCpuBackend;
 use kvpool_backends::daemon::{
-    DEFAULT_COPY_BUFFER_BYTES, DEFAULT_LEASE_TTL, DaemonConnector, DaemonOptions, DaemonServer,
-    PoolDaemon, SocketAccess,
+    DEFAULT_LEASE_TTL, DaemonConnector, DaemonOptions, DaemonServer, PoolDaemon, SocketAccess,
+    default_copy_buffer_bytes,
 };
 use kvpool_core::format::chunk_format::{
     DecodeExpectation, KeyBinding, decode_header, decode_payload_into,
@@ -48,7 +49,7 @@ fn daemon_read_into_l1(c: &mut Criterion) {
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,
         write_behind_quota: 64 * MIB,
-        copy_buffer_bytes: DEFAULT_COPY_BUFFER_BYTES,
+        copy_buffer_bytes: default_copy_buffer_bytes(256 * MIB),
     };
     let daemon = Arc::new(PoolDaemon::with_tiers(options, vec![], rt.handle().clone()).unwrap());
     let _server = DaemonServer::bind(daemon, &path, SocketAccess::default()).unwrap();
@@ -261,13 +262,18 @@ fn first_copy_out_of_a_fresh_mapping(c: &mut Criterion) {
     g.finish();
 }
 
-/// A daemon writing committed values behind to a disk tier (on the daemon's runtime), as
-/// `kvpool serve` does after each save: 32 values of 2 MiB committed, then waited for until
-/// the disk tier has written every one. The daemon copies each value out of its arena and
-/// checks it before the tier writes it to a file; the copy goes into a fresh buffer
+/// A daemon writing committed values behind to a disk tier (on the process's low-priority
+/// threads), as `kvpool serve` does after each save: 80 MiB of values committed, then waited
+/// for until the disk tier has written every one. The daemon copies each value out of its
+/// arena and checks it before the tier writes it to a file; the copy goes into a fresh buffer
 /// (`copy_buffer_bytes = 0`, as before reused buffers) or into a buffer an earlier copy used
-/// (the default). Before the timed runs, each variant's minor page faults per 64 MiB written
-/// are printed (this process's, from `getrusage`).
+/// (256 MiB of them kept). Two value sizes: 2 MiB (a 256-token chunk of a small model) and
+/// 40 MiB (one of a model with 160 KiB of KV per token, past the 32 MiB above which glibc's
+/// malloc always maps fresh pages). What the buffers change is CPU, which the engines'
+/// steps share on a small host: first 7 rounds, the two daemons taking turns (which goes first
+/// alternates), each round 5 writes by each, print this process's CPU time and minor page
+/// faults per write (`getrusage`: medians and ranges over the rounds); then criterion times
+/// each write's wall time.
 #[cfg(feature = "disk")]
 fn daemon_write_behind_to_disk(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -276,35 +282,116 @@ fn daemon_write_behind_to_disk(c: &mut Criterion) {
         .build()
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let scope = Arc::new(KeyScope::new("bench-write-behind", 1, 0, 0, 1).unwrap());
-    let meta = ChunkMeta {
-        layout_fingerprint: scope.layout_fingerprint,
-        dtype: Dtype::Bf16,
-        token_count: 256,
-    };
-    let entries: Vec<(CacheKey, Chunk)> = (0..CHUNKS)
-        .map(|i| {
-            let key = CacheKey::new(scope.clone(), ChunkHash([i as u8; 16]));
-            let bytes = (0..CHUNK_BYTES).map(|b| (b * 13 + i) as u8).collect();
-            let chunk = Chunk {
-                meta,
-                data: MemoryObj::from_vec(bytes),
-            };
-            (key, chunk)
+    const WRITTEN_BYTES: usize = 80 * MIB;
+    for value_bytes in [2 * MIB, 40 * MIB] {
+        let values = WRITTEN_BYTES / value_bytes;
+        let scope = Arc::new(KeyScope::new("bench-write-behind", 1, 0, 0, 1).unwrap());
+        let meta = ChunkMeta {
+            layout_fingerprint: scope.layout_fingerprint,
+            dtype: Dtype::Bf16,
+            token_count: 256,
+        };
+        let entries: Vec<(CacheKey, Chunk)> = (0..values)
+            .map(|i| {
+                let key = CacheKey::new(scope.clone(), ChunkHash([i as u8; 16]));
+                let bytes = (0..value_bytes).map(|b| (b * 13 + i) as u8).collect();
+                let chunk = Chunk {
+                    meta,
+                    data: MemoryObj::from_vec(bytes),
+                };
+                (key, chunk)
+            })
+            .collect();
+        let variants: Vec<WriteBehindVariant> = [
+            ("fresh buffer per copy", 0),
+            ("reused copy buffers", 256 * MIB),
+        ]
+        .into_iter()
+        .map(|(name, copy_buffer_bytes)| {
+            let place = dir
+                .path()
+                .join(format!("{value_bytes}-{copy_buffer_bytes}"));
+            WriteBehindVariant::start(&rt, &place, name, copy_buffer_bytes)
         })
         .collect();
-    let mut g = c.benchmark_group("daemon_write_behind_64mib_to_disk");
-    g.sample_size(20);
-    g.throughput(Throughput::Bytes((CHUNKS * CHUNK_BYTES) as u64));
-    for (name, copy_buffer_bytes) in [
-        ("fresh buffer per copy", 0),
-        ("reused copy buffers (default)", DEFAULT_COPY_BUFFER_BYTES),
-    ] {
-        let disk = dir.path().join(format!("disk-{copy_buffer_bytes}"));
+        let write_all_behind = |variant: &WriteBehindVariant| {
+            let written = variant.daemon.stats().tier_writes;
+            rt.block_on(variant.backend.put(entries.clone())).unwrap();
+            while variant.daemon.stats().tier_writes < written + values as u64 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        };
+        for variant in &variants {
+            write_all_behind(variant); // the disk tier's files exist; a kept buffer, if any
+        }
+        const ROUNDS: usize = 7;
+        const WRITES: u32 = 5;
+        let mut per_write: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
+        for round in 0..ROUNDS {
+            let mut order: Vec<usize> = (0..variants.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
+                let (faults, cpu) = (minor_faults(), cpu_seconds());
+                for _ in 0..WRITES {
+                    write_all_behind(&variants[i]);
+                }
+                per_write[i].push((
+                    (cpu_seconds() - cpu) * 1e3 / f64::from(WRITES),
+                    (minor_faults() - faults) as f64 / f64::from(WRITES),
+                ));
+            }
+        }
+        let first_cpu = median_and_range(per_write[0].iter().map(|r| r.0)).0;
+        for (variant, rounds) in variants.iter().zip(&per_write) {
+            let (cpu, cpu_min, cpu_max) = median_and_range(rounds.iter().map(|r| r.0));
+            let (faults, faults_min, faults_max) = median_and_range(rounds.iter().map(|r| r.1));
+            eprintln!(
+                "{} MiB values, {}: CPU {cpu:.1} ms [{cpu_min:.1}-{cpu_max:.1}] per 80 MiB \
+                 written behind ({:.2}x the fresh buffers'), minor page faults {faults:.0} \
+                 [{faults_min:.0}-{faults_max:.0}]",
+                value_bytes / MIB,
+                variant.name,
+                cpu / first_cpu,
+            );
+        }
+        let mut g = c.benchmark_group(format!(
+            "daemon_write_behind_80mib_to_disk_in_{}mib_values",
+            value_bytes / MIB
+        ));
+        g.sample_size(20);
+        g.throughput(Throughput::Bytes(WRITTEN_BYTES as u64));
+        for variant in &variants {
+            g.bench_function(variant.name, |b| b.iter(|| write_all_behind(variant)));
+        }
+        g.finish();
+    }
+}
+
+/// One daemon of [`daemon_write_behind_to_disk`], over a disk tier of its own.
+#[cfg(feature = "disk")]
+struct WriteBehindVariant {
+    name: &'static str,
+    daemon: Arc<PoolDaemon>,
+    backend: RemoteBackend<DaemonConnector>,
+    _server: DaemonServer,
+}
+
+#[cfg(feature = "disk")]
+impl WriteBehindVariant {
+    fn start(
+        rt: &tokio::runtime::Runtime,
+        dir: &std::path::Path,
+        name: &'static str,
+        copy_buffer_bytes: usize,
+    ) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let disk = dir.join("disk");
         let tier = rt
             .block_on(kvpool_backends::registry::open_connector(
                 &kvpool_core::TierConfig::new(format!("file://{}", disk.display())),
-                4 * MIB as u64,
+                64 * MIB as u64,
             ))
             .unwrap();
         let options = DaemonOptions {
@@ -316,45 +403,63 @@ fn daemon_write_behind_to_disk(c: &mut Criterion) {
             copy_buffer_bytes,
         };
         let daemon = Arc::new(
-            PoolDaemon::with_tiers(options, vec![Arc::new(tier)], rt.handle().clone()).unwrap(),
+            PoolDaemon::with_tiers(options, vec![Arc::new(tier)], rt.handle().clone())
+                .unwrap()
+                .write_tier_behind_on(
+                    0,
+                    kvpool_backends::background::background_runtime().unwrap(),
+                ),
         );
-        let path = dir.path().join(format!("kvpool-{copy_buffer_bytes}.sock"));
-        let _server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+        let path = dir.join("kvpool.sock");
+        let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
         let backend = RemoteBackend::new(
             DaemonConnector::new(&path, Duration::from_secs(5)),
             ChunkCodec::default(),
-            4 * MIB as u64,
+            64 * MIB as u64,
         );
-        let write_all_behind = || {
-            let written = daemon.stats().tier_writes;
-            rt.block_on(backend.put(entries.clone())).unwrap();
-            while daemon.stats().tier_writes < written + CHUNKS as u64 {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        };
-        write_all_behind(); // the disk tier's files exist; a kept buffer, if any
-        let faults_before = minor_faults();
-        const PASSES: u64 = 10;
-        for _ in 0..PASSES {
-            write_all_behind();
+        WriteBehindVariant {
+            name,
+            daemon,
+            backend,
+            _server: server,
         }
-        eprintln!(
-            "{name}: {} minor page faults per 64 MiB written behind",
-            (minor_faults() - faults_before) / PASSES
-        );
-        g.bench_function(name, |b| b.iter(write_all_behind));
     }
-    g.finish();
+}
+
+/// The median, least and greatest of `values` (not empty).
+#[cfg(feature = "disk")]
+fn median_and_range(values: impl Iterator<Item = f64>) -> (f64, f64, f64) {
+    let mut sorted: Vec<f64> = values.collect();
+    sorted.sort_by(f64::total_cmp);
+    (
+        sorted[sorted.len() / 2],
+        sorted[0],
+        sorted[sorted.len() - 1],
+    )
+}
+
+/// This process's resource usage so far.
+#[cfg(feature = "disk")]
+fn usage() -> libc::rusage {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF and a valid, writable rusage.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) }, 0);
+    usage
 }
 
 /// This process's minor page faults so far.
 #[cfg(feature = "disk")]
 fn minor_faults() -> u64 {
-    // SAFETY: an all-zero rusage is a valid value for getrusage to fill.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: RUSAGE_SELF and a valid, writable rusage.
-    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) }, 0);
-    usage.ru_minflt as u64
+    usage().ru_minflt as u64
+}
+
+/// This process's CPU time so far (user and system), in seconds.
+#[cfg(feature = "disk")]
+fn cpu_seconds() -> f64 {
+    let u = usage();
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    seconds(u.ru_utime) + seconds(u.ru_stime)
 }
 
 #[cfg(not(feature = "disk"))]

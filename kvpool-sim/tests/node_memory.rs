@@ -50,7 +50,7 @@ fn daemon_over(
         eviction: EvictionKind::Lru,
         lease_ttl,
         write_behind_quota: 16 << 20,
-        copy_buffer_bytes: kvpool_backends::daemon::DEFAULT_COPY_BUFFER_BYTES,
+        copy_buffer_bytes: kvpool_backends::daemon::default_copy_buffer_bytes(64 << 20),
     };
     let daemon =
         Arc::new(PoolDaemon::with_tiers(options, tiers, runtime.handle().clone()).unwrap());

@@ -2,11 +2,13 @@
 //! in memory an earlier copy has already faulted in, instead of pages fresh from the kernel.
 //!
 //! A value written behind is copied out of the arena, checked on that copy and handed to the
-//! lower tiers as [`Bytes`]. Allocated anew each time, a 1 MiB value costs 256 page faults
-//! and the zeroing of 256 pages before the copy itself: about a quarter of the daemon's CPU in
-//! a serving run (docs/benchmarks.md, "where the daemon's CPU goes"). Here the buffer goes
-//! back to a free list when the last [`Bytes`] made from it is dropped (once every tier has
-//! written it), and the next copy reuses it. The free list holds at most
+//! lower tiers as [`Bytes`]. Allocated anew each time, a value past glibc's largest mmap
+//! threshold (32 MiB: a 256-token chunk of a model with 128 KiB or more of KV per token) is
+//! mapped fresh and every one of its pages faulted in and zeroed before the copy: twice the
+//! CPU of the copy into a reused buffer (docs/benchmarks.md, "the daemon's copies in reused
+//! buffers"). Smaller values are reused by malloc itself once its threshold has adapted. Here
+//! the buffer goes back to a free list when the last [`Bytes`] made from it is dropped (once
+//! every tier has written it), and the next copy reuses it. The free list holds at most
 //! [`CopyBuffers::new`]'s byte bound (`DaemonOptions::copy_buffer_bytes`); a buffer past it is
 //! freed as before.
 

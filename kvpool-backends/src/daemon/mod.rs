@@ -37,8 +37,8 @@ pub use client::{
 };
 pub use namespace::{MAC_BYTES, NamespacedConnector};
 pub use pool::{
-    ATTACH_TIMEOUT, DEFAULT_COPY_BUFFER_BYTES, DEFAULT_LEASE_TTL, DEFAULT_TENANT, DaemonOptions,
-    MAX_ITEMS_PER_REQUEST, MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT, PoolDaemon,
+    ATTACH_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_TENANT, DaemonOptions, MAX_ITEMS_PER_REQUEST,
+    MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_IN_FLIGHT, PoolDaemon, default_copy_buffer_bytes,
 };
 pub use protocol::{
     DaemonStats, MAX_CLIENT_NAME, PRECHECK_BYTES, PROTOCOL_VERSION, Precheck, Region, Reply,

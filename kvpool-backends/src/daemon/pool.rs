@@ -48,9 +48,12 @@ pub const TENANT_PREFIX: &str = "tenant/";
 /// times every request).
 const SLOW_REQUEST: Duration = Duration::from_millis(10);
 
-/// Bytes of copy buffers a daemon keeps by default ([`DaemonOptions::copy_buffer_bytes`]):
-/// room for a few prompts' values of a small model, a small share of any arena.
-pub const DEFAULT_COPY_BUFFER_BYTES: usize = 64 << 20;
+/// Bytes of copy buffers a daemon with an arena of `arena_capacity` bytes keeps by default
+/// ([`DaemonOptions::copy_buffer_bytes`]): a sixteenth of the arena. Only buffers that copies
+/// in flight once needed are kept, so this is at most what the daemon held at its busiest.
+pub fn default_copy_buffer_bytes(arena_capacity: usize) -> usize {
+    arena_capacity / 16
+}
 
 /// The daemon's sizing, from the `[local_cpu]` and `[write_behind]` tables of its config.
 #[derive(Debug, Clone)]
@@ -67,8 +70,9 @@ pub struct DaemonOptions {
     /// written to that tier (counted).
     pub write_behind_quota: usize,
     /// Bytes of buffers kept between the copies of committed values out of the arena for the
-    /// lower tiers ([`DEFAULT_COPY_BUFFER_BYTES`]); `0` allocates a fresh buffer for each
-    /// copy (its pages faulted in and zeroed by the kernel each time).
+    /// lower tiers ([`default_copy_buffer_bytes`] of the arena); `0` allocates a fresh buffer
+    /// for each copy, whose pages the kernel may fault in and zero each time (always, for a
+    /// value past glibc's largest mmap threshold, 32 MiB).
     pub copy_buffer_bytes: usize,
 }
 
@@ -94,7 +98,7 @@ impl DaemonOptions {
             eviction: config.local_cpu.eviction,
             lease_ttl: DEFAULT_LEASE_TTL,
             write_behind_quota: config.write_behind.quota.as_usize(),
-            copy_buffer_bytes: DEFAULT_COPY_BUFFER_BYTES,
+            copy_buffer_bytes: default_copy_buffer_bytes(config.local_cpu.max_size.as_usize()),
         })
     }
 }

@@ -35,7 +35,7 @@ fn options(capacity: usize) -> DaemonOptions {
         eviction: EvictionKind::Lru,
         lease_ttl: DEFAULT_LEASE_TTL,
         write_behind_quota: 64 * MIB,
-        copy_buffer_bytes: DEFAULT_COPY_BUFFER_BYTES,
+        copy_buffer_bytes: default_copy_buffer_bytes(capacity),
     }
 }
 
