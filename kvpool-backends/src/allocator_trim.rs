@@ -39,7 +39,6 @@ pub fn start_periodic_release(every: Duration) -> std::io::Result<()> {
         started = std::thread::Builder::new()
             .name("kvpool-release-free-pages".into())
             .spawn(move || {
-                kvpool_core::threads::leave_inherited_cores();
                 loop {
                     std::thread::sleep(every);
                     let released = release_free_pages();

@@ -42,10 +42,7 @@ pub fn background_runtime() -> std::io::Result<Handle> {
         )
         .max_blocking_threads(MAX_BLOCKING_THREADS)
         .thread_name("kvpool-background")
-        .on_thread_start(|| {
-            kvpool_core::threads::leave_inherited_cores();
-            lower_this_threads_priority();
-        })
+        .on_thread_start(lower_this_threads_priority)
         .enable_all()
         .build()?;
     let handle = runtime.handle().clone();

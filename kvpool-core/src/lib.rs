@@ -13,7 +13,6 @@
 //!   library's store / retrieve; the vLLM connector moves whole blocks with copy jobs instead);
 //! - [`cache_engine`]: lookup / store / retrieve of token sequences over all of the above;
 //! - [`telemetry`]: every Prometheus metric kvpool records, and the counters behind `stats()`;
-//! - [`threads`]: kvpool's threads inside an engine's process kept off the engine's bound cores;
 //! - [`config`]: the TOML configuration, sizes such as `"2GiB"`, a tier's backend-owned options;
 //! - [`error`]: the error types.
 
@@ -29,7 +28,6 @@ pub mod layout;
 pub mod memory;
 pub mod storage;
 pub mod telemetry;
-pub mod threads;
 pub mod transfer;
 
 pub use cache_engine::{

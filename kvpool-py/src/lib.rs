@@ -87,9 +87,14 @@ impl ValuePool {
         )
         .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))?;
         let runtime = std::sync::Arc::new(
-            kvpool_core::threads::engine_side_runtime(thread_name, 2).map_err(|e| {
-                PyRuntimeError::new_err(format!("cannot start kvpool's runtime: {e}"))
-            })?,
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(thread_name)
+                .enable_all()
+                .build()
+                .map_err(|e| {
+                    PyRuntimeError::new_err(format!("cannot start kvpool's runtime: {e}"))
+                })?,
         );
         let pool = runtime
             .block_on(kvpool_backends::build_pool(&config))

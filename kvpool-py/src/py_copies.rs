@@ -306,7 +306,6 @@ impl PyCopyEngine {
             let registering = std::thread::Builder::new()
                 .name("kvpool-pin-node-memory".into())
                 .spawn(move || {
-                    kvpool_core::threads::leave_inherited_cores();
                     let (ptr, len) = (mapping.as_ptr().as_ptr() as usize, mapping.len());
                     // SAFETY: the guard goes to the mapping's own guards, which end before it
                     // is unmapped; this thread holds the mapping meanwhile.

@@ -50,7 +50,11 @@ impl WorkerCore {
     pub fn new(spec: &WorkerSpec) -> Result<Self, String> {
         let (config, layout) = Self::config_and_layout(spec)?;
         let runtime = Arc::new(
-            kvpool_core::threads::engine_side_runtime("kvpool-worker", 2)
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("kvpool-worker")
+                .enable_all()
+                .build()
                 .map_err(|e| format!("cannot start kvpool's runtime: {e}"))?,
         );
         let pool = runtime

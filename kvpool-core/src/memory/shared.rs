@@ -157,7 +157,6 @@ impl SharedMapping {
         let spawned = std::thread::Builder::new()
             .name("kvpool-map-arena".into())
             .spawn(move || {
-                crate::threads::leave_inherited_cores();
                 let started = std::time::Instant::now();
                 match mapping.map_all_pages() {
                     Ok(()) => tracing::debug!(

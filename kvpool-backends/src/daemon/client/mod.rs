@@ -400,10 +400,7 @@ impl DaemonConnector {
         let watched = Arc::downgrade(&connector.inner);
         let spawned = std::thread::Builder::new()
             .name("kvpool-daemon-watch".into())
-            .spawn(move || {
-                kvpool_core::threads::leave_inherited_cores();
-                watch_for_departed_daemons(watched)
-            });
+            .spawn(move || watch_for_departed_daemons(watched));
         if let Err(e) = spawned {
             warn!(
                 "no thread to watch for a departed daemon ({e}): an idle engine notices one at its next call"

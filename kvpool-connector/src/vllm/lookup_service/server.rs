@@ -147,7 +147,6 @@ impl LookupServer {
         let accept_thread = std::thread::Builder::new()
             .name("kvpool-lookup".into())
             .spawn(move || {
-                kvpool_core::threads::leave_inherited_cores();
                 for conn in listener.incoming() {
                     if stop_accept.load(Ordering::Acquire) {
                         break;

@@ -290,8 +290,7 @@ impl CopyChecker {
             .name("kvpool-copy-check".into())
             .spawn(move || {
                 no_wakeup_preemption();
-                // Beside the forward pass, not on its core.
-                kvpool_core::threads::leave_inherited_cores();
+                run_on_any_allowed_cpu();
                 for r in requests {
                     let CheckRequest { job, checks, reply } = r;
                     let verdict = check_catching_panics(thread_planes.as_deref(), &job, &checks);
@@ -328,6 +327,32 @@ impl CopyChecker {
             });
         }
         checked
+    }
+}
+
+/// Lets the calling thread run on any CPU the process's cgroup allows. vLLM's CPU worker
+/// binds its OpenMP threads to the cores it reserves for the forward pass (`OMP_PROC_BIND`
+/// with `OMP_PLACES`, or `GOMP_CPU_AFFINITY`), and a thread inherits the binding of the
+/// thread that starts it: left so, the check would share the forward pass's core instead of
+/// running beside it. The kernel keeps the mask to the CPUs the cgroup allows.
+fn run_on_any_allowed_cpu() {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: an all-zero cpu_set_t is the empty set.
+        let mut every: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            // SAFETY: `cpu` is below CPU_SETSIZE, within the set.
+            unsafe { libc::CPU_SET(cpu, &mut every) };
+        }
+        // SAFETY: pid 0 is the calling thread; `every` is a valid set of its size.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &every) };
+        if rc != 0 {
+            tracing::debug!(
+                "the copy check thread keeps the CPUs of the thread that started it: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
