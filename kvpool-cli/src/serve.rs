@@ -161,11 +161,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
             );
         }
         for tenant in &cfg.tenants {
-            let options = DaemonOptions {
-                tenant: tenant.name.clone(),
-                capacity: tenant.memory.as_usize(),
-                ..base.clone()
-            };
+            let options = base.for_tenant(&tenant.name, tenant.memory.as_usize());
             let mac_key = tenant.mac_key()?;
             let namespaced: Vec<Arc<dyn RemoteConnector>> = tiers
                 .iter()

@@ -2,15 +2,16 @@
 //! in memory an earlier copy has already faulted in, instead of pages fresh from the kernel.
 //!
 //! A value written behind is copied out of the arena, checked on that copy and handed to the
-//! lower tiers as [`Bytes`]. Allocated anew each time, a value past glibc's largest mmap
-//! threshold (32 MiB: a 256-token chunk of a model with 128 KiB or more of KV per token) is
-//! mapped fresh and every one of its pages faulted in and zeroed before the copy: twice the
-//! CPU of the copy into a reused buffer (docs/benchmarks.md, "the daemon's copies in reused
-//! buffers"). Smaller values are reused by malloc itself once its threshold has adapted. Here
-//! the buffer goes back to a free list when the last [`Bytes`] made from it is dropped (once
-//! every tier has written it), and the next copy reuses it. The free list holds at most
-//! [`CopyBuffers::new`]'s byte bound (`DaemonOptions::copy_buffer_bytes`); a buffer past it is
-//! freed as before.
+//! lower tiers as [`Bytes`]. Allocated anew each time, its buffer's pages are often fresh
+//! from the kernel, each faulted in and zeroed before the copy: always for a value past
+//! glibc's largest mmap threshold (32 MiB: a 256-token chunk of a model with 128 KiB or more
+//! of KV per token), and for 2 MiB values on the daemon's low-priority threads in the
+//! benchmark too. Fresh buffers made the whole write behind take 1.2-1.6× the CPU it takes
+//! with reused ones (docs/benchmarks.md, "the daemon's copies in reused buffers"). Here the
+//! buffer goes back to a free list when the last [`Bytes`] made from it is dropped (once
+//! every tier has written it), and a later copy of a value at least half its size reuses it.
+//! The free list holds at most [`CopyBuffers::new`]'s byte bound
+//! (`DaemonOptions::copy_buffer_bytes`); a buffer past it is freed as before.
 
 use std::sync::Arc;
 
@@ -32,26 +33,31 @@ struct FreeList {
 }
 
 impl FreeList {
-    /// A free buffer of at least `len` bytes of capacity (the smallest such), if one is kept.
+    /// The smallest free buffer that holds `len` bytes and is at most twice that (a small
+    /// value never holds a large buffer, which a tier that keeps values would keep too).
     fn take(&mut self, len: usize) -> Option<Vec<u8>> {
         let (position, _) = self
             .buffers
             .iter()
             .enumerate()
-            .filter(|(_, buffer)| buffer.capacity() >= len)
+            .filter(|(_, buffer)| (len..=len.saturating_mul(2)).contains(&buffer.capacity()))
             .min_by_key(|(_, buffer)| buffer.capacity())?;
         let buffer = self.buffers.swap_remove(position);
         self.bytes -= buffer.capacity();
         Some(buffer)
     }
 
-    /// Keeps `buffer` for a later copy when it fits under the bound; frees it otherwise.
-    fn give_back(&mut self, mut buffer: Vec<u8>) {
-        if self.bytes + buffer.capacity() <= self.limit {
-            buffer.clear();
-            self.bytes += buffer.capacity();
-            self.buffers.push(buffer);
+    /// Keeps `buffer` for a later copy when it fits under the bound; hands it back otherwise,
+    /// for the caller to free once it has let go of the list.
+    fn keep(&mut self, mut buffer: Vec<u8>) -> Option<Vec<u8>> {
+        let capacity = buffer.capacity();
+        if capacity == 0 || self.bytes + capacity > self.limit {
+            return Some(buffer);
         }
+        buffer.clear();
+        self.bytes += capacity;
+        self.buffers.push(buffer);
+        None
     }
 }
 
@@ -69,7 +75,10 @@ impl AsRef<[u8]> for RecycledBuffer {
 
 impl Drop for RecycledBuffer {
     fn drop(&mut self) {
-        self.free.lock().give_back(std::mem::take(&mut self.buffer));
+        let refused = self.free.lock().keep(std::mem::take(&mut self.buffer));
+        // Freed (for a large buffer, unmapped) after the lock is released: a copy waiting to
+        // take a buffer does not wait on it.
+        drop(refused);
     }
 }
 
@@ -116,10 +125,11 @@ mod tests {
         assert_eq!(buffers.free_bytes(), 0, "a buffer in use is not free");
         drop(first);
         assert_eq!(buffers.free_bytes(), 4096);
-        // A smaller value fits the kept buffer and reads back as itself, none of the old bytes.
-        let second = buffers.copy_of(&[9u8; 1000]);
+        // A smaller value (at least half its size) reuses the kept buffer and reads back as
+        // itself, none of the old bytes.
+        let second = buffers.copy_of(&[9u8; 2500]);
         assert_eq!(second.as_ptr(), first_address, "the kept buffer is reused");
-        assert_eq!(&second[..], &[9u8; 1000][..]);
+        assert_eq!(&second[..], &[9u8; 2500][..]);
         assert_eq!(buffers.free_bytes(), 0);
     }
 
@@ -133,6 +143,27 @@ mod tests {
         assert_eq!(&clone[..], b"value");
         drop(clone);
         assert_eq!(buffers.free_bytes(), 5);
+    }
+
+    #[test]
+    fn a_small_value_never_takes_a_buffer_more_than_twice_its_size() {
+        let buffers = CopyBuffers::new(1 << 20);
+        let large = buffers.copy_of(&[1u8; 4000]);
+        let large_address = large.as_ptr();
+        drop(large);
+        let small = buffers.copy_of(&[2u8; 100]);
+        assert_ne!(
+            small.as_ptr(),
+            large_address,
+            "a 100-byte value holds no 4,000-byte buffer"
+        );
+        assert_eq!(buffers.free_bytes(), 4000, "the large buffer stays free");
+        let half = buffers.copy_of(&[3u8; 2000]);
+        assert_eq!(
+            half.as_ptr(),
+            large_address,
+            "a value of half its size reuses it"
+        );
     }
 
     #[test]
@@ -153,7 +184,11 @@ mod tests {
             "the smallest buffer that fits"
         );
         let fits_large = buffers.copy_of(&[5u8; 1200]);
-        assert_eq!(fits_large.as_ptr(), large_address);
+        assert_eq!(
+            fits_large.as_ptr(),
+            large_address,
+            "1,200 bytes fit 2,000, at most twice"
+        );
         let too_large = buffers.copy_of(&[6u8; 4000]);
         assert_eq!(
             &too_large[..],

@@ -49,8 +49,8 @@ pub const TENANT_PREFIX: &str = "tenant/";
 const SLOW_REQUEST: Duration = Duration::from_millis(10);
 
 /// Bytes of copy buffers a daemon with an arena of `arena_capacity` bytes keeps by default
-/// ([`DaemonOptions::copy_buffer_bytes`]): a sixteenth of the arena. Only buffers that copies
-/// in flight once needed are kept, so this is at most what the daemon held at its busiest.
+/// ([`DaemonOptions::copy_buffer_bytes`]): a sixteenth of the arena, resident besides it at
+/// most.
 pub fn default_copy_buffer_bytes(arena_capacity: usize) -> usize {
     arena_capacity / 16
 }
@@ -100,6 +100,17 @@ impl DaemonOptions {
             write_behind_quota: config.write_behind.quota.as_usize(),
             copy_buffer_bytes: default_copy_buffer_bytes(config.local_cpu.max_size.as_usize()),
         })
+    }
+
+    /// These options for tenant `name` with an arena of `memory` bytes (its `[[tenant]]`
+    /// table's `memory`), its copy buffers sized by that arena.
+    pub fn for_tenant(&self, name: &str, memory: usize) -> Self {
+        DaemonOptions {
+            tenant: name.to_string(),
+            capacity: memory,
+            copy_buffer_bytes: default_copy_buffer_bytes(memory),
+            ..self.clone()
+        }
     }
 }
 

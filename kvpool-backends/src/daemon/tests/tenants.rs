@@ -188,3 +188,16 @@ async fn an_engine_reaches_only_kvpool_keys_in_a_shared_lower_tier() {
     assert_eq!(shared.get("app:session").await.unwrap(), Some(secret));
     assert_eq!(run.daemon.stats().tier_hits, 0);
 }
+
+/// Each tenant's options carry its own arena size and copy buffers sized by that arena, not
+/// the daemon-wide ones (`kvpool serve` builds every tenant's from one base).
+#[test]
+fn a_tenants_options_size_its_copy_buffers_by_its_own_arena() {
+    let base = options(1024 * MIB);
+    let small = base.for_tenant("small", 64 * MIB);
+    assert_eq!(small.tenant, "small");
+    assert_eq!(small.capacity, 64 * MIB);
+    assert_eq!(small.copy_buffer_bytes, default_copy_buffer_bytes(64 * MIB));
+    assert!(small.copy_buffer_bytes < base.copy_buffer_bytes);
+    assert_eq!(small.write_behind_quota, base.write_behind_quota);
+}
