@@ -94,6 +94,7 @@ def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_d
     got = runner.run({"model": model_dir, "prompts": prompts, "batches": [[0], [1]],
                       "kvpool": l1(tier=[{"url": f"file://{disk}"}]),
                       "kv_events_port": free_port()})
+    assert got["kv_events_settled"], "the engine's later steps kept publishing events"
     events = got["kv_events"]
     engine_events = [e for e in events
                      if e["type"] == "BlockStored" and e["medium"] in ("GPU", None)]

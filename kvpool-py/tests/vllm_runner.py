@@ -9,7 +9,8 @@ kill_after_batch ({batch index: pid to SIGKILL after it, or "self"}), check_bloc
 kvpool stored with vLLM's own KV blocks; single process only), scrape_metrics (a port: fetch
 kvpool's Prometheus endpoint after the last batch), kv_events_port (turn on vLLM's KV events,
 published over ZMQ to a subscriber this process binds on 127.0.0.1:port; the events received
-are returned), served_model_name, env (variables set before vLLM starts), async_scheduling
+are returned, after stepping the engine on until no more arrive: `kv_events_settled`),
+served_model_name, env (variables set before vLLM starts), async_scheduling
 (turn vLLM's asynchronous scheduling on: the CPU platform switches it off, so the runner puts it
 back after the platform's config check), tensor_parallel_size (ranks as worker processes; on
 this CPU build with ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``, one core per rank),
@@ -189,6 +190,7 @@ def main(spec_path, out_path):
             # tier's write-behind of the last batch's values) reaches vLLM's publisher only
             # with a later step. Step on with a prompt too short to fill a block (nothing of
             # its own to announce) until two steps in a row publish nothing new.
+            # `kv_events_settled` says whether that happened within 20 steps.
             short = SamplingParams(temperature=0, detokenize=False, max_tokens=1)
             quiet = 0
             for _ in range(20):
@@ -199,6 +201,7 @@ def main(spec_path, out_path):
                 quiet = quiet + 1 if subscriber.batches_received() == published else 0
                 if quiet == 2:
                     break
+            out["kv_events_settled"] = quiet == 2
         out["kv_events"] = subscriber.stop()
     if spec.get("vllm_metrics"):
         from prometheus_client import REGISTRY
