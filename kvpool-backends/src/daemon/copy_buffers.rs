@@ -11,8 +11,11 @@
 //! buffer goes back to a free list when the last [`Bytes`] made from it is dropped (once
 //! every tier has written it), and a later copy of a value at least half its size reuses it.
 //! The free list holds at most [`CopyBuffers::new`]'s byte bound
-//! (`DaemonOptions::copy_buffer_bytes`); a buffer past it is freed as before.
+//! (`DaemonOptions::copy_buffer_bytes`): a buffer coming back when the list is full pushes
+//! out the buffers that have stayed unused longest (so buffers of sizes no longer written do
+//! not keep out the sizes written now), and a buffer larger than the whole bound is freed.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -25,7 +28,8 @@ pub(super) struct CopyBuffers {
 }
 
 struct FreeList {
-    buffers: Vec<Vec<u8>>,
+    /// Oldest returned first.
+    buffers: VecDeque<Vec<u8>>,
     /// Sum of the free buffers' capacities.
     bytes: usize,
     /// Most bytes of capacity kept free.
@@ -42,22 +46,32 @@ impl FreeList {
             .enumerate()
             .filter(|(_, buffer)| (len..=len.saturating_mul(2)).contains(&buffer.capacity()))
             .min_by_key(|(_, buffer)| buffer.capacity())?;
-        let buffer = self.buffers.swap_remove(position);
+        let buffer = self.buffers.remove(position)?;
         self.bytes -= buffer.capacity();
         Some(buffer)
     }
 
-    /// Keeps `buffer` for a later copy when it fits under the bound; hands it back otherwise,
-    /// for the caller to free once it has let go of the list.
-    fn keep(&mut self, mut buffer: Vec<u8>) -> Option<Vec<u8>> {
+    /// Keeps `buffer` for a later copy, pushing out the longest-unused buffers until it fits
+    /// under the bound; returns what no longer stays (the pushed-out buffers, or `buffer`
+    /// itself when it is empty or larger than the bound) for the caller to free once it has
+    /// let go of the list.
+    fn keep(&mut self, mut buffer: Vec<u8>) -> Vec<Vec<u8>> {
         let capacity = buffer.capacity();
-        if capacity == 0 || self.bytes + capacity > self.limit {
-            return Some(buffer);
+        if capacity == 0 || capacity > self.limit {
+            return vec![buffer];
+        }
+        let mut pushed_out = Vec::new();
+        while self.bytes + capacity > self.limit {
+            let Some(oldest) = self.buffers.pop_front() else {
+                break;
+            };
+            self.bytes -= oldest.capacity();
+            pushed_out.push(oldest);
         }
         buffer.clear();
         self.bytes += capacity;
-        self.buffers.push(buffer);
-        None
+        self.buffers.push_back(buffer);
+        pushed_out
     }
 }
 
@@ -75,10 +89,10 @@ impl AsRef<[u8]> for RecycledBuffer {
 
 impl Drop for RecycledBuffer {
     fn drop(&mut self) {
-        let refused = self.free.lock().keep(std::mem::take(&mut self.buffer));
+        let not_kept = self.free.lock().keep(std::mem::take(&mut self.buffer));
         // Freed (for a large buffer, unmapped) after the lock is released: a copy waiting to
         // take a buffer does not wait on it.
-        drop(refused);
+        drop(not_kept);
     }
 }
 
@@ -87,7 +101,7 @@ impl CopyBuffers {
     pub(super) fn new(free_bytes: usize) -> Self {
         CopyBuffers {
             free: Arc::new(Mutex::new(FreeList {
-                buffers: Vec::new(),
+                buffers: VecDeque::new(),
                 bytes: 0,
                 limit: free_bytes,
             })),
@@ -109,6 +123,15 @@ impl CopyBuffers {
     #[cfg(test)]
     pub(super) fn free_bytes(&self) -> usize {
         self.free.lock().bytes
+    }
+
+    /// The capacities of the buffers kept free now, smallest first.
+    #[cfg(test)]
+    fn kept_capacities(&self) -> Vec<usize> {
+        let mut capacities: Vec<usize> =
+            self.free.lock().buffers.iter().map(Vec::capacity).collect();
+        capacities.sort_unstable();
+        capacities
     }
 }
 
@@ -167,16 +190,13 @@ mod tests {
     }
 
     #[test]
-    fn the_free_list_keeps_no_more_than_its_bound_and_picks_the_smallest_fit() {
-        let buffers = CopyBuffers::new(3000);
+    fn the_free_list_picks_the_smallest_fit() {
+        let buffers = CopyBuffers::new(1 << 20);
         let small = buffers.copy_of(&[1u8; 1000]);
         let large = buffers.copy_of(&[2u8; 2000]);
-        let past_bound = buffers.copy_of(&[3u8; 1500]);
         let (small_address, large_address) = (small.as_ptr(), large.as_ptr());
-        drop(small);
         drop(large);
-        drop(past_bound); // 3,000 bytes kept already: freed
-        assert_eq!(buffers.free_bytes(), 3000);
+        drop(small);
         let fits_small = buffers.copy_of(&[4u8; 900]);
         assert_eq!(
             fits_small.as_ptr(),
@@ -195,5 +215,59 @@ mod tests {
             &[6u8; 4000][..],
             "a new buffer when none fits"
         );
+    }
+
+    #[test]
+    fn a_full_free_list_pushes_out_its_longest_unused_buffers_and_never_passes_its_bound() {
+        let buffers = CopyBuffers::new(3000);
+        let oldest = buffers.copy_of(&[1u8; 1000]);
+        let newer = buffers.copy_of(&[2u8; 1000]);
+        let newest = buffers.copy_of(&[3u8; 1500]);
+        let (newer_address, newest_address) = (newer.as_ptr(), newest.as_ptr());
+        drop(oldest);
+        drop(newer);
+        assert_eq!(buffers.free_bytes(), 2000);
+        drop(newest); // 3,500 bytes would pass the bound: the oldest goes
+        assert_eq!(buffers.free_bytes(), 2500);
+        let first = buffers.copy_of(&[4u8; 1400]);
+        let second = buffers.copy_of(&[5u8; 900]);
+        assert_eq!(first.as_ptr(), newest_address);
+        assert_eq!(second.as_ptr(), newer_address);
+        drop((first, second));
+        let larger_than_the_bound = buffers.copy_of(&[6u8; 4000]);
+        drop(larger_than_the_bound);
+        assert_eq!(
+            buffers.free_bytes(),
+            2500,
+            "a buffer larger than the whole bound is freed, and pushes nothing out"
+        );
+    }
+
+    #[test]
+    fn buffers_of_sizes_no_longer_written_do_not_keep_out_the_sizes_written_now() {
+        let buffers = CopyBuffers::new(4000);
+        let stale: Vec<Bytes> = (0..4).map(|_| buffers.copy_of(&[1u8; 1000])).collect();
+        drop(stale);
+        assert_eq!(
+            buffers.free_bytes(),
+            4000,
+            "the list is full of 1,000-byte buffers"
+        );
+        // The values written now are 3,000 bytes: none of the kept buffers fits them.
+        let first = buffers.copy_of(&[2u8; 3000]);
+        let first_address = first.as_ptr();
+        drop(first);
+        assert_eq!(
+            buffers.kept_capacities(),
+            [1000, 3000],
+            "the three longest unused make room for the buffer of the size written now"
+        );
+        let second = buffers.copy_of(&[3u8; 3000]);
+        assert_eq!(
+            second.as_ptr(),
+            first_address,
+            "the buffer of the size written now is kept and reused"
+        );
+        assert_eq!(&second[..], &[3u8; 3000][..]);
     }
 }
