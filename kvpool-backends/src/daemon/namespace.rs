@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use kvpool_core::BackendError;
-use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::remote::{RejectedValue, RemoteConnector, delete_rejected};
 use kvpool_core::storage::tier_events::TierEventLog;
 use sha2::Sha256;
 use tracing::warn;
@@ -98,32 +98,14 @@ impl RemoteConnector for NamespacedConnector {
                     warn!(tier = self.inner.name(), key = %name, "a value without this tenant's MAC: a miss, deleted");
                     metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => self.inner.name().to_string())
                         .increment(1);
-                    forged.push((name.clone(), value));
+                    forged.push(RejectedValue::new(name.clone(), &value));
                 }
                 checked
             })
             .collect();
         // Deleted (each only if still the bytes read: a good value written since stays), so
         // that lookups stop promising it and a later save stores it again.
-        if !forged.is_empty() {
-            let again: Vec<String> = forged.iter().map(|(k, _)| k.clone()).collect();
-            if let Ok(now) = self.inner.batch_get(&again).await {
-                let still: Vec<String> = forged
-                    .into_iter()
-                    .zip(now)
-                    .filter(|((_, was), now)| now.as_ref() == Some(was))
-                    .map(|((k, _), _)| k)
-                    .collect();
-                if !still.is_empty()
-                    && let Err(e) = self.inner.batch_delete(&still).await
-                {
-                    warn!(
-                        tier = self.inner.name(),
-                        "could not delete values without the MAC: {e}"
-                    );
-                }
-            }
-        }
+        delete_rejected(self.inner.as_ref(), forged).await;
         Ok(out)
     }
 

@@ -6,9 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use kvpool_core::memory::{EvictionKind, MemoryObj};
-use kvpool_core::storage::remote::RemoteConnector;
+use kvpool_core::storage::remote::{RejectedValue, RemoteConnector, delete_rejected};
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
@@ -491,13 +490,14 @@ impl PoolDaemon {
                             warn!(tier = tier.name(), key = %keys[i], error = %e, "a lower tier's value failed its check; not promoted, deleted from that tier");
                             metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => tier.name().to_string())
                                 .increment(1);
-                            corrupt.push((keys[i].clone(), bytes));
+                            corrupt.push(RejectedValue::new(keys[i].clone(), &bytes));
                             continue;
                         }
                         out[i] = self.store.promote_and_pin(session, &keys[i], &bytes);
                         tier_hits += u64::from(out[i].is_some());
                     }
-                    self.delete_if_unchanged(tier.as_ref(), corrupt);
+                    self.runtime
+                        .block_on(delete_rejected(tier.as_ref(), corrupt));
                 }
                 Err(e) => debug!(tier = tier.name(), "get failed (a miss): {e}"),
             }
@@ -505,34 +505,6 @@ impl PoolDaemon {
         let misses = out.iter().filter(|r| r.is_none()).count() as u64;
         self.store.count_lookups(tier_hits, misses);
         out
-    }
-
-    /// Deletes `bad` values (key, the bytes read) from `tier`, each only if the tier still holds
-    /// those very bytes: a good value written under the key since (a commit's write-behind)
-    /// stays.
-    fn delete_if_unchanged(&self, tier: &dyn RemoteConnector, bad: Vec<(String, Bytes)>) {
-        if bad.is_empty() {
-            return;
-        }
-        let keys: Vec<String> = bad.iter().map(|(k, _)| k.clone()).collect();
-        let now = match self.runtime.block_on(tier.batch_get(&keys)) {
-            Ok(now) => now,
-            Err(e) => {
-                debug!(tier = tier.name(), "could not re-read corrupt values: {e}");
-                return;
-            }
-        };
-        let still: Vec<String> = bad
-            .into_iter()
-            .zip(now)
-            .filter(|((_, was), now)| now.as_ref() == Some(was))
-            .map(|((k, _), _)| k)
-            .collect();
-        if !still.is_empty()
-            && let Err(e) = self.runtime.block_on(tier.batch_delete(&still))
-        {
-            warn!(tier = tier.name(), "could not delete corrupt values: {e}");
-        }
     }
 }
 

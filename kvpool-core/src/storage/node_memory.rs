@@ -46,7 +46,7 @@ impl PinnedBytes {
     }
 
     /// The bytes, as another process may be changing them: read them only to copy them.
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: `new`'s caller promised the range stays mapped while the pin (a field of
         // self) lives.
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
@@ -121,13 +121,16 @@ impl SharedChunk {
     }
 }
 
-/// Reads the header of a value lent where it lies (`bytes`) as `check_before_copy` does.
+/// Reads the header of a value lent where it lies (`bytes`) as `check_before_copy` does; a
+/// value that fails is handed back with the error, for the caller to say what it read.
 pub(crate) fn shared_chunk(
     bytes: PinnedBytes,
     expect: &crate::format::chunk_format::DecodeExpectation,
-) -> Result<SharedChunk, FormatError> {
-    let (header, check) = crate::format::chunk_format::check_before_copy(bytes.bytes(), expect)?;
-    Ok(SharedChunk::new(header.meta, bytes, check))
+) -> Result<SharedChunk, (FormatError, PinnedBytes)> {
+    match crate::format::chunk_format::check_before_copy(bytes.bytes(), expect) {
+        Ok((header, check)) => Ok(SharedChunk::new(header.meta, bytes, check)),
+        Err(error) => Err((error, bytes)),
+    }
 }
 
 #[cfg(test)]
@@ -221,7 +224,7 @@ mod tests {
         });
         assert!(matches!(
             shared_chunk(lent(&value), &expect),
-            Err(FormatError::KeyMismatch { .. })
+            Err((FormatError::KeyMismatch { .. }, _))
         ));
         let (_, expect) = stored(&[1u8; 64]);
         let zstd = ChunkCodec {
@@ -236,7 +239,7 @@ mod tests {
         let compressed = zstd.encode(&meta, &expect.key.unwrap(), &[1u8; 64]);
         assert!(matches!(
             shared_chunk(lent(&compressed), &expect),
-            Err(FormatError::Compressed)
+            Err((FormatError::Compressed, _))
         ));
     }
 }

@@ -29,6 +29,8 @@ struct LoggingStore {
     node_memory: bool,
     values: Mutex<HashMap<String, Vec<u8>>>,
     calls: Mutex<Vec<&'static str>>,
+    /// A value another writer stores right after the next read has read.
+    written_after_next_read: Mutex<Option<(String, Vec<u8>)>>,
 }
 
 impl LoggingStore {
@@ -37,6 +39,11 @@ impl LoggingStore {
     }
     fn calls(&self) -> Vec<&'static str> {
         std::mem::take(&mut *self.calls.lock())
+    }
+    fn a_read_ended(&self) {
+        if let Some((key, value)) = self.written_after_next_read.lock().take() {
+            self.values.lock().insert(key, value);
+        }
     }
 }
 
@@ -54,11 +61,14 @@ impl RemoteConnector for Arc<LoggingStore> {
     }
     async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
         self.log("batch_get");
-        let values = self.values.lock();
-        Ok(keys
-            .iter()
-            .map(|k| values.get(k).map(|v| Bytes::copy_from_slice(v)))
-            .collect())
+        let read = {
+            let values = self.values.lock();
+            keys.iter()
+                .map(|k| values.get(k).map(|v| Bytes::copy_from_slice(v)))
+                .collect()
+        };
+        self.a_read_ended();
+        Ok(read)
     }
     async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
         self.log("batch_put");
@@ -111,12 +121,15 @@ impl NodeMemoryConnector for Arc<LoggingStore> {
         } else {
             "batch_copy_out"
         });
-        let values = self.values.lock();
-        for (i, k) in keys.iter().enumerate() {
-            if let Some(v) = values.get(k) {
-                copy_out(i, v);
+        {
+            let values = self.values.lock();
+            for (i, k) in keys.iter().enumerate() {
+                if let Some(v) = values.get(k) {
+                    copy_out(i, v);
+                }
             }
         }
+        self.a_read_ended();
         Ok(())
     }
     /// Writes in place: the copy-in fills the stored bytes themselves, over what was there.
@@ -239,4 +252,72 @@ async fn other_tiers_and_compressing_codecs_keep_the_buffered_path() {
     let got = backend.get(&keys).await.unwrap();
     assert_eq!(got[0].as_ref().unwrap().data.as_slice(), &[5u8; 4096][..]);
     assert_eq!(store.calls(), ["batch_put", "batch_copy_out"]);
+}
+
+/// How a test reads a tier: `get` or `get_each`.
+#[derive(Clone, Copy, Debug)]
+enum Read {
+    Get,
+    GetEach,
+}
+
+/// Which of `keys` the read found good.
+async fn found(
+    backend: &RemoteBackend<Arc<LoggingStore>>,
+    keys: &[CacheKey],
+    read: Read,
+) -> Vec<bool> {
+    match read {
+        Read::Get => backend
+            .get(keys)
+            .await
+            .unwrap()
+            .iter()
+            .map(Option::is_some)
+            .collect(),
+        Read::GetEach => backend
+            .get_each(keys, Arc::new(|_, _, _| {}))
+            .await
+            .unwrap(),
+    }
+}
+
+#[tokio::test]
+async fn a_bad_read_deletes_the_bad_value_but_not_a_good_one_written_since() {
+    for (node_memory, read) in [
+        (false, Read::Get),
+        (false, Read::GetEach),
+        (true, Read::Get),
+    ] {
+        let case = format!("node memory {node_memory}, {read:?}");
+        let (store, backend) = tier(node_memory, ChunkCodec::default());
+        let keys = keys(2);
+        let entries = keys.iter().zip([1, 2]).map(|(k, b)| (k.clone(), chunk(b)));
+        backend.put(entries.collect()).await.unwrap();
+        let names: Vec<String> = keys.iter().map(ToString::to_string).collect();
+        let good = store.values.lock()[&names[0]].clone();
+        // Both values changed where they lie; a save stores key 0's good value again just
+        // after the read has read the bad one.
+        for name in &names {
+            store.values.lock().get_mut(name).unwrap()[100] ^= 1;
+        }
+        *store.written_after_next_read.lock() = Some((names[0].clone(), good));
+
+        assert_eq!(
+            found(&backend, &keys, read).await,
+            [false, false],
+            "{case}: a bad value was returned"
+        );
+        assert_eq!(
+            backend.contains(&keys).await.unwrap(),
+            [true, false],
+            "{case}: the good value written since the read was deleted, or the bad one kept"
+        );
+        let again = backend.get(&keys[..1]).await.unwrap();
+        assert_eq!(
+            again[0].as_ref().expect("the good value").data.as_slice(),
+            &[1u8; 4096][..],
+            "{case}"
+        );
+    }
 }

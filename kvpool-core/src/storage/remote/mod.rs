@@ -2,12 +2,14 @@
 
 mod connector;
 mod node_memory;
+mod rejected;
 
 pub use connector::RemoteConnector;
 pub use node_memory::{
     CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory_of, node_memory_mapping_of,
     node_memory_of,
 };
+pub use rejected::{RejectedValue, delete_rejected};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -110,7 +112,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
         F: FnOnce(CopyOut) -> Fut,
         Fut: std::future::Future<Output = Result<(), BackendError>>,
     {
-        type Slots = Vec<Option<Result<Chunk, FormatError>>>;
+        type Slots = Vec<Option<Checked<Chunk>>>;
         let slots: Arc<Mutex<Slots>> =
             Arc::new(Mutex::new((0..keys.len()).map(|_| None).collect()));
         let visit: CopyOut = {
@@ -122,12 +124,12 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                 let Some(key) = keys.get(i) else { return };
                 let expect = expectation(key, max_chunk_bytes);
                 let decoded =
-                    decode_copied(bytes, &expect, |len| allocate(allocator.as_ref(), len)).map(
-                        |(header, buf)| Chunk {
+                    decode_copied(bytes, &expect, |len| allocate(allocator.as_ref(), len))
+                        .map(|(header, buf)| Chunk {
                             meta: header.meta,
                             data: buf.freeze(),
-                        },
-                    );
+                        })
+                        .map_err(|error| Rejected::new(error, key, bytes));
                 if let Some(slot) = slots.lock().get_mut(i) {
                     *slot = Some(decoded);
                 }
@@ -182,11 +184,12 @@ impl<C: RemoteConnector> RemoteBackend<C> {
     }
 
     /// Counts hits and misses of decoded values (`names`: their keys' strings); a value that
-    /// failed its checks is a miss and is deleted from the store.
+    /// failed its checks is a miss and is deleted from the store ([`delete_rejected`]: unless
+    /// a good value was written under its key since).
     async fn tally(
         &self,
         names: &[String],
-        decoded: Vec<Option<Result<Chunk, FormatError>>>,
+        decoded: Vec<Option<Checked<Chunk>>>,
     ) -> Result<Vec<Option<Chunk>>, BackendError> {
         self.tally_by(names, decoded, |c| c.data.len()).await
     }
@@ -195,7 +198,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
     async fn tally_by<T>(
         &self,
         names: &[String],
-        decoded: Vec<Option<Result<T, FormatError>>>,
+        decoded: Vec<Option<Checked<T>>>,
         len: impl Fn(&T) -> usize,
     ) -> Result<Vec<Option<T>>, BackendError> {
         let mut out = Vec::with_capacity(decoded.len());
@@ -211,23 +214,37 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                     self.counters.bytes_read.add(len(&chunk) as u64);
                     out.push(Some(chunk));
                 }
-                Some(Err(e)) => {
-                    warn!(backend = self.name(), key = %name, error = %e, "rejecting stored chunk");
+                Some(Err(Rejected { error, value })) => {
+                    warn!(backend = self.name(), key = %name, %error, "rejecting stored chunk");
                     self.counters.corrupt.add(1);
                     self.counters.misses.add(1);
                     metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
                         .increment(1);
-                    corrupt.push(name.clone());
+                    corrupt.push(value);
                     out.push(None);
                 }
             }
         }
-        if !corrupt.is_empty()
-            && let Err(e) = self.connector.batch_delete(&corrupt).await
-        {
-            warn!(backend = self.name(), error = %e, "could not delete corrupt chunks");
-        }
+        delete_rejected(&self.connector, corrupt).await;
         Ok(out)
+    }
+}
+
+/// A value read, or what failed in it and what was read.
+type Checked<T> = Result<T, Rejected>;
+
+/// A value that failed its checks: why, and what was read (for [`delete_rejected`]).
+struct Rejected {
+    error: FormatError,
+    value: RejectedValue,
+}
+
+impl Rejected {
+    fn new(error: FormatError, key: &CacheKey, bytes: &[u8]) -> Self {
+        Rejected {
+            error,
+            value: RejectedValue::new(key.to_string(), bytes),
+        }
     }
 }
 
@@ -308,16 +325,17 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             let chunks = self.copy_out_values(keys, false).await?;
             return Ok(visit_found(&chunks, &visit));
         }
-        type Outcomes = Vec<Option<Result<usize, FormatError>>>;
-        let outcomes: Arc<Mutex<Outcomes>> = Arc::new(Mutex::new(vec![None; keys.len()]));
+        type Outcomes = Vec<Option<Checked<usize>>>;
+        let outcomes: Arc<Mutex<Outcomes>> =
+            Arc::new(Mutex::new((0..keys.len()).map(|_| None).collect()));
         let check_and_visit: CopyOut = {
             let keys = keys.to_vec();
             let outcomes = outcomes.clone();
             let max_chunk_bytes = self.max_chunk_bytes;
             Arc::new(move |i, bytes| {
                 let Some(key) = keys.get(i) else { return };
-                let outcome =
-                    decode_header(bytes, &expectation(key, max_chunk_bytes)).and_then(|header| {
+                let outcome = decode_header(bytes, &expectation(key, max_chunk_bytes))
+                    .and_then(|header| {
                         if header.compressed {
                             let mut data = vec![0; header.raw_len as usize];
                             decode_payload_into(bytes, &header, &mut data)?;
@@ -326,7 +344,8 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
                             visit(i, &header.meta, &bytes[HEADER_LEN..]);
                         }
                         Ok(header.raw_len as usize)
-                    });
+                    })
+                    .map_err(|error| Rejected::new(error, key, bytes));
                 if let Some(slot) = outcomes.lock().get_mut(i) {
                     *slot = Some(outcome);
                 }
@@ -421,7 +440,10 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
             .iter()
             .zip(lent)
             .map(|(key, bytes)| {
-                bytes.map(|b| shared_chunk(b, &expectation(key, self.max_chunk_bytes)))
+                bytes.map(|b| {
+                    shared_chunk(b, &expectation(key, self.max_chunk_bytes))
+                        .map_err(|(error, b)| Rejected::new(error, key, b.bytes()))
+                })
             })
             .collect();
         self.tally_by(&names, checked, SharedChunk::payload_len)
