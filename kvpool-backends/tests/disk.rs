@@ -204,10 +204,9 @@ async fn engine_over_l1_and_disk_recovers_from_disk_and_rejects_garbage() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root to mount a tmpfs; `cargo xtask matrix` runs it"]
 async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
-    let Some(fs) = servers::tmpfs("96m") else {
-        return;
-    };
+    let fs = servers::tmpfs("96m");
     let layout = KvLayout::new(4, 8, 64, Dtype::F16, KvKind::KeyValue, 16).unwrap(); // 8 KiB/token
     let mut config = DiskConfig::new(fs.path.join("db")); // 64 GiB "capacity", far above the fs
     config.min_free_bytes = 32 << 20;
@@ -255,10 +254,9 @@ async fn a_full_filesystem_surfaces_as_failed_writes_not_a_crash() {
 /// reserve) refuses every later write until it is reopened; the tier reopens it once space
 /// returns, and keeps what it held. Before the fix, writes failed for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root to mount a tmpfs; `cargo xtask matrix` runs it"]
 async fn rocksdb_out_of_space_heals_when_space_returns() {
-    let Some(fs) = servers::tmpfs("48m") else {
-        return;
-    };
+    let fs = servers::tmpfs("48m");
     let mut config = DiskConfig::new(fs.path.join("db"));
     config.capacity_bytes = 8 << 20;
     config.min_free_bytes = 0; // let RocksDB itself hit the full disk

@@ -1,7 +1,7 @@
 //! `kvpool serve` restarted inside a memory cgroup of 1.5 times its arena while an engine is
 //! attached: the new daemon must start and serve, not be killed for the old arena the engine
-//! still maps. Needs root and a writable memory cgroup (v1 or v2). In CI
-//! (`KVPOOL_REQUIRE_CGROUP`) their absence fails the test instead of skipping it.
+//! still maps. Needs root and a writable memory cgroup (v1 or v2): `#[ignore]`d, run by
+//! `cargo xtask ci`, and failing where it has neither.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -109,15 +109,11 @@ fn value(i: usize) -> Bytes {
 }
 
 #[test]
+#[ignore = "needs root and a memory cgroup; `cargo xtask ci` runs it"]
 fn a_daemon_restarts_in_a_cgroup_of_one_and_a_half_arenas_while_an_engine_maps_the_old_one() {
-    let Some(cgroup) = MemoryCgroup::create(LIMIT) else {
-        assert!(
-            std::env::var_os("KVPOOL_REQUIRE_CGROUP").is_none(),
-            "no writable memory cgroup (this test needs root and cgroup v1 or v2 memory)"
-        );
-        println!("SKIP: no writable memory cgroup; run as root to test restarts under a limit");
-        return;
-    };
+    let cgroup = MemoryCgroup::create(LIMIT).expect(
+        "no writable memory cgroup: this test needs root and cgroup v1 or v2's memory controller",
+    );
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("kvpool.sock");
     let runtime = tokio::runtime::Builder::new_multi_thread()
