@@ -51,6 +51,7 @@ pub mod timeout;
 #[cfg(any(feature = "redis", feature = "s3"))]
 mod tls;
 
+pub use backend_factory::{BackendFactory, TierRequest};
 pub use cpu::LocalCpuBackend;
 #[cfg(feature = "testkit")]
 pub use faults::{ControlledFaults, FaultSwitches};
@@ -59,5 +60,5 @@ pub use memory::InMemoryConnector;
 pub use memory::InMemoryNodeMemory;
 pub use metrics_endpoint::{metrics_address, serve_metrics};
 pub use pool_builder::{Pool, build_pool, build_pool_with_allocator};
-pub use registry::{BackendFactory, TierRequest, open_tier, register_scheme};
+pub use registry::{open_tier, register_scheme};
 pub use timeout::TimeoutConnector;

@@ -8,7 +8,7 @@
 //!
 //! ```
 //! use async_trait::async_trait;
-//! use kvpool_backends::registry::{BackendFactory, TierRequest, register_scheme};
+//! use kvpool_backends::{BackendFactory, TierRequest, register_scheme};
 //! use kvpool_backends::InMemoryConnector;
 //! use kvpool_core::{ConfigError, RemoteConnector};
 //!
@@ -49,7 +49,7 @@ use kvpool_core::{
     TierConfig,
 };
 
-pub use crate::backend_factory::{BackendFactory, TierRequest};
+use crate::backend_factory::{BackendFactory, TierRequest};
 
 use crate::deferred::DeferredConnector;
 use crate::memory::InMemoryConnector;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use kvpool_backends::registry::{BackendFactory, TierRequest, register_scheme};
+use kvpool_backends::{BackendFactory, TierRequest, register_scheme};
 use kvpool_backends::{InMemoryConnector, InMemoryNodeMemory};
 use kvpool_connector::{
     BlockUpdate, ConnectorConfig, ConnectorOutput, ConnectorScheduler, EngineRequest, LeaseTable,

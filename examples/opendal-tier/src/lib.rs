@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use kvpool_backends::registry::{BackendFactory, TierRequest, register_scheme};
+use kvpool_backends::{BackendFactory, TierRequest, register_scheme};
 use kvpool_core::format::chunk_format::max_stored_len;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector};
 use opendal::{ErrorKind, Operator};

@@ -286,9 +286,8 @@ fn a_hung_rank_is_bounded_then_skipped_by_its_breaker() {
     let hung = dir.path().join("tp1.sock");
     let w0 = WorkerCore::new(&spec(good.clone(), 2, 0)).unwrap();
     // Rank 1 answers the hello like a real worker, then never answers a lookup.
-    use kvpool_connector::vllm::lookup_service::{
-        LookupRequest, LookupResponse, WorkerInfo, read_frame, write_frame,
-    };
+    use kvpool_connector::vllm::lookup_service::{LookupRequest, LookupResponse, WorkerInfo};
+    use kvpool_core::frame::{read_frame, write_frame};
     let engine = w0.worker.engine().clone();
     let info = WorkerInfo {
         probe_hash: kvpool_connector::probe_hash(&engine),

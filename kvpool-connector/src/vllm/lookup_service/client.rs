@@ -13,10 +13,10 @@ use tracing::{debug, info, warn};
 use super::server::LookupTarget;
 use super::{
     BREAKER_FAILURES, BREAKER_PROBE_INTERVAL, LookupRequest, LookupResponse, WorkerInfo, io_err,
-    read_frame, write_frame,
 };
 use crate::vllm::leases::LookupAnswer;
 use crate::vllm::scheduler::{LookupCounters, PoolLookup};
+use kvpool_core::frame::{read_frame, write_frame};
 
 /// One rank as the scheduler sees it: its connection (locked while a call is on the wire)
 /// and its circuit breaker (never locked across I/O).

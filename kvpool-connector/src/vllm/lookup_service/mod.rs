@@ -41,8 +41,6 @@ pub const BREAKER_FAILURES: u32 = 3;
 /// How often an open breaker lets a probe through.
 pub const BREAKER_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
-pub use kvpool_core::frame::{MAX_FRAME_BYTES, read_frame, write_frame};
-
 /// What the scheduler asks a worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LookupRequest {

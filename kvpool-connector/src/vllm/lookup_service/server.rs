@@ -16,8 +16,9 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
-use super::{LookupRequest, LookupResponse, WorkerInfo, read_frame, write_frame};
+use super::{LookupRequest, LookupResponse, WorkerInfo};
 use crate::vllm::leases::{LeaseTable, lookup_and_lease};
+use kvpool_core::frame::{read_frame, write_frame};
 
 /// Answers lookups against a worker's pool on a Unix socket, on its own threads, until dropped.
 pub struct LookupServer {
