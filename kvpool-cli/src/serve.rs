@@ -78,6 +78,39 @@ fn writing_disk_tiers_at_low_priority(
     daemon
 }
 
+/// A daemon with `options` over `tiers` (the lower tiers, or a tenant's views of them), its
+/// disk tiers written at low priority, and its socket bound at `socket` for the engines that
+/// may attach (the owner, and `group`'s members when given).
+fn start_daemon(
+    options: DaemonOptions,
+    tiers: Vec<Arc<dyn RemoteConnector>>,
+    cfg: &PoolConfig,
+    rt: &Runtime,
+    socket: &std::path::Path,
+    group: Option<&str>,
+) -> anyhow::Result<(Arc<PoolDaemon>, DaemonServer)> {
+    let capacity = options.capacity;
+    let daemon =
+        PoolDaemon::with_tiers(options, tiers, rt.handle().clone()).with_context(|| {
+            format!(
+                "cannot create a shared arena of {capacity} bytes ([local_cpu] max_size, or a \
+                 tenant's memory)"
+            )
+        })?;
+    let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, cfg, rt));
+    let access = match group {
+        Some(g) => SocketAccess::group(g)?,
+        None => SocketAccess::default(),
+    };
+    let server = DaemonServer::bind(daemon.clone(), socket, access).with_context(|| {
+        format!(
+            "cannot listen on {} (choose another path with --socket, or a tenant's socket)",
+            socket.display()
+        )
+    })?;
+    Ok((daemon, server))
+}
+
 /// One tenant's daemon and its socket.
 struct Served {
     name: String,
@@ -126,20 +159,14 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
     };
     let mut served = Vec::new();
     if cfg.tenants.is_empty() {
-        let daemon = PoolDaemon::with_tiers(base, tiers.clone(), rt.handle().clone())
-            .context("cannot create the shared arena ([local_cpu] max_size)")?;
-        let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, &cfg, rt));
-        let access = match &args.group {
-            Some(g) => SocketAccess::group(g)?,
-            None => SocketAccess::default(),
-        };
-        let server =
-            DaemonServer::bind(daemon.clone(), &args.socket, access).with_context(|| {
-                format!(
-                    "cannot listen on {} (choose another path with --socket)",
-                    args.socket.display()
-                )
-            })?;
+        let (daemon, server) = start_daemon(
+            base,
+            tiers.clone(),
+            &cfg,
+            rt,
+            &args.socket,
+            args.group.as_deref(),
+        )?;
         eprintln!(
             "kvpool serve: {} of shared memory ({:?} eviction), lower tiers [{}], listening on {} \
              (one trust domain: every engine that can attach)",
@@ -174,23 +201,15 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
                     Arc::new(view) as Arc<dyn RemoteConnector>
                 })
                 .collect();
-            let daemon = PoolDaemon::with_tiers(options, namespaced, rt.handle().clone())
-                .with_context(|| {
-                    format!("cannot create tenant `{}`'s shared arena", tenant.name)
-                })?;
-            let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, &cfg, rt));
-            let access = match &tenant.group {
-                Some(g) => SocketAccess::group(g)?,
-                None => SocketAccess::default(),
-            };
-            let server =
-                DaemonServer::bind(daemon.clone(), &tenant.socket, access).with_context(|| {
-                    format!(
-                        "tenant `{}`: cannot listen on {}",
-                        tenant.name,
-                        tenant.socket.display()
-                    )
-                })?;
+            let (daemon, server) = start_daemon(
+                options,
+                namespaced,
+                &cfg,
+                rt,
+                &tenant.socket,
+                tenant.group.as_deref(),
+            )
+            .with_context(|| format!("tenant `{}`", tenant.name))?;
             eprintln!(
                 "kvpool serve: tenant `{}`: {} of shared memory, lower tiers [{}] under `{}`, \
                  listening on {}{}{}",
