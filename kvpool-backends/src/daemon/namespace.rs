@@ -143,3 +143,85 @@ impl RemoteConnector for NamespacedConnector {
         self.inner.set_event_log(events);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use parking_lot::Mutex;
+
+    use super::*;
+    use crate::memory::InMemoryConnector;
+
+    /// A shared tier where another writer stores a value right after the next read has read.
+    #[derive(Default)]
+    struct WrittenAfterNextRead {
+        inner: InMemoryConnector,
+        pending: Mutex<Option<(String, Bytes)>>,
+    }
+
+    #[async_trait]
+    impl RemoteConnector for WrittenAfterNextRead {
+        fn name(&self) -> &str {
+            "written-after-next-read"
+        }
+        async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+            self.inner.batch_exists(keys).await
+        }
+        async fn batch_get(&self, keys: &[String]) -> Result<Vec<Option<Bytes>>, BackendError> {
+            let read = self.inner.batch_get(keys).await?;
+            let pending = self.pending.lock().take();
+            if let Some(entry) = pending {
+                self.inner.batch_put(vec![entry]).await?;
+            }
+            Ok(read)
+        }
+        async fn batch_put(&self, entries: Vec<(String, Bytes)>) -> Result<(), BackendError> {
+            self.inner.batch_put(entries).await
+        }
+        async fn batch_delete(&self, keys: &[String]) -> Result<usize, BackendError> {
+            self.inner.batch_delete(keys).await
+        }
+        async fn close(&self) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_value_without_the_mac_is_deleted_but_a_tagged_one_written_since_stays() {
+        let shared = Arc::new(WrittenAfterNextRead::default());
+        let tenant = NamespacedConnector::new(shared.clone(), "tenant/a/".into())
+            .with_mac_key(b"0123456789abcdef0123456789abcdef".to_vec());
+        let keys = ["k1".to_string(), "k2".to_string()];
+        tenant
+            .batch_put(vec![
+                (keys[0].clone(), Bytes::from_static(b"first")),
+                (keys[1].clone(), Bytes::from_static(b"second")),
+            ])
+            .await
+            .unwrap();
+        let names = ["tenant/a/k1".to_string(), "tenant/a/k2".to_string()];
+        let tagged = shared.inner.batch_get(&names[..1]).await.unwrap()[0]
+            .clone()
+            .unwrap();
+        // Both values forged below the tenant; the tenant's own tagged value is written again
+        // under k1 just after the read has read the forged one.
+        shared
+            .batch_put(vec![
+                (names[0].clone(), Bytes::from_static(b"forged-1")),
+                (names[1].clone(), Bytes::from_static(b"forged-2")),
+            ])
+            .await
+            .unwrap();
+        *shared.pending.lock() = Some((names[0].clone(), tagged));
+
+        assert_eq!(tenant.batch_get(&keys).await.unwrap(), [None, None]);
+        assert_eq!(
+            shared.batch_exists(&names).await.unwrap(),
+            [true, false],
+            "the tagged value written since the read was deleted, or the forged one kept"
+        );
+        assert_eq!(
+            tenant.batch_get(&keys[..1]).await.unwrap()[0].as_deref(),
+            Some(&b"first"[..])
+        );
+    }
+}

@@ -45,7 +45,8 @@ impl PinnedBytes {
         Instant::now() < self.usable_until
     }
 
-    /// The bytes, as another process may be changing them: read them only to copy them.
+    /// The bytes, as another process may be changing them: read them only to copy them (or,
+    /// while [`PinnedBytes::usable`], to digest a value that failed its checks).
     pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: `new`'s caller promised the range stays mapped while the pin (a field of
         // self) lives.

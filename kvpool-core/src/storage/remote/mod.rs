@@ -220,7 +220,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                     self.counters.misses.add(1);
                     metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
                         .increment(1);
-                    corrupt.push(value);
+                    corrupt.extend(value);
                     out.push(None);
                 }
             }
@@ -233,17 +233,18 @@ impl<C: RemoteConnector> RemoteBackend<C> {
 /// A value read, or what failed in it and what was read.
 type Checked<T> = Result<T, Rejected>;
 
-/// A value that failed its checks: why, and what was read (for [`delete_rejected`]).
+/// A value that failed its checks: why, and what was read (for [`delete_rejected`]; `None`
+/// where the bytes could no longer be read, and nothing is deleted).
 struct Rejected {
     error: FormatError,
-    value: RejectedValue,
+    value: Option<RejectedValue>,
 }
 
 impl Rejected {
     fn new(error: FormatError, key: &CacheKey, bytes: &[u8]) -> Self {
         Rejected {
             error,
-            value: RejectedValue::new(key.to_string(), bytes),
+            value: Some(RejectedValue::new(key.to_string(), bytes)),
         }
     }
 }
@@ -441,8 +442,17 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
             .zip(lent)
             .map(|(key, bytes)| {
                 bytes.map(|b| {
-                    shared_chunk(b, &expectation(key, self.max_chunk_bytes))
-                        .map_err(|(error, b)| Rejected::new(error, key, b.bytes()))
+                    shared_chunk(b, &expectation(key, self.max_chunk_bytes)).map_err(
+                        |(error, b)| {
+                            if b.usable() {
+                                Rejected::new(error, key, b.bytes())
+                            } else {
+                                // Past its time the memory may hold another value by now:
+                                // nothing to compare, so nothing deleted.
+                                Rejected { error, value: None }
+                            }
+                        },
+                    )
                 })
             })
             .collect();

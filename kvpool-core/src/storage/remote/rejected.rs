@@ -34,8 +34,10 @@ impl RejectedValue {
 /// write-behind landing) stays, so a bad read never deletes it. Deleting the bad value means
 /// lookups stop promising it and a later save stores it again.
 ///
-/// The tier is read again for this (each value visited where it lies, no copy); a value it
-/// no longer holds, or one that differs, is left alone, and a failed re-read deletes nothing.
+/// The tier is read again for this ([`RemoteConnector::batch_get_each`]: where the tier reads
+/// one value at a time, each visited where it lies; otherwise a whole `batch_get`, so a bad
+/// value costs a second read of it, which only a bad value pays); a value the tier no longer
+/// holds, or one that differs, is left alone, and a failed re-read deletes nothing.
 /// A write landing between the re-read and the delete is still lost, as it would be to any
 /// delete without a compare-and-swap that not every tier offers. Returns how many values
 /// were deleted.
