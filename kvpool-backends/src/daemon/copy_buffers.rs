@@ -193,22 +193,18 @@ mod tests {
     fn the_free_list_picks_the_smallest_fit() {
         let buffers = CopyBuffers::new(1 << 20);
         let small = buffers.copy_of(&[1u8; 1000]);
-        let large = buffers.copy_of(&[2u8; 2000]);
-        let (small_address, large_address) = (small.as_ptr(), large.as_ptr());
-        drop(large);
+        let larger = buffers.copy_of(&[2u8; 1500]);
+        let (small_address, larger_address) = (small.as_ptr(), larger.as_ptr());
+        drop(larger); // kept first: a first fit would take it
         drop(small);
-        let fits_small = buffers.copy_of(&[4u8; 900]);
+        let fits_both = buffers.copy_of(&[4u8; 900]);
         assert_eq!(
-            fits_small.as_ptr(),
+            fits_both.as_ptr(),
             small_address,
-            "the smallest buffer that fits"
+            "900 bytes fit 1,000 and 1,500: the smaller is taken"
         );
-        let fits_large = buffers.copy_of(&[5u8; 1200]);
-        assert_eq!(
-            fits_large.as_ptr(),
-            large_address,
-            "1,200 bytes fit 2,000, at most twice"
-        );
+        let fits_larger = buffers.copy_of(&[5u8; 1200]);
+        assert_eq!(fits_larger.as_ptr(), larger_address);
         let too_large = buffers.copy_of(&[6u8; 4000]);
         assert_eq!(
             &too_large[..],
