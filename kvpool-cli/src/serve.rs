@@ -78,6 +78,13 @@ fn writing_disk_tiers_at_low_priority(
     daemon
 }
 
+/// Where a daemon's settings come from, for its errors: the option sizing its arena and how
+/// to choose another socket.
+struct SettingsFrom {
+    arena: &'static str,
+    socket: &'static str,
+}
+
 /// A daemon with `options` over `tiers` (the lower tiers, or a tenant's views of them), its
 /// disk tiers written at low priority, and its socket bound at `socket` for the engines that
 /// may attach (the owner, and `group`'s members when given).
@@ -88,26 +95,18 @@ fn start_daemon(
     rt: &Runtime,
     socket: &std::path::Path,
     group: Option<&str>,
+    from: SettingsFrom,
 ) -> anyhow::Result<(Arc<PoolDaemon>, DaemonServer)> {
-    let capacity = options.capacity;
-    let daemon =
-        PoolDaemon::with_tiers(options, tiers, rt.handle().clone()).with_context(|| {
-            format!(
-                "cannot create a shared arena of {capacity} bytes ([local_cpu] max_size, or a \
-                 tenant's memory)"
-            )
-        })?;
+    let arena = ByteSize(options.capacity as u64).human();
+    let daemon = PoolDaemon::with_tiers(options, tiers, rt.handle().clone())
+        .with_context(|| format!("cannot create a shared arena of {arena} ({})", from.arena))?;
     let daemon = Arc::new(writing_disk_tiers_at_low_priority(daemon, cfg, rt));
     let access = match group {
         Some(g) => SocketAccess::group(g)?,
         None => SocketAccess::default(),
     };
-    let server = DaemonServer::bind(daemon.clone(), socket, access).with_context(|| {
-        format!(
-            "cannot listen on {} (choose another path with --socket, or a tenant's socket)",
-            socket.display()
-        )
-    })?;
+    let server = DaemonServer::bind(daemon.clone(), socket, access)
+        .with_context(|| format!("cannot listen on {} ({})", socket.display(), from.socket))?;
     Ok((daemon, server))
 }
 
@@ -166,6 +165,10 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
             rt,
             &args.socket,
             args.group.as_deref(),
+            SettingsFrom {
+                arena: "[local_cpu] max_size",
+                socket: "choose another path with --socket",
+            },
         )?;
         eprintln!(
             "kvpool serve: {} of shared memory ({:?} eviction), lower tiers [{}], listening on {} \
@@ -208,6 +211,10 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> anyhow::Result<()> {
                 rt,
                 &tenant.socket,
                 tenant.group.as_deref(),
+                SettingsFrom {
+                    arena: "the tenant's memory",
+                    socket: "choose another path with the tenant's socket",
+                },
             )
             .with_context(|| format!("tenant `{}`", tenant.name))?;
             eprintln!(
