@@ -78,7 +78,7 @@ pub(crate) struct Servers {
 
 pub(crate) fn start_servers(dir: &Path, moto_server: &Path) -> Result<Servers, String> {
     let mut running = Vec::new();
-    let mut env = vec![("KVPOOL_MATRIX".to_string(), "1".to_string())];
+    let mut env = Vec::new();
     let redis_server = which("redis-server")?.display().to_string();
     let redis_cli = which("redis-cli")?.display().to_string();
     env.push(("KVPOOL_TEST_REDIS_SERVER".into(), redis_server.clone()));
