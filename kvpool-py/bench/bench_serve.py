@@ -257,6 +257,18 @@ def round_order(configs, rnd):
     return [(i, name, args) for i, (name, args) in order]
 
 
+def parse_cpus(spec):
+    """The CPUs of a list such as ``1`` or ``2-3,6``; None: the last CPU this process may
+    use (vLLM's CPU worker binds its forward pass from the first)."""
+    if not spec:
+        return {max(os.sched_getaffinity(0))}
+    cpus = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def pick(ap, named, wanted, what):
     """The entries of ``named`` listed in ``wanted`` (comma-separated; all when empty), in
     ``named``'s order; an unknown name is a usage error."""
@@ -297,6 +309,9 @@ def main():
     ap.add_argument("--client-nice", type=int, default=0,
                     help="the benchmark client's nice value (-5: ahead of the servers, so a gap "
                          "is not the client waiting for a core; below 0 needs root)")
+    ap.add_argument("--daemon-cpus", default=None,
+                    help="the CPUs of `kvpool daemon disk, own CPUs` (a list such as 1 or "
+                         "2-3,6; default: the last CPU this process may use)")
     a = ap.parse_args()
     if a.client_nice < 0 and os.geteuid() != 0:
         ap.error("--client-nice below 0 needs root")
@@ -342,7 +357,10 @@ def main():
 
     # The configurations attached to a pool daemon started with their server, and the lower
     # tiers it has (a disk tier of its own, or none: what the disk tier's writes cost).
-    daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True}
+    daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True,
+                      "kvpool daemon disk, own CPUs": True}
+    # The CPUs the last of those runs on (`--daemon-cpus`): set apart from the engine's.
+    daemon_cpus = {"kvpool daemon disk, own CPUs": parse_cpus(a.daemon_cpus)}
 
     def daemon_name(rnd, config):
         base = re.sub(r"[^a-z0-9]+", "-", config)
@@ -373,6 +391,10 @@ def main():
             # tier of its own, the daemon's disk writes on its low-priority threads (the
             # default): the engine's L1 as small as the disk configuration's.
             "kvpool daemon disk": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon disk")),
+            # The same with every thread of the daemon on `--daemon-cpus` (by default the
+            # last CPU, away from the forward pass's): what the daemon's CPU costs the steps.
+            "kvpool daemon disk, own CPUs": kvpool(
+                small_l1, pool=daemon_url(rnd, "kvpool daemon disk, own CPUs")),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
             "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
@@ -406,7 +428,7 @@ def main():
                         disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
                         tiers.append(f"file://{disk}")
                     daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
-                                        tiers=tiers)
+                                        tiers=tiers, cpus=daemon_cpus.get(name))
                     url = daemon_url(rnd, name)
                     assert daemon.url == url, (daemon.url, url)
                 server = Server(model, port + ci,

@@ -21,7 +21,10 @@ def kvpool_bin():
 class PoolDaemon:
     """A `kvpool serve` process: shared memory of `size`, over the lower tiers `tiers`."""
 
-    def __init__(self, workdir, name, size="512MiB", tiers=()):
+    def __init__(self, workdir, name, size="512MiB", tiers=(), cpus=None):
+        """`cpus`: the CPUs every thread of the daemon may run on (all when None), set before
+        its first thread starts."""
+        self.cpus = cpus
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.dir, "kvpool.sock")
@@ -51,7 +54,8 @@ class PoolDaemon:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [kvpool_bin(), "serve", "--config", self.config, "--socket", self.socket],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
         deadline = time.time() + 30
         while time.time() < deadline:
             if self.proc.poll() is not None:

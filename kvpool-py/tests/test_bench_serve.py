@@ -76,3 +76,9 @@ def test_rounds_alternate_the_order_of_configurations():
     # Each configuration keeps its index (its server's port) and its arguments in every round.
     assert sorted(odd) == sorted(even) == [(0, "no connector", ["a"]), (1, "kvpool L1", ["b"]),
                                            (2, "kvpool daemon", ["c"])]
+
+
+def test_daemon_cpus_are_read_from_a_list_or_default_to_the_last_cpu_allowed():
+    assert bench_serve.parse_cpus("1") == {1}
+    assert bench_serve.parse_cpus("2-3,6") == {2, 3, 6}
+    assert bench_serve.parse_cpus(None) == {max(os.sched_getaffinity(0))}
