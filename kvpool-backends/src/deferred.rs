@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 
+use kvpool_core::storage::remote::NodeMemoryConnector;
 use kvpool_core::storage::tier_events::TierEventLog;
 use kvpool_core::{BackendError, ConfigError, RemoteConnector, TierConfig, redact_url};
 
@@ -165,10 +166,34 @@ impl Drop for DeferredConnector {
     }
 }
 
+/// Every method forwarded to the tier once it is open (an error, so a miss, before), but
+/// `node_memory`.
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl RemoteConnector for DeferredConnector {
     fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// None: the stores it defers have no node-memory side (see the type's docs).
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        None
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        self.open()?.exists(key).await
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        self.open()?.get(key).await
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.open()?.put(key, value).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        self.open()?.delete(key).await
     }
 
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {

@@ -11,7 +11,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use kvpool_core::BackendError;
-use kvpool_core::storage::remote::{RejectedValue, RemoteConnector, delete_rejected};
+use kvpool_core::CopyOut;
+use kvpool_core::storage::remote::{
+    NodeMemoryConnector, RejectedValue, RemoteConnector, delete_rejected, one_answer, visit_each,
+};
 use kvpool_core::storage::tier_events::TierEventLog;
 use sha2::Sha256;
 use tracing::warn;
@@ -71,10 +74,43 @@ impl NamespacedConnector {
     }
 }
 
+/// Every method written out: each read goes through `batch_get` (the prefix and the MAC
+/// check), each write through `batch_put` (the prefix and the tag), none straight to the
+/// shared tier.
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl RemoteConnector for NamespacedConnector {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+
+    /// None, whatever the shared tier offers: its node-memory side would read and write
+    /// outside the tenant's prefix, without the MAC.
+    fn node_memory(&self) -> Option<&dyn NodeMemoryConnector> {
+        None
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, BackendError> {
+        one_answer(self.name(), self.batch_exists(&[key.to_string()]).await?)
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Bytes>, BackendError> {
+        one_answer(self.name(), self.batch_get(&[key.to_string()]).await?)
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<(), BackendError> {
+        self.batch_put(vec![(key.to_string(), value)]).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.batch_delete(&[key.to_string()]).await? > 0)
+    }
+
+    /// Through [`NamespacedConnector::batch_get`], never the shared tier's own
+    /// `batch_get_each`: a value is visited only once its MAC is checked and its tag cut off.
+    async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
+        visit_each(self.batch_get(keys).await?, visit);
+        Ok(())
     }
 
     async fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
@@ -183,6 +219,49 @@ mod tests {
         async fn close(&self) -> Result<(), BackendError> {
             Ok(())
         }
+    }
+
+    /// A guard for the written-out methods: a forwarding `batch_get_each` or `get`, or the
+    /// shared tier's node-memory side, would hand out a forged value or read outside the
+    /// prefix.
+    #[tokio::test]
+    async fn every_read_of_a_tenant_checks_the_mac_and_none_reaches_the_shared_tier_directly() {
+        let shared = crate::memory::InMemoryNodeMemory::default();
+        let tenant = NamespacedConnector::new(Arc::new(shared.clone()), "tenant/a/".into())
+            .with_mac_key(b"0123456789abcdef0123456789abcdef".to_vec());
+        assert!(shared.node_memory().is_some());
+        assert!(tenant.node_memory().is_none());
+        tenant
+            .put("good", Bytes::from_static(b"mine"))
+            .await
+            .unwrap();
+        shared
+            .put("tenant/a/forged", Bytes::from_static(b"not tagged"))
+            .await
+            .unwrap();
+        let keys = ["forged".to_string(), "good".to_string()];
+        let visited = Arc::new(Mutex::new(Vec::new()));
+        let seen = visited.clone();
+        tenant
+            .batch_get_each(
+                &keys,
+                Arc::new(move |i, bytes: &[u8]| seen.lock().push((i, bytes.to_vec()))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(*visited.lock(), [(1, b"mine".to_vec())]);
+        assert_eq!(
+            tenant.get("good").await.unwrap().as_deref(),
+            Some(&b"mine"[..])
+        );
+        shared
+            .put("tenant/a/forged", Bytes::from_static(b"not tagged"))
+            .await
+            .unwrap();
+        assert_eq!(tenant.get("forged").await.unwrap(), None);
+        assert!(tenant.exists("good").await.unwrap());
+        assert!(tenant.delete("good").await.unwrap());
+        assert!(!shared.exists("tenant/a/good").await.unwrap());
     }
 
     #[tokio::test]

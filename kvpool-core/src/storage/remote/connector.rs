@@ -54,11 +54,7 @@ pub trait RemoteConnector: Send + Sync + 'static {
     /// another process can write (a shared mapping) is read through
     /// [`NodeMemoryConnector::batch_copy_out`] instead, whose copy is checked.
     async fn batch_get_each(&self, keys: &[String], visit: CopyOut) -> Result<(), BackendError> {
-        for (i, value) in self.batch_get(keys).await?.into_iter().enumerate() {
-            if let Some(value) = value {
-                visit(i, &value);
-            }
-        }
+        visit_each(self.batch_get(keys).await?, visit);
         Ok(())
     }
 
@@ -82,8 +78,20 @@ pub trait RemoteConnector: Send + Sync + 'static {
     }
 }
 
-/// The only answer of a one-key batch; a store that answers otherwise is in error.
-fn one_answer<T>(backend: &str, answers: Vec<T>) -> Result<T, BackendError> {
+/// Hands each value of a batch read to `visit(index, bytes)`, skipping the absent ones: the
+/// default [`RemoteConnector::batch_get_each`], for a wrapper that must read through its own
+/// `batch_get` (a check or a transform of each value) rather than forward.
+pub fn visit_each(values: Vec<Option<Bytes>>, visit: CopyOut) {
+    for (i, value) in values.into_iter().enumerate() {
+        if let Some(value) = value {
+            visit(i, &value);
+        }
+    }
+}
+
+/// The only answer of a one-key batch (how the single-key calls read a one-item batch's
+/// answer); a store that answers otherwise is in error.
+pub fn one_answer<T>(backend: &str, answers: Vec<T>) -> Result<T, BackendError> {
     let count = answers.len();
     let mut answers = answers.into_iter();
     match (answers.next(), count) {

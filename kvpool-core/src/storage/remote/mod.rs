@@ -4,7 +4,7 @@ mod connector;
 mod node_memory;
 mod rejected;
 
-pub use connector::RemoteConnector;
+pub use connector::{RemoteConnector, one_answer, visit_each};
 pub use node_memory::{
     CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory_of, node_memory_mapping_of,
     node_memory_of,
