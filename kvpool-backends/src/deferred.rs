@@ -35,8 +35,8 @@ struct Shared {
 }
 
 /// See the module docs. It stands in for a store (values in, values out): `node_memory()`
-/// keeps the trait's default `None`, as the stores it defers have no node-memory side (the
-/// daemon's own tier connects lazily and never defers).
+/// is `None`, as the stores it defers have no node-memory side (the daemon's own tier
+/// connects lazily and never defers).
 pub struct DeferredConnector {
     shared: Arc<Shared>,
     retry: Option<tokio::task::JoinHandle<()>>,

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -15,7 +16,7 @@ use crate::keys::chunk_hash::ChunkHash;
 use crate::layout::Dtype;
 use crate::memory::SharedMapping;
 use crate::memory::pool::MemoryObj;
-use crate::storage::backend::{Chunk, StorageBackend};
+use crate::storage::backend::{Chunk, NodeMemoryBackend, StorageBackend};
 use crate::storage::node_memory::PinnedBytes;
 use crate::storage::remote::{
     CopyIn, CopyOut, NodeMemoryConnector, RemoteBackend, RemoteConnector,
@@ -27,6 +28,9 @@ use crate::storage::save_slot::LentBytes;
 #[derive(Default)]
 struct LoggingStore {
     node_memory: bool,
+    /// Where the node memory lends its values (`batch_pin`), how long past now each pin
+    /// stays usable (negative: already past it); `None`: it lends nothing.
+    pin_lease_secs: Option<i64>,
     values: Mutex<HashMap<String, Vec<u8>>>,
     calls: Mutex<Vec<&'static str>>,
     /// A value another writer stores right after the next read has read.
@@ -91,13 +95,35 @@ impl RemoteConnector for Arc<LoggingStore> {
 #[async_trait]
 impl NodeMemoryConnector for Arc<LoggingStore> {
     fn lends(&self) -> bool {
-        false
+        self.pin_lease_secs.is_some()
     }
     fn node_memory_mapping(&self) -> Option<Arc<SharedMapping>> {
         None
     }
+    /// Lends a copy of each value, which its pin owns (so it stays put while lent).
     async fn batch_pin(&self, keys: &[String]) -> Result<Vec<Option<PinnedBytes>>, BackendError> {
-        Ok(keys.iter().map(|_| None).collect())
+        self.log("batch_pin");
+        let Some(lease) = self.pin_lease_secs else {
+            return Ok(keys.iter().map(|_| None).collect());
+        };
+        let now = Instant::now();
+        let usable_until = if lease >= 0 {
+            now + Duration::from_secs(lease as u64)
+        } else {
+            now - Duration::from_secs(lease.unsigned_abs())
+        };
+        let values = self.values.lock();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                let lent: Box<[u8]> = values.get(k)?.clone().into_boxed_slice();
+                // SAFETY: the boxed bytes are the pin, so they stay where they are while it
+                // lives.
+                Some(unsafe {
+                    PinnedBytes::new(lent.as_ptr(), lent.len(), usable_until, Box::new(lent))
+                })
+            })
+            .collect())
     }
     async fn batch_lend(&self, lens: &[usize]) -> Result<Vec<Option<LentBytes>>, BackendError> {
         Ok(lens.iter().map(|_| None).collect())
@@ -302,12 +328,21 @@ async fn a_bad_read_deletes_the_bad_value_but_not_a_good_one_written_since() {
             store.values.lock().get_mut(name).unwrap()[100] ^= 1;
         }
         *store.written_after_next_read.lock() = Some((names[0].clone(), good));
+        store.calls();
 
         assert_eq!(
             found(&backend, &keys, read).await,
             [false, false],
             "{case}: a bad value was returned"
         );
+        // The re-read before the delete asks only what node memory holds: the storage
+        // behind it (the daemon's disk, a network tier) is never read for it.
+        let reads: &[&str] = if node_memory {
+            &["batch_copy_out", "batch_copy_out(resident)"]
+        } else {
+            &["batch_get", "batch_get"]
+        };
+        assert_eq!(store.calls(), reads, "{case}");
         assert_eq!(
             backend.contains(&keys).await.unwrap(),
             [true, false],
@@ -318,6 +353,45 @@ async fn a_bad_read_deletes_the_bad_value_but_not_a_good_one_written_since() {
             again[0].as_ref().expect("the good value").data.as_slice(),
             &[1u8; 4096][..],
             "{case}"
+        );
+    }
+}
+
+/// A value lent where it lies whose header fails is deleted while the pin still vouches for
+/// the bytes digested; past its lease the memory may hold anything, and nothing is deleted.
+#[tokio::test]
+async fn a_lent_value_whose_header_fails_is_deleted_only_while_its_pin_is_usable() {
+    for (lease, deleted) in [(60, true), (-1, false)] {
+        let store = Arc::new(LoggingStore {
+            node_memory: true,
+            pin_lease_secs: Some(lease),
+            ..Default::default()
+        });
+        let backend = RemoteBackend::new(store.clone(), ChunkCodec::default(), 1 << 20);
+        let keys = keys(1);
+        backend
+            .put(vec![(keys[0].clone(), chunk(1))])
+            .await
+            .unwrap();
+        let name = keys[0].to_string();
+        store.values.lock().get_mut(&name).unwrap()[0] ^= 0xff;
+        store.calls();
+
+        let pinned = backend.pin_node_memory(&keys).await.unwrap();
+        assert!(
+            pinned[0].is_none(),
+            "lease {lease}: a bad header was lent on"
+        );
+        let expect_calls: &[&str] = if deleted {
+            &["batch_pin", "batch_copy_out(resident)"]
+        } else {
+            &["batch_pin"]
+        };
+        assert_eq!(store.calls(), expect_calls, "lease {lease}");
+        assert_eq!(
+            store.values.lock().contains_key(&name),
+            !deleted,
+            "lease {lease}"
         );
     }
 }

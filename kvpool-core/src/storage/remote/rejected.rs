@@ -34,10 +34,16 @@ impl RejectedValue {
 /// write-behind landing) stays, so a bad read never deletes it. Deleting the bad value means
 /// lookups stop promising it and a later save stores it again.
 ///
-/// The tier is read again for this ([`RemoteConnector::batch_get_each`]: where the tier reads
-/// one value at a time, each visited where it lies; otherwise a whole `batch_get`, so a bad
-/// value costs a second read of it, which only a bad value pays); a value the tier no longer
-/// holds, or one that differs, is left alone, and a failed re-read deletes nothing.
+/// The tier is read again for this: a tier in node memory through
+/// [`crate::NodeMemoryConnector::batch_copy_out`] of what it holds there (never the storage behind
+/// it), any other through [`RemoteConnector::batch_get_each`] (where the tier reads one value
+/// at a time, each visited where it lies; otherwise a whole `batch_get`, so a bad value costs
+/// a second read of it, which only a bad value pays). A value the tier no longer holds, or
+/// one that differs, is left alone, and a failed re-read deletes nothing.
+///
+/// A value in node memory is digested where it lies just after its check failed on a copy
+/// (the check never reads the shared bytes); a byte changed during that copy and changed back
+/// before the digest leaves a good value deleted, which costs a recompute, never wrong bytes.
 /// A write landing between the re-read and the delete is still lost, as it would be to any
 /// delete without a compare-and-swap that not every tier offers. Returns how many values
 /// were deleted.
@@ -58,7 +64,13 @@ pub async fn delete_rejected<C: RemoteConnector + ?Sized>(
             }
         })
     };
-    if let Err(e) = tier.batch_get_each(&keys, visit).await {
+    let reread = match tier.node_memory() {
+        // What node memory holds now, never the storage behind it: the read that rejected
+        // the value may be a lookup's, which waits on no disk and no network.
+        Some(node_memory) => node_memory.batch_copy_out(&keys, true, visit).await,
+        None => tier.batch_get_each(&keys, visit).await,
+    };
+    if let Err(e) = reread {
         debug!(
             tier = tier.name(),
             "could not re-read rejected values; none deleted: {e}"
