@@ -225,18 +225,18 @@ class Engine:
             self.run_jobs(self.worker.save_jobs())
 
     def run_jobs(self, jobs):
-        """Runs job tuples one by one (the torch path; the native path's own entry for a job
-        the check changes first)."""
+        """Runs jobs one by one (the torch path; the native path's own entry for a job the
+        check changes first)."""
         with self._no_sync():
-            for t in jobs:
+            for job in jobs:
                 if self.copies is not None:
-                    if self.copies.run(t, compute_stream(self.device)):
-                        self.worker.copy_done(t[0], True)
+                    if self.copies.run(job, compute_stream(self.device)):
+                        self.worker.copy_done(job.id, True)
                 else:
-                    self.mover.run(CopyJob.from_native(t))
+                    self.mover.run(job)
         if self.mover is not None and not self.mover.cuda:
-            for t in jobs:
-                self.worker.copy_done(t[0], True)
+            for job in jobs:
+                self.worker.copy_done(job.id, True)
 
     def poll(self):
         if self.copies is not None:
@@ -287,7 +287,7 @@ class Engine:
         lap("pin_node_memory")
         if change_chunk is not None:
             jobs = self.worker.load_jobs()
-            ptr = CopyJob.from_native(jobs[0]).chunk_ptrs[change_chunk]
+            ptr = jobs[0].chunk_ptrs[change_chunk]
             ctypes.c_uint8.from_address(ptr).value ^= 0x40
             self.run_jobs(jobs)
         else:
@@ -482,9 +482,7 @@ def staged_load(report, transfer="torch"):
         mover.run(job)
         poll = mover.poll
     else:
-        copies.run((job.id, job.is_load, job.req_id, job.block_ids, job.skip_blocks,
-                    job.chunk_blocks, job.block_bytes, job.chunk_ptrs, job.check_copy_ptrs,
-                    job.asynchronous), compute_stream(layout.planes[0].device))
+        copies.run(job, compute_stream(layout.planes[0].device))
 
         def poll():
             return [j for j, ok in copies.poll() if ok]

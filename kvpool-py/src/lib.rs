@@ -287,6 +287,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorker>()?;
     m.add_class::<py_state_values::PyStateValues>()?;
     m.add_class::<PyCopyEngine>()?;
+    m.add_class::<py_copies::PyCopyJob>()?;
     m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;
     m.add_class::<PyHiCacheStore>()?;

@@ -18,20 +18,127 @@ use kvpool_cuda::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-/// A copy job for Python: `(id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
-/// block_bytes, chunk_ptrs, check_copy_ptrs, asynchronous)`.
-pub type PyCopyJob = (
-    u64,
-    bool,
-    String,
-    Vec<u32>,
-    usize,
-    Vec<usize>,
-    usize,
-    Vec<usize>,
-    Vec<usize>,
-    bool,
-);
+/// One job of block copies for Python (`Worker.load_jobs` / `save_jobs`): kvpool-connector's
+/// [`CopyJob`] with named, read-only fields, which `kvpool.transfer`'s torch path reads and
+/// `CopyEngine.run` runs as it is (no conversion). Made in Python by tests and the GPU check.
+#[pyclass(name = "CopyJob", module = "kvpool._native", frozen)]
+pub struct PyCopyJob(pub(crate) CopyJob);
+
+#[pymethods]
+impl PyCopyJob {
+    /// A job from its fields (keywords only), as the worker would plan it.
+    #[new]
+    #[pyo3(signature = (*, id, is_load, req_id, block_ids, skip_blocks, chunk_blocks,
+        block_bytes, chunk_ptrs, check_copy_ptrs=Vec::new(), asynchronous=false))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords: the job's fields, named.
+    fn new(
+        id: u64,
+        is_load: bool,
+        req_id: String,
+        block_ids: Vec<u32>,
+        skip_blocks: usize,
+        chunk_blocks: Vec<usize>,
+        block_bytes: usize,
+        chunk_ptrs: Vec<usize>,
+        check_copy_ptrs: Vec<usize>,
+        asynchronous: bool,
+    ) -> Self {
+        Self(CopyJob {
+            id,
+            direction: if is_load {
+                CopyDirection::Load
+            } else {
+                CopyDirection::Save
+            },
+            req_id,
+            block_ids,
+            skip_blocks,
+            chunk_blocks,
+            block_bytes,
+            chunk_ptrs,
+            check_copy_ptrs,
+            asynchronous,
+        })
+    }
+
+    /// The job's id, to report it done (`Worker.copy_done`).
+    #[getter]
+    fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// Whether it copies kvpool's chunks into the engine's blocks (else the blocks out).
+    #[getter]
+    fn is_load(&self) -> bool {
+        self.0.direction == CopyDirection::Load
+    }
+
+    /// The request it serves.
+    #[getter]
+    fn req_id(&self) -> &str {
+        &self.0.req_id
+    }
+
+    /// Engine block ids, one per chunk block from `skip_blocks` on, in chunk order.
+    #[getter]
+    fn block_ids(&self) -> Vec<u32> {
+        self.0.block_ids.clone()
+    }
+
+    /// Leading blocks of the first chunk the job does not copy (a load's blocks the engine
+    /// already holds).
+    #[getter]
+    fn skip_blocks(&self) -> usize {
+        self.0.skip_blocks
+    }
+
+    /// Blocks in each chunk, one entry per chunk.
+    #[getter]
+    fn chunk_blocks(&self) -> Vec<usize> {
+        self.0.chunk_blocks.clone()
+    }
+
+    /// Bytes of one block of a chunk, every plane.
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.0.block_bytes
+    }
+
+    /// Address of each chunk's host buffer (read for a load, written for a save).
+    #[getter]
+    fn chunk_ptrs(&self) -> Vec<usize> {
+        self.0.chunk_ptrs.clone()
+    }
+
+    /// Per chunk: 0, or the worker's buffer for the chunk's staged copy (a load's, checked;
+    /// a save's, hashed for its seal). Empty when no chunk has one.
+    #[getter]
+    fn check_copy_ptrs(&self) -> Vec<usize> {
+        self.0.check_copy_ptrs.clone()
+    }
+
+    /// A load the request waits for in the background (not read by this step's forward pass).
+    #[getter]
+    fn asynchronous(&self) -> bool {
+        self.0.asynchronous
+    }
+
+    fn __repr__(&self) -> String {
+        let j = &self.0;
+        format!(
+            "CopyJob(id={}, is_load={}, req_id={:?}, chunks={}, blocks={}, skip_blocks={}, \
+             block_bytes={}, asynchronous={})",
+            j.id,
+            self.is_load(),
+            j.req_id,
+            j.chunk_ptrs.len(),
+            j.block_ids.len(),
+            j.skip_blocks,
+            j.block_bytes,
+            if j.asynchronous { "True" } else { "False" },
+        )
+    }
+}
 
 /// Where the engine's KV is, and so which executor runs the plans.
 enum Executor {
@@ -424,47 +531,19 @@ impl PyCopyEngine {
         })
     }
 
-    /// Runs one job given as a tuple (`Worker.load_jobs` / `save_jobs`), its copies ordered
-    /// after `stream`'s work (GPU). Returns whether it is done already (host memory);
-    /// otherwise `poll` reports it. For tests and the GPU check: the connector runs its jobs
-    /// with `Worker.run_copies`.
+    /// Runs one job (`Worker.load_jobs` / `save_jobs`), its copies ordered after `stream`'s
+    /// work (GPU). Returns whether it is done already (host memory); otherwise `poll`
+    /// reports it. For tests and the GPU check: the connector runs its jobs with
+    /// `Worker.run_copies`.
     ///
     /// The caller keeps the job's buffers valid until it is reported done (a worker's jobs:
     /// until `Worker.copy_done`).
     #[pyo3(signature = (job, stream=0))]
-    fn run(&self, py: Python<'_>, job: PyCopyJob, stream: usize) -> PyResult<bool> {
-        let (
-            id,
-            is_load,
-            req_id,
-            block_ids,
-            skip_blocks,
-            chunk_blocks,
-            block_bytes,
-            ptrs,
-            checks,
-            asynchronous,
-        ) = job;
-        let job = CopyJob {
-            id,
-            direction: if is_load {
-                CopyDirection::Load
-            } else {
-                CopyDirection::Save
-            },
-            req_id,
-            block_ids,
-            skip_blocks,
-            chunk_blocks,
-            block_bytes,
-            chunk_ptrs: ptrs,
-            check_copy_ptrs: checks,
-            asynchronous,
-        };
+    fn run(&self, py: Python<'_>, job: Py<PyCopyJob>, stream: usize) -> PyResult<bool> {
         py.detach(|| {
             let mut copies = lock(&self.copies)?;
             // SAFETY: the caller's contract (above).
-            unsafe { copies.start(&job, RawStream(stream)) }
+            unsafe { copies.start(&job.get().0, RawStream(stream)) }
                 .map_err(|e| PyValueError::new_err(format!("kvpool: {e}")))
         })
     }

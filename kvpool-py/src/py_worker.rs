@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 
 use kvpool_connector::vllm::VllmEngineFacts;
 use kvpool_connector::vllm::step_timing::StepTimer;
-use kvpool_connector::{CopyDirection, CopyJob};
 use kvpool_core::{Dtype, KvKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -17,21 +16,6 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::py_copies::{PyCopyEngine, PyCopyJob};
 use crate::worker_core::{WorkerCore, WorkerSpec};
-
-fn py_job(j: CopyJob) -> PyCopyJob {
-    (
-        j.id,
-        j.direction == CopyDirection::Load,
-        j.req_id,
-        j.block_ids,
-        j.skip_blocks,
-        j.chunk_blocks,
-        j.block_bytes,
-        j.chunk_ptrs,
-        j.check_copy_ptrs,
-        j.asynchronous,
-    )
-}
 
 /// A tier event for Python: (tier, stored (else removed), chunk hashes).
 type PyTierEvent<'py> = (String, bool, Vec<Bound<'py, PyBytes>>);
@@ -226,14 +210,14 @@ impl PyWorker {
     }
 
     /// Loads to copy into the engine's blocks now: the step's synchronous loads, then
-    /// asynchronous loads whose chunks arrived. Each is a tuple (see `PyCopyJob`).
+    /// asynchronous loads whose chunks arrived. Each is a `CopyJob`.
     fn load_jobs(&self, py: Python<'_>) -> PyResult<Vec<PyCopyJob>> {
         self.timed(py, "load_jobs", || {
             Ok(core_guard(self)?
                 .worker
                 .take_load_jobs()
                 .into_iter()
-                .map(py_job)
+                .map(PyCopyJob)
                 .collect())
         })
     }
@@ -246,7 +230,7 @@ impl PyWorker {
                 .worker
                 .take_save_jobs()
                 .into_iter()
-                .map(py_job)
+                .map(PyCopyJob)
                 .collect())
         })
     }

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpool import _native
-from kvpool.transfer import BlockMover, CopyJob
+from kvpool.transfer import BlockMover
 from kvpool.vllm.layouts import detect
 
 BLOCK = 16
@@ -58,9 +58,9 @@ def test_mla_is_stored_once_per_chunk_across_two_ranks(tmp_path, redis_server, r
     reports = []
     for worker, mover, _ in ranks:
         worker.bind(meta)
-        for t in worker.save_jobs():
-            mover.run(CopyJob.from_native(t))
-            worker.copy_done(t[0], True)
+        for job in worker.save_jobs():
+            mover.run(job)
+            worker.copy_done(job.id, True)
         worker.transfer_results([])
         reports.append(worker.step_report())
         worker.clear()

@@ -68,9 +68,7 @@ def _clone_strided(t):
 
 
 def _run_native(engine, job):
-    assert engine.run((job.id, job.is_load, job.req_id, job.block_ids, job.skip_blocks,
-                       job.chunk_blocks, job.block_bytes, job.chunk_ptrs, job.check_copy_ptrs,
-                       job.asynchronous)) is True
+    assert engine.run(job) is True
 
 
 def _host(nbytes, seed):
@@ -134,15 +132,20 @@ def test_a_refused_job_writes_nothing():
     per_block = len(planes) * int(planes[0].shape[1])
     host = torch.full((4 * per_block,), 0xAB, dtype=torch.uint8)
     before = [p.clone() for p in planes]
+    ptrs = [host.data_ptr()]
     bad = [
         # a save with fewer engine blocks than its chunk holds
-        (1, False, "r", [1, 2, 3], 0, [4], per_block, [host.data_ptr()], [], False),
+        CopyJob(id=1, is_load=False, req_id="r", block_ids=[1, 2, 3], skip_blocks=0,
+                chunk_blocks=[4], block_bytes=per_block, chunk_ptrs=ptrs),
         # a block past the cache
-        (2, True, "r", [1, 2, 3, 400], 0, [4], per_block, [host.data_ptr()], [], False),
+        CopyJob(id=2, is_load=True, req_id="r", block_ids=[1, 2, 3, 400], skip_blocks=0,
+                chunk_blocks=[4], block_bytes=per_block, chunk_ptrs=ptrs),
         # one block twice in a load
-        (3, True, "r", [1, 2, 2, 3], 0, [4], per_block, [host.data_ptr()], [], False),
+        CopyJob(id=3, is_load=True, req_id="r", block_ids=[1, 2, 2, 3], skip_blocks=0,
+                chunk_blocks=[4], block_bytes=per_block, chunk_ptrs=ptrs),
         # a block length that is not the planes'
-        (4, True, "r", [1, 2, 3, 4], 0, [4], per_block - 1, [host.data_ptr()], [], False),
+        CopyJob(id=4, is_load=True, req_id="r", block_ids=[1, 2, 3, 4], skip_blocks=0,
+                chunk_blocks=[4], block_bytes=per_block - 1, chunk_ptrs=ptrs),
     ]
     for job in bad:
         with pytest.raises(ValueError):

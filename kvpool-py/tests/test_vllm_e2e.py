@@ -122,12 +122,18 @@ def test_kv_events_reach_vllms_publisher_with_vllms_block_hashes(runner, model_d
             (h,) = e["block_hashes"]
             assert h in tails, f"{medium}: {h} is not a prompt's last whole block"
             assert e["parent"] == parent_of[h], (medium, e)
-def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir):
+@pytest.mark.parametrize("transfer", ["native", "torch"])
+def test_stored_bytes_equal_the_engines_own_blocks(runner, model_dir, transfer):
     """Done-when 2: every stored chunk equals vLLM's KV blocks for its tokens, block by block,
-    both for the request that computed them and for the ones that loaded them."""
+    both for the request that computed them and for the ones that loaded them; on both
+    transfer paths (the default, kvpool-cuda's host executor, and torch's ops, which run the
+    worker's ``CopyJob`` objects in Python)."""
     prompts = shared_prefix_prompts(3, seed=2)
-    got = runner.run({"model": model_dir, "prompts": prompts, "kvpool": l1(),
+    got = runner.run({"model": model_dir, "prompts": prompts,
+                      "kvpool": {**l1(), "transfer": transfer},
                       "batches": [[0], [1, 2]], "prefix_caching": False, "check_blocks": True})
+    assert got["copies"] == {"native": "host", "torch": "torch"}[transfer], got.get("copies")
+    assert got["stats"]["loaded_tokens"] >= 2 * PREFIX, got["stats"]
     for i, r in enumerate(got["blocks"]):
         assert r["chunks"] == PREFIX // 256, (i, r)
         assert r["blocks_compared"] == 2 * PREFIX // 32, (i, r)

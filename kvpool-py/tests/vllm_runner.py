@@ -227,6 +227,9 @@ def main(spec_path, out_path):
         work = get_kv_transfer_group()._work if has_kv_transfer_group() else None
         if spec.get("check_blocks"):
             out["blocks"] = [out_blocks[i] for i in range(len(prompts))]
+        if work is not None and hasattr(work, "copies"):
+            # The transfer path the worker took: kvpool-cuda's executor, or torch's ops.
+            out["copies"] = "torch" if work.copies is None else work.copies.kind
         ensure_kv_transfer_shutdown()
         if work is None:
             out["stats"] = {}

@@ -11,9 +11,66 @@ from typing import Any, final
 
 __version__: str
 
-# A copy job as a tuple (`PyCopyJob` in py_copies.rs): (id, is_load, req_id, block_ids,
-# skip_blocks, chunk_blocks, block_bytes, chunk_ptrs, check_copy_ptrs, asynchronous).
-# Written out in full where used, so that this stub defines no names the module lacks.
+@final
+class CopyJob:
+    """One job of block copies between the engine's KV blocks and kvpool's host chunks."""
+
+    def __new__(
+        cls,
+        *,
+        id: int,
+        is_load: bool,
+        req_id: str,
+        block_ids: list[int],
+        skip_blocks: int,
+        chunk_blocks: list[int],
+        block_bytes: int,
+        chunk_ptrs: list[int],
+        check_copy_ptrs: list[int] = ...,
+        asynchronous: bool = False,
+    ) -> CopyJob:
+        """A job from its fields, as the worker would plan it (`check_copy_ptrs` defaults to [])."""
+        ...
+    @property
+    def id(self) -> int:
+        """The job's id, to report it done (`Worker.copy_done`)."""
+        ...
+    @property
+    def is_load(self) -> bool:
+        """Whether it copies kvpool's chunks into the engine's blocks (else the blocks out)."""
+        ...
+    @property
+    def req_id(self) -> str:
+        """The request it serves."""
+        ...
+    @property
+    def block_ids(self) -> list[int]:
+        """Engine block ids, one per chunk block from `skip_blocks` on, in chunk order."""
+        ...
+    @property
+    def skip_blocks(self) -> int:
+        """Leading blocks of the first chunk the job does not copy."""
+        ...
+    @property
+    def chunk_blocks(self) -> list[int]:
+        """Blocks in each chunk, one entry per chunk."""
+        ...
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of a chunk, every plane."""
+        ...
+    @property
+    def chunk_ptrs(self) -> list[int]:
+        """Address of each chunk's host buffer (read for a load, written for a save)."""
+        ...
+    @property
+    def check_copy_ptrs(self) -> list[int]:
+        """Per chunk: 0, or the worker's buffer for the chunk's staged copy; empty when none."""
+        ...
+    @property
+    def asynchronous(self) -> bool:
+        """A load the request waits for in the background."""
+        ...
 
 @final
 class CopyEngine:
@@ -46,14 +103,8 @@ class CopyEngine:
     def batched(self) -> bool:
         """Whether a job's copies go as one batch per phase (`cuMemcpyBatchAsync`)."""
         ...
-    def run(
-        self,
-        job: tuple[
-            int, bool, str, list[int], int, list[int], int, list[int], list[int], bool
-        ],
-        stream: int = 0,
-    ) -> bool:
-        """Runs one job tuple after `stream`'s work; returns whether it is done already."""
+    def run(self, job: CopyJob, stream: int = 0) -> bool:
+        """Runs one job after `stream`'s work; returns whether it is done already."""
         ...
     def poll(self) -> list[tuple[int, bool]]:
         """(job id, ok) of each job that ended since the last call (GPU)."""
@@ -334,19 +385,11 @@ class Worker:
     def clear(self) -> None:
         """Unbinds the step."""
         ...
-    def load_jobs(
-        self,
-    ) -> list[
-        tuple[int, bool, str, list[int], int, list[int], int, list[int], list[int], bool]
-    ]:
-        """Loads to copy into the engine's blocks now, as copy-job tuples."""
+    def load_jobs(self) -> list[CopyJob]:
+        """Loads to copy into the engine's blocks now."""
         ...
-    def save_jobs(
-        self,
-    ) -> list[
-        tuple[int, bool, str, list[int], int, list[int], int, list[int], list[int], bool]
-    ]:
-        """Saves to copy out of the engine's blocks now, as copy-job tuples."""
+    def save_jobs(self) -> list[CopyJob]:
+        """Saves to copy out of the engine's blocks now."""
         ...
     def run_copies(self, engine: CopyEngine, load: bool, stream: int) -> int:
         """Plans and starts the step's load or save jobs with `engine`; returns how many started."""

@@ -62,35 +62,15 @@ import ctypes
 import logging
 import threading
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+# One job from ``Worker.load_jobs`` / ``save_jobs``: named, read-only fields (kvpool-connector's
+# ``CopyJob``), the same object ``CopyEngine.run`` takes.
+from kvpool._native import CopyJob
+
 logger = logging.getLogger("kvpool.transfer")
-
-
-@dataclass(frozen=True)
-class CopyJob:
-    """One job from ``kvpool._native.Worker.load_jobs`` / ``save_jobs``."""
-
-    id: int
-    is_load: bool
-    req_id: str
-    block_ids: list[int]
-    skip_blocks: int
-    chunk_blocks: list[int]
-    block_bytes: int
-    chunk_ptrs: list[int]
-    #: Per chunk: 0, or the worker's buffer for the chunk's staged copy (a load's, checked;
-    #: a save's, hashed for its seal). Empty when no chunk has one.
-    check_copy_ptrs: list[int] = field(default_factory=list)
-    #: A load the request waits for in the background (not read by this step's forward pass).
-    asynchronous: bool = False
-
-    @classmethod
-    def from_native(cls, t: tuple) -> "CopyJob":
-        return cls(*t)
 
 
 def host_tensor(ptr: int, nbytes: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from kvpool import _native
 from kvpool.vllm.identity import model_identity
 from kvpool.vllm.layouts import detect_for
 from kvpool.vllm.reports import KvpoolConnectorStats, KvpoolKVEvents, KvpoolWorkerMeta
-from kvpool.transfer import (BlockMover, CopyJob, NodeMemoryPins, compute_stream,
+from kvpool.transfer import (BlockMover, NodeMemoryPins, compute_stream,
                              native_copy_engine, pin_host_memory, resolve_transfer)
 
 if TYPE_CHECKING:
@@ -127,8 +127,7 @@ class WorkerSide:
             self.native.run_copies(self.copies, load, compute_stream(self.device))
             return
         jobs = self.native.load_jobs() if load else self.native.save_jobs()
-        for t in jobs:
-            job = CopyJob.from_native(t)
+        for job in jobs:
             try:
                 self.mover.run(job)
             except Exception:  # noqa: BLE001 - a failed copy is reported, never raised
