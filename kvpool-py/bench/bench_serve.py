@@ -272,6 +272,8 @@ def parse_cpus(spec):
 def pick(ap, named, wanted, what):
     """The entries of ``named`` listed in ``wanted`` (comma-separated; all when empty), in
     ``named``'s order; an unknown name is a usage error."""
+    # A name with a comma could never be picked.
+    assert not [k for k in named if "," in k], f"{what} named with a comma"
     if not wanted:
         return named
     keep = wanted.split(",")
@@ -310,7 +312,7 @@ def main():
                     help="the benchmark client's nice value (-5: ahead of the servers, so a gap "
                          "is not the client waiting for a core; below 0 needs root)")
     ap.add_argument("--daemon-cpus", default=None,
-                    help="the CPUs of `kvpool daemon disk, own CPUs` (a list such as 1 or "
+                    help="the CPUs of `kvpool daemon disk on own CPUs` (a list such as 1 or "
                          "2-3,6; default: the last CPU this process may use)")
     a = ap.parse_args()
     if a.client_nice < 0 and os.geteuid() != 0:
@@ -358,9 +360,9 @@ def main():
     # The configurations attached to a pool daemon started with their server, and the lower
     # tiers it has (a disk tier of its own, or none: what the disk tier's writes cost).
     daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True,
-                      "kvpool daemon disk, own CPUs": True}
+                      "kvpool daemon disk on own CPUs": True}
     # The CPUs the last of those runs on (`--daemon-cpus`): set apart from the engine's.
-    daemon_cpus = {"kvpool daemon disk, own CPUs": parse_cpus(a.daemon_cpus)}
+    daemon_cpus = {"kvpool daemon disk on own CPUs": parse_cpus(a.daemon_cpus)}
 
     def daemon_name(rnd, config):
         base = re.sub(r"[^a-z0-9]+", "-", config)
@@ -393,8 +395,8 @@ def main():
             "kvpool daemon disk": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon disk")),
             # The same with every thread of the daemon on `--daemon-cpus` (by default the
             # last CPU, away from the forward pass's): what the daemon's CPU costs the steps.
-            "kvpool daemon disk, own CPUs": kvpool(
-                small_l1, pool=daemon_url(rnd, "kvpool daemon disk, own CPUs")),
+            "kvpool daemon disk on own CPUs": kvpool(
+                small_l1, pool=daemon_url(rnd, "kvpool daemon disk on own CPUs")),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
             "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
