@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 mod py_copies;
+mod py_copy_job;
 mod py_scheduler;
 mod py_sglang;
 mod py_state_values;
@@ -287,7 +288,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorker>()?;
     m.add_class::<py_state_values::PyStateValues>()?;
     m.add_class::<PyCopyEngine>()?;
-    m.add_class::<py_copies::PyCopyJob>()?;
+    m.add_class::<py_copy_job::PyCopyJob>()?;
     m.add_class::<py_worker::NodeMemoryRegion>()?;
     m.add_class::<PyOffloadTier>()?;
     m.add_class::<PyHiCacheStore>()?;

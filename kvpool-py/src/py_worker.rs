@@ -14,7 +14,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::py_copies::{PyCopyEngine, PyCopyJob};
+use crate::py_copies::PyCopyEngine;
+use crate::py_copy_job::PyCopyJob;
 use crate::worker_core::{WorkerCore, WorkerSpec};
 
 /// A tier event for Python: (tier, stored (else removed), chunk hashes).
