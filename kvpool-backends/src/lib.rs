@@ -30,6 +30,7 @@ pub mod background;
 #[cfg(feature = "testkit")]
 pub mod conformance;
 pub mod cpu;
+mod cpu_pressure;
 pub mod daemon;
 pub mod deferred;
 #[cfg(feature = "disk")]

@@ -51,6 +51,8 @@ pub const DAEMON_REQUEST_SECONDS: &str = "kvpool_daemon_request_seconds";
 /// Time the daemon took to copy and check one commit's values out of its arena for its lower
 /// tiers, by the priority it ran at.
 pub const DAEMON_ARENA_COPY_SECONDS: &str = "kvpool_daemon_arena_copy_seconds";
+/// Each pause of the daemon's low-priority write-behind, giving a contested CPU back.
+pub const DAEMON_WRITE_BEHIND_PAUSE_SECONDS: &str = "kvpool_daemon_write_behind_pause_seconds";
 /// Every metric this crate's backends record.
 pub const BACKEND_METRICS: &[MetricInfo] = &[
     gauge(
@@ -152,6 +154,11 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         DAEMON_ARENA_COPY_SECONDS,
         &["tenant", "priority"],
         "Time the pool daemon took to copy and check one commit's values out of its shared memory for its lower tiers, by priority: low (the disk tiers' low-priority threads) or daemon (the daemon's own threads, beside the engines' requests).",
+    ),
+    histogram(
+        DAEMON_WRITE_BEHIND_PAUSE_SECONDS,
+        &["tenant"],
+        "Each pause of the pool daemon's write-behind on its low-priority threads, taken because other processes waited for a CPU while it worked.",
     ),
     counter(
         DAEMON_REQUESTS_REFUSED,

@@ -360,7 +360,8 @@ def main():
     # The configurations attached to a pool daemon started with their server, and the lower
     # tiers it has (a disk tier of its own, or none: what the disk tier's writes cost).
     daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True,
-                      "kvpool daemon disk on own CPUs": True}
+                      "kvpool daemon disk on own CPUs": True,
+                      "kvpool daemon disk normal-priority": True}
     # The CPUs the last of those runs on (`--daemon-cpus`): set apart from the engine's.
     daemon_cpus = {"kvpool daemon disk on own CPUs": parse_cpus(a.daemon_cpus)}
 
@@ -397,6 +398,12 @@ def main():
             # last CPU, away from the forward pass's): what the daemon's CPU costs the steps.
             "kvpool daemon disk on own CPUs": kvpool(
                 small_l1, pool=daemon_url(rnd, "kvpool daemon disk on own CPUs")),
+            # The same daemon with `[write_behind] low_priority = false`: its copies and disk
+            # writes on its own threads, unpaced (the baseline of the daemon's pacing; its
+            # nice-19 threads took as much of a contested core, as the daemon is in another
+            # scheduling group than the engine).
+            "kvpool daemon disk normal-priority": kvpool(
+                small_l1, pool=daemon_url(rnd, "kvpool daemon disk normal-priority")),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
             "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
@@ -430,7 +437,8 @@ def main():
                         disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
                         tiers.append(f"file://{disk}")
                     daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
-                                        tiers=tiers, cpus=daemon_cpus.get(name))
+                                        tiers=tiers, cpus=daemon_cpus.get(name),
+                                        low_priority="normal-priority" not in name)
                     url = daemon_url(rnd, name)
                     assert daemon.url == url, (daemon.url, url)
                 server = Server(model, port + ci,

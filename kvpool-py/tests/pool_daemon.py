@@ -21,9 +21,9 @@ def kvpool_bin():
 class PoolDaemon:
     """A `kvpool serve` process: shared memory of `size`, over the lower tiers `tiers`."""
 
-    def __init__(self, workdir, name, size="512MiB", tiers=(), cpus=None):
+    def __init__(self, workdir, name, size="512MiB", tiers=(), cpus=None, low_priority=True):
         """`cpus`: the CPUs every thread of the daemon may run on (all when None), set before
-        its first thread starts."""
+        its first thread starts; `low_priority`: its `[write_behind] low_priority`."""
         self.cpus = cpus
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
@@ -33,6 +33,8 @@ class PoolDaemon:
         with open(self.config, "w") as f:
             f.write(f'[local_cpu]\nmax_size = "{size}"\n\n')
             f.write(f'[metrics]\nlisten = "127.0.0.1:{self.metrics_port}"\n')
+            if not low_priority:
+                f.write('\n[write_behind]\nlow_priority = false\n')
             for url in tiers:
                 f.write(f'\n[[tier]]\nurl = "{url}"\n')
         self.starts = 0

@@ -186,6 +186,19 @@ impl PoolDaemon {
         self
     }
 
+    /// Paces the daemon's low-priority work by `pacer` instead of the system's CPU pressure.
+    #[cfg(test)]
+    pub(super) fn paced_by(mut self, pacer: crate::cpu_pressure::CpuPacer) -> Self {
+        self.write_behind.pace_with(pacer);
+        self
+    }
+
+    /// How long the daemon's low-priority work has paused to give a contested CPU back.
+    #[cfg(test)]
+    pub(super) fn write_behind_paused(&self) -> Duration {
+        self.write_behind.paused()
+    }
+
     /// The nice value of each thread that copied committed values out of the arena for the
     /// lower tiers, in order.
     #[cfg(test)]

@@ -2,6 +2,9 @@
 //! arena and checked (on the low-priority threads when every tier writing it is written there,
 //! holding at most a quarter of the arena), each tier admitted by the core's write-behind
 //! admission (its own byte quota and keys in flight), written on its own runtime, counted.
+//! Work on the low-priority threads also gives the CPU back while other processes wait for
+//! one ([`CpuPacer`]): their nice value does not hold against an engine in another scheduling
+//! group.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -16,7 +19,12 @@ use tracing::{debug, warn};
 
 use super::copy_buffers::CopyBuffers;
 use super::lower_tiers::{check_stored_value, is_kvpool_key, tier_op_seconds};
+use crate::cpu_pressure::CpuPacer;
 use crate::telemetry;
+
+/// The work between two checks of the CPU pressure, in bytes copied or written, on the
+/// low-priority threads (a few milliseconds of a core).
+const PACED_SLICE_BYTES: usize = 2 << 20;
 
 /// What the daemon's write-behind counts, per tier: a value written to two tiers counts in
 /// each.
@@ -28,6 +36,24 @@ struct Counters {
     deduplicated: AtomicU64,
     /// Values a tier accepted.
     written: AtomicU64,
+    /// Microseconds the low-priority work paused to give a contested CPU back.
+    paused_micros: AtomicU64,
+}
+
+impl Counters {
+    /// Counts a pause of the low-priority work (and records it), unless it is none.
+    fn paused(&self, pause: Duration, tenant: &str) {
+        if pause.is_zero() {
+            return;
+        }
+        self.paused_micros.fetch_add(
+            u64::try_from(pause.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        metrics::histogram!(telemetry::DAEMON_WRITE_BEHIND_PAUSE_SECONDS,
+            "tenant" => tenant.to_string())
+        .record(pause);
+    }
 }
 
 /// One lower tier and how it is written behind: on which runtime, and what may start (its own
@@ -100,6 +126,8 @@ pub(super) struct DaemonWriteBehind {
     held_for_copies: ArenaHeldForCopies,
     /// Buffers the copies out of the arena reuse.
     copy_buffers: CopyBuffers,
+    /// What paces the work on the low-priority threads.
+    pacer: CpuPacer,
     /// The nice value of each thread that copied committed values out of the arena, for tests
     /// of where that work runs.
     #[cfg(test)]
@@ -132,6 +160,7 @@ impl DaemonWriteBehind {
             tenant,
             held_for_copies: ArenaHeldForCopies::new(arena_capacity),
             copy_buffers: CopyBuffers::new(copy_buffer_bytes),
+            pacer: CpuPacer::system(),
             #[cfg(test)]
             copying_thread_nices: Arc::default(),
         }
@@ -144,6 +173,19 @@ impl DaemonWriteBehind {
     /// If there is no tier at `tier`.
     pub(super) fn write_tier_on(&mut self, tier: usize, runtime: Handle) {
         self.tiers[tier].own_runtime = Some(runtime);
+    }
+
+    /// Paces the work on the low-priority threads by `pacer` instead of the system's CPU
+    /// pressure.
+    #[cfg(test)]
+    pub(super) fn pace_with(&mut self, pacer: CpuPacer) {
+        self.pacer = pacer;
+    }
+
+    /// How long the work on the low-priority threads has paused to give a contested CPU back.
+    #[cfg(test)]
+    pub(super) fn paused(&self) -> Duration {
+        Duration::from_micros(self.counters.paused_micros.load(Ordering::Relaxed))
     }
 
     /// Values not written to a tier because its quota was full (one per tier).
@@ -268,6 +310,7 @@ impl DaemonWriteBehind {
         let counters = self.counters.clone();
         let tenant = self.tenant.clone();
         let copy_buffers = self.copy_buffers.clone();
+        let pacer = self.pacer.clone();
         #[cfg(test)]
         let copying_thread_nices = self.copying_thread_nices.clone();
         copy_runtime.spawn(async move {
@@ -278,12 +321,13 @@ impl DaemonWriteBehind {
                 .push(crate::background::this_threads_nice());
             // Copied out of the arena (which every attached engine can write) and checked on
             // that private copy: a stray write after the commit costs this value's write, never
-            // a good copy a lower tier already holds.
+            // a good copy a lower tier already holds. Paced on the low-priority threads; at
+            // once on the daemon's, where the arena memory they hold is wanted back.
             let started = Instant::now();
-            let values: Vec<Option<(String, Bytes)>> = committed
-                .into_iter()
-                .map(|value| value.and_then(|(k, v)| checked_copy(&copy_buffers, k, v)))
-                .collect();
+            let copy_pacing = held_for_copy
+                .as_ref()
+                .map(|_| (&pacer, &*counters, &*tenant));
+            let values = copied_and_checked(&copy_buffers, committed, copy_pacing).await;
             let priority = if held_for_copy.is_some() {
                 "low"
             } else {
@@ -304,19 +348,36 @@ impl DaemonWriteBehind {
                 }
                 let counters = counters.clone();
                 let tenant = tenant.clone();
+                // A tier on the low-priority threads is written a slice at a time, giving the
+                // CPU back between slices while other processes wait for it.
+                let pacer = own_runtime.as_ref().map(|_| pacer.clone());
                 own_runtime
                     .as_ref()
                     .unwrap_or(&daemon_runtime)
                     .spawn(async move {
-                        let started = Instant::now();
-                        let values = entries.len() as u64;
-                        let written = tier.batch_put(entries).await;
-                        tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
-                        match written {
-                            Ok(()) => {
-                                counters.written.fetch_add(values, Ordering::Relaxed);
+                        let slice_bytes = if pacer.is_some() {
+                            PACED_SLICE_BYTES
+                        } else {
+                            usize::MAX
+                        };
+                        for part in slices_of(entries, slice_bytes) {
+                            let slice = pacer.as_ref().map(CpuPacer::start_slice);
+                            let started = Instant::now();
+                            let values = part.len() as u64;
+                            let written = tier.batch_put(part).await;
+                            tier_op_seconds(&tenant, tier.name(), "put").record(started.elapsed());
+                            match written {
+                                Ok(()) => {
+                                    counters.written.fetch_add(values, Ordering::Relaxed);
+                                }
+                                Err(e) => {
+                                    warn!(tier = tier.name(), "write-behind failed: {e}");
+                                    break;
+                                }
                             }
-                            Err(e) => warn!(tier = tier.name(), "write-behind failed: {e}"),
+                            if let (Some(pacer), Some(slice)) = (&pacer, slice) {
+                                counters.paused(pacer.give_way(slice).await, &tenant);
+                            }
                         }
                         // The tier first, then the batch (see `kvpool_core`'s write-behind).
                         drop(tier);
@@ -325,6 +386,55 @@ impl DaemonWriteBehind {
             }
         });
     }
+}
+
+/// Each wanted value of `committed` copied out of the arena and checked ([`checked_copy`]);
+/// with `pacing` (the pacer, where to count its pauses, and the tenant), giving the CPU back
+/// after each [`PACED_SLICE_BYTES`] copied and after the last value.
+async fn copied_and_checked(
+    buffers: &CopyBuffers,
+    committed: Vec<Option<(String, MemoryObj)>>,
+    pacing: Option<(&CpuPacer, &Counters, &str)>,
+) -> Vec<Option<(String, Bytes)>> {
+    let mut values = Vec::with_capacity(committed.len());
+    let mut slice = pacing.map(|(pacer, _, _)| pacer.start_slice());
+    let mut slice_bytes = 0;
+    let count = committed.len();
+    for (i, value) in committed.into_iter().enumerate() {
+        slice_bytes += value.as_ref().map_or(0, |(_, v)| v.len());
+        values.push(value.and_then(|(k, v)| checked_copy(buffers, k, v)));
+        let last = i + 1 == count;
+        if let Some((pacer, counters, tenant)) = pacing
+            && slice_bytes > 0
+            && (slice_bytes >= PACED_SLICE_BYTES || last)
+            && let Some(done) = slice.take()
+        {
+            counters.paused(pacer.give_way(done).await, tenant);
+            slice = Some(pacer.start_slice());
+            slice_bytes = 0;
+        }
+    }
+    values
+}
+
+/// `entries` in order, in parts of at least `bytes` (the last may be smaller), each ending
+/// at the value that reaches it.
+fn slices_of(entries: Vec<(String, Bytes)>, bytes: usize) -> Vec<Vec<(String, Bytes)>> {
+    let mut parts = Vec::new();
+    let mut part = Vec::new();
+    let mut part_bytes = 0usize;
+    for (key, value) in entries {
+        part_bytes = part_bytes.saturating_add(value.len());
+        part.push((key, value));
+        if part_bytes >= bytes {
+            parts.push(std::mem::take(&mut part));
+            part_bytes = 0;
+        }
+    }
+    if !part.is_empty() {
+        parts.push(part);
+    }
+    parts
 }
 
 /// `committed` with each key once, at its last value.
@@ -363,5 +473,34 @@ fn checked_copy(buffers: &CopyBuffers, key: String, value: MemoryObj) -> Option<
             warn!(key = %key, error = %e, "a committed value failed its check; not written below");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(len: usize) -> (String, Bytes) {
+        (format!("k{len}"), Bytes::from(vec![0u8; len]))
+    }
+
+    #[test]
+    fn writes_are_sliced_at_the_value_that_reaches_the_slice() {
+        let lens = |parts: Vec<Vec<(String, Bytes)>>| -> Vec<Vec<usize>> {
+            parts
+                .iter()
+                .map(|p| p.iter().map(|(_, v)| v.len()).collect())
+                .collect()
+        };
+        let entries = vec![entry(1), entry(2), entry(3), entry(4), entry(1)];
+        assert_eq!(
+            lens(slices_of(entries.clone(), 3)),
+            vec![vec![1, 2], vec![3], vec![4], vec![1]]
+        );
+        assert_eq!(
+            lens(slices_of(entries, usize::MAX)),
+            vec![vec![1, 2, 3, 4, 1]]
+        );
+        assert!(slices_of(Vec::new(), 3).is_empty());
     }
 }

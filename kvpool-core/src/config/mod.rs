@@ -92,7 +92,9 @@ pub struct WriteBehindConfig {
     /// Whether write-behind to a disk tier (`file://`) runs on threads of the lowest CPU
     /// priority (one runtime per process), so that on a host whose cores run the engine's
     /// compute it takes what the compute leaves; `false`: on the pool's own runtime. Network
-    /// and node-memory tiers are written from the pool's own runtime either way.
+    /// and node-memory tiers are written from the pool's own runtime either way. `kvpool
+    /// serve` also pauses that work while other processes wait for a CPU, as a nice value does
+    /// not hold across scheduling groups (a systemd service, another session).
     pub low_priority: bool,
 }
 

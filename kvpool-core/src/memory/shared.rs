@@ -14,6 +14,10 @@ use super::arena::{HostAllocator, HostArena};
 use super::guards::{MemoryGuard, MemoryGuards};
 use crate::error::PoolError;
 
+/// How much of an arena [`SharedMapping::map_all_pages_behind`] maps ahead at a time, holding
+/// the mapping.
+const MAP_AHEAD_STEP: usize = 64 << 20;
+
 /// A `MAP_SHARED`, read-write mapping of a whole memory file: a pool's arena in the process
 /// that created it, or another process's view of it. Unmapped on drop; the memory lives while
 /// any process maps it or holds its descriptor.
@@ -140,7 +144,12 @@ impl SharedMapping {
     /// already mapped). Costs about as much as those faults, once per mapping, so engines
     /// run it on a thread of its own after attaching.
     pub fn map_all_pages(&self) -> io::Result<()> {
-        self.populate(0, self.len, libc::MADV_POPULATE_READ, |page| {
+        self.map_pages_in(0, self.len)
+    }
+
+    /// [`SharedMapping::map_all_pages`] for the `len` bytes from `offset` (inside the mapping).
+    fn map_pages_in(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.populate(offset, len, libc::MADV_POPULATE_READ, |page| {
             // SAFETY: `page` lies inside the mapping; a volatile read of one byte is a plain
             // load the compiler keeps.
             unsafe {
@@ -149,26 +158,38 @@ impl SharedMapping {
         })
     }
 
-    /// [`SharedMapping::map_all_pages`] on a thread of its own (holding the mapping until it
-    /// ends), for a process that has just mapped another's arena and should not wait for it.
-    /// A failure is logged: pages are then mapped on first touch, as without it.
+    /// [`SharedMapping::map_all_pages`] on a thread of its own, for a process that has just
+    /// mapped another's arena and should not wait for it. The thread holds the mapping only
+    /// while it maps one step (64 MiB): a mapping let go meanwhile (its
+    /// daemon died) is unmapped then, not once the whole arena is mapped ahead. A failure is
+    /// logged: pages are then mapped on first touch, as without it.
     pub fn map_all_pages_behind(self: &Arc<Self>) {
-        let mapping = self.clone();
+        let mapping = Arc::downgrade(self);
         let spawned = std::thread::Builder::new()
             .name("kvpool-map-arena".into())
             .spawn(move || {
                 let started = std::time::Instant::now();
-                match mapping.map_all_pages() {
-                    Ok(()) => tracing::debug!(
-                        bytes = mapping.len(),
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "mapped a shared arena ahead of use"
-                    ),
-                    Err(e) => tracing::warn!(
-                        "could not map a shared arena ahead of use ({e}); its pages are \
-                         mapped on first touch instead"
-                    ),
+                let mut offset = 0;
+                while let Some(mapping) = mapping.upgrade() {
+                    if offset >= mapping.len {
+                        tracing::debug!(
+                            bytes = mapping.len,
+                            elapsed_ms = started.elapsed().as_millis() as u64,
+                            "mapped a shared arena ahead of use"
+                        );
+                        return;
+                    }
+                    let len = MAP_AHEAD_STEP.min(mapping.len - offset);
+                    if let Err(e) = mapping.map_pages_in(offset, len) {
+                        tracing::warn!(
+                            "could not map a shared arena ahead of use ({e}); its pages are \
+                             mapped on first touch instead"
+                        );
+                        return;
+                    }
+                    offset += len;
                 }
+                tracing::debug!("a shared arena was let go before it was mapped ahead");
             });
         if let Err(e) = spawned {
             tracing::warn!("no thread to map a shared arena ahead of use: {e}");

@@ -248,3 +248,64 @@ async fn a_slow_tier_fills_only_its_own_quota() {
         "one per tier that accepted a value"
     );
 }
+
+/// Work on the low-priority threads gives the CPU back while other processes wait for one:
+/// their nice value does not hold against an engine in another scheduling group (a systemd
+/// service, another session). With the CPU always contested, the copy out of the arena and
+/// the disk tier's writes pause between slices, and still write every value whole; with the
+/// CPU free they never pause. Before, nothing paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn low_priority_work_pauses_while_the_cpu_is_contested_and_writes_every_value() {
+    use crate::cpu_pressure::CpuPacer;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let dir = tempfile::tempdir().unwrap();
+    let stalled = Arc::new(AtomicU64::new(0));
+    let always_contested = {
+        let stalled = stalled.clone();
+        CpuPacer::over(Arc::new(move || {
+            Some(stalled.fetch_add(1_000_000, Ordering::SeqCst))
+        }))
+    };
+    let never_contested = CpuPacer::over(Arc::new(|| Some(7)));
+    // Three values of 1 MiB: two slices of the copy and of the writes.
+    let values: Vec<(String, Bytes)> = (1..=3u8).map(|i| chunk_value(i, &vec![i; MIB])).collect();
+    for (name, pacer, pauses) in [
+        ("contested", always_contested, true),
+        ("free", never_contested, false),
+    ] {
+        let disk = SlowRecordingTier::default(); // its store outlives the daemon's close
+        let tiers: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone())];
+        let daemon = Arc::new(
+            PoolDaemon::with_tiers(options(16 * MIB), tiers, tokio::runtime::Handle::current())
+                .unwrap()
+                .write_tier_behind_on(0, background_runtime().unwrap())
+                .paced_by(pacer),
+        );
+        let path = dir.path().join(format!("{name}.sock"));
+        let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+        client(&path).batch_put(values.clone()).await.unwrap();
+        server.shutdown();
+        daemon.close(Duration::from_secs(30)).await;
+        for (key, bytes) in &values {
+            let held = disk.store.batch_get(std::slice::from_ref(key)).await;
+            assert_eq!(
+                held.unwrap()[0].as_deref(),
+                Some(&bytes[..]),
+                "{name}: written whole"
+            );
+        }
+        assert_eq!(daemon.stats().tier_writes, 3, "{name}");
+        assert_eq!(
+            disk.put_nices.lock().unwrap().len(),
+            2,
+            "{name}: written in two slices"
+        );
+        assert_eq!(
+            daemon.write_behind_paused() > Duration::ZERO,
+            pauses,
+            "{name}: paused {:?}",
+            daemon.write_behind_paused()
+        );
+    }
+}
