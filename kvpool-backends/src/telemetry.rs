@@ -153,7 +153,7 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
     histogram(
         DAEMON_ARENA_COPY_SECONDS,
         &["tenant", "priority"],
-        "Time the pool daemon took to copy and check one commit's values out of its shared memory for its lower tiers, by priority: low (the disk tiers' low-priority threads) or daemon (the daemon's own threads, beside the engines' requests).",
+        "Time the pool daemon took to copy and check one commit's values out of its shared memory for its lower tiers, by priority: low (the disk tiers' low-priority threads; including its pauses for a contested CPU) or daemon (the daemon's own threads, beside the engines' requests).",
     ),
     histogram(
         DAEMON_WRITE_BEHIND_PAUSE_SECONDS,
