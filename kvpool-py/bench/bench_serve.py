@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -314,6 +315,9 @@ def main():
     ap.add_argument("--daemon-cpus", default=None,
                     help="the CPUs of `kvpool daemon disk on own CPUs` (a list such as 1 or "
                          "2-3,6; default: the last CPU this process may use)")
+    ap.add_argument("--tmpfs", default="/dev/shm",
+                    help="a tmpfs for `kvpool daemon disk on tmpfs`'s disk tier (removed "
+                         "after each run of it)")
     a = ap.parse_args()
     if a.client_nice < 0 and os.geteuid() != 0:
         ap.error("--client-nice below 0 needs root")
@@ -361,7 +365,8 @@ def main():
     # tiers it has (a disk tier of its own, or none: what the disk tier's writes cost).
     daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True,
                       "kvpool daemon disk on own CPUs": True,
-                      "kvpool daemon disk normal-priority": True}
+                      "kvpool daemon disk normal-priority": True,
+                      "kvpool daemon disk on tmpfs": True}
     # The CPUs the last of those runs on (`--daemon-cpus`): set apart from the engine's.
     daemon_cpus = {"kvpool daemon disk on own CPUs": parse_cpus(a.daemon_cpus)}
 
@@ -404,6 +409,11 @@ def main():
             # scheduling group than the engine).
             "kvpool daemon disk normal-priority": kvpool(
                 small_l1, pool=daemon_url(rnd, "kvpool daemon disk normal-priority")),
+            # The same daemon with its disk tier in a tmpfs (`--tmpfs`, default /dev/shm):
+            # the same writes, no page-cache writeback to a device (the kernel's flusher
+            # threads, outside every group of the engine's and the daemon's).
+            "kvpool daemon disk on tmpfs": kvpool(
+                small_l1, pool=daemon_url(rnd, "kvpool daemon disk on tmpfs")),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
             "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
@@ -427,14 +437,18 @@ def main():
         for ci, name, args in round_order(configs_of(rnd), rnd):
             slug = re.sub(r"[^a-z0-9]+", "-", name.lower())
             tag = "" if a.rounds == 1 else f"-r{rnd}"
-            daemon = server = None
+            daemon = server = tmpfs_disk = None
             try:
                 if name in daemon_configs:
                     from pool_daemon import PoolDaemon
 
                     tiers = []
                     if daemon_configs[name]:  # a disk tier of its own
-                        disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
+                        if "tmpfs" in name:
+                            disk = tmpfs_disk = tempfile.mkdtemp(
+                                prefix=f"kvpool-bench-{daemon_name(rnd, name)}-", dir=a.tmpfs)
+                        else:
+                            disk = os.path.join(scratch, daemon_name(rnd, name) + "-disk")
                         tiers.append(f"file://{disk}")
                     daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
                                         tiers=tiers, cpus=daemon_cpus.get(name),
@@ -469,6 +483,8 @@ def main():
                     server.stop()
                 if daemon is not None:
                     daemon.stop()
+                if tmpfs_disk is not None:  # memory, not disk: given back at once
+                    shutil.rmtree(tmpfs_disk, ignore_errors=True)
     # Each figure's median over the rounds (one round: its figures).
     summary = {name: {w: {k: (statistics.median(v) if all(x is not None for x in v) else None)
                           for k, v in ((k, [r[k] for r in rs]) for k in rs[0]

@@ -15,6 +15,7 @@ def identity(tmp_path, monkeypatch):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(module, "_memo", {})
+    monkeypatch.setattr(module, "_adapters", {})
     return module
 
 
@@ -101,6 +102,53 @@ def test_named_weights_are_the_name_never_a_digest_and_never_empty(identity, tmp
     for bad in ("", "  ", 3):
         with pytest.raises(ValueError, match="weights_id"):
             identity.weights_digest(str(tmp_path), weights_id=bad)
+
+
+def test_a_lora_adapter_is_walked_once_and_a_changed_one_gets_a_new_digest(identity, tmp_path,
+                                                                           monkeypatch):
+    """vLLM's scheduler asks for a request's extra keys at every lookup: the adapter's
+    directory is walked and its files hashed once, later lookups only stat them. A file
+    replaced in place (``cp -p``) or added gives a new digest, never the old one."""
+    from types import SimpleNamespace
+
+    from kvpool.vllm import identity as vllm_identity
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"A" * 4096)
+    walks = []
+    real_walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walks.append(top) or real_walk(top, *a, **k))
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(adapter))
+
+    first = vllm_identity._lora_identity(lora)
+    assert first == f"sql@w={identity.directory_digest(str(adapter))}"
+    walks.clear()
+    for _ in range(100):
+        assert vllm_identity._lora_identity(lora) == first
+    assert walks == [], "the adapter's directory was walked again though nothing changed"
+
+    stamp = os.stat(weights)
+    tuned = tmp_path / "tuned.safetensors"
+    tuned.write_bytes(b"B" * 4096)
+    os.utime(tuned, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    time.sleep(0.01)
+    shutil.copy2(tuned, weights)  # same size and mtime, other bytes
+    second = vllm_identity._lora_identity(lora)
+    assert second != first and second == f"sql@w={identity.directory_digest(str(adapter))}"
+    walks.clear()
+    assert vllm_identity._lora_identity(lora) == second and walks == []
+
+    (adapter / "extra.safetensors").write_bytes(b"C" * 64)
+    assert vllm_identity._lora_identity(lora) not in (first, second)
+
+    # One weight file as the adapter, and a path that holds nothing: bound to this process.
+    assert vllm_identity._lora_identity(SimpleNamespace(lora_name="f", lora_path=str(weights))) \
+        == f"f@w={identity.file_digest(str(weights))}"
+    gone = SimpleNamespace(lora_name="g", lora_path=str(tmp_path / "missing"))
+    assert vllm_identity._lora_identity(gone) == f"g@w=process-{identity._PROCESS_NONCE}"
 
 
 def test_every_integration_names_its_scope_with_the_one_scope_function():

@@ -84,18 +84,70 @@ def file_digest(path: str) -> str:
     return digest
 
 
-def directory_digest(directory: str) -> str | None:
-    """One digest over a checkpoint directory's weight and config files (names and bytes),
-    or ``None`` when it holds no weight file."""
-    files = []
+def _checkpoint_files(directory: str) -> tuple[list[str], list[str]]:
+    """(every directory walked, every weight, index and config file found) below
+    ``directory``."""
+    directories, files = [], []
     for root, _, names in os.walk(directory):
+        directories.append(root)
         for n in names:
             if n.endswith(WEIGHT_SUFFIXES) or n.endswith(".index.json") or n in CONFIG_FILES:
                 files.append(os.path.join(root, n))
+    return directories, files
+
+
+def _digest_of_files(directory: str, files: list[str]) -> str | None:
     if not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
         return None
     parts = [f"{os.path.relpath(f, directory)}={file_digest(f)}" for f in sorted(files)]
     return _native.digest_text("\n".join(parts))
+
+
+def directory_digest(directory: str) -> str | None:
+    """One digest over a checkpoint directory's weight and config files (names and bytes),
+    or ``None`` when it holds no weight file."""
+    return _digest_of_files(directory, _checkpoint_files(directory)[1])
+
+
+#: What an adapter's digest was computed from: the identity of each directory walked and
+#: file read, as ``(path, identity)``, or ``None`` for a path that no longer stats.
+_Snapshot = tuple[tuple[str, "tuple[int, ...] | None"], ...]
+#: Adapter path -> (its snapshot, its digest).
+_adapters: dict[str, tuple[_Snapshot, str | None]] = {}
+
+
+def _snapshot(paths: list[str]) -> _Snapshot:
+    def identity(path: str) -> tuple[int, ...] | None:
+        try:
+            return _file_identity(os.stat(path))
+        except OSError:
+            return None
+
+    return tuple((p, identity(p)) for p in paths)
+
+
+def adapter_digest(path: str) -> str | None:
+    """The digest of an adapter's weights (a checkpoint directory or one weight file), or
+    ``None`` when ``path`` holds none. Computed once per adapter: a later call only stats the
+    directories and files it was computed from (stat before reading, so a file changed while
+    it was read is seen at the next call) and computes it again when one of them changed,
+    appeared or went (a directory's identity changes when an entry is added or removed)."""
+    with _lock:
+        known = _adapters.get(path)
+    if known is not None and _snapshot([p for p, _ in known[0]]) == known[0]:
+        return known[1]
+    if os.path.isdir(path):
+        directories, files = _checkpoint_files(path)
+        seen = _snapshot(directories + files)
+        digest = _digest_of_files(path, files)
+    elif os.path.isfile(path):
+        seen = _snapshot([path])
+        digest = file_digest(path)
+    else:
+        return None
+    with _lock:
+        _adapters[path] = (seen, digest)
+    return digest
 
 
 def _local_checkpoint(model: str, revision: str | None, download_dir: str | None) -> str | None:

@@ -5,12 +5,12 @@ The engine-agnostic parts (weights digests, the pool config) are in ``kvpool.ide
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from kvpool import _native
 from kvpool.identity import (  # noqa: F401 - re-exported for the connector's modules
     _PROCESS_NONCE,
+    adapter_digest,
     directory_digest,
     file_digest,
     resolve_config,
@@ -36,12 +36,10 @@ def model_identity(vllm_config: "VllmConfig", weights_id: str | None = None) -> 
 
 
 def _lora_identity(lora: Any) -> str:
+    """``{name}@w={digest of the adapter's weights}``; the digest is computed once per adapter
+    and only re-checked (by the files' identities) at later lookups."""
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
-    digest = None
-    if path and os.path.isdir(path):
-        digest = directory_digest(path)
-    elif path and os.path.isfile(path):
-        digest = file_digest(path)
+    digest = adapter_digest(str(path)) if path else None
     if digest is None:
         # Weights we cannot read are bound to this process.
         digest = f"process-{_PROCESS_NONCE}"
