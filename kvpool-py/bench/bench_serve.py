@@ -284,6 +284,18 @@ def pick(ap, named, wanted, what):
     return {k: v for k, v in named.items() if k in keep}
 
 
+def save_metrics(port, path):
+    """The Prometheus text served on ``port`` written to ``path`` (a note on failure: a
+    daemon that died says so in its log)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError as e:
+        text = f"# no metrics: {e}\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -482,6 +494,10 @@ def main():
                 if server is not None:
                     server.stop()
                 if daemon is not None:
+                    # What the daemon timed (its requests, its tiers' calls, its copies and
+                    # pauses), kept beside the results for reading its gaps against.
+                    save_metrics(daemon.metrics_port,
+                                 os.path.join(results_dir, f"{slug}{tag}.daemon-metrics.txt"))
                     daemon.stop()
                 if tmpfs_disk is not None:  # memory, not disk: given back at once
                     shutil.rmtree(tmpfs_disk, ignore_errors=True)

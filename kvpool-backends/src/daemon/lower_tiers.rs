@@ -16,17 +16,11 @@ pub(super) fn is_kvpool_key(key: &str) -> bool {
 /// reach a lower tier: [`is_kvpool_key`]) must be a whole chunk in the chunk format, its
 /// checksum right, bound to that key and its layout.
 pub(super) fn check_stored_value(key: &str, bytes: &[u8]) -> Result<(), kvpool_core::FormatError> {
-    use kvpool_core::format::chunk_format::{DecodeExpectation, KeyBinding, decode_header};
+    use kvpool_core::format::chunk_format::{DecodeExpectation, decode_header};
     let Ok(parsed) = key.parse::<kvpool_core::CacheKey>() else {
         return Ok(());
     };
-    let expect = DecodeExpectation {
-        max_raw_len: u64::MAX,
-        layout_fingerprint: Some(parsed.scope.layout_fingerprint),
-        bytes_per_token: None,
-        key: Some(KeyBinding::of(&parsed)),
-    };
-    decode_header(bytes, &expect).map(drop)
+    decode_header(bytes, &DecodeExpectation::bound_to(&parsed, u64::MAX)).map(drop)
 }
 
 /// The daemon's latency histogram for one call kind (`contains`, `get`, `put`) to one lower

@@ -13,11 +13,11 @@ use hmac::{Hmac, Mac};
 use kvpool_core::BackendError;
 use kvpool_core::CopyOut;
 use kvpool_core::storage::remote::{
-    NodeMemoryConnector, RejectedValue, RemoteConnector, delete_rejected, one_answer, visit_each,
+    NodeMemoryConnector, RejectedValue, RemoteConnector, delete_rejected, one_answer,
+    record_rejected, visit_each,
 };
 use kvpool_core::storage::tier_events::TierEventLog;
 use sha2::Sha256;
-use tracing::warn;
 
 /// Bytes of the tag appended to each value.
 pub const MAC_BYTES: usize = 32;
@@ -131,9 +131,7 @@ impl RemoteConnector for NamespacedConnector {
                 let value = value?;
                 let checked = Self::verified(secret, name, value.clone());
                 if checked.is_none() {
-                    warn!(tier = self.inner.name(), key = %name, "a value without this tenant's MAC: a miss, deleted");
-                    metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => self.inner.name().to_string())
-                        .increment(1);
+                    record_rejected(self.inner.name(), name, &"without this tenant's MAC");
                     forged.push(RejectedValue::new(name.clone(), &value));
                 }
                 checked

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpool_core::memory::{EvictionKind, MemoryObj};
-use kvpool_core::storage::remote::{RejectedValue, RemoteConnector, delete_rejected};
+use kvpool_core::storage::remote::{
+    RejectedValue, RemoteConnector, delete_rejected, record_rejected,
+};
 use kvpool_core::{ConfigError, PoolConfig, PoolError};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
@@ -500,9 +502,7 @@ impl PoolDaemon {
                         let Some(bytes) = value else { continue };
                         if let Err(e) = check_stored_value(&keys[i], &bytes) {
                             // This tier's copy is bad: a miss, and gone from this tier only.
-                            warn!(tier = tier.name(), key = %keys[i], error = %e, "a lower tier's value failed its check; not promoted, deleted from that tier");
-                            metrics::counter!(kvpool_core::telemetry::CORRUPT_VALUES, "tier" => tier.name().to_string())
-                                .increment(1);
+                            record_rejected(tier.name(), &keys[i], &e);
                             corrupt.push(RejectedValue::new(keys[i].clone(), &bytes));
                             continue;
                         }

@@ -309,3 +309,37 @@ async fn low_priority_work_pauses_while_the_cpu_is_contested_and_writes_every_va
         );
     }
 }
+
+/// A key committed again while its write to a tier is still in flight (an engine saving the
+/// same prefix twice, two engines saving one prompt) is written once: the second commit is
+/// counted as deduplicated (`kvpool_daemon_write_behind_deduplicated_total`), not queued
+/// behind the first, and the tier ends up holding the value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_committed_again_while_its_write_is_in_flight_is_written_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    // No write may start until the test lets it: the first one is in flight throughout.
+    let disk = SlowRecordingTier::gated(0);
+    let tiers: Vec<Arc<dyn RemoteConnector>> = vec![Arc::new(disk.clone())];
+    let daemon = Arc::new(
+        PoolDaemon::with_tiers(options(16 * MIB), tiers, tokio::runtime::Handle::current())
+            .unwrap(),
+    );
+    let server = DaemonServer::bind(daemon.clone(), &path, SocketAccess::default()).unwrap();
+    let (key, bytes) = chunk_value(5, &[5u8; 4096]);
+    let engine = client(&path);
+    for _ in 0..2 {
+        engine
+            .batch_put(vec![(key.clone(), bytes.clone())])
+            .await
+            .unwrap();
+    }
+    disk.gate.add_permits(2); // enough for a second write, should there be one
+    server.shutdown();
+    daemon.close(Duration::from_secs(30)).await;
+    assert_eq!(disk.put_nices.lock().unwrap().len(), 1, "written once");
+    assert_eq!(daemon.write_behind_deduplicated(), 1);
+    assert_eq!(daemon.stats().tier_writes, 1);
+    let held = disk.store.batch_get(std::slice::from_ref(&key)).await;
+    assert_eq!(held.unwrap()[0].as_deref(), Some(&bytes[..]));
+}

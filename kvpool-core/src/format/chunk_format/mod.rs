@@ -117,6 +117,21 @@ pub struct DecodeExpectation {
     pub key: Option<KeyBinding>,
 }
 
+impl DecodeExpectation {
+    /// What a value read under `key` must be: a chunk bound to that key (its hash and scope),
+    /// of its scope's layout, decoding to at most `max_raw_len` bytes. Every reader of a tier
+    /// checks against this: a value stored under another key, or by an engine of another
+    /// layout, is rejected rather than handed to a model.
+    pub fn bound_to(key: &crate::keys::cache_key::CacheKey, max_raw_len: u64) -> Self {
+        DecodeExpectation {
+            max_raw_len,
+            layout_fingerprint: Some(key.scope.layout_fingerprint),
+            bytes_per_token: None,
+            key: Some(KeyBinding::of(key)),
+        }
+    }
+}
+
 /// Encodes chunks with a chosen checksum and compression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ChunkCodec {

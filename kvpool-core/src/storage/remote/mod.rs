@@ -9,7 +9,7 @@ pub use node_memory::{
     CopyIn, CopyOut, NodeMemoryConnector, lends_node_memory_of, node_memory_mapping_of,
     node_memory_of,
 };
-pub use rejected::{RejectedValue, delete_rejected};
+pub use rejected::{RejectedValue, delete_rejected, record_rejected};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tracing::warn;
 
 use crate::error::{BackendError, FormatError};
 use crate::format::chunk_format::{
@@ -122,7 +121,7 @@ impl<C: RemoteConnector> RemoteBackend<C> {
             let max_chunk_bytes = self.max_chunk_bytes;
             Arc::new(move |i, bytes| {
                 let Some(key) = keys.get(i) else { return };
-                let expect = expectation(key, max_chunk_bytes);
+                let expect = DecodeExpectation::bound_to(key, max_chunk_bytes);
                 let decoded =
                     decode_copied(bytes, &expect, |len| allocate(allocator.as_ref(), len))
                         .map(|(header, buf)| Chunk {
@@ -215,11 +214,9 @@ impl<C: RemoteConnector> RemoteBackend<C> {
                     out.push(Some(chunk));
                 }
                 Some(Err(Rejected { error, value })) => {
-                    warn!(backend = self.name(), key = %name, %error, "rejecting stored chunk");
+                    record_rejected(self.name(), name, &error);
                     self.counters.corrupt.add(1);
                     self.counters.misses.add(1);
-                    metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => self.name().to_string())
-                        .increment(1);
                     corrupt.extend(value);
                     out.push(None);
                 }
@@ -246,16 +243,6 @@ impl Rejected {
             error,
             value: Some(RejectedValue::new(key.to_string(), bytes)),
         }
-    }
-}
-
-/// What a value read under `key` must be: bound to that key, of its layout, at most `max` bytes.
-fn expectation(key: &CacheKey, max: u64) -> DecodeExpectation {
-    DecodeExpectation {
-        max_raw_len: max,
-        layout_fingerprint: Some(key.scope.layout_fingerprint),
-        bytes_per_token: None,
-        key: Some(KeyBinding::of(key)),
     }
 }
 
@@ -335,18 +322,19 @@ impl<C: RemoteConnector> StorageBackend for RemoteBackend<C> {
             let max_chunk_bytes = self.max_chunk_bytes;
             Arc::new(move |i, bytes| {
                 let Some(key) = keys.get(i) else { return };
-                let outcome = decode_header(bytes, &expectation(key, max_chunk_bytes))
-                    .and_then(|header| {
-                        if header.compressed {
-                            let mut data = vec![0; header.raw_len as usize];
-                            decode_payload_into(bytes, &header, &mut data)?;
-                            visit(i, &header.meta, &data);
-                        } else {
-                            visit(i, &header.meta, &bytes[HEADER_LEN..]);
-                        }
-                        Ok(header.raw_len as usize)
-                    })
-                    .map_err(|error| Rejected::new(error, key, bytes));
+                let outcome =
+                    decode_header(bytes, &DecodeExpectation::bound_to(key, max_chunk_bytes))
+                        .and_then(|header| {
+                            if header.compressed {
+                                let mut data = vec![0; header.raw_len as usize];
+                                decode_payload_into(bytes, &header, &mut data)?;
+                                visit(i, &header.meta, &data);
+                            } else {
+                                visit(i, &header.meta, &bytes[HEADER_LEN..]);
+                            }
+                            Ok(header.raw_len as usize)
+                        })
+                        .map_err(|error| Rejected::new(error, key, bytes));
                 if let Some(slot) = outcomes.lock().get_mut(i) {
                     *slot = Some(outcome);
                 }
@@ -442,8 +430,8 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
             .zip(lent)
             .map(|(key, bytes)| {
                 bytes.map(|b| {
-                    shared_chunk(b, &expectation(key, self.max_chunk_bytes)).map_err(
-                        |(error, b)| {
+                    shared_chunk(b, &DecodeExpectation::bound_to(key, self.max_chunk_bytes))
+                        .map_err(|(error, b)| {
                             if b.usable() {
                                 Rejected::new(error, key, b.bytes())
                             } else {
@@ -451,8 +439,7 @@ impl<C: RemoteConnector> NodeMemoryBackend for RemoteBackend<C> {
                                 // nothing to compare, so nothing deleted.
                                 Rejected { error, value: None }
                             }
-                        },
-                    )
+                        })
                 })
             })
             .collect();

@@ -29,6 +29,15 @@ impl RejectedValue {
     }
 }
 
+/// What every reader of a tier does first with a value it rejects (a checksum, a header, a key
+/// binding, a tenant's MAC: `why`): logs it at `warn` and counts it in
+/// `kvpool_corrupt_values_total{tier}`. The value is a miss; [`delete_rejected`] then deletes
+/// it from `tier` only.
+pub fn record_rejected(tier: &str, key: &str, why: &dyn std::fmt::Display) {
+    warn!(tier, key, error = %why, "a tier's value failed its checks: a miss, deleted from that tier");
+    metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => tier.to_string()).increment(1);
+}
+
 /// Deletes each rejected value from `tier`, but only where the tier still holds the bytes
 /// that were read: a good value written under the key since the read (a save's write, a
 /// write-behind landing) stays, so a bad read never deletes it. Deleting the bad value means
