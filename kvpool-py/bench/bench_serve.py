@@ -378,7 +378,8 @@ def main():
     daemon_configs = {"kvpool daemon": False, "kvpool daemon disk": True,
                       "kvpool daemon disk on own CPUs": True,
                       "kvpool daemon disk normal-priority": True,
-                      "kvpool daemon disk on tmpfs": True}
+                      "kvpool daemon disk on tmpfs": True,
+                      "kvpool daemon disk group nice 19": True}
     # The CPUs the last of those runs on (`--daemon-cpus`): set apart from the engine's.
     daemon_cpus = {"kvpool daemon disk on own CPUs": parse_cpus(a.daemon_cpus)}
 
@@ -426,6 +427,11 @@ def main():
             # threads, outside every group of the engine's and the daemon's).
             "kvpool daemon disk on tmpfs": kvpool(
                 small_l1, pool=daemon_url(rnd, "kvpool daemon disk on tmpfs")),
+            # The same daemon in a session of its own whose scheduling group (autogroup)
+            # has nice 19: every thread of it, its request threads too, ranked below the
+            # engine's group (what a systemd service's low `CPUWeight=` does).
+            "kvpool daemon disk group nice 19": kvpool(
+                small_l1, pool=daemon_url(rnd, "kvpool daemon disk group nice 19")),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
             "kvpool daemon": kvpool(small_l1, pool=daemon_url(rnd, "kvpool daemon")),
@@ -464,7 +470,8 @@ def main():
                         tiers.append(f"file://{disk}")
                     daemon = PoolDaemon(scratch, daemon_name(rnd, name), size="256MiB",
                                         tiers=tiers, cpus=daemon_cpus.get(name),
-                                        low_priority="normal-priority" not in name)
+                                        low_priority="normal-priority" not in name,
+                                        group_nice=19 if "group nice 19" in name else None)
                     url = daemon_url(rnd, name)
                     assert daemon.url == url, (daemon.url, url)
                 server = Server(model, port + ci,

@@ -21,10 +21,15 @@ def kvpool_bin():
 class PoolDaemon:
     """A `kvpool serve` process: shared memory of `size`, over the lower tiers `tiers`."""
 
-    def __init__(self, workdir, name, size="512MiB", tiers=(), cpus=None, low_priority=True):
+    def __init__(self, workdir, name, size="512MiB", tiers=(), cpus=None, low_priority=True,
+                 group_nice=None):
         """`cpus`: the CPUs every thread of the daemon may run on (all when None), set before
-        its first thread starts; `low_priority`: its `[write_behind] low_priority`."""
+        its first thread starts; `low_priority`: its `[write_behind] low_priority`;
+        `group_nice`: when set, the daemon runs in a session of its own whose scheduling
+        group (Linux's autogroup) gets this nice value, every thread of it ranked so against
+        other groups (as a systemd service's `CPUWeight=` does)."""
         self.cpus = cpus
+        self.group_nice = group_nice
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.dir, "kvpool.sock")
@@ -57,7 +62,11 @@ class PoolDaemon:
             self.proc = subprocess.Popen(
                 [kvpool_bin(), "serve", "--config", self.config, "--socket", self.socket],
                 stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=self.group_nice is not None,
                 preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
+        if self.group_nice is not None:
+            with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
+                f.write(str(self.group_nice))
         deadline = time.time() + 30
         while time.time() < deadline:
             if self.proc.poll() is not None:

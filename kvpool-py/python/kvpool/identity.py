@@ -137,9 +137,13 @@ def adapter_digest(path: str) -> str | None:
     if known is not None and _snapshot([p for p, _ in known[0]]) == known[0]:
         return known[1]
     if os.path.isdir(path):
-        directories, files = _checkpoint_files(path)
-        seen = _snapshot(directories + files)
-        digest = _digest_of_files(path, files)
+        listed = _checkpoint_files(path)
+        seen = _snapshot(listed[0] + listed[1])
+        digest = _digest_of_files(path, listed[1])
+        if _checkpoint_files(path) != listed:
+            # An entry came or went between the walk and the snapshot, which would then
+            # vouch for a listing it did not see: not remembered, computed again next time.
+            return digest
     elif os.path.isfile(path):
         seen = _snapshot([path])
         digest = file_digest(path)
