@@ -48,6 +48,9 @@ pub const DAEMON_WRITE_BEHIND_DEDUPLICATED: &str = "kvpool_daemon_write_behind_d
 pub const DAEMON_TIER_OP_SECONDS: &str = "kvpool_daemon_tier_op_seconds";
 /// Time the daemon took to answer one engine request, by kind.
 pub const DAEMON_REQUEST_SECONDS: &str = "kvpool_daemon_request_seconds";
+/// Time an engine waited for the pool daemon's reply to one request, by kind (the engine's
+/// side of [`DAEMON_REQUEST_SECONDS`]).
+pub const DAEMON_CLIENT_CALL_SECONDS: &str = "kvpool_daemon_client_call_seconds";
 /// Time the daemon took to copy and check one commit's values out of its arena for its lower
 /// tiers, by the priority it ran at.
 pub const DAEMON_ARENA_COPY_SECONDS: &str = "kvpool_daemon_arena_copy_seconds";
@@ -149,6 +152,11 @@ pub const BACKEND_METRICS: &[MetricInfo] = &[
         DAEMON_REQUEST_SECONDS,
         &["tenant", "kind"],
         "Time the pool daemon took to answer one engine request, from decoded request to reply (kind: exists, get, get_resident, prepare_save, commit, release, delete, stats; attach: a second attach, refused).",
+    ),
+    histogram(
+        DAEMON_CLIENT_CALL_SECONDS,
+        &["kind"],
+        "Time an engine waited for the pool daemon's reply to one request, from the first byte sent to the reply read (kind as kvpool_daemon_request_seconds): the daemon's answer, the socket, and the time the daemon's thread waited for a CPU. Recorded in the engine's process.",
     ),
     histogram(
         DAEMON_ARENA_COPY_SECONDS,

@@ -120,7 +120,8 @@ def test_a_lora_adapter_is_walked_once_and_a_changed_one_gets_a_new_digest(ident
     weights.write_bytes(b"A" * 4096)
     walks = []
     real_walk = os.walk
-    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walks.append(top) or real_walk(top, *a, **k))
+    monkeypatch.setattr(os, "walk",
+                        lambda top, *a, **k: walks.append(top) or real_walk(top, *a, **k))
     lora = SimpleNamespace(lora_name="sql", lora_path=str(adapter))
 
     first = vllm_identity._lora_identity(lora)

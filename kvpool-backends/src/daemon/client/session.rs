@@ -13,6 +13,7 @@ use kvpool_core::memory::SharedMapping;
 use parking_lot::Mutex;
 
 use crate::daemon::protocol::{PROTOCOL_VERSION, Region, Reply, Request};
+use crate::telemetry;
 
 /// One attached session: the socket and the daemon's arena as this process maps it.
 pub(super) struct Session {
@@ -110,10 +111,18 @@ impl Session {
         self.call(&Request::Release { ids }).map(drop)
     }
 
+    /// Sends `request` and waits for its reply, timed from the first byte sent to the reply
+    /// read (`kvpool_daemon_client_call_seconds`, by kind): what this engine waited for, the
+    /// daemon's answer (`kvpool_daemon_request_seconds`) plus the socket and the time the
+    /// daemon's thread waited for a CPU. A call that fails is not timed.
     pub(super) fn call(&mut self, request: &Request) -> io::Result<Reply> {
+        let started = Instant::now();
         let mut stream: &UnixStream = &self.stream;
         write_frame(&mut stream, request)?;
-        match read_frame::<Reply>(&mut stream)? {
+        let reply = read_frame::<Reply>(&mut stream)?;
+        metrics::histogram!(telemetry::DAEMON_CLIENT_CALL_SECONDS, "kind" => request.kind())
+            .record(started.elapsed());
+        match reply {
             Reply::Error(why) => Err(io::Error::other(format!("the daemon refused: {why}"))),
             reply => Ok(reply),
         }

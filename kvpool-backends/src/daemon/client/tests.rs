@@ -189,3 +189,50 @@ async fn an_idle_engine_unmaps_a_dead_daemons_arena_without_making_a_call() {
         connector.node_memory_mapping().is_none() && old.upgrade().is_none()
     });
 }
+
+/// Each call an engine makes is timed on its side by kind (what it waited for, the daemon's
+/// answer and the scheduling around it: `kvpool_daemon_client_call_seconds`); a refused call
+/// (a reply that is an error) too, as it was waited for all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_call_is_timed_on_the_engines_side_by_kind() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = socket(&dir);
+    let _run = start(&path, 4 << 20, vec![]);
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let mut session = Session::attach(&path, Duration::from_secs(5), None, 0).unwrap();
+        for key in ["k", "j"] {
+            let reply = session.call(&Request::Exists {
+                keys: vec![key.into()],
+            });
+            assert!(matches!(reply, Ok(Reply::Exists(ref found)) if found == &[false]));
+        }
+        assert!(matches!(session.call(&Request::Stats), Ok(Reply::Stats(_))));
+        let second_attach = Request::Attach {
+            version: crate::daemon::protocol::PROTOCOL_VERSION,
+            client: "test".into(),
+        };
+        assert!(session.call(&second_attach).is_err(), "refused");
+    });
+    let mut timed: Vec<(String, usize)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| key.key().name() == crate::telemetry::DAEMON_CLIENT_CALL_SECONDS)
+        .map(|(key, _, _, value)| {
+            let kind = key.key().labels().find(|l| l.key() == "kind").unwrap();
+            let DebugValue::Histogram(samples) = value else {
+                panic!("not a histogram");
+            };
+            (kind.value().to_string(), samples.len())
+        })
+        .collect();
+    timed.sort();
+    assert_eq!(
+        timed,
+        [("attach", 1), ("exists", 2), ("stats", 1)].map(|(k, n)| (k.to_string(), n))
+    );
+}
