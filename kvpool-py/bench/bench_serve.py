@@ -393,12 +393,20 @@ def main():
 
     small_l1 = {"local_cpu": {"max_size": "64MiB"}}
     # The engine's own kvpool metrics in the daemon configurations (what it waited for the
-    # daemon: `kvpool_daemon_client_call_seconds`), on one port their servers take in turn.
-    engine_metrics_port = 29000 + os.getpid() % 1000
-    engine_metrics = {"metrics": {"listen": f"127.0.0.1:{engine_metrics_port}"}}
-    daemon_engine = {**small_l1, **engine_metrics}
+    # daemon: `kvpool_daemon_client_call_seconds`), a port per configuration (a server that
+    # lingers cannot hand its numbers to the next).
+    engine_metrics_ports = {name: 29000 + (os.getpid() % 1000) * 8 + i
+                            for i, name in enumerate(daemon_configs)}
+
+    def daemon_engine(name):
+        port = engine_metrics_ports[name]
+        return {**small_l1, "metrics": {"listen": f"127.0.0.1:{port}"}}
 
     def configs_of(rnd):
+        def via_daemon(name):
+            # Attached to the daemon started for `name`, with a metrics endpoint of its own.
+            return kvpool(daemon_engine(name), pool=daemon_url(rnd, name))
+
         # A disk tier of its own per round: a round's prompts never hit an earlier round's.
         disk = os.path.join(scratch, "disk" if a.rounds == 1 else f"disk-{rnd}")
         # And a Redis database of its own (Redis keeps 16: rounds past that share one).
@@ -416,30 +424,26 @@ def main():
             # The node's pool daemon (`kvpool serve`, 256 MiB of shared memory) over a disk
             # tier of its own, the daemon's disk writes on its low-priority threads (the
             # default): the engine's L1 as small as the disk configuration's.
-            "kvpool daemon disk": kvpool(daemon_engine, pool=daemon_url(rnd, "kvpool daemon disk")),
+            "kvpool daemon disk": via_daemon("kvpool daemon disk"),
             # The same with every thread of the daemon on `--daemon-cpus` (by default the
             # last CPU, away from the forward pass's): what the daemon's CPU costs the steps.
-            "kvpool daemon disk on own CPUs": kvpool(
-                daemon_engine, pool=daemon_url(rnd, "kvpool daemon disk on own CPUs")),
+            "kvpool daemon disk on own CPUs": via_daemon("kvpool daemon disk on own CPUs"),
             # The same daemon with `[write_behind] low_priority = false`: its copies and disk
             # writes on its own threads, unpaced (the baseline of the daemon's pacing; its
             # nice-19 threads took as much of a contested core, as the daemon is in another
             # scheduling group than the engine).
-            "kvpool daemon disk normal-priority": kvpool(
-                daemon_engine, pool=daemon_url(rnd, "kvpool daemon disk normal-priority")),
+            "kvpool daemon disk normal-priority": via_daemon("kvpool daemon disk normal-priority"),
             # The same daemon with its disk tier in a tmpfs (`--tmpfs`, default /dev/shm):
             # the same writes, no page-cache writeback to a device (the kernel's flusher
             # threads, outside every group of the engine's and the daemon's).
-            "kvpool daemon disk on tmpfs": kvpool(
-                daemon_engine, pool=daemon_url(rnd, "kvpool daemon disk on tmpfs")),
+            "kvpool daemon disk on tmpfs": via_daemon("kvpool daemon disk on tmpfs"),
             # The same daemon in a session of its own whose scheduling group (autogroup)
             # has nice 19: every thread of it, its request threads too, ranked below the
             # engine's group (what a systemd service's low `CPUWeight=` does).
-            "kvpool daemon disk group nice 19": kvpool(
-                daemon_engine, pool=daemon_url(rnd, "kvpool daemon disk group nice 19")),
+            "kvpool daemon disk group nice 19": via_daemon("kvpool daemon disk group nice 19"),
             # The same daemon without a lower tier: saves into its memory, nothing written
             # behind.
-            "kvpool daemon": kvpool(daemon_engine, pool=daemon_url(rnd, "kvpool daemon")),
+            "kvpool daemon": via_daemon("kvpool daemon"),
             "vLLM prefix cache": ["--enable-prefix-caching"],
         }, a.only, "configurations")
 
@@ -505,7 +509,7 @@ def main():
             finally:
                 if server is not None:
                     if name in daemon_configs:
-                        save_metrics(engine_metrics_port, os.path.join(
+                        save_metrics(engine_metrics_ports[name], os.path.join(
                             results_dir, f"{slug}{tag}.engine-metrics.txt"))
                     server.stop()
                 if daemon is not None:

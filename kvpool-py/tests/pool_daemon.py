@@ -65,8 +65,17 @@ class PoolDaemon:
                 start_new_session=self.group_nice is not None,
                 preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
         if self.group_nice is not None:
-            with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
-                f.write(str(self.group_nice))
+            try:
+                with open(f"/proc/{self.proc.pid}/autogroup", "w") as f:
+                    f.write(str(self.group_nice))
+                with open(f"/proc/{self.proc.pid}/autogroup") as f:
+                    ranked = f.read().split()
+                if ranked[-1] != str(self.group_nice):  # "/autogroup-N nice K"
+                    raise OSError(f"autogroup reads {' '.join(ranked)}")
+            except OSError as e:
+                self.kill()
+                raise AssertionError(f"cannot give the daemon's group nice {self.group_nice} "
+                                     f"(autogroup off, or not permitted): {e}") from e
         deadline = time.time() + 30
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -104,52 +104,97 @@ def test_named_weights_are_the_name_never_a_digest_and_never_empty(identity, tmp
             identity.weights_digest(str(tmp_path), weights_id=bad)
 
 
-def test_a_lora_adapter_is_walked_once_and_a_changed_one_gets_a_new_digest(identity, tmp_path,
-                                                                           monkeypatch):
-    """vLLM's scheduler asks for a request's extra keys at every lookup: the adapter's
-    directory is walked and its files hashed once, later lookups only stat them. A file
-    replaced in place (``cp -p``) or added gives a new digest, never the old one."""
-    from types import SimpleNamespace
-
+@pytest.fixture
+def lora_identity(identity, monkeypatch):
+    """``kvpool.vllm.identity`` with no adapter seen yet, its digests computed by the fresh
+    ``identity`` module."""
     from kvpool.vllm import identity as vllm_identity
 
+    monkeypatch.setattr(vllm_identity, "_first_adapter_digests", {})
+    return vllm_identity
+
+
+def _adapter(tmp_path):
     adapter = tmp_path / "adapter"
-    adapter.mkdir()
+    (adapter / "sub").mkdir(parents=True)
     (adapter / "adapter_config.json").write_text('{"r": 8}')
-    weights = adapter / "adapter_model.safetensors"
-    weights.write_bytes(b"A" * 4096)
+    (adapter / "adapter_model.safetensors").write_bytes(b"A" * 4096)
+    (adapter / "sub" / "extra.safetensors").write_bytes(b"S" * 512)
+    return adapter
+
+
+def _counting_walks(monkeypatch):
     walks = []
     real_walk = os.walk
     monkeypatch.setattr(os, "walk",
                         lambda top, *a, **k: walks.append(top) or real_walk(top, *a, **k))
-    lora = SimpleNamespace(lora_name="sql", lora_path=str(adapter))
+    return walks
 
-    first = vllm_identity._lora_identity(lora)
-    assert first == f"sql@w={identity.directory_digest(str(adapter))}"
+
+def _replaced_in_place(path, tmp_path, byte):
+    """``path``'s bytes replaced as ``cp -p`` does: same size and modification time."""
+    stamp = os.stat(path)
+    other = tmp_path / "other"
+    other.write_bytes(byte * stamp.st_size)
+    os.utime(other, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    time.sleep(0.01)
+    shutil.copy2(other, path)
+
+
+@pytest.mark.parametrize("changed", ["top file", "file in a subdirectory", "added file",
+                                     "one-file adapter"])
+def test_a_lora_adapter_is_walked_once_and_a_changed_one_is_never_shared(
+        identity, lora_identity, tmp_path, monkeypatch, changed):
+    """vLLM's scheduler asks for a request's extra keys at every lookup: the adapter's
+    directory is walked and its files hashed once, later lookups only stat them. A file
+    replaced in place (``cp -p``: same size and time) or added anywhere under the adapter
+    changes its digest; as vLLM may keep the old weights loaded, the adapter's keys are then
+    bound to this process, never the new digest (another engine's) nor the old one."""
+    monkeypatch.setattr(identity, "_RACY_NS", 0)  # the files were just written
+    from types import SimpleNamespace
+
+    adapter = _adapter(tmp_path)
+    path = adapter / "adapter_model.safetensors" if changed == "one-file adapter" else adapter
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(path))
+    walks = _counting_walks(monkeypatch)
+    first = lora_identity._lora_identity(lora)
+    expected = (identity.file_digest(str(path)) if changed == "one-file adapter"
+                else identity.directory_digest(str(adapter)))
+    assert first == f"sql@w={expected}"
     walks.clear()
     for _ in range(100):
-        assert vllm_identity._lora_identity(lora) == first
-    assert walks == [], "the adapter's directory was walked again though nothing changed"
+        assert lora_identity._lora_identity(lora) == first
+    assert walks == [], "walked again though nothing changed"
 
-    stamp = os.stat(weights)
-    tuned = tmp_path / "tuned.safetensors"
-    tuned.write_bytes(b"B" * 4096)
-    os.utime(tuned, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
-    time.sleep(0.01)
-    shutil.copy2(tuned, weights)  # same size and mtime, other bytes
-    second = vllm_identity._lora_identity(lora)
-    assert second != first and second == f"sql@w={identity.directory_digest(str(adapter))}"
+    if changed == "top file" or changed == "one-file adapter":
+        _replaced_in_place(adapter / "adapter_model.safetensors", tmp_path, b"B")
+    elif changed == "file in a subdirectory":
+        _replaced_in_place(adapter / "sub" / "extra.safetensors", tmp_path, b"T")
+    else:
+        (adapter / "sub" / "more.safetensors").write_bytes(b"C" * 64)
+    assert identity.adapter_digest(str(path)) != expected, "the change is seen"
+    process_bound = f"sql@w=process-{identity._PROCESS_NONCE}"
+    assert lora_identity._lora_identity(lora) == process_bound
+    assert lora_identity._lora_identity(lora) == process_bound, "and stays so"
+
+
+def test_an_adapter_changed_just_now_is_not_remembered(identity, lora_identity, tmp_path,
+                                                       monkeypatch):
+    """Files changed within the clock's tick can change again without their size, times or
+    inode changing: a snapshot so fresh is not trusted, the digest is computed at each
+    lookup until it is older than that (git's racy rule). A path that holds no weights binds
+    the key to this process."""
+    from types import SimpleNamespace
+
+    adapter = _adapter(tmp_path)
+    walks = _counting_walks(monkeypatch)
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(adapter))
+    first = lora_identity._lora_identity(lora)
     walks.clear()
-    assert vllm_identity._lora_identity(lora) == second and walks == []
-
-    (adapter / "extra.safetensors").write_bytes(b"C" * 64)
-    assert vllm_identity._lora_identity(lora) not in (first, second)
-
-    # One weight file as the adapter, and a path that holds nothing: bound to this process.
-    assert vllm_identity._lora_identity(SimpleNamespace(lora_name="f", lora_path=str(weights))) \
-        == f"f@w={identity.file_digest(str(weights))}"
+    assert lora_identity._lora_identity(lora) == first
+    assert walks, "a fresh snapshot was remembered"
     gone = SimpleNamespace(lora_name="g", lora_path=str(tmp_path / "missing"))
-    assert vllm_identity._lora_identity(gone) == f"g@w=process-{identity._PROCESS_NONCE}"
+    assert lora_identity._lora_identity(gone) == f"g@w=process-{identity._PROCESS_NONCE}"
 
 
 def test_every_integration_names_its_scope_with_the_one_scope_function():

@@ -16,6 +16,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -126,19 +127,42 @@ def _snapshot(paths: list[str]) -> _Snapshot:
     return tuple((p, identity(p)) for p in paths)
 
 
+#: A snapshot taken within this many nanoseconds of a file's or directory's last change is
+#: not remembered: a change in the same clock tick keeps size, times and inode (git's "racy"
+#: rule), so only a snapshot older than the tick can vouch for what it saw.
+_RACY_NS = 2_000_000_000
+
+
+def _racy(seen: _Snapshot, now_ns: int) -> bool:
+    """Whether some entry of ``seen`` changed within ``_RACY_NS`` of ``now_ns`` (or could not
+    be read, or nothing was seen at all)."""
+    if not seen:
+        return True
+    for _, identity in seen:
+        if identity is None:
+            continue
+        _, mtime_ns, ctime_ns, _, _ = identity
+        if now_ns - max(mtime_ns, ctime_ns) < _RACY_NS:
+            return True
+    return False
+
+
 def adapter_digest(path: str) -> str | None:
     """The digest of an adapter's weights (a checkpoint directory or one weight file), or
-    ``None`` when ``path`` holds none. Computed once per adapter: a later call only stats the
-    directories and files it was computed from (stat before reading, so a file changed while
-    it was read is seen at the next call) and computes it again when one of them changed,
-    appeared or went (a directory's identity changes when an entry is added or removed)."""
+    ``None`` when ``path`` holds none. Computed once per adapter: a later call only stats
+    ``path`` and the directories and files the digest was computed from, and computes it
+    again when one of them changed, appeared or went (a directory's identity changes when an
+    entry is added or removed). The stats are taken before the files are read, so a file
+    changed while it was read is seen at the next call; a snapshot of files changed in the
+    last two seconds is not remembered (``_RACY_NS``)."""
     with _lock:
         known = _adapters.get(path)
     if known is not None and _snapshot([p for p, _ in known[0]]) == known[0]:
         return known[1]
+    now_ns = time.time_ns()
     if os.path.isdir(path):
         listed = _checkpoint_files(path)
-        seen = _snapshot(listed[0] + listed[1])
+        seen = _snapshot([path] + listed[0] + listed[1])
         digest = _digest_of_files(path, listed[1])
         if _checkpoint_files(path) != listed:
             # An entry came or went between the walk and the snapshot, which would then
@@ -149,8 +173,9 @@ def adapter_digest(path: str) -> str | None:
         digest = file_digest(path)
     else:
         return None
-    with _lock:
-        _adapters[path] = (seen, digest)
+    if not _racy(seen, now_ns):
+        with _lock:
+            _adapters[path] = (seen, digest)
     return digest
 
 

@@ -114,7 +114,8 @@ impl Session {
     /// Sends `request` and waits for its reply, timed from the first byte sent to the reply
     /// read (`kvpool_daemon_client_call_seconds`, by kind): what this engine waited for, the
     /// daemon's answer (`kvpool_daemon_request_seconds`) plus the socket and the time the
-    /// daemon's thread waited for a CPU. A call that fails is not timed.
+    /// daemon's thread waited for a CPU. A call the daemon refuses is timed; one that fails on
+    /// the socket is not.
     pub(super) fn call(&mut self, request: &Request) -> io::Result<Reply> {
         let started = Instant::now();
         let mut stream: &UnixStream = &self.stream;

@@ -34,7 +34,7 @@ impl RejectedValue {
 /// `kvpool_corrupt_values_total{tier}`. The value is a miss; [`delete_rejected`] then deletes
 /// it from `tier` only.
 pub fn record_rejected(tier: &str, key: &str, why: &dyn std::fmt::Display) {
-    warn!(tier, key, error = %why, "a tier's value failed its checks: a miss, deleted from that tier");
+    warn!(tier, key, error = %why, "a tier's value failed its checks: a miss, deleted from that tier if it still holds those bytes");
     metrics::counter!(crate::telemetry::CORRUPT_VALUES, "tier" => tier.to_string()).increment(1);
 }
 

@@ -5,6 +5,7 @@ The engine-agnostic parts (weights digests, the pool config) are in ``kvpool.ide
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kvpool import _native
@@ -16,6 +17,8 @@ from kvpool.identity import (  # noqa: F401 - re-exported for the connector's mo
     resolve_config,
     weights_digest,
 )
+
+logger = logging.getLogger("kvpool")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,11 +38,27 @@ def model_identity(vllm_config: "VllmConfig", weights_id: str | None = None) -> 
                                      getattr(load_config, "download_dir", None), weights_id)
 
 
+#: Adapter path -> the first digest of its weights this process saw.
+_first_adapter_digests: dict[str, str] = {}
+
+
 def _lora_identity(lora: Any) -> str:
     """``{name}@w={digest of the adapter's weights}``; the digest is computed once per adapter
-    and only re-checked (by the files' identities) at later lookups."""
+    and only re-checked (by the files' identities) at later lookups. An adapter whose files
+    changed while this process ran is bound to this process from then on: vLLM keeps an
+    adapter loaded once per ``lora_int_id``, so this engine may still compute with the old
+    weights, whose KV must not be shared under the new weights' digest."""
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
     digest = adapter_digest(str(path)) if path else None
+    if digest is not None:
+        first = _first_adapter_digests.setdefault(str(path), digest)
+        if first != digest:
+            if not first.startswith("changed:"):
+                logger.warning("kvpool: the files of LoRA adapter %s (%s) changed while this "
+                               "engine ran; its KV is bound to this process from now on",
+                               getattr(lora, "lora_name", "?"), path)
+                _first_adapter_digests[str(path)] = "changed:" + first
+            digest = None
     if digest is None:
         # Weights we cannot read are bound to this process.
         digest = f"process-{_PROCESS_NONCE}"
